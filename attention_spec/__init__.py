@@ -1,0 +1,55 @@
+"""The framework-free contract that both twins share.
+
+``torch_attention`` and ``jax_attention`` import this package (and never each other's
+framework) so that every check and every error message exists exactly once: the same bad
+input gives the same exception type and the same text in both frameworks.  Nothing here
+imports torch or jax; checks work on shapes (tuples of ints) and dtype names (strings).
+"""
+
+from attention_spec.validation import (
+    ADDITIVE_BIAS_MESSAGE,
+    check_bool,
+    check_config,
+    check_floating,
+    IMPLEMENTATIONS,
+    MASK_STRATEGIES,
+    NORMALIZATIONS,
+    check_dropout_mask,
+    check_dropout_rate,
+    check_heads,
+    check_implementation,
+    check_input,
+    check_mask,
+    check_mask_strategy,
+    check_normalization,
+    check_positive_int,
+    check_qkv,
+    check_scale,
+    dtype_name,
+    zero_row_sum_message,
+)
+
+__all__ = [
+    "ADDITIVE_BIAS_MESSAGE",
+    "check_bool",
+    "check_config",
+    "check_floating",
+    "IMPLEMENTATIONS",
+    "MASK_STRATEGIES",
+    "NORMALIZATIONS",
+    "check_dropout_mask",
+    "check_dropout_rate",
+    "check_heads",
+    "check_implementation",
+    "check_input",
+    "check_mask",
+    "check_mask_strategy",
+    "check_normalization",
+    "check_positive_int",
+    "check_qkv",
+    "check_scale",
+    "dtype_name",
+    "zero_row_sum_message",
+]
+
+from attention_spec import conversion  # noqa: E402  (the declared weight map)

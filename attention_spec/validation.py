@@ -1,0 +1,239 @@
+"""Argument and shape checks shared by both twins, with the one text of each error.
+
+Every function takes plain Python values (ints, tuples of ints, dtype *names*) so that it
+runs before any framework work and cannot change a module's state.  The frameworks call
+them with ``tuple(x.shape)`` and ``dtype_name(x.dtype)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+Shape = tuple[int, ...]
+
+MASK_STRATEGIES = ("fill", "renormalize")
+NORMALIZATIONS = ("softmax", "sum")
+IMPLEMENTATIONS = ("auto", "reference", "fused")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` and ``jnp.float32`` both become ``"float32"``."""
+    name = str(dtype)
+    return name.removeprefix("torch.")
+
+
+def _shape(shape: Any) -> Shape:
+    return tuple(int(s) for s in shape)
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        options = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {options}; got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1; got {value}")
+    return value
+
+
+def check_heads(d_out: Any, num_heads: Any) -> int:
+    """Checks ``num_heads`` and that ``d_out`` splits evenly into heads; returns head_dim."""
+    check_positive_int("d_out", d_out)
+    check_positive_int("num_heads", num_heads)
+    if d_out % num_heads:
+        raise ValueError(
+            f"d_out must be divisible by num_heads; got d_out={d_out}, num_heads={num_heads}"
+        )
+    return d_out // num_heads
+
+
+def check_dropout_rate(rate: Any) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise TypeError(f"dropout must be a float in [0, 1); got {type(rate).__name__} {rate!r}")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout must be in [0, 1); got {rate}")
+    return float(rate)
+
+
+def check_scale(scale: Any) -> float | None:
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be None or a float; got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be None or a positive finite number; got {scale}")
+    return float(scale)
+
+
+def check_mask_strategy(value: Any) -> str:
+    return _one_of("mask_strategy", value, MASK_STRATEGIES)
+
+
+def check_normalization(value: Any) -> str:
+    return _one_of("normalization", value, NORMALIZATIONS)
+
+
+def check_implementation(value: Any) -> str:
+    return _one_of("implementation", value, IMPLEMENTATIONS)
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def check_bool(name: str, dtype: str, meaning: str) -> None:
+    if dtype != "bool":
+        raise TypeError(f"{name} must be a bool array ({meaning}); got dtype {dtype}")
+
+
+def check_floating(name: str, dtype: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point array; got dtype {dtype}")
+
+
+ADDITIVE_BIAS_MESSAGE = (
+    "additive mask holds values other than 0 and -inf (a bias); "
+    "it cannot be converted to a bool mask without losing them"
+)
+
+
+def check_input(
+    shape: Any, dtype: str, *, d_in: int | None, context_length: int | None = None
+) -> bool:
+    """Checks a module input ``x``; returns whether it is batched.
+
+    Raises:
+      ValueError: rank not 2 or 3, last dimension != d_in, empty sequence, or a sequence
+        longer than ``context_length``.
+      TypeError: a dtype that is not floating point.
+    """
+    shape = _shape(shape)
+    if len(shape) not in (2, 3):
+        raise ValueError(
+            "x must have shape (batch, seq, d_in) or (seq, d_in); "
+            f"got a {len(shape)}-d array of shape {shape}"
+        )
+    check_floating("x", dtype)
+    if d_in is not None and shape[-1] != d_in:
+        raise ValueError(f"x has last dimension {shape[-1]} but the module expects d_in={d_in}")
+    seq = shape[-2]
+    if seq == 0:
+        raise ValueError(f"x has an empty sequence: shape {shape}")
+    if context_length is not None and seq > context_length:
+        raise ValueError(
+            f"sequence length {seq} exceeds context_length {context_length}"
+        )
+    return len(shape) == 3
+
+
+def _broadcasts(shape: Shape, target: Shape) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+def check_mask(shape: Any, dtype: str, target: Any) -> None:
+    """``mask`` must be bool (True = may attend) and broadcast to ``target``.
+
+    ``target`` is ``(batch, heads, q_len, kv_len)``, or ``(heads, q_len, kv_len)`` for
+    unbatched input.
+    """
+    check_bool("mask", dtype, "True = may attend")
+    shape, target = _shape(shape), _shape(target)
+    if not _broadcasts(shape, target):
+        names = "(batch, heads, q_len, kv_len)" if len(target) == 4 else "(heads, q_len, kv_len)"
+        raise ValueError(f"mask of shape {shape} does not broadcast to {names} = {target}")
+
+
+def check_dropout_mask(shape: Any, dtype: str, target: Any, *, training: bool) -> None:
+    """An explicit dropout keep-mask: bool (True = keep), broadcastable to the weights,
+    and only in training mode (dropout is off otherwise, so the mask would be ignored)."""
+    if not training:
+        raise ValueError(
+            "dropout_mask was given, but dropout is off: the module is in eval mode "
+            "(deterministic); dropout applies in training mode only"
+        )
+    check_bool("dropout_mask", dtype, "True = keep")
+    shape, target = _shape(shape), _shape(target)
+    if not _broadcasts(shape, target):
+        raise ValueError(
+            f"dropout_mask of shape {shape} does not broadcast to the attention weights' "
+            f"shape {target}"
+        )
+
+
+def check_qkv(q: Any, k: Any, v: Any, dtypes: tuple[str, str, str]) -> None:
+    """Shapes ``(..., q_len, d)``, ``(..., kv_len, d)``, ``(..., kv_len, d_v)``, one dtype."""
+    q, k, v = _shape(q), _shape(k), _shape(v)
+    got = f"got q {q}, k {k}, v {v}"
+    if not (len(q) == len(k) == len(v)) or len(q) < 2:
+        raise ValueError(f"q, k and v must have the same rank, at least 2; {got}")
+    if not (q[:-2] == k[:-2] == v[:-2]):
+        raise ValueError(f"q, k and v must have the same leading (batch, heads) dimensions; {got}")
+    if q[-1] != k[-1]:
+        raise ValueError(f"q and k must have the same last dimension (head_dim); {got}")
+    if k[-2] != v[-2]:
+        raise ValueError(f"k and v must have the same length (kv_len); {got}")
+    if q[-2] == 0 or k[-2] == 0:
+        raise ValueError(f"q, k and v must not have an empty sequence; {got}")
+    if len(set(dtypes)) != 1 or dtypes[0] not in FLOAT_DTYPES:
+        raise TypeError(
+            "q, k and v must share one floating-point dtype; got "
+            f"{dtypes[0]}, {dtypes[1]}, {dtypes[2]}"
+        )
+
+
+def zero_row_sum_message() -> str:
+    return (
+        "normalization='sum' divides each row of scores by its sum, and a row sums to zero; "
+        "use normalization='softmax'"
+    )
+
+
+_UNSET: Any = object()
+
+
+def check_config(
+    *,
+    d_in: Any = _UNSET,
+    d_out: Any = _UNSET,
+    head_size: Any = _UNSET,
+    context_length: Any = _UNSET,
+    num_heads: Any = _UNSET,
+    dropout: Any = _UNSET,
+    scale: Any = _UNSET,
+    causal: Any = _UNSET,
+    mask_strategy: Any = _UNSET,
+    normalization: Any = _UNSET,
+    implementation: Any = _UNSET,
+) -> None:
+    """Checks the constructor arguments that a module has (the others stay unset)."""
+    for name, value in (
+        ("d_in", d_in), ("d_out", d_out), ("head_size", head_size),
+        ("context_length", context_length),
+    ):
+        if value is not _UNSET:
+            check_positive_int(name, value)
+    if num_heads is not _UNSET:
+        check_heads(d_out, num_heads)
+    if dropout is not _UNSET:
+        check_dropout_rate(dropout)
+    if scale is not _UNSET:
+        check_scale(scale)
+    if causal is not _UNSET and not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__} {causal!r}")
+    if mask_strategy is not _UNSET:
+        check_mask_strategy(mask_strategy)
+    if normalization is not _UNSET:
+        check_normalization(normalization)
+    if implementation is not _UNSET:
+        check_implementation(implementation)

@@ -1,0 +1,39 @@
+"""Self-attention, every variant the classic tutorials teach, as Flax NNX modules.
+
+Twin of ``torch_attention``: same class names, constructor keywords, parameter names, and
+the same numbers out for the same weights.  Masks are bool, ``True`` = may attend.
+"""
+
+from jax_attention import functional, interop, masks
+from jax_attention.causal import CausalAttention, Head
+from jax_attention.functional import attention_weights, dot_product_attention
+from jax_attention.masks import (
+    causal_mask,
+    combine_masks,
+    from_additive_mask,
+    from_blocked_mask,
+    padding_mask,
+)
+from jax_attention.multihead import MultiHeadAttention, MultiHeadAttentionWrapper
+from jax_attention.self_attention import SelfAttention_v1, SelfAttention_v2
+from jax_attention.simplified import SimplifiedAttention
+
+__all__ = [
+    "CausalAttention",
+    "Head",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "SimplifiedAttention",
+    "attention_weights",
+    "causal_mask",
+    "combine_masks",
+    "dot_product_attention",
+    "from_additive_mask",
+    "from_blocked_mask",
+    "functional",
+    "interop",
+    "masks",
+    "padding_mask",
+]

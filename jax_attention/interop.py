@@ -1,0 +1,92 @@
+"""Weights in and out of the Flax NNX twins, in either framework's layout.  Needs no PyTorch.
+
+Twin of ``torch_attention/interop.py``: both offer ``torch_state_dict``, ``flax_arrays``,
+``load_torch_state_dict`` and ``load_flax_arrays`` for their own modules, plus
+array-level converters for checkpoints.  The map is declared in
+``attention_spec.conversion`` (names, transposes, shapes); a load checks everything
+before it writes anything, so a failed load leaves the module as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attention_spec.conversion import (
+    Path,
+    as_numpy,
+    check_complete,
+    flatten_paths,
+    flax_to_torch,
+    module_rules,
+    rules_for,
+    torch_to_flax,
+)
+
+__all__ = [
+    "flax_arrays",
+    "load_flax_arrays",
+    "load_torch_state_dict",
+    "state_from_torch",
+    "state_to_torch",
+    "torch_state_dict",
+]
+
+
+def state_from_torch(
+    state_dict: Mapping[str, Any], variant: str, config: Mapping[str, Any]
+) -> nnx.State:
+    """A PyTorch ``state_dict`` (tensors or NumPy arrays) -> an ``nnx.State`` of params."""
+    flat = torch_to_flax({k: as_numpy(v) for k, v in state_dict.items()}, rules_for(variant, config))
+    return nnx.from_flat_state({p: nnx.Param(jnp.asarray(a)) for p, a in flat.items()})
+
+
+def state_to_torch(
+    state: nnx.State | Mapping[Any, Any], variant: str, config: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """An ``nnx.State`` (or {path: array}, {"a/b": array}, nested) -> PyTorch-named arrays."""
+    if isinstance(state, nnx.State):
+        state = {tuple(p): v[...] for p, v in nnx.to_flat_state(state)}
+    return flax_to_torch(flatten_paths(state), rules_for(variant, config))
+
+
+def _variable(module: nnx.Module, path: Path) -> nnx.Variable:
+    node: Any = module
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node
+
+
+def flax_arrays(module: nnx.Module) -> dict[Path, np.ndarray]:
+    """One of our modules' parameters, Flax layout: {Flax path: NumPy array}."""
+    return {r.flax_path: as_numpy(_variable(module, r.flax_path)[...]) for r in module_rules(module)}
+
+
+def torch_state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
+    """One of our modules' parameters in PyTorch's layout, as NumPy arrays."""
+    return flax_to_torch(flax_arrays(module), module_rules(module))
+
+
+def load_flax_arrays(module: nnx.Module, arrays: Mapping[Any, Any]) -> nnx.Module:
+    """Writes Flax-layout arrays into the module, each parameter exactly once, cast to
+    the module's parameter dtype.  Raises ValueError listing missing, unexpected and
+    misshaped paths before writing anything."""
+    rules = module_rules(module)
+    flat = flatten_paths(arrays)
+    check_complete({p: np.shape(a) for p, a in flat.items()}, {r.flax_path: r.flax_shape for r in rules},
+                   "the Flax state")
+    for rule in rules:
+        variable = _variable(module, rule.flax_path)
+        variable[...] = jnp.asarray(flat[rule.flax_path], dtype=variable[...].dtype)
+    return module
+
+
+def load_torch_state_dict(module: nnx.Module, state_dict: Mapping[str, Any]) -> nnx.Module:
+    """Writes a PyTorch ``state_dict`` (tensors or NumPy) into the module; checks as
+    ``load_flax_arrays``."""
+    arrays = {k: as_numpy(v) for k, v in state_dict.items()}
+    return load_flax_arrays(module, torch_to_flax(arrays, module_rules(module)))

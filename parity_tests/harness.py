@@ -1,0 +1,550 @@
+"""The parity harness: move weights between the twins, run both, compare.
+
+``to_flax`` / ``to_torch`` build a module's twin from its own ``config`` and copy the
+weights through the declared map (``attention_spec.conversion``).  ``check_parity``
+runs a PyTorch module and a Flax module on the same inputs, in the same mode, and
+compares outputs, attention weights and (optionally) gradients with respect to every
+input and every parameter; ``assert_parity`` raises on the first failure with the worst
+element named.  Both work on a user's own pair of modules with a ``param_map``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import functools
+
+import numpy as np
+
+from attention_spec.conversion import as_numpy, module_rules
+from parity_tests.tolerances import PARITY, Tolerance
+
+__all__ = [
+    "Finding",
+    "ParityError",
+    "ParityReport",
+    "assert_parity",
+    "check_parity",
+    "compare",
+    "run_flax",
+    "run_torch",
+    "to_flax",
+    "to_torch",
+]
+
+VARIANT_NAMES = (
+    "SimplifiedAttention",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "CausalAttention",
+    "Head",
+    "MultiHeadAttentionWrapper",
+    "MultiHeadAttention",
+)
+
+
+def jax_jit_lazy(fun: Any = None, **jit_kwargs: Any) -> Any:
+    """``jax.jit`` applied on first call, so that importing the harness needs no JAX."""
+    if fun is None:
+        return functools.partial(jax_jit_lazy, **jit_kwargs)
+    compiled: list[Any] = []
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not compiled:
+            import jax
+
+            compiled.append(jax.jit(fun, **jit_kwargs))
+        return compiled[0](*args, **kwargs)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------- dtypes
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def jax_dtype(name: str) -> Any:
+    import jax.numpy as jnp
+
+    return getattr(jnp, name)
+
+
+def module_dtype(module: Any) -> str:
+    """The parameter dtype name of a module of either framework (float32 if it has none)."""
+    if hasattr(module, "parameters"):  # torch
+        params = list(module.parameters())
+        return str(params[0].dtype).removeprefix("torch.") if params else "float32"
+    from flax import nnx
+
+    leaves = [v[...] for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+    return str(leaves[0].dtype) if leaves else "float32"
+
+
+# --------------------------------------------------------------------------- conversion
+
+def to_flax(torch_module: Any, *, rngs: Any = None) -> Any:
+    """The Flax NNX twin of one of our PyTorch modules, with its weights copied exactly.
+
+    The twin has the same class name and constructor config, parameters in the same dtype,
+    and the same train/eval mode.  Raises ValueError if the class has no twin.
+    """
+    import jax_attention
+    from flax import nnx
+
+    name = type(torch_module).__name__
+    cls = _twin_class(jax_attention, name)
+    dtype = module_dtype(torch_module)
+    kwargs = {"dtype": jax_dtype(dtype)} if name != "SimplifiedAttention" else {}
+    twin = cls(**torch_module.config, **kwargs, rngs=rngs if rngs is not None else nnx.Rngs(0))
+    jax_attention.interop.load_torch_state_dict(twin, torch_module.state_dict())
+    twin.set_attributes(deterministic=not torch_module.training, raise_if_not_found=False)
+    return twin
+
+
+def to_torch(flax_module: Any) -> Any:
+    """The PyTorch twin of one of our Flax NNX modules, with its weights copied exactly.
+
+    Same class name, constructor config, parameter dtype and train/eval mode.
+    """
+    import torch_attention
+    from jax_attention.interop import flax_arrays
+
+    name = type(flax_module).__name__
+    cls = _twin_class(torch_attention, name)
+    dtype = module_dtype(flax_module)
+    kwargs = {"dtype": torch_dtype(dtype)} if name != "SimplifiedAttention" else {}
+    twin = cls(**flax_module.config, **kwargs)
+    torch_attention.interop.load_flax_arrays(twin, flax_arrays(flax_module))
+    twin.train(not _flax_deterministic(flax_module))
+    return twin
+
+
+def _flax_deterministic(module: Any) -> bool:
+    from flax import nnx
+
+    flags = [m.deterministic for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Dropout)]
+    return all(flags) if flags else True
+
+
+def _twin_class(package: Any, name: str) -> Any:
+    if name not in VARIANT_NAMES:
+        raise ValueError(
+            f"{name} is not one of this library's modules ({', '.join(VARIANT_NAMES)}); "
+            "for your own modules pass param_map= to check_parity / assert_parity"
+        )
+    return getattr(package, name)
+
+
+# --------------------------------------------------------------------------- findings
+
+@dataclass(frozen=True)
+class Finding:
+    """One compared tensor: its worst element and whether it is within tolerance."""
+
+    name: str
+    ok: bool
+    max_abs: float
+    max_rel: float  # max|a - b| / max(max|b|, atol): relative to the tensor's scale
+    index: tuple[int, ...]
+    torch_value: float
+    flax_value: float
+    rtol: float
+    atol: float
+    shape: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}{list(self.index)}: torch {self.torch_value!r} vs flax {self.flax_value!r} "
+            f"(abs err {self.max_abs:.3g}, rel err {self.max_rel:.3g}; "
+            f"tolerance rtol={self.rtol:g}, atol={self.atol:g})"
+        )
+
+
+@dataclass
+class ParityReport:
+    """Everything ``check_parity`` compared; ``ok`` if every finding is within tolerance."""
+
+    findings: list[Finding] = field(default_factory=list)
+    torch_results: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    flax_results: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if not f.ok]
+
+    @property
+    def worst(self) -> Finding | None:
+        bad = self.failures or self.findings
+        return max(bad, key=lambda f: f.max_abs / (f.atol + f.rtol * max(abs(f.flax_value), abs(f.torch_value)) + 1e-300),
+                   default=None)
+
+    def message(self) -> str:
+        if self.ok:
+            return f"parity holds for {len(self.findings)} tensors"
+        lines = [f"parity fails for {len(self.failures)} of {len(self.findings)} tensors; worst:"]
+        lines += ["  " + f.describe() for f in sorted(self.failures, key=lambda f: -f.max_rel)]
+        return "\n".join(lines)
+
+
+class ParityError(AssertionError):
+    def __init__(self, report: ParityReport) -> None:
+        super().__init__(report.message())
+        self.report = report
+
+
+def compare(name: str, torch_value: Any, flax_value: Any, tol: Tolerance) -> Finding:
+    """Compares two arrays elementwise: ``|a - b| <= atol + rtol * |b|``."""
+    a = np.asarray(as_numpy(torch_value), dtype=np.float64)
+    b = np.asarray(as_numpy(flax_value), dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"{name}: torch gives shape {a.shape} but flax gives shape {b.shape}")
+    if a.size == 0:
+        return Finding(name, True, 0.0, 0.0, (), 0.0, 0.0, tol.rtol, tol.atol, a.shape)
+    diff = np.abs(a - b)
+    nan = np.isnan(a) != np.isnan(b)
+    diff = np.where(np.isnan(a) & np.isnan(b), 0.0, np.where(nan, np.inf, diff))
+    excess = diff - (tol.atol + tol.rtol * np.abs(b))
+    flat = int(np.nanargmax(np.where(np.isnan(excess), np.inf, excess)))
+    index = tuple(int(i) for i in np.unravel_index(flat, a.shape))
+    # A tensor that is zero in exact arithmetic (the gradient of a key bias, say) has no
+    # scale of its own; atol stands in for it there.
+    scale = max(float(np.nanmax(np.abs(b))) if np.isfinite(b).any() else 0.0, tol.atol)
+    max_abs = float(np.max(diff))
+    return Finding(
+        name=name,
+        ok=bool(np.all(excess <= 0)),
+        max_abs=max_abs,
+        max_rel=max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf")),
+        index=index,
+        torch_value=float(a[index]),
+        flax_value=float(b[index]),
+        rtol=tol.rtol,
+        atol=tol.atol,
+        shape=a.shape,
+    )
+
+
+# --------------------------------------------------------------------------- running
+
+def _is_ours(module: Any) -> bool:
+    return type(module).__name__ in VARIANT_NAMES and hasattr(module, "config")
+
+
+def _has_dropout_arg(module: Any) -> bool:
+    return type(module).__name__ in (
+        "CausalAttention", "Head", "MultiHeadAttentionWrapper", "MultiHeadAttention",
+    )
+
+
+def _split_outputs(result: Any, ours: bool) -> dict[str, Any]:
+    if ours:  # called with return_weights=True
+        return {"output": result[0], "attention weights": result[1]}
+    if isinstance(result, (tuple, list)):
+        return {f"output[{i}]": r for i, r in enumerate(result)}
+    return {"output": result}
+
+
+def run_torch(
+    module: Any,
+    inputs: Sequence[np.ndarray],
+    *,
+    mask: np.ndarray | None = None,
+    dropout_mask: np.ndarray | None = None,
+    training: bool = False,
+    grads: bool = True,
+    cotangent: np.ndarray | None = None,
+    param_names: Sequence[str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Runs a PyTorch module; returns outputs and gradients (of ``sum(out * cotangent)``
+    with respect to every float input and the named parameters) as NumPy arrays."""
+    import torch
+
+    dtype = torch_dtype(module_dtype(module))
+    xs = [
+        torch.tensor(x, dtype=dtype, requires_grad=grads) if np.issubdtype(x.dtype, np.floating)
+        else torch.tensor(x)
+        for x in (np.asarray(x, np.float32) if _is_float(x) else np.asarray(x) for x in inputs)
+    ]
+    kwargs: dict[str, Any] = {}
+    if mask is not None:
+        kwargs["mask"] = torch.tensor(np.asarray(mask, dtype=bool))
+    if _is_ours(module):
+        kwargs["return_weights"] = True
+    if dropout_mask is not None:
+        kwargs["dropout_mask"] = torch.tensor(np.asarray(dropout_mask, dtype=bool))
+    was_training = module.training
+    module.train(training)
+    params = dict(module.named_parameters())
+    for p in params.values():
+        p.grad = None
+    try:
+        outputs = _split_outputs(module(*xs, **kwargs), _is_ours(module))
+    finally:
+        module.train(was_training)
+    result = {name: as_numpy(value) for name, value in outputs.items()}
+    if grads:
+        primary = next(iter(outputs.values()))
+        cot = torch.tensor(_cotangent(cotangent, primary.shape), dtype=torch.float32)
+        (primary.float() * cot).sum().backward()
+        for i, x in enumerate(xs):
+            if x.requires_grad:
+                result[f"grad input[{i}]"] = as_numpy(x.grad)
+        for name in param_names if param_names is not None else params:
+            grad = params[name].grad
+            result[f"grad {name}"] = as_numpy(grad if grad is not None else torch.zeros_like(params[name]))
+    return result
+
+
+def run_flax(
+    module: Any,
+    inputs: Sequence[np.ndarray],
+    *,
+    mask: np.ndarray | None = None,
+    dropout_mask: np.ndarray | None = None,
+    training: bool = False,
+    grads: bool = True,
+    cotangent: np.ndarray | None = None,
+    param_paths: Mapping[str, tuple[Any, ...]] | None = None,
+    transposed: Mapping[str, bool] | None = None,
+) -> dict[str, np.ndarray]:
+    """Runs a Flax NNX module like ``run_torch``; parameter gradients are reported under
+    the PyTorch names of ``param_paths`` and in PyTorch's layout (transposed back)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    dtype = jax_dtype(module_dtype(module))
+    xs = [jnp.asarray(np.asarray(x, np.float32)).astype(dtype) if _is_float(x) else jnp.asarray(x) for x in inputs]
+    kwargs: dict[str, Any] = {}
+    if mask is not None:
+        kwargs["mask"] = jnp.asarray(np.asarray(mask, dtype=bool))
+    ours = _is_ours(module)
+    if ours:
+        kwargs["return_weights"] = True
+    if dropout_mask is not None:
+        kwargs["dropout_mask"] = jnp.asarray(np.asarray(dropout_mask, dtype=bool))
+    restore = None
+    if ours and _has_dropout_arg(module):
+        kwargs["deterministic"] = not training
+    else:
+        restore = _flax_deterministic(module)
+        module.set_attributes(deterministic=not training, raise_if_not_found=False)
+    float_positions = tuple(i for i, x in enumerate(inputs) if _is_float(x))
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+    try:
+        primary_shape = jax.eval_shape(
+            lambda p, xs_, a: _flax_call(graphdef, p, rest, xs_, a, static, ours)[0], params, xs, arrays
+        ).shape
+        cot = jnp.asarray(_cotangent(cotangent, primary_shape))
+        outputs, gradients = _flax_run(
+            graphdef, params, rest, xs, arrays, cot, static=static, ours=ours,
+            float_positions=float_positions if grads else None,
+        )
+        result = {name: as_numpy(value) for name, value in outputs.items()}
+        if grads:
+            param_grads, input_grads = gradients
+            for pos, g in zip(float_positions, input_grads, strict=True):
+                result[f"grad input[{pos}]"] = as_numpy(g)
+            flat = {tuple(p): v for p, v in nnx.to_flat_state(param_grads)}
+            paths = param_paths if param_paths is not None else {"/".join(map(str, p)): p for p in flat}
+            for name, path in paths.items():
+                g = as_numpy(flat[tuple(path)][...])
+                result[f"grad {name}"] = g.T if transposed and transposed.get(name) else g
+    finally:
+        if restore is not None:
+            module.set_attributes(deterministic=restore, raise_if_not_found=False)
+    return result
+
+
+def _flax_call(graphdef: Any, params: Any, rest: Any, xs: Any, arrays: Any, static: Any, ours: bool) -> Any:
+    from flax import nnx
+
+    outputs = _split_outputs(nnx.merge(graphdef, params, rest)(*xs, **arrays, **dict(static)), ours)
+    return next(iter(outputs.values())), outputs
+
+
+@functools.partial(jax_jit_lazy, static_argnames=("graphdef", "static", "ours", "float_positions"))
+def _flax_run(graphdef: Any, params: Any, rest: Any, xs: Any, arrays: Any, cot: Any, *,
+              static: Any, ours: bool, float_positions: tuple[int, ...] | None) -> Any:
+    """Outputs and (optionally) gradients of ``sum(primary * cot)``, jitted once per
+    module structure, shapes and options and reused across cases that share them."""
+    import jax
+    import jax.numpy as jnp
+
+    if float_positions is None:
+        return _flax_call(graphdef, params, rest, xs, arrays, static, ours)[1], None
+
+    def loss(params: Any, float_xs: Any) -> Any:
+        call_xs = list(xs)
+        for pos, fx in zip(float_positions, float_xs, strict=True):
+            call_xs[pos] = fx
+        primary, outputs = _flax_call(graphdef, params, rest, call_xs, arrays, static, ours)
+        return jnp.sum(primary.astype(jnp.float32) * cot), outputs
+
+    float_xs = [xs[i] for i in float_positions]
+    (_, outputs), gradients = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, float_xs)
+    return outputs, gradients
+
+
+def _is_float(x: Any) -> bool:
+    return np.issubdtype(as_numpy(x).dtype, np.floating) or as_numpy(x).dtype.name == "bfloat16"
+
+
+def _cotangent(cotangent: np.ndarray | None, shape: Any) -> np.ndarray:
+    if cotangent is not None:
+        return np.asarray(cotangent, dtype=np.float32)
+    # fixed, not all ones: a wrong permutation of outputs would cancel under a sum
+    return np.random.default_rng(1234).standard_normal(tuple(shape)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- parity
+
+def _resolve_param_map(
+    torch_module: Any, flax_module: Any, param_map: Mapping[str, Any] | None
+) -> tuple[dict[str, tuple[Any, ...]], dict[str, bool]]:
+    """{torch name: flax path} and {torch name: transposed?}, checked against both modules."""
+    from flax import nnx
+
+    torch_params = dict(torch_module.named_parameters())
+    flax_params = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(flax_module, nnx.Param))}
+    if param_map is None:
+        if not _is_ours(torch_module):
+            raise ValueError(
+                f"{type(torch_module).__name__} is not one of this library's modules: "
+                "pass param_map={torch name: flax path or (flax path, transpose)}"
+            )
+        rules = module_rules(torch_module)
+        paths = {r.torch_name: r.flax_path for r in rules}
+        transposed = {r.torch_name: r.transpose for r in rules}
+    else:
+        paths, transposed = {}, {}
+        for name, target in param_map.items():
+            path, transpose = target if isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], bool) \
+                else (target, False)
+            if isinstance(path, str):
+                path = tuple(int(p) if p.isdigit() else p for p in path.split("/"))
+            paths[name], transposed[name] = tuple(path), transpose
+    problems = [f"  PyTorch has no parameter {n!r}" for n in paths if n not in torch_params]
+    problems += [f"  Flax has no parameter {'/'.join(map(str, p))!r}" for p in paths.values() if p not in flax_params]
+    problems += [f"  PyTorch parameter {n!r} is not in the map" for n in torch_params if n not in paths]
+    mapped = set(paths.values())
+    problems += [f"  Flax parameter {'/'.join(map(str, p))!r} is not in the map" for p in flax_params if p not in mapped]
+    for name, path in paths.items():
+        if name in torch_params and path in flax_params:
+            t_shape = tuple(torch_params[name].shape)
+            f_shape = tuple(flax_params[path][...].shape)
+            if (f_shape[::-1] if transposed[name] else f_shape) != t_shape:
+                problems.append(f"  {name!r} {t_shape} does not match {'/'.join(map(str, path))!r} {f_shape}"
+                                + (" (transposed)" if transposed[name] else ""))
+    if problems:
+        raise ValueError("param_map does not match the two modules:\n" + "\n".join(problems))
+    return paths, transposed
+
+
+def _check_pair(torch_module: Any, flax_module: Any) -> None:
+    t_name, f_name = type(torch_module).__name__, type(flax_module).__name__
+    if _is_ours(torch_module) or _is_ours(flax_module):
+        if t_name != f_name:
+            raise ValueError(f"the modules are different variants: torch {t_name} vs flax {f_name}")
+        diff = {k: (torch_module.config.get(k), flax_module.config.get(k))
+                for k in set(torch_module.config) | set(flax_module.config)
+                if torch_module.config.get(k) != flax_module.config.get(k)}
+        if diff:
+            text = ", ".join(f"{k}: torch {a!r} vs flax {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise ValueError(f"the {t_name} modules have different configurations: {text}")
+        t_dtype, f_dtype = module_dtype(torch_module), module_dtype(flax_module)
+        if t_dtype != f_dtype:
+            raise ValueError(f"the modules have different parameter dtypes: torch {t_dtype} vs flax {f_dtype}")
+
+
+def check_parity(
+    torch_module: Any,
+    flax_module: Any,
+    *inputs: Any,
+    mask: Any = None,
+    grads: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+    param_map: Mapping[str, Any] | None = None,
+    training: bool = False,
+    dropout_mask: Any = None,
+    cotangent: Any = None,
+) -> ParityReport:
+    """Runs both modules on the same inputs in the same mode and compares everything.
+
+    Args:
+      inputs: arrays (NumPy, torch or JAX); float inputs are cast to each module's dtype.
+      mask: bool, True = may attend (our modules) -- passed as ``mask=``.
+      grads: also compare gradients of ``sum(out * cotangent)`` with respect to every
+        float input and every parameter (matched by the declared map or ``param_map``).
+      rtol, atol: override the dtype's tolerance (``tolerances.PARITY``).
+      param_map: for your own modules: {torch parameter name: flax path} where a path is
+        a tuple or "a/b/c", or (path, transpose) for a Linear-style weight.
+      training: run both in training mode; dropout then needs ``dropout_mask`` (bool,
+        True = keep), which both frameworks apply identically.
+
+    Returns a ``ParityReport`` (raises nothing on mismatch; see ``assert_parity``).
+    Raises ValueError for modules that cannot be compared (different variants, configs,
+    dtypes, a param_map naming parameters that do not exist).
+    """
+    _check_pair(torch_module, flax_module)
+    paths, transposed = _resolve_param_map(torch_module, flax_module, param_map)
+    if training and dropout_mask is None and _is_ours(torch_module) and torch_module.config.get("dropout", 0.0) > 0:
+        raise ValueError(
+            "training mode with dropout > 0 needs dropout_mask= (bool, True = keep): "
+            "the two frameworks cannot share a random stream"
+        )
+    np_inputs = [as_numpy(x) for x in inputs]
+    np_mask = None if mask is None else as_numpy(mask)
+    np_keep = None if dropout_mask is None else as_numpy(dropout_mask)
+    common = {"mask": np_mask, "dropout_mask": np_keep, "training": training, "grads": grads,
+              "cotangent": None if cotangent is None else as_numpy(cotangent)}
+    t = run_torch(torch_module, np_inputs, param_names=list(paths), **common)
+    f = run_flax(flax_module, np_inputs, param_paths=paths, transposed=transposed, **common)
+    default = PARITY[module_dtype(torch_module)] if _is_ours(torch_module) else PARITY["float32"]
+    tol = Tolerance(default.rtol if rtol is None else rtol, default.atol if atol is None else atol)
+    report = ParityReport(torch_results=t, flax_results=f)
+    for name in t:
+        if name not in f:
+            raise ValueError(f"torch returned {name} but flax did not (flax gave {sorted(f)})")
+        report.findings.append(compare(name, t[name], f[name], tol))
+    return report
+
+
+def assert_parity(
+    torch_module: Any,
+    flax_module: Any,
+    *inputs: Any,
+    mask: Any = None,
+    grads: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+    param_map: Mapping[str, Any] | None = None,
+    training: bool = False,
+    dropout_mask: Any = None,
+    cotangent: Any = None,
+) -> ParityReport:
+    """As ``check_parity``, but raises ``ParityError`` (an AssertionError) on any
+    mismatch, naming the worst element: tensor, index, both values, errors, tolerance."""
+    report = check_parity(
+        torch_module, flax_module, *inputs, mask=mask, grads=grads, rtol=rtol, atol=atol,
+        param_map=param_map, training=training, dropout_mask=dropout_mask, cotangent=cotangent,
+    )
+    if not report.ok:
+        raise ParityError(report)
+    return report
+
+

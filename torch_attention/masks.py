@@ -1,0 +1,69 @@
+"""Mask helpers for PyTorch.  One polarity everywhere: bool, ``True`` = may attend.
+
+Twin of ``jax_attention/masks.py``.  Shapes: a causal mask is (T, S); a padding mask is
+(B, 1, 1, S) so that it broadcasts over heads and queries; ``combine_masks`` ands any
+number of masks that broadcast together.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attention_spec import ADDITIVE_BIAS_MESSAGE, check_bool, check_floating, dtype_name
+
+__all__ = [
+    "causal_mask",
+    "combine_masks",
+    "from_additive_mask",
+    "from_blocked_mask",
+    "padding_mask",
+]
+
+
+def causal_mask(q_len: int, kv_len: int | None = None, *, bottom_right: bool = False, device=None) -> Tensor:
+    """(T, S) bool, query i may attend to key j <= i (top-left aligned).
+
+    ``bottom_right=True`` aligns the last query with the last key, as when decoding with
+    a cache of ``kv_len - q_len`` earlier keys: query i may attend to key j <= i + S - T.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    offset = kv_len - q_len if bottom_right else 0
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+def padding_mask(lengths: Tensor, kv_len: int) -> Tensor:
+    """(B,) valid lengths -> (B, 1, 1, S) bool, True for key positions < length."""
+    positions = torch.arange(kv_len, device=lengths.device)
+    return (positions < lengths[:, None])[:, None, None, :]
+
+
+def combine_masks(*masks: Tensor | None) -> Tensor | None:
+    """Logical and of the given masks (None entries are skipped); None if none given."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    out = present[0]
+    for m in present[1:]:
+        out = out & m
+    return out
+
+
+def from_blocked_mask(blocked: Tensor) -> Tensor:
+    """From ``nn.MultiheadAttention`` polarity (True = blocked) to ours (True = may attend)."""
+    check_bool("blocked mask", dtype_name(blocked.dtype), "True = blocked")
+    return ~blocked
+
+
+def from_additive_mask(additive: Tensor) -> Tensor:
+    """From an additive float mask (0 = attend, -inf = blocked) to a bool mask.
+
+    Values at or below the dtype's lowest finite number count as blocked (some libraries
+    use that instead of -inf).  Any other non-zero value is a bias, which a bool mask
+    cannot hold, so it raises ``ValueError`` rather than silently dropping it.
+    """
+    check_floating("additive mask", dtype_name(additive.dtype))
+    blocked = additive <= torch.finfo(additive.dtype).min
+    if bool(((additive != 0) & ~blocked).any()):
+        raise ValueError(ADDITIVE_BIAS_MESSAGE)
+    return ~blocked
