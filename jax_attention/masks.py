@@ -2,7 +2,7 @@
 
 Twin of ``torch_attention/masks.py``.  Shapes: a causal mask is (T, S); a padding mask is
 (B, 1, 1, S) so that it broadcasts over heads and queries; ``combine_masks`` ands any
-number of masks of one rank.
+number of masks that broadcast together.
 """
 
 from __future__ import annotations
@@ -40,10 +40,13 @@ def padding_mask(lengths: Array, kv_len: int) -> Array:
 
 
 def combine_masks(*masks: Array | None) -> Array | None:
-    """Logical and of the given masks (None entries are skipped); None if none given."""
+    """Logical and of the given masks (None entries are skipped); None if none given.
+    Masks of lower rank get leading 1s, so (T, S) and (B, 1, 1, S) combine to (B, 1, T, S)."""
     present = [m for m in masks if m is not None]
     if not present:
         return None
+    ndim = max(m.ndim for m in present)
+    present = [m.reshape((1,) * (ndim - m.ndim) + m.shape) for m in present]
     out = present[0]
     for m in present[1:]:
         out = out & m

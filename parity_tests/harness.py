@@ -19,7 +19,7 @@ import functools
 import numpy as np
 
 from attention_spec.conversion import as_numpy, module_rules
-from parity_tests.tolerances import PARITY, Tolerance
+from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
 
 __all__ = [
     "Finding",
@@ -158,10 +158,14 @@ class Finding:
     rtol: float
     atol: float
     shape: tuple[int, ...] = ()
+    labels: tuple[str, str] = ("torch", "flax")
+    # The smallest t for which rtol = atol = t would pass: what tolerances are measured by.
+    needed: float = 0.0
 
     def describe(self) -> str:
+        a, b = self.labels
         return (
-            f"{self.name}{list(self.index)}: torch {self.torch_value!r} vs flax {self.flax_value!r} "
+            f"{self.name}{list(self.index)}: {a} {self.torch_value!r} vs {b} {self.flax_value!r} "
             f"(abs err {self.max_abs:.3g}, rel err {self.max_rel:.3g}; "
             f"tolerance rtol={self.rtol:g}, atol={self.atol:g})"
         )
@@ -203,18 +207,24 @@ class ParityError(AssertionError):
         self.report = report
 
 
-def compare(name: str, torch_value: Any, flax_value: Any, tol: Tolerance) -> Finding:
-    """Compares two arrays elementwise: ``|a - b| <= atol + rtol * |b|``."""
+def compare(
+    name: str, torch_value: Any, flax_value: Any, tol: Tolerance, labels: tuple[str, str] = ("torch", "flax")
+) -> Finding:
+    """Compares two arrays elementwise: ``|a - b| <= atol + rtol * |b|`` (or, for a
+    normwise tolerance, ``rtol * max|b|``)."""
     a = np.asarray(as_numpy(torch_value), dtype=np.float64)
     b = np.asarray(as_numpy(flax_value), dtype=np.float64)
     if a.shape != b.shape:
         raise ValueError(f"{name}: torch gives shape {a.shape} but flax gives shape {b.shape}")
     if a.size == 0:
-        return Finding(name, True, 0.0, 0.0, (), 0.0, 0.0, tol.rtol, tol.atol, a.shape)
+        return Finding(name, True, 0.0, 0.0, (), 0.0, 0.0, tol.rtol, tol.atol, a.shape, labels)
     diff = np.abs(a - b)
     nan = np.isnan(a) != np.isnan(b)
     diff = np.where(np.isnan(a) & np.isnan(b), 0.0, np.where(nan, np.inf, diff))
-    excess = diff - (tol.atol + tol.rtol * np.abs(b))
+    finite_b = np.abs(b[np.isfinite(b)])
+    magnitude = (finite_b.max() if finite_b.size else 0.0) if tol.normwise else np.abs(b)
+    excess = diff - (tol.atol + tol.rtol * magnitude)
+    needed = float(np.max(diff / (1.0 + magnitude)))
     flat = int(np.nanargmax(np.where(np.isnan(excess), np.inf, excess)))
     index = tuple(int(i) for i in np.unravel_index(flat, a.shape))
     # A tensor that is zero in exact arithmetic (the gradient of a key bias, say) has no
@@ -232,6 +242,8 @@ def compare(name: str, torch_value: Any, flax_value: Any, tol: Tolerance) -> Fin
         rtol=tol.rtol,
         atol=tol.atol,
         shape=a.shape,
+        labels=labels,
+        needed=needed,
     )
 
 
@@ -406,8 +418,9 @@ def _is_float(x: Any) -> bool:
 def _cotangent(cotangent: np.ndarray | None, shape: Any) -> np.ndarray:
     if cotangent is not None:
         return np.asarray(cotangent, dtype=np.float32)
-    # fixed, not all ones: a wrong permutation of outputs would cancel under a sum
-    return np.random.default_rng(1234).standard_normal(tuple(shape)).astype(np.float32)
+    # Fixed and varied (not all ones), so a wrong permutation of outputs cannot cancel
+    # under the sum; positive, so a bias gradient (a plain sum of it) does not cancel.
+    return np.random.default_rng(1234).uniform(0.5, 1.5, tuple(shape)).astype(np.float32)
 
 
 # --------------------------------------------------------------------------- parity
@@ -514,12 +527,14 @@ def check_parity(
               "cotangent": None if cotangent is None else as_numpy(cotangent)}
     t = run_torch(torch_module, np_inputs, param_names=list(paths), **common)
     f = run_flax(flax_module, np_inputs, param_paths=paths, transposed=transposed, **common)
-    default = PARITY[module_dtype(torch_module)] if _is_ours(torch_module) else PARITY["float32"]
-    tol = Tolerance(default.rtol if rtol is None else rtol, default.atol if atol is None else atol)
+    dtype = module_dtype(torch_module)
     report = ParityReport(torch_results=t, flax_results=f)
     for name in t:
         if name not in f:
             raise ValueError(f"torch returned {name} but flax did not (flax gave {sorted(f)})")
+        default = (GRAD_PARITY if name.startswith("grad") else PARITY)[dtype]
+        tol = default._replace(rtol=default.rtol if rtol is None else rtol,
+                               atol=default.atol if atol is None else atol)
         report.findings.append(compare(name, t[name], f[name], tol))
     return report
 

@@ -21,7 +21,7 @@ from parity_tests.harness import (
     to_torch,
     torch_dtype,
 )
-from parity_tests.tolerances import ORACLE
+from parity_tests.tolerances import GRAD_ORACLE, ORACLE
 
 
 @dataclass
@@ -84,14 +84,18 @@ def run_case(case: Case, *, grads: bool = True) -> CaseResult:
     t, f = report.torch_results, report.flax_results
     tol = ORACLE[case.dtype]
     for side, got in (("torch", t), ("flax", f)):
-        result.oracle.append(compare(f"{side} output vs oracle", got["output"], out64, tol))
-        result.oracle.append(compare(f"{side} weights vs oracle", got["attention weights"], weights64, tol))
+        labels = (side, "oracle")
+        result.oracle.append(compare(f"{side} output vs oracle", got["output"], out64, tol, labels))
+        result.oracle.append(
+            compare(f"{side} weights vs oracle", got["attention weights"], weights64, tol, labels))
     if grads:
         ref = _torch_float64_grads(torch_m, x_seen, mask)
+        grad_tol = GRAD_ORACLE[case.dtype]
         for side, got in (("torch", t), ("flax", f)):
             for name, value in ref.items():
                 if name.startswith("grad"):
-                    result.oracle.append(compare(f"{side} {name} vs float64", got[name], value, tol))
+                    result.oracle.append(compare(f"{side} {name} vs float64", got[name], value, grad_tol,
+                                                 (side, "float64")))
     return result
 
 

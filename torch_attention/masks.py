@@ -39,7 +39,8 @@ def padding_mask(lengths: Tensor, kv_len: int) -> Tensor:
 
 
 def combine_masks(*masks: Tensor | None) -> Tensor | None:
-    """Logical and of the given masks (None entries are skipped); None if none given."""
+    """Logical and of the given masks (None entries are skipped); None if none given.
+    Masks of lower rank broadcast from the right: (T, S) & (B, 1, 1, S) -> (B, 1, T, S)."""
     present = [m for m in masks if m is not None]
     if not present:
         return None
