@@ -8,14 +8,14 @@ imports torch or jax; checks work on shapes (tuples of ints) and dtype names (st
 
 from attention_spec.validation import (
     ADDITIVE_BIAS_MESSAGE,
-    check_bool,
-    check_config,
-    check_floating,
     IMPLEMENTATIONS,
     MASK_STRATEGIES,
     NORMALIZATIONS,
+    check_bool,
+    check_config,
     check_dropout_mask,
     check_dropout_rate,
+    check_floating,
     check_heads,
     check_implementation,
     check_input,
@@ -52,4 +52,4 @@ __all__ = [
     "zero_row_sum_message",
 ]
 
-from attention_spec import conversion  # noqa: E402  (the declared weight map)
+from attention_spec import conversion  # noqa: E402, F401  (the declared weight map)

@@ -82,8 +82,10 @@ def rules_for(variant: str, config: Mapping[str, Any], prefix: Path = ()) -> lis
     if variant not in LAYOUTS:
         known = ", ".join(sorted([*LAYOUTS, "MultiHeadAttentionWrapper"]))
         raise ValueError(f"no declared weight layout for {variant!r}; known variants: {known}")
-    d_in = config.get("d_in")
-    d_out = config.get("d_out", config.get("head_size"))
+    if not LAYOUTS[variant]:
+        return []
+    d_in = int(config["d_in"])
+    d_out = int(config["d_out"] if "d_out" in config else config["head_size"])
     rules: list[ParamRule] = []
     for child, kind in LAYOUTS[variant]:
         path = (*prefix, child)

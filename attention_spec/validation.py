@@ -138,7 +138,7 @@ def check_input(
 def _broadcasts(shape: Shape, target: Shape) -> bool:
     if len(shape) > len(target):
         return False
-    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target[len(target) - len(shape):]), strict=True))
 
 
 def check_mask(shape: Any, dtype: str, target: Any) -> None:

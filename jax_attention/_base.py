@@ -79,7 +79,7 @@ class AttentionModule(nnx.Module):
 
     def _dropout_key(self, rngs: Any) -> Array | None:
         """A key from the call's ``rngs`` (Rngs, RngStream or key), else the module's stream."""
-        dropout = self.dropout
+        dropout: Any = getattr(self, "dropout")  # noqa: B009 (set by subclasses)
         if isinstance(rngs, nnx.Rngs):
             return rngs[dropout.rng_collection]()
         if isinstance(rngs, nnx.RngStream):

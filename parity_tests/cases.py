@@ -152,13 +152,11 @@ def _pairwise(axes: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     }
     candidates = list(itertools.product(*axes))
     rows: list[tuple[Any, ...]] = []
+    pairs = list(itertools.combinations(range(len(axes)), 2))
     while uncovered:
-        def gain(row: tuple[Any, ...]) -> int:
-            return sum((i, row[i], j, row[j]) in uncovered
-                       for i, j in itertools.combinations(range(len(axes)), 2))
-        best = max(candidates, key=gain)
+        best = max(candidates, key=lambda row: sum((i, row[i], j, row[j]) in uncovered for i, j in pairs))
         rows.append(best)
-        uncovered -= {(i, best[i], j, best[j]) for i, j in itertools.combinations(range(len(axes)), 2)}
+        uncovered -= {(i, best[i], j, best[j]) for i, j in pairs}
     return rows
 
 

@@ -10,11 +10,10 @@ element named.  Both work on a user's own pair of modules with a ``param_map``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import functools
 
 import numpy as np
 
@@ -95,8 +94,9 @@ def to_flax(torch_module: Any, *, rngs: Any = None) -> Any:
     The twin has the same class name and constructor config, parameters in the same dtype,
     and the same train/eval mode.  Raises ValueError if the class has no twin.
     """
-    import jax_attention
     from flax import nnx
+
+    import jax_attention
 
     name = type(torch_module).__name__
     cls = _twin_class(jax_attention, name)

@@ -49,10 +49,10 @@ def build_pair(case: Case) -> tuple[Any, Any]:
     """(torch module, flax module) with identical weights, in eval mode, in case.dtype;
     the source side is built with a seed and the other converted, as case.direction says."""
     import torch
-    import torch_attention
     from flax import nnx
 
     import jax_attention
+    import torch_attention
 
     cls_name = case.spec.cls
     if case.direction == "pt2fx":

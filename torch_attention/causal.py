@@ -5,6 +5,8 @@ Twin of ``jax_attention/causal.py``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -55,7 +57,7 @@ class CausalAttention(AttentionModule):
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
             qkv_bias=qkv_bias, scale=scale, causal=causal, mask_strategy=mask_strategy,
         )
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
@@ -112,7 +114,7 @@ class Head(AttentionModule):
             d_in=d_in, head_size=head_size, context_length=context_length, dropout=dropout,
             scale=scale, causal=causal, mask_strategy=mask_strategy,
         )
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.key = nn.Linear(d_in, head_size, bias=False, **factory)
         self.query = nn.Linear(d_in, head_size, bias=False, **factory)
         self.value = nn.Linear(d_in, head_size, bias=False, **factory)

@@ -6,6 +6,8 @@ Twin of ``jax_attention/multihead.py``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -124,7 +126,7 @@ class MultiHeadAttention(AttentionModule):
             num_heads=num_heads, qkv_bias=qkv_bias, out_proj=out_proj, scale=scale, causal=causal,
             mask_strategy=mask_strategy,
         )
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -40,7 +42,7 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
         self._set_config(
             d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
         )
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.W_query = nn.Parameter(torch.randn(d_in, d_out, **factory))
         self.W_key = nn.Parameter(torch.randn(d_in, d_out, **factory))
         self.W_value = nn.Parameter(torch.randn(d_in, d_out, **factory))
@@ -84,7 +86,7 @@ class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
             d_in=d_in, d_out=d_out, qkv_bias=qkv_bias, scale=scale, causal=causal,
             mask_strategy=mask_strategy,
         )
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
