@@ -19,6 +19,7 @@ from attention_spec.validation import (
     check_heads,
     check_implementation,
     check_input,
+    check_kv_lengths,
     check_mask,
     check_mask_strategy,
     check_normalization,
@@ -26,6 +27,7 @@ from attention_spec.validation import (
     check_qkv,
     check_scale,
     dtype_name,
+    resolve_implementation,
     zero_row_sum_message,
 )
 
@@ -42,6 +44,7 @@ __all__ = [
     "check_heads",
     "check_implementation",
     "check_input",
+    "check_kv_lengths",
     "check_mask",
     "check_mask_strategy",
     "check_normalization",
@@ -49,6 +52,7 @@ __all__ = [
     "check_qkv",
     "check_scale",
     "dtype_name",
+    "resolve_implementation",
     "zero_row_sum_message",
 ]
 

@@ -14,7 +14,7 @@ Shape = tuple[int, ...]
 
 MASK_STRATEGIES = ("fill", "renormalize")
 NORMALIZATIONS = ("softmax", "sum")
-IMPLEMENTATIONS = ("auto", "reference", "fused")
+IMPLEMENTATIONS = ("auto", "reference", "fused", "blockwise")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -171,6 +171,18 @@ def check_dropout_mask(shape: Any, dtype: str, target: Any, *, training: bool) -
         )
 
 
+def check_kv_lengths(shape: Any, dtype: str, target: Any) -> None:
+    """``kv_lengths``: int (B,), one valid key count per example, for (B, H, T, S) weights."""
+    shape, target = _shape(shape), _shape(target)
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"kv_lengths must be an integer array; got dtype {dtype}")
+    if len(target) != 4 or shape != target[:1]:
+        raise ValueError(
+            f"kv_lengths must have shape (batch,) for attention weights (batch, heads, q_len, "
+            f"kv_len) = {target}; got shape {shape}"
+        )
+
+
 def check_qkv(q: Any, k: Any, v: Any, dtypes: tuple[str, str, str]) -> None:
     """Shapes ``(..., q_len, d)``, ``(..., kv_len, d)``, ``(..., kv_len, d_v)``, one dtype."""
     q, k, v = _shape(q), _shape(k), _shape(v)
@@ -237,3 +249,53 @@ def check_config(
         check_normalization(normalization)
     if implementation is not _UNSET:
         check_implementation(implementation)
+
+
+def resolve_implementation(
+    requested: str,
+    *,
+    accelerator: bool,
+    return_weights: bool,
+    normalization: str,
+    dropout_active: bool,
+    dropout_mask_given: bool,
+    fused_draws_dropout: bool,
+    fused_blockers: tuple[str, ...] = (),
+) -> str:
+    """Which path computes a call: ``"reference"``, ``"fused"`` or ``"blockwise"``.
+
+    ``"auto"`` takes the first path that honours every option asked for: the fused
+    kernel (on an accelerator only), then the blockwise formulation, then the reference
+    math (attention weights returned, ``normalization="sum"``, dropout that the path
+    cannot draw, an explicit dropout mask, or what the framework's fused kernel lacks,
+    ``fused_blockers``).  An explicit ``"fused"`` or ``"blockwise"`` that cannot honour
+    an option raises ``ValueError`` naming it.
+    """
+    check_implementation(requested)
+
+    def blockers(path: str) -> list[str]:
+        found = []
+        if path == "reference":
+            return found
+        if return_weights:
+            found.append("return_weights=True (the weights are never materialised)")
+        if normalization != "softmax":
+            found.append(f"normalization={normalization!r}")
+        if dropout_mask_given:
+            found.append("an explicit dropout_mask")
+        elif dropout_active and not (path == "fused" and fused_draws_dropout):
+            found.append("dropout in training mode")
+        if path == "fused":
+            found += fused_blockers
+        return found
+
+    if requested != "auto":
+        found = blockers(requested)
+        if found:
+            raise ValueError(
+                f"implementation={requested!r} cannot honour {'; '.join(found)}; "
+                "use implementation='reference' or 'auto'"
+            )
+        return requested
+    order = ("fused", "blockwise") if accelerator else ("blockwise",)
+    return next((path for path in order if not blockers(path)), "reference")

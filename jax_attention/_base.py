@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from attention_spec import check_dropout_mask, check_input, check_mask, dtype_name
+from attention_spec import check_dropout_mask, check_input, check_kv_lengths, check_mask, dtype_name
 from jax_attention import functional
 
 
@@ -89,7 +89,12 @@ class AttentionModule(nnx.Module):
         return None if dropout.rngs is None else dropout.rngs()
 
     def _check_call(
-        self, x: Array, mask: Array | None, dropout_mask: Array | None, deterministic: bool
+        self,
+        x: Array,
+        mask: Array | None,
+        dropout_mask: Array | None,
+        deterministic: bool,
+        kv_lengths: Array | None = None,
     ) -> bool:
         """All checks of one call, before any work; returns whether ``x`` is batched."""
         batched = check_input(
@@ -99,6 +104,8 @@ class AttentionModule(nnx.Module):
         weights_shape = ((x.shape[0],) if batched else ()) + (self.num_heads, seq, seq)
         if mask is not None:
             check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
+        if kv_lengths is not None:
+            check_kv_lengths(kv_lengths.shape, dtype_name(kv_lengths.dtype), weights_shape)
         if dropout_mask is not None:
             check_dropout_mask(
                 dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
@@ -114,19 +121,21 @@ class AttentionModule(nnx.Module):
         dropout_mask: Array | None,
         deterministic: bool | None,
         rngs: Any,
+        kv_lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         deterministic = self._deterministic(deterministic)
-        batched = self._check_call(x, mask, dropout_mask, deterministic)
+        batched = self._check_call(x, mask, dropout_mask, deterministic, kv_lengths)
         rate = self._dropout_rate()
         draws = not deterministic and rate > 0.0 and dropout_mask is None
         key = self._dropout_key(rngs) if draws else None  # after the checks: state changes
         if not batched:
             x = x[None]  # (T, C) -> (1, T, C); masks broadcast from the right
         q, k, v = self._project(x)  # each (B, H, T, D)
-        out, weights = functional.dot_product_attention(
+        result = functional.dot_product_attention(
             q, k, v,
             mask=mask,
             causal=self.causal,
+            kv_lengths=kv_lengths,
             scale=self.scale,
             mask_strategy=self.mask_strategy,
             normalization=self.normalization,
@@ -134,13 +143,15 @@ class AttentionModule(nnx.Module):
             dropout_mask=dropout_mask,
             deterministic=deterministic,
             rng=key,
-            return_weights=True,
+            return_weights=return_weights,
             implementation=self.implementation,
             precision=self.precision,
         )
+        out, weights = result if return_weights else (result, None)
         out = self._merge(out)  # (B, H, T, Dv) -> (B, T, d_out)
         if not batched:
-            out, weights = out[0], weights[0]
+            out = out[0]
+            weights = None if weights is None else weights[0]
         return (out, weights) if return_weights else out
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:

@@ -44,19 +44,21 @@ class CausalAttention(AttentionModule):
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: Any = None,
         precision: Any = "highest",
         rngs: nnx.Rngs,
     ) -> None:
         check_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-            scale=scale, causal=causal, mask_strategy=mask_strategy,
+            scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         self.d_in, self.d_out, self.context_length, self.qkv_bias = d_in, d_out, context_length, qkv_bias
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-            qkv_bias=qkv_bias, scale=scale, causal=causal, mask_strategy=mask_strategy,
+            qkv_bias=qkv_bias, scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         self.precision = precision
         kw = {"use_bias": qkv_bias, "dtype": dtype, "precision": precision, "rngs": rngs}
@@ -74,8 +76,9 @@ class CausalAttention(AttentionModule):
         dropout_mask: Array | None = None,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | Array | None = None,
+        kv_lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        return self._attend(x, mask, return_weights, dropout_mask, deterministic, rngs)
+        return self._attend(x, mask, return_weights, dropout_mask, deterministic, rngs, kv_lengths)
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:
         # (B, T, d_in) -> (B, T, d_out) -> (B, 1, T, d_out)
@@ -104,19 +107,21 @@ class Head(AttentionModule):
         scale: float | None = 1.0,
         causal: bool = True,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: Any = None,
         precision: Any = "highest",
         rngs: nnx.Rngs,
     ) -> None:
         check_config(
             d_in=d_in, head_size=head_size, context_length=context_length, dropout=dropout,
-            scale=scale, causal=causal, mask_strategy=mask_strategy,
+            scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         self.d_in, self.head_size, self.context_length = d_in, head_size, context_length
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, head_size=head_size, context_length=context_length, dropout=dropout,
-            scale=scale, causal=causal, mask_strategy=mask_strategy,
+            scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         self.precision = precision
         kw = {"use_bias": False, "dtype": dtype, "precision": precision, "rngs": rngs}
@@ -134,8 +139,9 @@ class Head(AttentionModule):
         dropout_mask: Array | None = None,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | Array | None = None,
+        kv_lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        return self._attend(x, mask, return_weights, dropout_mask, deterministic, rngs)
+        return self._attend(x, mask, return_weights, dropout_mask, deterministic, rngs, kv_lengths)
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:
         # (B, T, C) -> (B, T, head_size) -> (B, 1, T, head_size)

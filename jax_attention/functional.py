@@ -27,20 +27,22 @@ from jax import Array
 from attention_spec import (
     check_dropout_mask,
     check_dropout_rate,
-    check_implementation,
+    check_kv_lengths,
     check_mask,
     check_mask_strategy,
     check_normalization,
     check_qkv,
     check_scale,
     dtype_name,
+    resolve_implementation,
     zero_row_sum_message,
 )
-from jax_attention.masks import causal_mask
+from jax_attention.masks import causal_mask, combine_masks
 
 __all__ = [
     "attention_scores",
     "attention_weights",
+    "default_block_size",
     "dot_product_attention",
     "dropout_weights",
     "normalize_scores",
@@ -183,6 +185,7 @@ def dot_product_attention(
     *,
     mask: Array | None = None,
     causal: bool = False,
+    kv_lengths: Array | None = None,
     scale: float | None = None,
     mask_strategy: str = "fill",
     normalization: str = "softmax",
@@ -191,7 +194,7 @@ def dot_product_attention(
     deterministic: bool = True,
     rng: Array | None = None,
     return_weights: bool = False,
-    implementation: str = "reference",
+    implementation: str = "auto",
     precision: Precision = "highest",
 ) -> Array | tuple[Array, Array]:
     """Attention over q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv).
@@ -199,20 +202,31 @@ def dot_product_attention(
     Args:
       mask: bool, True = may attend, broadcastable to (..., T, S).
       causal: also block keys after the query (top-left aligned ``tril``).
+      kv_lengths: int (B,), the number of valid keys per example (padding given as
+        lengths, which fused kernels take natively); needs q of shape (B, H, T, D).
       scale: None = 1/sqrt(D); a float as given.
       dropout_rate, deterministic, rng, dropout_mask: dropout on the weights, see
         ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
-      precision: of the two matmuls; "highest" by default.
+      implementation: ``"reference"`` (the explicit math), ``"fused"``
+        (``jax.nn.dot_product_attention``: cuDNN for half precision on NVIDIA GPUs, XLA
+        elsewhere), ``"blockwise"`` (query blocks that skip the keys a causal mask hides;
+        never materialises T x S), or ``"auto"`` (fused on GPU/TPU, blockwise on CPU,
+        reference where those cannot honour an option; see
+        ``attention_spec.resolve_implementation``).
+      precision: of the matmuls; "highest" by default.
 
     Raises:
       ValueError / TypeError: inconsistent shapes or dtypes, a mask that is not bool or
-        does not broadcast, a bad option value; all before any computation.
+        does not broadcast, a bad option value, an explicit implementation that cannot
+        honour an option; all before any computation.
     """
     check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
     weights_shape = (*q.shape[:-1], k.shape[-2])
     if mask is not None:
         check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
+    if kv_lengths is not None:
+        check_kv_lengths(kv_lengths.shape, dtype_name(kv_lengths.dtype), weights_shape)
     if dropout_mask is not None:
         check_dropout_mask(
             dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
@@ -222,8 +236,25 @@ def dot_product_attention(
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
-    check_implementation(implementation)
+    path = resolve_implementation(
+        implementation,
+        accelerator=jax.default_backend() in ("gpu", "tpu"),
+        return_weights=return_weights,
+        normalization=normalization,
+        dropout_active=not deterministic and dropout_rate > 0.0,
+        dropout_mask_given=dropout_mask is not None,
+        fused_draws_dropout=False,
+        fused_blockers=() if v.shape[-1] == q.shape[-1] else ("a value width different from the key width",),
+    )
+    scale = resolve_scale(scale, q.shape[-1])
+    if path == "fused":
+        return _fused(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
+                      precision=precision)
+    if path == "blockwise":
+        return _blockwise(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
+                          precision=precision)
 
+    mask = combine_masks(mask, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.ndim))
     weights = attention_weights(
         q, k, mask=mask, causal=causal, scale=scale, mask_strategy=mask_strategy,
         normalization=normalization, precision=precision,
@@ -234,3 +265,101 @@ def dot_product_attention(
     weights = weights.astype(v.dtype)
     out = jnp.matmul(weights, v, precision=precision)  # (..., T, Dv)
     return (out, weights) if return_weights else out
+
+
+def _length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
+    # (B,) -> (B, 1, ..., 1, S): key positions before each example's length
+    valid = jnp.arange(kv_len)[None, :] < kv_lengths[:, None]
+    return valid.reshape(valid.shape[:1] + (1,) * (ndim - 2) + valid.shape[1:])
+
+
+def _fused(
+    q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
+    scale: float, precision: Precision,
+) -> Array:
+    """``jax.nn.dot_product_attention`` on (..., H, T, D) inputs, with this library's
+    fully-masked-row policy (zeros, finite gradients) and causal/padding passed to the
+    kernel as ``is_causal`` / sequence lengths rather than dense masks."""
+    lead = q.shape[:-3] if q.ndim >= 3 else ()
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    batch = math.prod(lead)
+
+    def bthd(t: Array) -> Array:  # (..., H, T, D) -> (B, T, H, D)
+        return jnp.swapaxes(t.reshape(batch, heads, *t.shape[-2:]), 1, 2)
+
+    live = None  # (B, H, T, 1): rows with something to attend to, when some may have none
+    dense = None
+    if mask is not None:
+        dense = _expand_to(mask, q.ndim)
+        dense = jnp.broadcast_to(dense, (*dense.shape[:-2], q.shape[-2], k.shape[-2]))
+        full = combine_masks(dense, None if not causal else _expand_to(causal_mask(q.shape[-2], k.shape[-2]), q.ndim))
+        full = combine_masks(full, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.ndim))
+        row_live = full.any(axis=-1, keepdims=True)
+        dense = dense | ~row_live  # a row with nothing to attend to attends to everything...
+        live = row_live  # ...and its output is zeroed below: finite values and gradients
+        dense = jnp.broadcast_to(dense, (*q.shape[:-2], q.shape[-2], k.shape[-2]))
+        dense = dense.reshape(batch, heads, q.shape[-2], k.shape[-2])
+    lengths = None
+    if kv_lengths is not None:
+        lengths = jnp.maximum(kv_lengths, 1).astype(jnp.int32)
+        empty = (kv_lengths > 0).reshape((-1,) + (1,) * (q.ndim - 1))
+        live = empty if live is None else live & empty
+    half = q.dtype in (jnp.bfloat16, jnp.float16)
+    kernel = "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+    with jax.default_matmul_precision(_precision_name(precision)):
+        out = jax.nn.dot_product_attention(
+            bthd(q), bthd(k), bthd(v), mask=dense, scale=scale, is_causal=causal,
+            key_value_seq_lengths=lengths, implementation=kernel,
+        )
+    out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])  # (..., H, T, Dv)
+    return out if live is None else jnp.where(live, out, jnp.zeros((), out.dtype))
+
+
+def _precision_name(precision: Precision) -> str | None:
+    if precision is None or isinstance(precision, str):
+        return precision
+    return str(precision).split(".")[-1].lower()  # jax.lax.Precision.HIGHEST -> "highest"
+
+
+def default_block_size(q_len: int) -> int:
+    """Query rows per block: 128 (measured best on a 2-core CPU at T=1024), growing so
+    that a long sequence unrolls into at most 16 blocks."""
+    return max(128, -(-q_len // 16))
+
+
+def _blockwise(
+    q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
+    scale: float, precision: Precision, block_size: int | None = None,
+) -> Array:
+    """The reference math one block of queries at a time.  A causal block of rows
+    [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
+    and at most (block, S) scores exist at once.  The loop is unrolled (static shapes,
+    differentiable); rows are normalised exactly as in the reference path."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    block = block_size or default_block_size(q_len)
+    ct = _compute_dtype(q.dtype)
+    if mask is not None:
+        mask = _expand_to(mask, q.ndim)
+    lengths = None if kv_lengths is None else _length_mask(kv_lengths, kv_len, q.ndim)
+    outputs = []
+    for r0 in range(0, q_len, block):
+        r1 = min(r0 + block, q_len)
+        n = min(r1, kv_len) if causal else kv_len  # keys this block can see
+        if n <= 0:  # causal with every key after these queries: nothing to attend to
+            outputs.append(jnp.zeros((*q.shape[:-2], r1 - r0, v.shape[-1]), v.dtype))
+            continue
+        scores = jnp.matmul(q[..., r0:r1, :], jnp.swapaxes(k[..., :n, :], -2, -1), precision=precision)
+        scores = scores.astype(ct) * scale  # (..., r1 - r0, n)
+        allowed = None
+        if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
+            allowed = mask[..., r0:r1, :n] if mask.shape[-2] > 1 else mask[..., :n]
+        if causal:
+            tri = (jnp.arange(n)[None, :] <= jnp.arange(r0, r1)[:, None])
+            allowed = combine_masks(allowed, _expand_to(tri, q.ndim))
+        if lengths is not None:
+            allowed = combine_masks(allowed, lengths[..., :n])
+        if allowed is not None:
+            scores = jnp.where(allowed, scores, -jnp.inf)
+        weights = _softmax(scores).astype(v.dtype)
+        outputs.append(jnp.matmul(weights, v[..., :n, :], precision=precision))
+    return jnp.concatenate(outputs, axis=-2) if len(outputs) > 1 else outputs[0]

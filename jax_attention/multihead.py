@@ -43,6 +43,7 @@ class MultiHeadAttentionWrapper(AttentionModule):
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: Any = None,
         precision: Any = "highest",
         rngs: nnx.Rngs,
@@ -50,23 +51,26 @@ class MultiHeadAttentionWrapper(AttentionModule):
         # Each head has its own width d_out, so num_heads need not divide it.
         check_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-            scale=scale, causal=causal, mask_strategy=mask_strategy,
+            scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         check_positive_int("num_heads", num_heads)
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.num_heads, self.qkv_bias = num_heads, qkv_bias
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
             num_heads=num_heads, qkv_bias=qkv_bias, scale=scale, causal=causal,
             mask_strategy=mask_strategy,
+            implementation=implementation,
         )
         self.precision = precision
         self.heads = nnx.List(
             [
                 CausalAttention(
                     d_in, d_out, context_length, dropout, qkv_bias, scale=scale, causal=causal,
-                    mask_strategy=mask_strategy, dtype=dtype, precision=precision, rngs=rngs,
+                    mask_strategy=mask_strategy, implementation=implementation, dtype=dtype,
+                    precision=precision, rngs=rngs,
                 )
                 for _ in range(num_heads)
             ]
@@ -81,18 +85,20 @@ class MultiHeadAttentionWrapper(AttentionModule):
         dropout_mask: Array | None = None,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | Array | None = None,
+        kv_lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        self._check_call(x, mask, dropout_mask, self.heads[0]._deterministic(deterministic))
+        self._check_call(x, mask, dropout_mask, self.heads[0]._deterministic(deterministic), kv_lengths)
         results = [
             head(
-                x, _head_slice(mask, i), return_weights=True,
+                x, _head_slice(mask, i), return_weights=return_weights,
                 dropout_mask=_head_slice(dropout_mask, i), deterministic=deterministic, rngs=rngs,
+                kv_lengths=kv_lengths,
             )
             for i, head in enumerate(self.heads)
         ]
-        out = jnp.concatenate([o for o, _ in results], axis=-1)  # (B, T, num_heads * d_out)
         if not return_weights:
-            return out
+            return jnp.concatenate(results, axis=-1)  # (B, T, num_heads * d_out)
+        out = jnp.concatenate([o for o, _ in results], axis=-1)
         return out, jnp.concatenate([w for _, w in results], axis=-3)  # (B, num_heads, T, T)
 
 
@@ -119,21 +125,24 @@ class MultiHeadAttention(AttentionModule):
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: Any = None,
         precision: Any = "highest",
         rngs: nnx.Rngs,
     ) -> None:
         check_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-            num_heads=num_heads, scale=scale, causal=causal, mask_strategy=mask_strategy,
+            num_heads=num_heads, scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.num_heads, self.head_dim, self.qkv_bias = num_heads, d_out // num_heads, qkv_bias
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
             num_heads=num_heads, qkv_bias=qkv_bias, out_proj=out_proj, scale=scale, causal=causal,
             mask_strategy=mask_strategy,
+            implementation=implementation,
         )
         self.precision = precision
         kw = {"use_bias": qkv_bias, "dtype": dtype, "precision": precision, "rngs": rngs}
@@ -156,8 +165,9 @@ class MultiHeadAttention(AttentionModule):
         dropout_mask: Array | None = None,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | Array | None = None,
+        kv_lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        return self._attend(x, mask, return_weights, dropout_mask, deterministic, rngs)
+        return self._attend(x, mask, return_weights, dropout_mask, deterministic, rngs, kv_lengths)
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:
         # (B, T, d_in) -> (B, T, d_out) -> (B, num_heads, T, head_dim)

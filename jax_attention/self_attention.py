@@ -34,15 +34,18 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
         scale: float | None = None,
         causal: bool = False,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: Any = None,
         precision: Any = "highest",
         rngs: nnx.Rngs,
     ) -> None:
-        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy)
+        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
+                     implementation=implementation)
         self.d_in, self.d_out = d_in, d_out
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
-            d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
+            d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         self.precision = precision
         dtype = dtype or jnp.float32
@@ -51,9 +54,14 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
         self.W_value = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), dtype))
 
     def __call__(
-        self, x: Array, mask: Array | None = None, *, return_weights: bool = False
+        self,
+        x: Array,
+        mask: Array | None = None,
+        *,
+        return_weights: bool = False,
+        kv_lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        return self._attend(x, mask, return_weights, None, None, None)
+        return self._attend(x, mask, return_weights, None, None, None, kv_lengths)
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:
         # (B, T, d_in) @ (d_in, d_out) -> (B, 1, T, d_out)
@@ -78,16 +86,20 @@ class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
         scale: float | None = None,
         causal: bool = False,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: Any = None,
         precision: Any = "highest",
         rngs: nnx.Rngs,
     ) -> None:
-        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy)
+        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
+                     implementation=implementation)
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, d_out=d_out, qkv_bias=qkv_bias, scale=scale, causal=causal,
             mask_strategy=mask_strategy,
+            implementation=implementation,
         )
         self.precision = precision
         kw = {"use_bias": qkv_bias, "dtype": dtype, "precision": precision, "rngs": rngs}
@@ -96,9 +108,14 @@ class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
         self.W_value = linear(d_in, d_out, **kw)
 
     def __call__(
-        self, x: Array, mask: Array | None = None, *, return_weights: bool = False
+        self,
+        x: Array,
+        mask: Array | None = None,
+        *,
+        return_weights: bool = False,
+        kv_lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        return self._attend(x, mask, return_weights, None, None, None)
+        return self._attend(x, mask, return_weights, None, None, None, kv_lengths)
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:
         # (B, T, d_in) -> (B, T, d_out) -> (B, 1, T, d_out)

@@ -34,21 +34,30 @@ class SimplifiedAttention(AttentionModule):
         normalization: str = "softmax",
         causal: bool = False,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         precision: Any = "highest",
         rngs: nnx.Rngs | None = None,
     ) -> None:
-        check_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy)
+        check_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy,
+                     implementation=implementation)
         self.normalization = normalization
         self.causal = causal
         self.mask_strategy = mask_strategy
+        self.implementation = implementation
         self.scale = 1.0
-        self._set_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy)
+        self._set_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy,
+                     implementation=implementation)
         self.precision = precision
 
     def __call__(
-        self, x: Array, mask: Array | None = None, *, return_weights: bool = False
+        self,
+        x: Array,
+        mask: Array | None = None,
+        *,
+        return_weights: bool = False,
+        kv_lengths: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        return self._attend(x, mask, return_weights, None, None, None)
+        return self._attend(x, mask, return_weights, None, None, None, kv_lengths)
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:
         x = x[:, None]  # (B, T, C) -> (B, 1, T, C): one head, the input itself

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from attention_spec import check_dropout_mask, check_input, check_mask, dtype_name
+from attention_spec import check_dropout_mask, check_input, check_kv_lengths, check_mask, dtype_name
 from torch_attention import functional
 
 
@@ -42,7 +42,9 @@ class AttentionModule(nn.Module):
         dropout = getattr(self, "dropout", None)
         return float(dropout.p) if dropout is not None else 0.0
 
-    def _check_call(self, x: Tensor, mask: Tensor | None, dropout_mask: Tensor | None) -> bool:
+    def _check_call(
+        self, x: Tensor, mask: Tensor | None, dropout_mask: Tensor | None, kv_lengths: Tensor | None = None
+    ) -> bool:
         """All checks of one call, before any work; returns whether ``x`` is batched."""
         batched = check_input(
             x.shape, dtype_name(x.dtype), d_in=self.d_in, context_length=self.context_length
@@ -51,6 +53,8 @@ class AttentionModule(nn.Module):
         weights_shape = ((x.shape[0],) if batched else ()) + (self.num_heads, seq, seq)
         if mask is not None:
             check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
+        if kv_lengths is not None:
+            check_kv_lengths(kv_lengths.shape, dtype_name(kv_lengths.dtype), weights_shape)
         if dropout_mask is not None:
             check_dropout_mask(
                 dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
@@ -59,28 +63,36 @@ class AttentionModule(nn.Module):
         return batched
 
     def _attend(
-        self, x: Tensor, mask: Tensor | None, return_weights: bool, dropout_mask: Tensor | None
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        return_weights: bool,
+        dropout_mask: Tensor | None = None,
+        kv_lengths: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        batched = self._check_call(x, mask, dropout_mask)
+        batched = self._check_call(x, mask, dropout_mask, kv_lengths)
         if not batched:
             x = x.unsqueeze(0)  # (T, C) -> (1, T, C); masks broadcast from the right
         q, k, v = self._project(x)  # each (B, H, T, D)
-        out, weights = functional.dot_product_attention(
+        result = functional.dot_product_attention(
             q, k, v,
             mask=mask,
             causal=self.causal,
+            kv_lengths=kv_lengths,
             scale=self.scale,
             mask_strategy=self.mask_strategy,
             normalization=self.normalization,
             dropout_rate=self._dropout_rate(),
             dropout_mask=dropout_mask,
             training=self.training,
-            return_weights=True,
+            return_weights=return_weights,
             implementation=self.implementation,
         )
+        out, weights = result if return_weights else (result, None)
         out = self._merge(out)  # (B, H, T, Dv) -> (B, T, d_out)
         if not batched:
-            out, weights = out[0], weights[0]
+            out = out[0]
+            weights = None if weights is None else weights[0]
         return (out, weights) if return_weights else out
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -43,19 +43,21 @@ class CausalAttention(AttentionModule):
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         check_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-            scale=scale, causal=causal, mask_strategy=mask_strategy,
+            scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         super().__init__()
         self.d_in, self.d_out, self.context_length, self.qkv_bias = d_in, d_out, context_length, qkv_bias
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-            qkv_bias=qkv_bias, scale=scale, causal=causal, mask_strategy=mask_strategy,
+            qkv_bias=qkv_bias, scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
@@ -70,8 +72,9 @@ class CausalAttention(AttentionModule):
         *,
         return_weights: bool = False,
         dropout_mask: Tensor | None = None,
+        kv_lengths: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        return self._attend(x, mask, return_weights, dropout_mask)
+        return self._attend(x, mask, return_weights, dropout_mask, kv_lengths)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # (B, T, d_in) -> (B, T, d_out) -> (B, 1, T, d_out)
@@ -100,19 +103,21 @@ class Head(AttentionModule):
         scale: float | None = 1.0,
         causal: bool = True,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         check_config(
             d_in=d_in, head_size=head_size, context_length=context_length, dropout=dropout,
-            scale=scale, causal=causal, mask_strategy=mask_strategy,
+            scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         super().__init__()
         self.d_in, self.head_size, self.context_length = d_in, head_size, context_length
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, head_size=head_size, context_length=context_length, dropout=dropout,
-            scale=scale, causal=causal, mask_strategy=mask_strategy,
+            scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.key = nn.Linear(d_in, head_size, bias=False, **factory)
@@ -127,8 +132,9 @@ class Head(AttentionModule):
         *,
         return_weights: bool = False,
         dropout_mask: Tensor | None = None,
+        kv_lengths: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        return self._attend(x, mask, return_weights, dropout_mask)
+        return self._attend(x, mask, return_weights, dropout_mask, kv_lengths)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # (B, T, C) -> (B, T, head_size) -> (B, 1, T, head_size)

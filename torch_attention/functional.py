@@ -24,20 +24,22 @@ from torch import Tensor
 from attention_spec import (
     check_dropout_mask,
     check_dropout_rate,
-    check_implementation,
+    check_kv_lengths,
     check_mask,
     check_mask_strategy,
     check_normalization,
     check_qkv,
     check_scale,
     dtype_name,
+    resolve_implementation,
     zero_row_sum_message,
 )
-from torch_attention.masks import causal_mask
+from torch_attention.masks import causal_mask, combine_masks
 
 __all__ = [
     "attention_scores",
     "attention_weights",
+    "default_block_size",
     "dot_product_attention",
     "dropout_weights",
     "normalize_scores",
@@ -149,6 +151,7 @@ def dot_product_attention(
     *,
     mask: Tensor | None = None,
     causal: bool = False,
+    kv_lengths: Tensor | None = None,
     scale: float | None = None,
     mask_strategy: str = "fill",
     normalization: str = "softmax",
@@ -156,25 +159,35 @@ def dot_product_attention(
     dropout_mask: Tensor | None = None,
     training: bool = False,
     return_weights: bool = False,
-    implementation: str = "reference",
+    implementation: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv).
 
     Args:
       mask: bool, True = may attend, broadcastable to (..., T, S).
       causal: also block keys after the query (top-left aligned ``tril``).
+      kv_lengths: int (B,), the number of valid keys per example (padding given as
+        lengths); needs q of shape (B, H, T, D).
       scale: None = 1/sqrt(D); a float as given.
       dropout_rate, training, dropout_mask: dropout on the weights, see ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
+      implementation: ``"reference"`` (the explicit math), ``"fused"``
+        (``F.scaled_dot_product_attention``, which also draws dropout), ``"blockwise"``
+        (query blocks that skip the keys a causal mask hides; never materialises T x S),
+        or ``"auto"`` (fused on GPU, blockwise on CPU, reference where those cannot honour
+        an option; see ``attention_spec.resolve_implementation``).
 
     Raises:
       ValueError / TypeError: inconsistent shapes or dtypes, a mask that is not bool or
-        does not broadcast, a bad option value; all before any computation.
+        does not broadcast, a bad option value, an explicit implementation that cannot
+        honour an option; all before any computation.
     """
     check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
     weights_shape = (*q.shape[:-1], k.shape[-2])
     if mask is not None:
         check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
+    if kv_lengths is not None:
+        check_kv_lengths(kv_lengths.shape, dtype_name(kv_lengths.dtype), weights_shape)
     if dropout_mask is not None:
         check_dropout_mask(
             dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape, training=training
@@ -183,8 +196,23 @@ def dot_product_attention(
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
-    check_implementation(implementation)
+    path = resolve_implementation(
+        implementation,
+        accelerator=q.device.type != "cpu",
+        return_weights=return_weights,
+        normalization=normalization,
+        dropout_active=training and dropout_rate > 0.0,
+        dropout_mask_given=dropout_mask is not None,
+        fused_draws_dropout=True,
+    )
+    scale = resolve_scale(scale, q.shape[-1])
+    if path == "fused":
+        return _fused(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
+                      dropout_rate=dropout_rate if training else 0.0)
+    if path == "blockwise":
+        return _blockwise(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale)
 
+    mask = combine_masks(mask, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.dim()))
     weights = attention_weights(
         q, k, mask=mask, causal=causal, scale=scale,
         mask_strategy=mask_strategy, normalization=normalization,
@@ -193,3 +221,65 @@ def dot_product_attention(
     weights = weights.to(v.dtype)
     out = torch.matmul(weights, v)  # (..., T, Dv)
     return (out, weights) if return_weights else out
+
+
+def _length_mask(kv_lengths: Tensor, kv_len: int, ndim: int) -> Tensor:
+    # (B,) -> (B, 1, ..., 1, S): key positions before each example's length
+    valid = torch.arange(kv_len, device=kv_lengths.device)[None, :] < kv_lengths[:, None]
+    return valid.reshape(valid.shape[:1] + (1,) * (ndim - 2) + valid.shape[1:])
+
+
+def _fused(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, kv_lengths: Tensor | None,
+    scale: float, dropout_rate: float,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` with this library's fully-masked-row policy
+    (zeros, finite gradients).  Causal alone goes to the kernel as ``is_causal``; SDPA
+    takes no lengths, so padding becomes part of a dense mask."""
+    full = combine_masks(mask, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.dim()))
+    if full is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_rate, is_causal=causal, scale=scale)
+    if causal:
+        full = full & causal_mask(q.shape[-2], k.shape[-2], device=q.device)
+    live = full.any(dim=-1, keepdim=True)  # rows with something to attend to
+    # A row with nothing to attend to attends to everything (finite, unlike SDPA's NaN),
+    # and its output is zeroed: zero values, zero and finite gradients.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=full | ~live, dropout_p=dropout_rate, scale=scale)
+    return torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def default_block_size(q_len: int) -> int:
+    """Query rows per block: 128, growing so that a long sequence has at most 16 blocks."""
+    return max(128, -(-q_len // 16))
+
+
+def _blockwise(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, kv_lengths: Tensor | None,
+    scale: float, block_size: int | None = None,
+) -> Tensor:
+    """The reference math one block of queries at a time.  A causal block of rows
+    [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
+    and at most (block, S) scores exist at once.  Rows are normalised exactly as in the
+    reference path.  Twin of the JAX formulation (where it is the CPU fast path)."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    block = block_size or default_block_size(q_len)
+    ct = _compute_dtype(q.dtype)
+    lengths = None if kv_lengths is None else _length_mask(kv_lengths, kv_len, q.dim())
+    outputs = []
+    for r0 in range(0, q_len, block):
+        r1 = min(r0 + block, q_len)
+        n = min(r1, kv_len) if causal else kv_len  # keys this block can see
+        scores = torch.matmul(q[..., r0:r1, :], k[..., :n, :].transpose(-2, -1)).to(ct) * scale
+        allowed = None
+        if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
+            allowed = mask[..., r0:r1, :n] if mask.dim() >= 2 and mask.shape[-2] > 1 else mask[..., :n]
+        if causal:
+            tri = torch.arange(n, device=q.device)[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
+            allowed = combine_masks(allowed, tri)
+        if lengths is not None:
+            allowed = combine_masks(allowed, lengths[..., :n])
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, -math.inf)
+        weights = _softmax(scores).to(v.dtype)
+        outputs.append(torch.matmul(weights, v[..., :n, :]))
+    return torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]

@@ -42,28 +42,32 @@ class MultiHeadAttentionWrapper(AttentionModule):
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         # Each head has its own width d_out, so num_heads need not divide it.
         check_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-            scale=scale, causal=causal, mask_strategy=mask_strategy,
+            scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         check_positive_int("num_heads", num_heads)
         super().__init__()
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.num_heads, self.qkv_bias = num_heads, qkv_bias
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
             num_heads=num_heads, qkv_bias=qkv_bias, scale=scale, causal=causal,
             mask_strategy=mask_strategy,
+            implementation=implementation,
         )
         self.heads = nn.ModuleList(
             CausalAttention(
                 d_in, d_out, context_length, dropout, qkv_bias,
-                scale=scale, causal=causal, mask_strategy=mask_strategy, dtype=dtype, device=device,
+                scale=scale, causal=causal, mask_strategy=mask_strategy,
+                implementation=implementation, dtype=dtype, device=device,
             )
             for _ in range(num_heads)
         )
@@ -75,15 +79,19 @@ class MultiHeadAttentionWrapper(AttentionModule):
         *,
         return_weights: bool = False,
         dropout_mask: Tensor | None = None,
+        kv_lengths: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        self._check_call(x, mask, dropout_mask)
+        self._check_call(x, mask, dropout_mask, kv_lengths)
         results = [
-            head(x, _head_slice(mask, i), return_weights=True, dropout_mask=_head_slice(dropout_mask, i))
+            head(
+                x, _head_slice(mask, i), return_weights=return_weights,
+                dropout_mask=_head_slice(dropout_mask, i), kv_lengths=kv_lengths,
+            )
             for i, head in enumerate(self.heads)
         ]
-        out = torch.cat([o for o, _ in results], dim=-1)  # (B, T, num_heads * d_out)
         if not return_weights:
-            return out
+            return torch.cat(results, dim=-1)  # (B, T, num_heads * d_out)
+        out = torch.cat([o for o, _ in results], dim=-1)
         return out, torch.cat([w for _, w in results], dim=-3)  # (B, num_heads, T, T)
 
 
@@ -110,21 +118,24 @@ class MultiHeadAttention(AttentionModule):
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         check_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-            num_heads=num_heads, scale=scale, causal=causal, mask_strategy=mask_strategy,
+            num_heads=num_heads, scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         super().__init__()
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.num_heads, self.head_dim, self.qkv_bias = num_heads, d_out // num_heads, qkv_bias
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
             num_heads=num_heads, qkv_bias=qkv_bias, out_proj=out_proj, scale=scale, causal=causal,
             mask_strategy=mask_strategy,
+            implementation=implementation,
         )
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
@@ -140,8 +151,9 @@ class MultiHeadAttention(AttentionModule):
         *,
         return_weights: bool = False,
         dropout_mask: Tensor | None = None,
+        kv_lengths: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        return self._attend(x, mask, return_weights, dropout_mask)
+        return self._attend(x, mask, return_weights, dropout_mask, kv_lengths)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # (B, T, d_in) -> (B, T, d_out) -> (B, num_heads, T, head_dim)

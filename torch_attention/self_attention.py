@@ -32,15 +32,18 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
         scale: float | None = None,
         causal: bool = False,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy)
+        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
+                     implementation=implementation)
         super().__init__()
         self.d_in, self.d_out = d_in, d_out
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
-            d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
+            d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
         )
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.W_query = nn.Parameter(torch.randn(d_in, d_out, **factory))
@@ -48,9 +51,14 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
         self.W_value = nn.Parameter(torch.randn(d_in, d_out, **factory))
 
     def forward(
-        self, x: Tensor, mask: Tensor | None = None, *, return_weights: bool = False
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        return_weights: bool = False,
+        kv_lengths: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        return self._attend(x, mask, return_weights, None)
+        return self._attend(x, mask, return_weights, kv_lengths=kv_lengths)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # (B, T, d_in) @ (d_in, d_out) -> (B, 1, T, d_out)
@@ -75,16 +83,20 @@ class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
         scale: float | None = None,
         causal: bool = False,
         mask_strategy: str = "fill",
+        implementation: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy)
+        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
+                     implementation=implementation)
         super().__init__()
         self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
         self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
+        self.implementation = implementation
         self._set_config(
             d_in=d_in, d_out=d_out, qkv_bias=qkv_bias, scale=scale, causal=causal,
             mask_strategy=mask_strategy,
+            implementation=implementation,
         )
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
@@ -92,9 +104,14 @@ class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None = None, *, return_weights: bool = False
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        return_weights: bool = False,
+        kv_lengths: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        return self._attend(x, mask, return_weights, None)
+        return self._attend(x, mask, return_weights, kv_lengths=kv_lengths)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # (B, T, d_in) -> (B, T, d_out) -> (B, 1, T, d_out)

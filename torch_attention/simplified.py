@@ -25,20 +25,33 @@ class SimplifiedAttention(AttentionModule):
     """
 
     def __init__(
-        self, *, normalization: str = "softmax", causal: bool = False, mask_strategy: str = "fill"
+        self,
+        *,
+        normalization: str = "softmax",
+        causal: bool = False,
+        mask_strategy: str = "fill",
+        implementation: str = "auto",
     ) -> None:
-        check_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy)
+        check_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy,
+                     implementation=implementation)
         super().__init__()
         self.normalization = normalization
         self.causal = causal
         self.mask_strategy = mask_strategy
+        self.implementation = implementation
         self.scale = 1.0
-        self._set_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy)
+        self._set_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy,
+                     implementation=implementation)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None = None, *, return_weights: bool = False
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        return_weights: bool = False,
+        kv_lengths: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        return self._attend(x, mask, return_weights, None)
+        return self._attend(x, mask, return_weights, kv_lengths=kv_lengths)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         x = x.unsqueeze(1)  # (B, T, C) -> (B, 1, T, C): one head, the input itself
