@@ -274,7 +274,7 @@ def resolve_implementation(
     check_implementation(requested)
 
     def blockers(path: str) -> list[str]:
-        found = []
+        found: list[str] = []
         if path == "reference":
             return found
         if return_weights:

@@ -8,7 +8,7 @@ Twin of ``torch_attention/_base.py``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -147,12 +147,12 @@ class AttentionModule(nnx.Module):
             implementation=self.implementation,
             precision=self.precision,
         )
-        out, weights = result if return_weights else (result, None)
-        out = self._merge(out)  # (B, H, T, Dv) -> (B, T, d_out)
-        if not batched:
-            out = out[0]
-            weights = None if weights is None else weights[0]
-        return (out, weights) if return_weights else out
+        if return_weights:
+            out, weights = cast(tuple[Array, Array], result)
+            out = self._merge(out)  # (B, H, T, Dv) -> (B, T, d_out)
+            return (out, weights) if batched else (out[0], weights[0])
+        out = self._merge(cast(Array, result))  # (B, H, T, Dv) -> (B, T, d_out)
+        return out if batched else out[0]
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:
         raise NotImplementedError

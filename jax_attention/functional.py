@@ -18,7 +18,7 @@ Everything here is jit-compatible; options are Python values (static under jit).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +294,7 @@ def _fused(
         dense = jnp.broadcast_to(dense, (*dense.shape[:-2], q.shape[-2], k.shape[-2]))
         full = combine_masks(dense, None if not causal else _expand_to(causal_mask(q.shape[-2], k.shape[-2]), q.ndim))
         full = combine_masks(full, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.ndim))
+        assert full is not None  # dense is not None
         row_live = full.any(axis=-1, keepdims=True)
         dense = dense | ~row_live  # a row with nothing to attend to attends to everything...
         live = row_live  # ...and its output is zeroed below: finite values and gradients
@@ -305,7 +306,7 @@ def _fused(
         empty = (kv_lengths > 0).reshape((-1,) + (1,) * (q.ndim - 1))
         live = empty if live is None else live & empty
     half = q.dtype in (jnp.bfloat16, jnp.float16)
-    kernel = "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+    kernel: Literal["xla", "cudnn"] = "cudnn" if jax.default_backend() == "gpu" and half else "xla"
     with jax.default_matmul_precision(_precision_name(precision)):
         out = jax.nn.dot_product_attention(
             bthd(q), bthd(k), bthd(v), mask=dense, scale=scale, is_causal=causal,
@@ -334,32 +335,43 @@ def _blockwise(
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once.  The loop is unrolled (static shapes,
-    differentiable); rows are normalised exactly as in the reference path."""
-    q_len, kv_len = q.shape[-2], k.shape[-2]
+    differentiable).  Rows are normalised as in the reference path, except that the
+    division by the row sum is applied to the (block, Dv) output instead of the
+    (block, S) weights (one pass less over the scores; the same value up to rounding)."""
+    lead, q_len, kv_len = q.shape[:-2], q.shape[-2], k.shape[-2]
+    batch = math.prod(lead)
     block = block_size or default_block_size(q_len)
     ct = _compute_dtype(q.dtype)
+    # Leading dimensions flattened into one batch dimension: XLA's CPU dot is fastest
+    # with a single batch dimension and contracting the last dimension of both operands.
+    q3, k3, v3 = (t.reshape(batch, *t.shape[-2:]) for t in (q, k, v))  # (BH, T|S, D|Dv)
+    allowed_all = None
     if mask is not None:
-        mask = _expand_to(mask, q.ndim)
-    lengths = None if kv_lengths is None else _length_mask(kv_lengths, kv_len, q.ndim)
+        allowed_all = jnp.broadcast_to(_expand_to(mask, q.ndim), (*lead, *mask.shape[-2:]))
+        allowed_all = allowed_all.reshape(batch, *mask.shape[-2:])  # (BH, T or 1, S or 1)
+    if kv_lengths is not None:
+        valid = _expand_to(_length_mask(kv_lengths, kv_len, q.ndim), q.ndim)
+        valid = jnp.broadcast_to(valid, (*lead, 1, kv_len)).reshape(batch, 1, kv_len)
+        allowed_all = valid if allowed_all is None else allowed_all & valid
     outputs = []
     for r0 in range(0, q_len, block):
         r1 = min(r0 + block, q_len)
         n = min(r1, kv_len) if causal else kv_len  # keys this block can see
-        if n <= 0:  # causal with every key after these queries: nothing to attend to
-            outputs.append(jnp.zeros((*q.shape[:-2], r1 - r0, v.shape[-1]), v.dtype))
-            continue
-        scores = jnp.matmul(q[..., r0:r1, :], jnp.swapaxes(k[..., :n, :], -2, -1), precision=precision)
-        scores = scores.astype(ct) * scale  # (..., r1 - r0, n)
+        scores = jnp.einsum("bqd,bkd->bqk", q3[:, r0:r1], k3[:, :n], precision=precision)
+        scores = scores.astype(ct) * scale  # (BH, r1 - r0, n)
         allowed = None
-        if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
-            allowed = mask[..., r0:r1, :n] if mask.shape[-2] > 1 else mask[..., :n]
+        if allowed_all is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
+            allowed = allowed_all[:, r0:r1, :n] if allowed_all.shape[1] > 1 else allowed_all[:, :, :n]
         if causal:
-            tri = (jnp.arange(n)[None, :] <= jnp.arange(r0, r1)[:, None])
-            allowed = combine_masks(allowed, _expand_to(tri, q.ndim))
-        if lengths is not None:
-            allowed = combine_masks(allowed, lengths[..., :n])
+            tri = (jnp.arange(n)[None, :] <= jnp.arange(r0, r1)[:, None])[None]
+            allowed = tri if allowed is None else allowed & tri
         if allowed is not None:
             scores = jnp.where(allowed, scores, -jnp.inf)
-        weights = _softmax(scores).astype(v.dtype)
-        outputs.append(jnp.matmul(weights, v[..., :n, :], precision=precision))
-    return jnp.concatenate(outputs, axis=-2) if len(outputs) > 1 else outputs[0]
+        row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        unnormalized = jnp.exp(scores - row_max)
+        row_sum = unnormalized.sum(axis=-1, keepdims=True)
+        mixed = jnp.einsum("bqk,bkd->bqd", unnormalized.astype(v.dtype), v3[:, :n], precision=precision)
+        outputs.append((mixed.astype(ct) / jnp.where(row_sum == 0, 1.0, row_sum)).astype(v.dtype))
+    out = jnp.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
+    return out.reshape(*lead, q_len, v.shape[-1])

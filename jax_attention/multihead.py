@@ -6,7 +6,7 @@ Twin of ``torch_attention/multihead.py``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 from flax import nnx
@@ -97,9 +97,10 @@ class MultiHeadAttentionWrapper(AttentionModule):
             for i, head in enumerate(self.heads)
         ]
         if not return_weights:
-            return jnp.concatenate(results, axis=-1)  # (B, T, num_heads * d_out)
-        out = jnp.concatenate([o for o, _ in results], axis=-1)
-        return out, jnp.concatenate([w for _, w in results], axis=-3)  # (B, num_heads, T, T)
+            return jnp.concatenate(cast(list[Array], results), axis=-1)  # (B, T, num_heads * d_out)
+        pairs = cast(list[tuple[Array, Array]], results)
+        out = jnp.concatenate([o for o, _ in pairs], axis=-1)
+        return out, jnp.concatenate([w for _, w in pairs], axis=-3)  # (B, num_heads, T, T)
 
 
 class MultiHeadAttention(AttentionModule):

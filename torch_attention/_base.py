@@ -6,7 +6,7 @@ Twin of ``jax_attention/_base.py``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -88,12 +88,12 @@ class AttentionModule(nn.Module):
             return_weights=return_weights,
             implementation=self.implementation,
         )
-        out, weights = result if return_weights else (result, None)
-        out = self._merge(out)  # (B, H, T, Dv) -> (B, T, d_out)
-        if not batched:
-            out = out[0]
-            weights = None if weights is None else weights[0]
-        return (out, weights) if return_weights else out
+        if return_weights:
+            out, weights = cast(tuple[Tensor, Tensor], result)
+            out = self._merge(out)  # (B, H, T, Dv) -> (B, T, d_out)
+            return (out, weights) if batched else (out[0], weights[0])
+        out = self._merge(cast(Tensor, result))  # (B, H, T, Dv) -> (B, T, d_out)
+        return out if batched else out[0]
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError

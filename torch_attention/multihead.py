@@ -6,7 +6,7 @@ Twin of ``jax_attention/multihead.py``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -90,9 +90,10 @@ class MultiHeadAttentionWrapper(AttentionModule):
             for i, head in enumerate(self.heads)
         ]
         if not return_weights:
-            return torch.cat(results, dim=-1)  # (B, T, num_heads * d_out)
-        out = torch.cat([o for o, _ in results], dim=-1)
-        return out, torch.cat([w for _, w in results], dim=-3)  # (B, num_heads, T, T)
+            return torch.cat(cast(list[Tensor], results), dim=-1)  # (B, T, num_heads * d_out)
+        pairs = cast(list[tuple[Tensor, Tensor]], results)
+        out = torch.cat([o for o, _ in pairs], dim=-1)
+        return out, torch.cat([w for _, w in pairs], dim=-3)  # (B, num_heads, T, T)
 
 
 class MultiHeadAttention(AttentionModule):
