@@ -305,6 +305,8 @@ def _fused(
         lengths = jnp.maximum(kv_lengths, 1).astype(jnp.int32)
         empty = (kv_lengths > 0).reshape((-1,) + (1,) * (q.ndim - 1))
         live = empty if live is None else live & empty
+    if jax.default_backend() == "tpu" and dense is None and kv_lengths is None and splash_supports(q, k, v):
+        return splash_attention(q, k, v, causal=causal, scale=scale)
     half = q.dtype in (jnp.bfloat16, jnp.float16)
     kernel: Literal["xla", "cudnn"] = "cudnn" if jax.default_backend() == "gpu" and half else "xla"
     with jax.default_matmul_precision(_precision_name(precision)):
@@ -314,6 +316,38 @@ def _fused(
         )
     out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])  # (..., H, T, Dv)
     return out if live is None else jnp.where(live, out, jnp.zeros((), out.dtype))
+
+
+def splash_supports(q: Array, k: Array, v: Array) -> bool:
+    """Whether the TPU splash-attention kernel takes these shapes (whole 128-blocks, one
+    width for q, k and v) and the installed jax has it."""
+    try:
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel  # noqa: F401
+    except ImportError:  # pragma: no cover - depends on the jax build
+        return False
+    q_len, kv_len, width = q.shape[-2], k.shape[-2], q.shape[-1]
+    return q.ndim >= 3 and q_len % 128 == 0 and kv_len % 128 == 0 and width % 128 == 0 and v.shape[-1] == width
+
+
+def splash_attention(
+    q: Array, k: Array, v: Array, *, causal: bool, scale: float, interpret: bool = False
+) -> Array:
+    """The Pallas splash-attention kernel (TPU) on (..., H, T, D): a causal mask is a
+    block-sparse mask object, so the hidden blocks are skipped.  ``interpret=True`` runs
+    the kernel in the Pallas interpreter (any backend; how it is tested on CPU)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    heads, q_len, kv_len = q.shape[-3], q.shape[-2], k.shape[-2]
+    one = masks.CausalMask((q_len, kv_len)) if causal else masks.FullMask((q_len, kv_len))
+    kernel = kernels.make_splash_mha(
+        mask=masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1, interpret=interpret,
+    )
+    batch = math.prod(q.shape[:-3])
+    # The kernel takes pre-scaled queries and one example (H, T, D); vmap over the batch.
+    q3, k3, v3 = ((t.reshape(batch, heads, *t.shape[-2:])) for t in ((q * scale).astype(q.dtype), k, v))
+    out = jax.vmap(kernel)(q3, k3, v3)
+    return out.reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)
 
 
 def _precision_name(precision: Precision) -> str | None:
