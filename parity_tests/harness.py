@@ -75,15 +75,21 @@ def jax_dtype(name: str) -> Any:
     return getattr(jnp, name)
 
 
-def module_dtype(module: Any) -> str:
-    """The parameter dtype name of a module of either framework (float32 if it has none)."""
+def module_dtype(module: Any, inputs: Sequence[Any] = ()) -> str:
+    """The parameter dtype name of a module of either framework; for a module without
+    parameters, the dtype of its first floating-point input (float32 if none)."""
     if hasattr(module, "parameters"):  # torch
         params = list(module.parameters())
-        return str(params[0].dtype).removeprefix("torch.") if params else "float32"
-    from flax import nnx
+        if params:
+            return str(params[0].dtype).removeprefix("torch.")
+    else:
+        from flax import nnx
 
-    leaves = [v[...] for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
-    return str(leaves[0].dtype) if leaves else "float32"
+        leaves = [v[...] for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+        if leaves:
+            return str(leaves[0].dtype)
+    floats = [as_numpy(x).dtype.name for x in inputs if _is_float(x)]
+    return floats[0] if floats else "float32"
 
 
 # --------------------------------------------------------------------------- conversion
@@ -282,11 +288,11 @@ def run_torch(
     with respect to every float input and the named parameters) as NumPy arrays."""
     import torch
 
-    dtype = torch_dtype(module_dtype(module))
+    dtype = torch_dtype(module_dtype(module, inputs))
     xs = [
         torch.tensor(x, dtype=dtype, requires_grad=grads) if np.issubdtype(x.dtype, np.floating)
         else torch.tensor(x)
-        for x in (np.asarray(x, np.float32) if _is_float(x) else np.asarray(x) for x in inputs)
+        for x in (_numpy_source(x) for x in inputs)
     ]
     kwargs: dict[str, Any] = {}
     if mask is not None:
@@ -336,8 +342,8 @@ def run_flax(
     import jax.numpy as jnp
     from flax import nnx
 
-    dtype = jax_dtype(module_dtype(module))
-    xs = [jnp.asarray(np.asarray(x, np.float32)).astype(dtype) if _is_float(x) else jnp.asarray(x) for x in inputs]
+    dtype = jax_dtype(module_dtype(module, inputs))
+    xs = [jnp.asarray(_numpy_source(x)).astype(dtype) if _is_float(x) else jnp.asarray(x) for x in inputs]
     kwargs: dict[str, Any] = {}
     if mask is not None:
         kwargs["mask"] = jnp.asarray(np.asarray(mask, dtype=bool))
@@ -409,6 +415,13 @@ def _flax_run(graphdef: Any, params: Any, rest: Any, xs: Any, arrays: Any, cot: 
     float_xs = [xs[i] for i in float_positions]
     (_, outputs), gradients = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, float_xs)
     return outputs, gradients
+
+
+def _numpy_source(x: Any) -> np.ndarray:
+    """An input as a NumPy array that both frameworks accept, at its full precision
+    (bfloat16, which NumPy lacks, goes through float32 exactly)."""
+    array = as_numpy(x)
+    return array.astype(np.float32) if array.dtype.name == "bfloat16" else array
 
 
 def _is_float(x: Any) -> bool:
@@ -527,7 +540,7 @@ def check_parity(
               "cotangent": None if cotangent is None else as_numpy(cotangent)}
     t = run_torch(torch_module, np_inputs, param_names=list(paths), **common)
     f = run_flax(flax_module, np_inputs, param_paths=paths, transposed=transposed, **common)
-    dtype = module_dtype(torch_module)
+    dtype = module_dtype(torch_module, np_inputs)
     report = ParityReport(torch_results=t, flax_results=f)
     for name in t:
         if name not in f:
