@@ -21,6 +21,7 @@ __all__ = [
     "ParamRule",
     "as_numpy",
     "check_complete",
+    "check_float_arrays",
     "flatten_paths",
     "flax_to_torch",
     "module_rules",
@@ -124,6 +125,15 @@ def check_complete(
         for k in misshaped
     ]
     raise ValueError("\n".join(lines))
+
+
+def check_float_arrays(arrays: Mapping[Any, np.ndarray], what: str) -> None:
+    """Every array floating point (bfloat16 included); else one TypeError naming each
+    offender, raised before anything is written."""
+    bad = [f"  {_fmt(k)}: dtype {a.dtype}" for k, a in arrays.items()
+           if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16")]
+    if bad:
+        raise TypeError("\n".join([f"{what} holds arrays that are not floating point:", *bad]))
 
 
 def _fmt(key: Any) -> str:

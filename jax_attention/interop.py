@@ -20,6 +20,7 @@ from attention_spec.conversion import (
     Path,
     as_numpy,
     check_complete,
+    check_float_arrays,
     flatten_paths,
     flax_to_torch,
     module_rules,
@@ -79,9 +80,12 @@ def load_flax_arrays(module: nnx.Module, arrays: Mapping[Any, Any]) -> nnx.Modul
     flat = flatten_paths(arrays)
     check_complete({p: np.shape(a) for p, a in flat.items()}, {r.flax_path: r.flax_shape for r in rules},
                    "the Flax state")
-    for rule in rules:
-        variable = _variable(module, rule.flax_path)
-        variable[...] = jnp.asarray(flat[rule.flax_path], dtype=variable[...].dtype)
+    check_float_arrays(flat, "the Flax state")
+    variables = {r.flax_path: _variable(module, r.flax_path) for r in rules}
+    # Every array is converted before the first write: a failure leaves the module as it was.
+    ready = {p: jnp.asarray(flat[p], dtype=v[...].dtype) for p, v in variables.items()}
+    for path, variable in variables.items():
+        variable[...] = ready[path]
     return module
 
 
@@ -89,4 +93,6 @@ def load_torch_state_dict(module: nnx.Module, state_dict: Mapping[str, Any]) -> 
     """Writes a PyTorch ``state_dict`` (tensors or NumPy) into the module; checks as
     ``load_flax_arrays``."""
     arrays = {k: as_numpy(v) for k, v in state_dict.items()}
-    return load_flax_arrays(module, torch_to_flax(arrays, module_rules(module)))
+    flat = torch_to_flax(arrays, module_rules(module))  # names and shapes, PyTorch's words
+    check_float_arrays(arrays, "the PyTorch state_dict")
+    return load_flax_arrays(module, flat)

@@ -167,6 +167,8 @@ class Finding:
     labels: tuple[str, str] = ("torch", "flax")
     # The smallest t for which rtol = atol = t would pass: what tolerances are measured by.
     needed: float = 0.0
+    # max |a - b| / (atol + rtol * magnitude): above 1 fails; how findings are ranked.
+    tolerance_used: float = 0.0
 
     def describe(self) -> str:
         a, b = self.labels
@@ -195,15 +197,13 @@ class ParityReport:
 
     @property
     def worst(self) -> Finding | None:
-        bad = self.failures or self.findings
-        return max(bad, key=lambda f: f.max_abs / (f.atol + f.rtol * max(abs(f.flax_value), abs(f.torch_value)) + 1e-300),
-                   default=None)
+        return max(self.failures or self.findings, key=lambda f: f.tolerance_used, default=None)
 
     def message(self) -> str:
         if self.ok:
             return f"parity holds for {len(self.findings)} tensors"
         lines = [f"parity fails for {len(self.failures)} of {len(self.findings)} tensors; worst:"]
-        lines += ["  " + f.describe() for f in sorted(self.failures, key=lambda f: -f.max_rel)]
+        lines += ["  " + f.describe() for f in sorted(self.failures, key=lambda f: -f.tolerance_used)]
         return "\n".join(lines)
 
 
@@ -231,6 +231,7 @@ def compare(
     magnitude = (finite_b.max() if finite_b.size else 0.0) if tol.normwise else np.abs(b)
     excess = diff - (tol.atol + tol.rtol * magnitude)
     needed = float(np.max(diff / (1.0 + magnitude)))
+    tolerance_used = float(np.max(diff / np.maximum(tol.atol + tol.rtol * magnitude, 1e-300)))
     flat = int(np.nanargmax(np.where(np.isnan(excess), np.inf, excess)))
     index = tuple(int(i) for i in np.unravel_index(flat, a.shape))
     # A tensor that is zero in exact arithmetic (the gradient of a key bias, say) has no
@@ -250,6 +251,7 @@ def compare(
         shape=a.shape,
         labels=labels,
         needed=needed,
+        tolerance_used=tolerance_used,
     )
 
 

@@ -20,6 +20,7 @@ from attention_spec.conversion import (
     Path,
     as_numpy,
     check_complete,
+    check_float_arrays,
     flatten_paths,
     flax_to_torch,
     module_rules,
@@ -71,17 +72,25 @@ def load_torch_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> n
     arrays = {k: as_numpy(v) for k, v in state_dict.items()}
     check_complete({k: a.shape for k, a in arrays.items()}, {r.torch_name: r.torch_shape for r in rules},
                    "the PyTorch state_dict")
+    check_float_arrays(arrays, "the PyTorch state_dict")
     own = module.state_dict()
+    # Every tensor is converted before the first write: a failure leaves the module as it was.
+    ready = {r.torch_name: _tensor(arrays[r.torch_name], own[r.torch_name]) for r in rules}
     with torch.no_grad():
-        for rule in rules:
-            target = own[rule.torch_name]
-            array = arrays[rule.torch_name]
-            if array.dtype.name == "bfloat16":  # NumPy has no bfloat16: via float32, exact
-                array = array.astype(np.float32)
-            target.copy_(torch.from_numpy(np.array(array)).to(target.dtype))  # np.array: a writable copy
+        for name, tensor in ready.items():
+            own[name].copy_(tensor)
     return module
+
+
+def _tensor(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    if array.dtype.name == "bfloat16":  # NumPy has no bfloat16: via float32, exact
+        array = array.astype(np.float32)
+    return torch.from_numpy(np.array(array)).to(dtype=like.dtype, device=like.device)  # np.array: a writable copy
 
 
 def load_flax_arrays(module: nn.Module, arrays: Mapping[Any, Any]) -> nn.Module:
     """Writes Flax-layout arrays into the module; checks as ``load_torch_state_dict``."""
-    return load_torch_state_dict(module, flax_to_torch(flatten_paths(arrays), module_rules(module)))
+    flat = flatten_paths(arrays)
+    state_dict = flax_to_torch(flat, module_rules(module))  # names and shapes, Flax's words
+    check_float_arrays(flat, "the Flax state")
+    return load_torch_state_dict(module, state_dict)
