@@ -1,0 +1,47 @@
+"""One system over its configs, in a process of its own (started by ``runner``):
+
+    python -m benchmarks._worker JOB.json RESULTS.jsonl
+
+Appends to RESULTS.jsonl a ``{"runtime": ...}`` line, then a ``{"measurement": ...}``
+line per config as each finishes, so that what was measured survives a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from benchmarks import report
+from benchmarks.configs import Config
+from benchmarks.environment import runtime_environment
+from benchmarks.measure import measure
+from benchmarks.systems import configure_jax, configure_torch, framework_of
+
+
+def main(job_path: str, results_path: str) -> None:
+    with open(job_path) as f:
+        job = json.load(f)
+    system = job["system"]
+    framework = framework_of(system)
+    if framework == "jax":
+        configure_jax()
+    else:
+        configure_torch()
+    with open(results_path, "a") as out:
+
+        def emit(line: dict) -> None:
+            out.write(json.dumps(line) + "\n")
+            out.flush()
+
+        emit({"runtime": runtime_environment(framework)})
+        for config in job["configs"]:
+            result = measure(
+                system, Config.from_json(config),
+                runs=job["runs"], warmup=job["warmup"], backward=job["backward"],
+            )
+            emit({"measurement": result})
+            print(report.progress_line(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

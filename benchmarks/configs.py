@@ -1,0 +1,167 @@
+"""What the benchmark measures: the attention shapes (``Config``), the systems, the
+FLOP count, and the three modes (full, quick, cpu-target).
+
+Framework-free: nothing here imports JAX or PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# The systems, in the order of every table and plot.  Each is a module-level
+# multi-head self-attention with d_in = d_out = heads * head_dim (projections included).
+SYSTEMS = (
+    "ours-jax-reference",  # jax_attention.MultiHeadAttention(implementation="reference")
+    "ours-jax-fused",  # ... implementation="fused" (jax.nn.dot_product_attention)
+    "ours-jax-blockwise",  # ... implementation="blockwise"
+    "ours-jax-auto",  # ... implementation="auto"
+    "flax-nnx-mha",  # flax.nnx.MultiHeadAttention with its defaults
+    "ours-torch-reference",  # torch_attention.MultiHeadAttention(implementation="reference")
+    "ours-torch-sdpa",  # ... implementation="fused" (F.scaled_dot_product_attention)
+    "torch-nn-mha",  # torch.nn.MultiheadAttention(batch_first=True)
+    "ours-torch-compile",  # torch.compile of ours-torch-sdpa
+)
+COMPILE_SYSTEM = "ours-torch-compile"
+
+# Timed-run ratios printed under every table (when both systems were measured):
+# numerator / denominator of the median forward time, below 1.0 = the numerator is faster.
+RATIOS = (("ours-jax-auto", "ours-torch-sdpa"), ("ours-jax-auto", "flax-nnx-mha"))
+
+BACKWARD_FACTOR = 2.5  # backward FLOPs per forward FLOP (the usual FlashAttention count)
+
+
+def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> int:
+    """Forward FLOPs of the attention core: two (S x S x D) matmuls per head, 2 FLOPs per
+    multiply-add, so 4·B·H·S²·D; a causal mask halves it (the masked half is not work)."""
+    total = 4 * batch * heads * seq * seq * head_dim
+    return total // 2 if causal else total
+
+
+def fwd_bwd_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> int:
+    """Forward plus backward FLOPs of the attention core: (1 + 2.5) x the forward."""
+    return int(flops(batch, heads, seq, head_dim, causal) * (1 + BACKWARD_FACTOR))
+
+
+def projection_flops(batch: int, seq: int, d_model: int) -> int:
+    """Forward FLOPs of the four d_model x d_model projections (query, key, value, out)
+    that a module-level measurement includes but the attention-core count leaves out."""
+    return 4 * 2 * batch * seq * d_model * d_model
+
+
+@dataclass(frozen=True)
+class Config:
+    """One attention shape.  ``systems`` restricts which systems run it (None = all)."""
+
+    batch: int
+    seq: int
+    heads: int
+    head_dim: int
+    causal: bool
+    dtype: str  # "float32" or "bfloat16"
+    systems: tuple[str, ...] | None = None
+
+    @property
+    def d_model(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def label(self) -> str:
+        """A readable id, e.g. ``B4-S1024-H8-D64-causal-float32``."""
+        mask = "causal" if self.causal else "full"
+        return f"B{self.batch}-S{self.seq}-H{self.heads}-D{self.head_dim}-{mask}-{self.dtype}"
+
+    @property
+    def group(self) -> tuple[int, bool, str]:
+        """Configs that differ only in sequence length (one subplot): head_dim, causal, dtype."""
+        return (self.head_dim, self.causal, self.dtype)
+
+    def runs_system(self, system: str) -> bool:
+        return self.systems is None or system in self.systems
+
+    def flops(self) -> int:
+        return flops(self.batch, self.heads, self.seq, self.head_dim, self.causal)
+
+    def fwd_bwd_flops(self) -> int:
+        return fwd_bwd_flops(self.batch, self.heads, self.seq, self.head_dim, self.causal)
+
+    def projection_flops(self) -> int:
+        return projection_flops(self.batch, self.seq, self.d_model)
+
+    def to_json(self) -> dict[str, object]:
+        data = asdict(self)
+        data["systems"] = None if self.systems is None else list(self.systems)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Config:
+        systems = data.get("systems")
+        return cls(**{**data, "systems": None if systems is None else tuple(systems)})
+
+
+# --------------------------------------------------------------------------- modes
+
+FULL_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+FULL_TOKENS = 16384  # batch * seq
+FULL_WIDTH = 2048  # heads * head_dim
+LONG_SEQ_SYSTEMS = ("ours-jax-fused", "ours-jax-reference")
+
+
+def full_configs() -> list[Config]:
+    """The GPU sweep: S in 512..16k with B·S = 16k tokens and H·D = 2048, head_dim 64 and
+    128, causal and not, float32 and bfloat16; then S = 64k (B=1, H=16, head_dim 128,
+    bfloat16, causal and not) for ours-jax-fused, with the reference expected to run out
+    of memory."""
+    configs = [
+        Config(FULL_TOKENS // seq, seq, FULL_WIDTH // head_dim, head_dim, causal, dtype)
+        for dtype in ("float32", "bfloat16")
+        for head_dim in (64, 128)
+        for causal in (False, True)
+        for seq in FULL_SEQS
+    ]
+    configs += [
+        Config(1, 65536, 16, 128, causal, "bfloat16", systems=LONG_SEQ_SYSTEMS)
+        for causal in (False, True)
+    ]
+    return configs
+
+
+def quick_configs() -> list[Config]:
+    """A CPU run of about a minute: S 256 and 512, B·S = 1024 tokens, H·D = 256."""
+    return [Config(1024 // seq, seq, 4, 64, True, "float32") for seq in (256, 512)]
+
+
+def cpu_target_configs() -> list[Config]:
+    """The issue's CPU target: B=4, H=8, S=1024, head_dim 64, float32, causal."""
+    return [Config(4, 1024, 8, 64, True, "float32")]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A named benchmark run: its shapes, systems, timed runs and whether to time the
+    backward pass."""
+
+    name: str
+    configs: tuple[Config, ...]
+    systems: tuple[str, ...]
+    runs: int
+    backward: bool
+    warmup: int = 2  # untimed calls after the first (compiling) call
+
+
+def mode(name: str, *, with_compile: bool = False) -> Mode:
+    """The mode ``"full"``, ``"quick"`` or ``"cpu-target"``.
+
+    ``with_compile`` adds ours-torch-compile to quick mode (the others decide themselves:
+    the full run has it, the CPU target does not)."""
+    if name == "full":
+        return Mode(name, tuple(full_configs()), SYSTEMS, runs=20, backward=True)
+    if name == "quick":
+        systems = tuple(s for s in SYSTEMS if with_compile or s != COMPILE_SYSTEM)
+        return Mode(name, tuple(quick_configs()), systems, runs=5, backward=False, warmup=1)
+    if name == "cpu-target":
+        systems = (
+            "ours-jax-auto", "ours-jax-blockwise", "ours-jax-reference", "ours-jax-fused",
+            "ours-torch-sdpa", "ours-torch-reference", "flax-nnx-mha", "torch-nn-mha",
+        )
+        return Mode(name, tuple(cpu_target_configs()), systems, runs=20, backward=False)
+    raise ValueError(f"unknown mode {name!r}; expected 'full', 'quick' or 'cpu-target'")

@@ -1,0 +1,155 @@
+"""What a result was measured on: the machine (from the parent process, which imports
+no framework and so holds no GPU memory) and each framework's runtime (from the worker
+process that ran it)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+import time
+from typing import Any
+
+PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax", "torch", "numpy")
+
+
+def host_environment() -> dict[str, Any]:
+    """Date, CPU, GPU (name, driver, memory, from ``nvidia-smi``) and package versions."""
+    cpu_model = _cpu_model()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = _nvidia_gpus()
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": gpus[0]["name"] if gpus else f"{cpu_model} ({cores} cores)",
+        "gpus": gpus,
+        "driver": gpus[0]["driver"] if gpus else None,
+        "cpu": {"model": cpu_model, "cores": cores},
+        "load_average_at_start": load_average(),
+        "cpu_busy_at_start": cpu_busy(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {},
+        "git": _git_state(),
+    }
+    for name in PACKAGES:
+        try:
+            env["packages"][name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return env
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages: other work on a shared machine shows here."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def cpu_busy(seconds: float = 1.0) -> float | None:
+    """The fraction of the machine's CPU time that was busy over the next ``seconds``
+    (from /proc/stat; None elsewhere): taken while the benchmark itself is idle, it is
+    other work on a shared machine.  (The load average lags by minutes.)"""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]  # the "cpu" line: all cores
+        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+
+    try:
+        total_0, idle_0 = sample()
+        time.sleep(seconds)
+        total_1, idle_1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total_1 - total_0
+    return None if total <= 0 else 1.0 - (idle_1 - idle_0) / total
+
+
+def device_slug(env: dict[str, Any]) -> str:
+    """A folder name for the device: ``nvidia-h100-80gb-hbm3``, ``cpu-2core-amd-epyc``."""
+    if env["gpus"]:
+        return _slug(env["gpus"][0]["name"])
+    model = re.sub(r"\((R|TM)\)|\bCPU\b|@.*", " ", env["cpu"]["model"])
+    return f"cpu-{env['cpu']['cores']}core-{_slug(model)}"
+
+
+def runtime_environment(framework: str) -> dict[str, Any]:
+    """The framework's view, from inside a worker: versions, backend, device, precision."""
+    if framework == "jax":
+        import jax
+        import jaxlib
+
+        device = jax.devices()[0]
+        return {
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "backend": jax.default_backend(),
+            "platform_version": device.client.platform_version,  # CUDA / cuDNN build on GPU
+            "device_kind": device.device_kind,
+            "device_count": jax.device_count(),
+            "default_matmul_precision": jax.config.jax_default_matmul_precision,  # type: ignore[attr-defined]
+            "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+        }
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "num_threads": torch.get_num_threads(),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _nvidia_gpus() -> list[dict[str, str]]:
+    query = "name,driver_version,memory.total"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        name, driver, memory = (part.strip() for part in line.split(","))
+        gpus.append({"name": name, "driver": driver, "memory": memory})
+    return gpus
+
+
+def _git_state() -> dict[str, Any] | None:
+    """The commit measured, and whether tracked files differed from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "modified": [line[3:] for line in changed]}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")

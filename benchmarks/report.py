@@ -1,0 +1,208 @@
+"""Results on disk and on screen: ``<mode>.json`` (environment and every measurement),
+``<mode>.md`` (the table) and ``<mode>.png`` (TFLOP/s against sequence length)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.configs import RATIOS, SYSTEMS, Config
+
+PHASES = (("fwd", "forward"), ("fwd_bwd", "forward+backward"))
+
+
+def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Writes the JSON, markdown and (with matplotlib installed) PNG of ``results``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / results["mode"]
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    paths[1].write_text(markdown(results))
+    if importlib.util.find_spec("matplotlib") is None:  # optional: the test extra has it
+        print("matplotlib is not installed: no plot")
+        return paths
+    paths.append(stem.with_suffix(".png"))
+    plot(results, paths[-1])
+    return paths
+
+
+# --------------------------------------------------------------------------- text
+
+
+def environment_text(env: dict[str, Any]) -> str:
+    """A few lines: device, driver, CUDA/cuDNN, versions, date, load."""
+    packages = env["packages"]
+    versions = ", ".join(f"{name} {packages[name]}" for name in packages)
+    runtime = env.get("runtime", {})
+    torch_rt, jax_rt = runtime.get("torch", {}), runtime.get("jax", {})
+    lines = [
+        f"- device: {env['device']}; CPU: {env['cpu']['model']}, {env['cpu']['cores']} cores",
+        f"- driver: {env['driver'] or 'none (no NVIDIA GPU)'}; "
+        f"torch CUDA {torch_rt.get('cuda')}, cuDNN {torch_rt.get('cudnn')}, device {torch_rt.get('device')}, "
+        f"{torch_rt.get('num_threads')} threads; "
+        f"jax backend {jax_rt.get('backend')} ({jax_rt.get('platform_version')}), device {jax_rt.get('device_kind')}",
+        f"- versions: {versions}; Python {env['python']}; {_git(env.get('git'))}",
+        f"- date: {env['date']}; CPU busy with other work at start / end: "
+        f"{_percent(env.get('cpu_busy_at_start'))} / {_percent(env.get('cpu_busy_at_end'))}; "
+        f"load average (1 / 5 / 15 min) at start: {_load(env.get('load_average_at_start'))}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The whole report: environment, the table, the ratios and the notes."""
+    parts = [
+        f"# Attention benchmark: {results['mode']}\n",
+        environment_text(results["env"]),
+        table(results),
+        ratios_text(results),
+        notes_text(results),
+    ]
+    return "\n".join(part for part in parts if part)
+
+
+def notes_text(results: dict[str, Any]) -> str:
+    return "Notes:\n\n" + "".join(f"- {note}\n" for note in results["notes"])
+
+
+def table(results: dict[str, Any]) -> str:
+    """One row per (config, system): median times with their spread, TFLOP/s of the
+    attention core, peak memory, first-call (compile) time, error."""
+    backward = results["settings"]["backward"] or any(m["fwd_bwd"] for m in results["measurements"])
+    header = ["config", "system", "fwd ms (IQR)", "fwd TFLOP/s"]
+    if backward:
+        header += ["fwd+bwd ms (IQR)", "fwd+bwd TFLOP/s"]
+    header += ["peak MiB", "compile s (fwd / fwd+bwd)" if backward else "compile s", "error"]
+    rows = []
+    for m in sorted_measurements(results):
+        row = [m["label"], m["system"], *_phase_cells(m["fwd"])]
+        if backward:
+            row += _phase_cells(m["fwd_bwd"])
+        compile_s = " / ".join(f"{m[p]['compile_s']:.2f}" for p, _ in PHASES if m[p])
+        peak = "n/a" if m["peak_mem_bytes"] is None else f"{m['peak_mem_bytes'] / 2**20:,.0f}"
+        row += [peak, compile_s or "-", m["error"] or ""]
+        rows.append(row)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def ratios_text(results: dict[str, Any]) -> str:
+    """``a / b`` of median times for each pair in ``configs.RATIOS`` measured in this run
+    (below 1.0: a is faster)."""
+    by_key = {(m["system"], m["label"]): m for m in results["measurements"]}
+    lines = []
+    for label in dict.fromkeys(m["label"] for m in sorted_measurements(results)):
+        for a, b in RATIOS:
+            ma, mb = by_key.get((a, label)), by_key.get((b, label))
+            if ma is None or mb is None:
+                continue
+            parts = []
+            for phase, name in PHASES:
+                if ma[phase] and mb[phase]:
+                    parts.append(f"{name} {ma[phase]['median_ms'] / mb[phase]['median_ms']:.2f}")
+            if parts:
+                lines.append(f"- {label}: {a} / {b} = {', '.join(parts)}")
+    if not lines:
+        return ""
+    return "Time ratios (median time, below 1.0 = the first is faster):\n\n" + "\n".join(lines) + "\n"
+
+
+def progress_line(m: dict[str, Any]) -> str:
+    """One line per finished measurement, printed while the benchmark runs."""
+    parts = [f"{m['system']:<21} {m['label']:<36}"]
+    for phase, name in PHASES:
+        if m[phase]:
+            parts.append(f"{name} {m[phase]['median_ms']:9.3f} ms {m[phase]['tflops']:8.3f} TFLOP/s")
+    if m["error"]:
+        parts.append(f"ERROR {m['error']}")
+    return "  ".join(parts)
+
+
+def sorted_measurements(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """By config (in run order), then system (in run order)."""
+    systems = {s: i for i, s in enumerate(results["systems"])}
+    configs: dict[str, int] = {}
+    for m in results["measurements"]:
+        configs.setdefault(m["label"], len(configs))
+    return sorted(
+        results["measurements"],
+        key=lambda m: (configs[m["label"]], systems.get(m["system"], len(systems))),
+    )
+
+
+def _phase_cells(timing: dict[str, Any] | None) -> list[str]:
+    if timing is None:
+        return ["-", "-"]
+    return [f"{timing['median_ms']:.3f} ({timing['iqr_pct']:.0f}%)", f"{timing['tflops']:.3g}"]
+
+
+def _git(git: dict[str, Any] | None) -> str:
+    if git is None:
+        return "not a git checkout"
+    modified = f", modified: {', '.join(git['modified'])}" if git["modified"] else ""
+    return f"commit {git['commit'][:12]}{modified}"
+
+
+def _percent(fraction: float | None) -> str:
+    return "unknown" if fraction is None else f"{fraction:.0%}"
+
+
+def _load(load: list[float] | None) -> str:
+    return "unknown" if load is None else " / ".join(f"{x:.2f}" for x in load)
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """TFLOP/s against sequence length, a line per system; a row of subplots per
+    (head_dim, causal, dtype) group, a column per phase measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measurements = sorted_measurements(results)
+    groups = list(dict.fromkeys(Config.from_json(m["config"]).group for m in measurements))
+    phases = [(p, name) for p, name in PHASES if any(m[p] for m in measurements)] or [PHASES[0]]
+    fig, axes = plt.subplots(
+        len(groups), len(phases), figsize=(6.5 * len(phases), 3.8 * len(groups)),
+        squeeze=False, constrained_layout=True,
+    )
+    for row, group in enumerate(groups):
+        head_dim, causal, dtype = group
+        in_group = [m for m in measurements if Config.from_json(m["config"]).group == group]
+        seqs = sorted({m["config"]["seq"] for m in in_group})
+        for col, (phase, name) in enumerate(phases):
+            ax = axes[row][col]
+            for system in results["systems"]:
+                points = sorted(
+                    (m["config"]["seq"], m[phase]["tflops"])
+                    for m in in_group if m["system"] == system and m[phase]
+                )
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, marker="o", color=_color(system), label=system)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqs, [str(s) for s in seqs])
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s (attention core)")
+            ax.set_title(f"{name}: head_dim {head_dim}, {'causal' if causal else 'non-causal'}, {dtype}")
+            ax.grid(True, alpha=0.3)
+    legend: dict[str, Any] = {}  # one entry per system that appears in any subplot
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    if legend:
+        fig.legend(handles=list(legend.values()), labels=list(legend), loc="outside right center")
+    fig.suptitle(f"{results['env']['device']} ({results['mode']})")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _color(system: str) -> str:
+    """The same colour for a system in every plot, whichever systems a run has."""
+    return f"C{SYSTEMS.index(system) % 10}" if system in SYSTEMS else "black"

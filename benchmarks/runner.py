@@ -1,0 +1,194 @@
+"""Runs a benchmark mode: each system in a worker process of its own, one after another,
+then the results to ``benchmarks/results/<device>/<mode>.{json,md,png}``.
+
+Why processes: JAX and PyTorch each keep an allocator (and on CPU a thread pool) for the
+life of a process, so in one process each would run in the other's leftovers; a worker
+per system starts clean, and a crash (a host out-of-memory kill, say) costs one case,
+not the run: the worker is restarted for the cases after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+from benchmarks.configs import Config, Mode
+from benchmarks.environment import cpu_busy, device_slug, host_environment, load_average
+from benchmarks.measure import empty_result
+from benchmarks.systems import framework_of
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: benchmarks and the twins
+RESULTS = ROOT / "benchmarks" / "results"
+
+# JAX preallocates 75% of a GPU by default; in a worker of its own it may take more,
+# so that the reference path runs out of memory where torch's would, not earlier.
+WORKER_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90"}
+
+BUSY_THRESHOLD = 0.25  # CPU busy with other work (fraction of all cores) worth a warning
+
+
+def run(
+    mode: Mode,
+    *,
+    out_dir: Path | None = None,
+    append: bool = False,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Measures every (system, config) of ``mode``, writes the results and prints the
+    table; returns the results (what ``<mode>.json`` holds).
+
+    ``out_dir`` defaults to ``benchmarks/results/<device-slug>``.  ``append`` keeps the
+    measurements of an earlier ``<mode>.json`` there that this run did not repeat (to
+    split a long run into several calls)."""
+    env = host_environment()
+    out_dir = out_dir or RESULTS / device_slug(env)
+    echo(f"Benchmark '{mode.name}' on {env['device']}; results to {out_dir}")
+    if mode.name == "full" and not env["gpus"]:
+        echo("Note: the full sweep is meant for a GPU; on a CPU it takes hours (try --quick or --cpu-target).")
+    env["runtime"] = {}
+    measurements = []
+    for system in mode.systems:
+        configs = [c for c in mode.configs if c.runs_system(system)]
+        if configs:
+            runtime, done = _run_system(system, configs, mode, echo)
+            if runtime:
+                env["runtime"].setdefault(framework_of(system), runtime)
+            measurements += done
+    env["load_average_at_end"] = load_average()  # this run's own work included
+    env["cpu_busy_at_end"] = cpu_busy()
+    results = {
+        "mode": mode.name,
+        "env": env,
+        "settings": {"runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward},
+        "notes": notes(mode, env),
+        "systems": list(mode.systems),
+        "measurements": measurements,
+    }
+    if append:
+        results = _merge(out_dir / f"{mode.name}.json", results)
+    paths = report.write(results, out_dir)
+    echo("\n" + report.environment_text(env))
+    echo(report.table(results))
+    echo(report.ratios_text(results))
+    echo(report.notes_text(results))
+    echo("Written: " + ", ".join(str(p) for p in paths))
+    return results
+
+
+def notes(mode: Mode, env: dict[str, Any]) -> list[str]:
+    """What a reader needs to read the numbers right."""
+    runs = f"median of {mode.runs} timed runs"
+    if mode.name == "quick":
+        runs += " (quick mode: fewer runs than the 20 of the full and CPU-target modes, so noisier)"
+    elif mode.runs < 20:
+        runs += " (fewer than 20: noisier)"
+    return [
+        f"Times: {runs}, after one first call (timed apart as 'compile s': JAX compiles, "
+        f"PyTorch allocates, torch.compile compiles; forward / forward+backward) and "
+        f"{mode.warmup} untimed warm-up call(s); the clock stops when the device is done. "
+        "IQR = interquartile range / median. Inputs are random normal.",
+        "What is timed: the whole module, multi-head self-attention with d_in = d_out = "
+        "H*D, so the four projections are included; forward in eval mode without "
+        "gradient tracking; forward+backward = gradient of sum(out) with respect to the "
+        "input and every parameter.",
+        "TFLOP/s count the attention core only, as the issue defines it: forward "
+        "4*B*H*S^2*D (halved for causal), backward 2.5x forward (forward+backward = 3.5x); "
+        "since the time includes the projections (8*B*S*(H*D)^2 more FLOPs forward, as many "
+        "as a non-causal core at S = 2*H*D), this understates the core's own rate. The JSON "
+        "also gives 'tflops_incl_projections'.",
+        "Precision: float32 matmuls at full precision on both sides (PyTorch TF32 off for "
+        "matmul and cuDNN, float32 matmul precision 'highest'; JAX default matmul "
+        "precision 'highest'), so that every system computes the same thing. Parameters "
+        "are created in the benchmark dtype.",
+        "Peak memory: on an NVIDIA GPU, torch.cuda.max_memory_allocated per case (reset "
+        "after the module and input are built) and, for JAX, the peak planned by XLA's "
+        "compiled memory analysis (arguments + outputs + temporaries) of the larger of the "
+        "forward and forward+backward functions: JAX's peak_bytes_in_use cannot be reset "
+        "within a process. On CPU not measured (n/a); the JSON's max_rss_growth_bytes is how "
+        "much the worker process's high-water resident set grew during the case (0 when an "
+        "earlier case of the same system had used more).",
+        "Each system runs in a worker process of its own, one system after another.",
+        *_busy_machine_warning(env),
+    ]
+
+
+def _busy_machine_warning(env: dict[str, Any]) -> list[str]:
+    """A warning when other work kept the CPU busy before or after the run: the numbers
+    are then not a fair comparison (PyTorch's OpenMP threads, one per core, stall badly
+    when a core is taken; measured here: 5x slower than a single thread on a 2-core
+    machine under a load of 4)."""
+    busy = [b for b in (env.get("cpu_busy_at_start"), env.get("cpu_busy_at_end")) if b is not None]
+    if not busy or max(busy) <= BUSY_THRESHOLD:
+        return []
+    return [
+        f"WARNING: other work kept the CPU busy ({max(busy):.0%} of all cores, sampled for a "
+        "second before and after the run): the times are noisy and CPU comparisons unfair; "
+        "PyTorch's OpenMP threads (one per core) suffer most. Rerun on an idle machine "
+        "before drawing conclusions."
+    ]
+
+
+def _run_system(
+    system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None]
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The worker's runtime description and one measurement per config, in order."""
+    runtime = None
+    done: list[dict[str, Any]] = []
+    while len(done) < len(configs):
+        todo = configs[len(done):]
+        status, lines = _worker(system, todo, mode, echo)
+        runtime = runtime or next((line["runtime"] for line in lines if "runtime" in line), None)
+        done += [line["measurement"] for line in lines if "measurement" in line]
+        if status != 0 and len(done) < len(configs):
+            # The worker died inside this case: record it, then go on with a new worker.
+            failed = empty_result(system, configs[len(done)], f"worker process died (exit status {status})")
+            echo(report.progress_line(failed))
+            done.append(failed)
+    return runtime, done
+
+
+def _worker(
+    system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None]
+) -> tuple[int, list[dict[str, Any]]]:
+    """Runs ``python -m benchmarks._worker``, passing on what it prints (one line per
+    measurement), and reads back the results it wrote."""
+    job = {
+        "system": system, "configs": [c.to_json() for c in configs],
+        "runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward,
+    }
+    env = {**WORKER_ENV, **os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="benchmarks-") as tmp:
+        job_path, out_path = Path(tmp, "job.json"), Path(tmp, "results.jsonl")
+        job_path.write_text(json.dumps(job))
+        command = [sys.executable, "-m", "benchmarks._worker", str(job_path), str(out_path)]
+        with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as worker:
+            assert worker.stdout is not None
+            for line in worker.stdout:
+                echo(line.rstrip("\n"))
+        status = worker.returncode
+        lines = out_path.read_text().splitlines() if out_path.exists() else []
+    return status, [json.loads(line) for line in lines]
+
+
+def _merge(path: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` plus the measurements of ``path`` (an earlier run of the same mode)
+    that it does not repeat; the earlier environments are kept in ``earlier_envs``."""
+    if not path.exists():
+        return results
+    earlier = json.loads(path.read_text())
+    new = {(m["system"], m["label"]) for m in results["measurements"]}
+    kept = [m for m in earlier["measurements"] if (m["system"], m["label"]) not in new]
+    systems = list(dict.fromkeys(earlier["systems"] + results["systems"]))
+    earlier_envs = earlier.get("earlier_envs", []) + [earlier["env"]]
+    return {
+        **results, "systems": systems, "measurements": kept + results["measurements"],
+        "earlier_envs": earlier_envs,
+    }

@@ -1,0 +1,274 @@
+"""Each benchmarked system, built for one ``Config`` as a ``Case``: a module with its
+weights and a random-normal input, ready to run forward or forward+backward.
+
+A case's ``forward()`` / ``forward_backward()`` return only once the device is done
+(``block_until_ready`` / ``torch.cuda.synchronize``), so a host clock around them times
+the work.  Frameworks are imported inside the builders: a benchmark worker process
+imports only the framework of the system it runs.
+
+Conventions shared by every system: d_in = d_out = heads * head_dim (the projections are
+part of what is timed), dropout 0, eval mode, no gradient tracking for the forward; the
+backward is the gradient of sum(out) (accumulated in float32) with respect to the input
+and every parameter.  Parameters are created in the benchmark dtype, so that bfloat16
+configs run bfloat16 throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from benchmarks.configs import Config
+
+SEED = 0
+
+
+class Case(Protocol):
+    def forward(self) -> None: ...
+
+    def forward_backward(self) -> None: ...
+
+    def memory(self) -> dict[str, Any]:
+        """``peak_mem_bytes`` and ``peak_mem_source`` of the calls made so far (None on CPU)."""
+        ...
+
+
+def framework_of(system: str) -> str:
+    return "torch" if "torch" in system else "jax"
+
+
+def build(system: str, config: Config) -> Case:
+    """The case of ``system`` (a name from ``configs.SYSTEMS``) at ``config``."""
+    if system not in _BUILDERS:
+        raise ValueError(f"unknown system {system!r}; expected one of {', '.join(_BUILDERS)}")
+    return _BUILDERS[system](config)
+
+
+# =========================================================================== JAX
+
+
+def configure_jax() -> None:
+    """float32 matmuls at full precision (JAX's GPU/TPU default is lower), as the
+    PyTorch side with TF32 off.  The library's own modules ask for "highest" anyway;
+    this makes flax.nnx.MultiHeadAttention's default (precision=None) match."""
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _ours_jax(config: Config, implementation: str) -> Case:
+    import jax_attention as ja
+
+    def make(rngs: Any, dtype: Any) -> Any:
+        return ja.MultiHeadAttention(
+            config.d_model, config.d_model, config.seq, 0.0, config.heads,
+            causal=config.causal, implementation=implementation, dtype=dtype, rngs=rngs,
+        )
+
+    return JaxCase(config, make, lambda module, x: module(x))
+
+
+def _flax_mha(config: Config) -> Case:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    def make(rngs: Any, dtype: Any) -> Any:
+        # Flax's defaults, except that the parameters take the benchmark dtype (with the
+        # default float32 parameters a bfloat16 input would be promoted to float32).
+        return nnx.MultiHeadAttention(
+            config.heads, config.d_model, decode=False, param_dtype=dtype, rngs=rngs,
+        )
+
+    def call(module: Any, x: Any) -> Any:
+        if not config.causal:
+            return module(x)
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]), dtype=jnp.bool_)  # (B, 1, S, S)
+        return module(x, mask=mask)
+
+    return JaxCase(config, make, call)
+
+
+class JaxCase:
+    """A Flax NNX module as pure jitted functions of (params, rest, x): the forward, and
+    the gradient of sum(out) with respect to params and x.  Each is compiled ahead of
+    time on its first call (which the caller times as the compile time)."""
+
+    def __init__(self, config: Config, make: Callable[[Any, Any], Any], call: Callable[[Any, Any], Any]):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        dtype = jnp.dtype(config.dtype)
+        module = make(nnx.Rngs(SEED), dtype)
+        module.eval()
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
+
+        def apply(params: Any, rest: Any, x: Any) -> Any:
+            return call(nnx.merge(graphdef, params, rest), x)
+
+        def loss(params: Any, rest: Any, x: Any) -> Any:
+            return jnp.sum(apply(params, rest, x), dtype=jnp.float32)
+
+        self._functions = {"forward": jax.jit(apply), "forward_backward": jax.jit(jax.grad(loss, argnums=(0, 2)))}
+        self._compiled: dict[str, Any] = {}
+        x = jax.random.normal(jax.random.key(SEED), (config.batch, config.seq, config.d_model), dtype)
+        self._args = (params, rest, x)
+
+    def _run(self, name: str) -> None:
+        import jax
+
+        if name not in self._compiled:
+            self._compiled[name] = self._functions[name].lower(*self._args).compile()
+        jax.block_until_ready(self._compiled[name](*self._args))
+
+    def forward(self) -> None:
+        self._run("forward")
+
+    def forward_backward(self) -> None:
+        self._run("forward_backward")
+
+    def memory(self) -> dict[str, Any]:
+        """On GPU/TPU, the peak that XLA's buffer assignment plans for the largest of the
+        compiled functions (arguments, outputs and temporaries): per case, where the
+        allocator's ``peak_bytes_in_use`` only ever grows within a process.  On CPU XLA
+        does not report temporaries, so nothing."""
+        import jax
+
+        if jax.default_backend() == "cpu":
+            return {"peak_mem_bytes": None, "peak_mem_source": None}
+        peaks = []
+        for compiled in self._compiled.values():
+            stats = compiled.memory_analysis()
+            planned = (
+                stats.argument_size_in_bytes + stats.output_size_in_bytes
+                + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+            )
+            peaks.append(max(getattr(stats, "peak_memory_in_bytes", 0) or 0, planned))
+        return {"peak_mem_bytes": max(peaks, default=None), "peak_mem_source": "xla-compiled-memory-analysis"}
+
+
+# =========================================================================== PyTorch
+
+
+def configure_torch() -> None:
+    """float32 matmuls at full precision: TF32 off for matmuls and cuDNN."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def torch_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ours_torch(config: Config, implementation: str, *, compiled: bool = False) -> Case:
+    import torch
+
+    import torch_attention as ta
+
+    def make(dtype: Any, device: str) -> Any:
+        return ta.MultiHeadAttention(
+            config.d_model, config.d_model, config.seq, 0.0, config.heads,
+            causal=config.causal, implementation=implementation, dtype=dtype, device=device,
+        )
+
+    if not compiled:
+        return TorchCase(config, make, lambda module, x: module(x))
+    # A fresh Dynamo state per case: otherwise each new shape counts against the
+    # recompile limit of the one forward() code object, and after a second shape Dynamo
+    # switches to dynamic shapes.  dynamic=False keeps every graph static.
+    torch._dynamo.reset()
+    return TorchCase(config, make, lambda module, x: module(x), wrap=lambda m: torch.compile(m, dynamic=False))
+
+
+def _torch_mha(config: Config) -> Case:
+    import torch
+
+    def make(dtype: Any, device: str) -> Any:
+        return torch.nn.MultiheadAttention(
+            config.d_model, config.heads, batch_first=True, dtype=dtype, device=device
+        )
+
+    blocked = None  # nn.MultiheadAttention's polarity: True = may not attend
+    if config.causal:
+        blocked = torch.ones(config.seq, config.seq, dtype=torch.bool, device=torch_device()).triu(1)
+
+    def call(module: Any, x: Any) -> Any:
+        out, _ = module(x, x, x, attn_mask=blocked, is_causal=config.causal, need_weights=False)
+        return out
+
+    return TorchCase(config, make, call)
+
+
+class TorchCase:
+    """A PyTorch module and an input on the GPU if there is one, else the CPU."""
+
+    def __init__(
+        self,
+        config: Config,
+        make: Callable[[Any, str], Any],
+        call: Callable[[Any, Any], Any],
+        *,
+        wrap: Callable[[Any], Any] | None = None,
+    ):
+        import torch
+
+        self._device = torch_device()
+        dtype = getattr(torch, config.dtype)
+        torch.manual_seed(SEED)
+        self._module = make(dtype, self._device).eval()
+        self._run_module = self._module if wrap is None else wrap(self._module)
+        self._call = call
+        shape = (config.batch, config.seq, config.d_model)
+        self._x = torch.randn(shape, dtype=dtype, device=self._device)
+        self._x_grad = self._x.detach().requires_grad_(True)  # the same storage
+        if self._device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def _sync(self) -> None:
+        import torch
+
+        if self._device == "cuda":
+            torch.cuda.synchronize()
+
+    def forward(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            self._call(self._run_module, self._x)
+        self._sync()
+
+    def forward_backward(self) -> None:
+        self._module.zero_grad(set_to_none=True)
+        self._x_grad.grad = None
+        out = self._call(self._run_module, self._x_grad)
+        out.float().sum().backward()
+        self._sync()
+
+    def memory(self) -> dict[str, Any]:
+        import torch
+
+        if self._device != "cuda":
+            return {"peak_mem_bytes": None, "peak_mem_source": None}
+        return {
+            "peak_mem_bytes": int(torch.cuda.max_memory_allocated()),
+            "peak_mem_source": "torch.cuda.max_memory_allocated",
+        }
+
+
+_BUILDERS: dict[str, Callable[[Config], Case]] = {
+    "ours-jax-reference": lambda c: _ours_jax(c, "reference"),
+    "ours-jax-fused": lambda c: _ours_jax(c, "fused"),
+    "ours-jax-blockwise": lambda c: _ours_jax(c, "blockwise"),
+    "ours-jax-auto": lambda c: _ours_jax(c, "auto"),
+    "flax-nnx-mha": _flax_mha,
+    "ours-torch-reference": lambda c: _ours_torch(c, "reference"),
+    "ours-torch-sdpa": lambda c: _ours_torch(c, "fused"),
+    "torch-nn-mha": _torch_mha,
+    "ours-torch-compile": lambda c: _ours_torch(c, "fused", compiled=True),
+}
