@@ -1,0 +1,109 @@
+"""Where the CPU target's time goes: ``python -m benchmarks.profile_cpu``.
+
+Times the pieces of MultiHeadAttention's forward at the CPU target's shape (B=4, H=8,
+S=1024, head_dim 64, causal, float32) in both frameworks, in one process so that they
+share the machine's state: the three q/k/v projections, the attention core of every
+path, and the matrix products of the JAX blockwise path alone (its floor: the same
+GEMMs with no softmax).  Writes ``cpu-profile.md`` next to the other CPU results.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+B, H, S, D = 4, 8, 1024, 64
+E = H * D
+RUNS = 20
+
+
+def median_ms(call: Callable[[], object], runs: int = RUNS) -> float:
+    call()
+    call()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> int:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from benchmarks.environment import cpu_busy, device_slug, host_environment
+    from jax_attention import functional as jf
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((B, S, E)).astype(np.float32)
+    ws = [(rng.standard_normal((E, E)) / np.sqrt(E)).astype(np.float32) for _ in range(3)]
+    q, k, v = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(3))
+    rows: list[tuple[str, str, float]] = []
+
+    xt, wt = torch.from_numpy(x), [torch.from_numpy(w) for w in ws]
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    with torch.no_grad():
+        rows.append(("projections q, k, v", "torch", median_ms(lambda: [xt @ w for w in wt])))
+        rows.append(("attention core", "torch SDPA (is_causal)", median_ms(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True))))
+
+    xj, wj = jnp.asarray(x), [jnp.asarray(w) for w in ws]
+    qj, kj, vj = (jnp.asarray(a) for a in (q, k, v))
+    projections = jax.jit(lambda x, a, b, c: (x @ a, x @ b, x @ c))
+    rows.append(("projections q, k, v", "jax", median_ms(lambda: jax.block_until_ready(projections(xj, *wj)))))
+    for path in ("blockwise", "reference", "fused"):
+        core = jax.jit(lambda q, k, v, path=path: jf.dot_product_attention(
+            q, k, v, causal=True, implementation=path))
+        rows.append(("attention core", f"jax {path}", median_ms(lambda core=core: core(qj, kj, vj).block_until_ready())))
+    block = jf.default_block_size(S)
+
+    def gemms_only(q, k, v):  # the blockwise path's two matrix products per block, nothing else
+        q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+        outs = []
+        for r0 in range(0, S, block):
+            r1 = r0 + block
+            scores = jnp.einsum("bqd,bkd->bqk", q3[:, r0:r1], k3[:, :r1])
+            outs.append(jnp.einsum("bqk,bkd->bqd", scores, v3[:, :r1]))
+        return jnp.concatenate(outs, axis=1)
+
+    gemms = jax.jit(gemms_only)
+    rows.append(("attention core", "jax blockwise, GEMMs only", median_ms(lambda: gemms(qj, kj, vj).block_until_ready())))
+
+    env = host_environment()
+    core_flops = 4 * B * H * S * S * D // 2
+    lines = [
+        "# Where the CPU target's time goes",
+        "",
+        f"MultiHeadAttention forward pieces at B={B}, H={H}, S={S}, head_dim {D}, causal, float32; "
+        f"median of {RUNS} runs, one process (`python -m benchmarks.profile_cpu`).",
+        f"Device: {env.get('device')}; CPU busy with other work: {cpu_busy()}; "
+        f"jax {jax.__version__}, torch {torch.__version__}.",
+        "",
+        "| piece | system | ms | GFLOP/s |",
+        "|---|---|---|---|",
+    ]
+    for piece, system, ms in rows:
+        flops = 3 * 2 * B * S * E * E if piece.startswith("projections") else core_flops
+        lines.append(f"| {piece} | {system} | {ms:.1f} | {flops / ms / 1e6:.0f} |")
+    lines.append("")
+    lines.append("GFLOP/s count the useful work: 3 projections, or the causal core 2·B·H·S²·D.")
+    text = "\n".join(lines) + "\n"
+    out = Path(__file__).parent / "results" / device_slug(env) / "cpu-profile.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
