@@ -254,7 +254,7 @@ def check_config(
 def resolve_implementation(
     requested: str,
     *,
-    accelerator: bool,
+    preference: tuple[str, ...],
     return_weights: bool,
     normalization: str,
     dropout_active: bool,
@@ -264,8 +264,8 @@ def resolve_implementation(
 ) -> str:
     """Which path computes a call: ``"reference"``, ``"fused"`` or ``"blockwise"``.
 
-    ``"auto"`` takes the first path that honours every option asked for: the fused
-    kernel (on an accelerator only), then the blockwise formulation, then the reference
+    ``"auto"`` takes the first path of ``preference`` (the framework's fast paths on this
+    device, fastest first) that honours every option asked for, else the reference
     math (attention weights returned, ``normalization="sum"``, dropout that the path
     cannot draw, an explicit dropout mask, or what the framework's fused kernel lacks,
     ``fused_blockers``).  An explicit ``"fused"`` or ``"blockwise"`` that cannot honour
@@ -297,5 +297,4 @@ def resolve_implementation(
                 "use implementation='reference' or 'auto'"
             )
         return requested
-    order = ("fused", "blockwise") if accelerator else ("blockwise",)
-    return next((path for path in order if not blockers(path)), "reference")
+    return next((path for path in preference if not blockers(path)), "reference")

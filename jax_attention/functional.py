@@ -210,10 +210,10 @@ def dot_product_attention(
       return_weights: also return the weights that mixed the values (after dropout).
       implementation: ``"reference"`` (the explicit math), ``"fused"``
         (``jax.nn.dot_product_attention``: cuDNN for half precision on NVIDIA GPUs, XLA
-        elsewhere), ``"blockwise"`` (query blocks that skip the keys a causal mask hides;
-        never materialises T x S), or ``"auto"`` (fused on GPU/TPU, blockwise on CPU,
-        reference where those cannot honour an option; see
-        ``attention_spec.resolve_implementation``).
+        elsewhere; Pallas splash attention on TPU), ``"blockwise"`` (query blocks that
+        skip the keys a causal mask hides; never materialises T x S), or ``"auto"``
+        (fused on GPU/TPU, blockwise on CPU, reference where those cannot honour an
+        option; see ``attention_spec.resolve_implementation``).
       precision: of the matmuls; "highest" by default.
 
     Raises:
@@ -238,7 +238,8 @@ def dot_product_attention(
     check_normalization(normalization)
     path = resolve_implementation(
         implementation,
-        accelerator=jax.default_backend() in ("gpu", "tpu"),
+        # On CPU, XLA's fused attention is slower than the explicit math; blockwise is faster.
+        preference=("fused", "blockwise") if jax.default_backend() in ("gpu", "tpu") else ("blockwise",),
         return_weights=return_weights,
         normalization=normalization,
         dropout_active=not deterministic and dropout_rate > 0.0,

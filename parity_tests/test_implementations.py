@@ -176,12 +176,13 @@ def _key():
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_auto_takes_the_blockwise_path_on_cpu(fw):
+def test_auto_takes_the_fast_path_on_cpu(fw):
+    """On CPU, auto is SDPA in PyTorch and the blockwise path in JAX."""
     rng = np.random.default_rng(0)
     mask = rng.random((2, 2, 5, 5)) < 0.5
     auto = functional_call(fw, "auto", mask=mask, causal=True)
-    blockwise = functional_call(fw, "blockwise", mask=mask, causal=True)
-    assert np.array_equal(np.asarray(auto), np.asarray(blockwise))
+    fast = functional_call(fw, "fused" if fw == "torch" else "blockwise", mask=mask, causal=True)
+    assert np.array_equal(np.asarray(auto), np.asarray(fast))
 
 
 def test_auto_resolution_rules():
@@ -189,15 +190,17 @@ def test_auto_resolution_rules():
 
     common = {"return_weights": False, "normalization": "softmax", "dropout_active": False,
               "dropout_mask_given": False, "fused_draws_dropout": False}
-    assert resolve_implementation("auto", accelerator=False, **common) == "blockwise"
-    assert resolve_implementation("auto", accelerator=True, **common) == "fused"
-    assert resolve_implementation("auto", accelerator=True, **{**common, "dropout_active": True}) == "reference"
+    cpu_jax, fast = ("blockwise",), ("fused", "blockwise")
+    assert resolve_implementation("auto", preference=cpu_jax, **common) == "blockwise"
+    assert resolve_implementation("auto", preference=fast, **common) == "fused"
+    assert resolve_implementation("auto", preference=fast, **{**common, "dropout_active": True}) == "reference"
     assert resolve_implementation(
-        "auto", accelerator=True, **{**common, "dropout_active": True, "fused_draws_dropout": True}) == "fused"
-    assert resolve_implementation(
-        "auto", accelerator=True, fused_blockers=("x",), **common) == "blockwise"
-    assert resolve_implementation("auto", accelerator=False, **{**common, "return_weights": True}) == "reference"
-    assert resolve_implementation("reference", accelerator=True, **{**common, "return_weights": True}) == "reference"
+        "auto", preference=fast, **{**common, "dropout_active": True, "fused_draws_dropout": True}) == "fused"
+    assert resolve_implementation("auto", preference=fast, fused_blockers=("x",), **common) == "blockwise"
+    assert resolve_implementation("auto", preference=cpu_jax, **{**common, "return_weights": True}) == "reference"
+    assert resolve_implementation("reference", preference=fast, **{**common, "return_weights": True}) == "reference"
+    with pytest.raises(ValueError, match="implementation='fused' cannot honour x; use"):
+        resolve_implementation("fused", preference=fast, fused_blockers=("x",), **common)
 
 
 @needs_jax

@@ -173,9 +173,10 @@ def dot_product_attention(
       return_weights: also return the weights that mixed the values (after dropout).
       implementation: ``"reference"`` (the explicit math), ``"fused"``
         (``F.scaled_dot_product_attention``, which also draws dropout), ``"blockwise"``
-        (query blocks that skip the keys a causal mask hides; never materialises T x S),
-        or ``"auto"`` (fused on GPU, blockwise on CPU, reference where those cannot honour
-        an option; see ``attention_spec.resolve_implementation``).
+        (query blocks that skip the keys a causal mask hides; never materialises T x S;
+        the twin of JAX's CPU path), or ``"auto"`` (fused, else blockwise, else the
+        reference where those cannot honour an option; see
+        ``attention_spec.resolve_implementation``).
 
     Raises:
       ValueError / TypeError: inconsistent shapes or dtypes, a mask that is not bool or
@@ -198,7 +199,8 @@ def dot_product_attention(
     check_normalization(normalization)
     path = resolve_implementation(
         implementation,
-        accelerator=q.device.type != "cpu",
+        # SDPA is PyTorch's fast path on every device (on CPU a fused blockwise kernel).
+        preference=("fused", "blockwise"),
         return_weights=return_weights,
         normalization=normalization,
         dropout_active=training and dropout_rate > 0.0,
