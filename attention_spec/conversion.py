@@ -19,6 +19,7 @@ import numpy as np
 __all__ = [
     "LAYOUTS",
     "ParamRule",
+    "VARIANTS",
     "as_numpy",
     "check_complete",
     "check_float_arrays",
@@ -43,6 +44,11 @@ LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("W_query", "linear"), ("W_key", "linear"), ("W_value", "linear"), ("out_proj", "linear"),
     ),
 }
+
+
+# Every variant of the library: those with a layout above, and the wrapper, whose layout
+# is CausalAttention's once per head.
+VARIANTS: tuple[str, ...] = (*LAYOUTS, "MultiHeadAttentionWrapper")
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ def rules_for(variant: str, config: Mapping[str, Any], prefix: Path = ()) -> lis
             for rule in rules_for("CausalAttention", head, (*prefix, "heads", i))
         ]
     if variant not in LAYOUTS:
-        known = ", ".join(sorted([*LAYOUTS, "MultiHeadAttentionWrapper"]))
+        known = ", ".join(sorted(VARIANTS))
         raise ValueError(f"no declared weight layout for {variant!r}; known variants: {known}")
     if not LAYOUTS[variant]:
         return []

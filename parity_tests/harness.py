@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.conversion import as_numpy, module_rules
+from attention_spec.conversion import VARIANTS, as_numpy, module_rules
 from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
 
 __all__ = [
@@ -33,15 +33,6 @@ __all__ = [
     "to_torch",
 ]
 
-VARIANT_NAMES = (
-    "SimplifiedAttention",
-    "SelfAttention_v1",
-    "SelfAttention_v2",
-    "CausalAttention",
-    "Head",
-    "MultiHeadAttentionWrapper",
-    "MultiHeadAttention",
-)
 
 
 def jax_jit_lazy(fun: Any = None, **jit_kwargs: Any) -> Any:
@@ -140,9 +131,9 @@ def _flax_deterministic(module: Any) -> bool:
 
 
 def _twin_class(package: Any, name: str) -> Any:
-    if name not in VARIANT_NAMES:
+    if name not in VARIANTS:
         raise ValueError(
-            f"{name} is not one of this library's modules ({', '.join(VARIANT_NAMES)}); "
+            f"{name} is not one of this library's modules ({', '.join(VARIANTS)}); "
             "for your own modules pass param_map= to check_parity / assert_parity"
         )
     return getattr(package, name)
@@ -258,13 +249,11 @@ def compare(
 # --------------------------------------------------------------------------- running
 
 def _is_ours(module: Any) -> bool:
-    return type(module).__name__ in VARIANT_NAMES and hasattr(module, "config")
+    return type(module).__name__ in VARIANTS and hasattr(module, "config")
 
 
 def _has_dropout_arg(module: Any) -> bool:
-    return type(module).__name__ in (
-        "CausalAttention", "Head", "MultiHeadAttentionWrapper", "MultiHeadAttention",
-    )
+    return "dropout" in module.config  # the variants built with a dropout rate take dropout_mask=
 
 
 def _split_outputs(result: Any, ours: bool) -> dict[str, Any]:
