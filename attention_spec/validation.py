@@ -101,7 +101,7 @@ def check_floating(name: str, dtype: str) -> None:
 
 
 ADDITIVE_BIAS_MESSAGE = (
-    "additive mask holds values other than 0 and -inf (a bias); "
+    "additive mask holds values other than 0 and blocked (-inf or <= -1e4) (a bias); "
     "it cannot be converted to a bool mask without losing them"
 )
 
@@ -154,13 +154,21 @@ def check_mask(shape: Any, dtype: str, target: Any) -> None:
         raise ValueError(f"mask of shape {shape} does not broadcast to {names} = {target}")
 
 
-def check_dropout_mask(shape: Any, dtype: str, target: Any, *, training: bool) -> None:
+def check_dropout_mask(
+    shape: Any, dtype: str, target: Any, *, training: bool, rate: float | None = None
+) -> None:
     """An explicit dropout keep-mask: bool (True = keep), broadcastable to the weights,
-    and only in training mode (dropout is off otherwise, so the mask would be ignored)."""
+    only in training mode and with a dropout rate above 0 (otherwise dropout is off and
+    the mask would be silently ignored).  ``rate=None``: the rate is not known here."""
     if not training:
         raise ValueError(
             "dropout_mask was given, but dropout is off: the module is in eval mode "
             "(deterministic); dropout applies in training mode only"
+        )
+    if rate is not None and rate == 0.0:
+        raise ValueError(
+            "dropout_mask was given, but dropout is off: the dropout rate is 0.0, so the "
+            "mask would be ignored; give a rate > 0 or no dropout_mask"
         )
     check_bool("dropout_mask", dtype, "True = keep")
     shape, target = _shape(shape), _shape(target)
@@ -181,6 +189,74 @@ def check_kv_lengths(shape: Any, dtype: str, target: Any) -> None:
             f"kv_lengths must have shape (batch,) for attention weights (batch, heads, q_len, "
             f"kv_len) = {target}; got shape {shape}"
         )
+
+
+def check_kv_lengths_array(shape: Any, dtype: str, batch: int) -> None:
+    """``kv_lengths`` as given to a functional core: integers of shape () (one length for
+    every example) or (batch,).  ``dtype`` is a dtype name ("int64", "float32", "bool")."""
+    shape = _shape(shape)
+    if dtype == "bool" or not dtype.startswith(("int", "uint")):
+        raise TypeError(
+            f"kv_lengths must hold integers (valid keys per example); got dtype {dtype}"
+        )
+    if shape not in ((), (batch,)):
+        raise ValueError(
+            f"kv_lengths must be an int or have shape (batch,) = ({batch},); got shape {shape}"
+        )
+
+
+def check_kv_lengths_values(lowest: int, highest: int, kv_len: int) -> None:
+    """Every length must lie in [0, kv_len] (0 = nothing to attend to: a zero output)."""
+    if lowest < 0 or highest > kv_len:
+        raise ValueError(
+            f"kv_lengths must lie in [0, kv_len] = [0, {kv_len}]; got values from {lowest} "
+            f"to {highest}"
+        )
+
+
+def kv_lengths_rank_message(q_shape: Any) -> str:
+    return (
+        "kv_lengths needs q, k and v of shape (batch, heads, len, dim); got q of shape "
+        f"{_shape(q_shape)}"
+    )
+
+
+def check_lengths_dtype(dtype: str) -> None:
+    """``padding_mask(lengths, kv_len)``: the lengths are integers (a fraction is a bug)."""
+    if dtype == "bool" or not dtype.startswith(("int", "uint")):
+        raise TypeError(f"lengths must be an integer array; got dtype {dtype}")
+
+
+def check_mask_lengths(q_len: Any, kv_len: Any) -> None:
+    """``causal_mask(q_len, kv_len)``: non-negative Python ints."""
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+        if value.__index__() < 0:
+            raise ValueError(f"{name} must be >= 0; got {value}")
+
+
+def check_masks_broadcast(shapes: Any, dtypes: Any) -> None:
+    """``combine_masks``: bool masks whose shapes broadcast together (from the right)."""
+    for dtype in dtypes:
+        check_bool("mask", dtype, "True = may attend")
+    shapes = [_shape(s) for s in shapes]
+    for axis in range(1, max([0] + [len(s) for s in shapes]) + 1):
+        sizes = [s[-axis] for s in shapes if len(s) >= axis and s[-axis] != 1]
+        if any(size != sizes[0] for size in sizes):
+            listed = ", ".join(str(s) for s in shapes)
+            raise ValueError(f"masks of shapes {listed} do not broadcast together")
+
+
+# A value of an additive mask at or below this (after rounding to the mask's dtype), or
+# -inf, means "blocked": exp(-1e4) underflows to 0 in every float dtype, and -1e4 is
+# representable in float16 (unlike -1e9 or float32's lowest value).
+ADDITIVE_BLOCKED_AT = -1.0e4
+
+# Why an explicit "fused" refuses float64 (both frameworks, one behaviour): JAX's fused
+# attention computes float64 with float32 accuracy; "auto" sends float64 to a path that
+# stays float64.
+FUSED_FLOAT64_BLOCKER = "float64 inputs (the fused kernel does not guarantee float64 accuracy)"
 
 
 def check_qkv(q: Any, k: Any, v: Any, dtypes: tuple[str, str, str]) -> None:
@@ -298,3 +374,17 @@ def resolve_implementation(
             )
         return requested
     return next((path for path in preference if not blockers(path)), "reference")
+
+
+# --------------------------------------------------------------------------- modules (appended by the modules' owner)
+
+
+def check_compute_dtype(x_dtype: str, compute_dtype: str | None) -> None:
+    """A module computes in one dtype (PyTorch: its parameters'; Flax: ``dtype``, else
+    ``param_dtype``); ``x`` must come in that dtype, in both frameworks alike: PyTorch
+    would fail inside a matmul and JAX would silently promote.  ``compute_dtype=None``
+    (a module without parameters) computes in ``x``'s dtype.  Raises TypeError."""
+    if compute_dtype is not None and x_dtype != compute_dtype:
+        raise TypeError(
+            f"x has dtype {x_dtype} but the module computes in {compute_dtype}; cast x first"
+        )

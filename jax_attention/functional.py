@@ -9,9 +9,20 @@ leading dimensions that ``q`` has).  A query row that may attend to nothing gets
 weights and a zero output, never NaN, with finite gradients.
 
 Precision: matmuls run at ``precision="highest"`` by default (JAX's GPU/TPU default is
-lower; PyTorch keeps TF32 off), scores and values are multiplied in the input dtype;
-scaling, masking and normalisation run in float32 for float16/bfloat16 inputs (float64
-stays float64); the weights are cast back to the input dtype before they mix the values.
+lower; PyTorch keeps TF32 off).  The scores are formed, scaled, masked and normalised,
+and the weights mix the values, in float32 for float16/bfloat16 inputs (q, k and v are
+upcast, so a logit beyond the half-precision range stays finite and the output is
+rounded once; float64 stays float64); returned weights are cast to the input dtype.
+Whether a row has anything to attend to is decided from the mask, never from an infinite
+row maximum.  The softmax exponentiates ``(scores - max) * scale`` with the maximum of the
+unscaled scores: XLA on CPU fuses ``scores * scale - max`` into one instruction whose
+rounding differs from the maximum's, which turns logits of 1e10 into NaN.
+
+Masks and lengths are canonicalised once (``canonical_mask``, ``canonical_kv_lengths``)
+before any path runs, and keys and values at key positions that no query may attend to
+(past ``kv_lengths``, or blocked for every query) are replaced by zeros with ``where``:
+a NaN or Inf stored there never reaches an output or a gradient.
+
 Everything here is jit-compatible; options are Python values (static under jit).
 """
 
@@ -22,12 +33,12 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from attention_spec import (
     check_dropout_mask,
     check_dropout_rate,
-    check_kv_lengths,
     check_mask,
     check_mask_strategy,
     check_normalization,
@@ -37,11 +48,20 @@ from attention_spec import (
     resolve_implementation,
     zero_row_sum_message,
 )
-from jax_attention.masks import causal_mask, combine_masks
+from attention_spec.validation import (
+    FUSED_FLOAT64_BLOCKER,
+    check_kv_lengths_array,
+    check_kv_lengths_values,
+    kv_lengths_rank_message,
+)
+from jax_attention.masks import _and_masks as combine_masks
+from jax_attention.masks import _raise_if, causal_mask
 
 __all__ = [
     "attention_scores",
     "attention_weights",
+    "canonical_kv_lengths",
+    "canonical_mask",
     "default_block_size",
     "dot_product_attention",
     "dropout_weights",
@@ -66,10 +86,53 @@ def _expand_to(m: Array, ndim: int) -> Array:
     return m.reshape((1,) * (ndim - m.ndim) + m.shape)
 
 
+def canonical_mask(mask: Any, weights_shape: tuple[int, ...]) -> Array | None:
+    """A bool mask (True = may attend) broadcastable to ``weights_shape`` -> the same mask
+    with leading 1s up to ``len(weights_shape)`` dimensions (0-d and 1-d masks included).
+
+    Raises ``TypeError`` (not bool) or ``ValueError`` (does not broadcast), as ``check_mask``.
+    """
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
+    return _expand_to(mask, len(weights_shape))
+
+
+def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Array | None:
+    """Valid key counts -> int32 (batch,), or None.
+
+    Accepts None, a Python int (one length for every example), a list/tuple of ints, a
+    NumPy integer array, or a JAX integer array of shape () or (batch,).  Raises
+    ``TypeError`` for non-integer values (floats, bools) and ``ValueError`` for another
+    shape or, eagerly, a length outside [0, kv_len].  Under tracing (jit, vmap) the values
+    are unknown and not checked: they are clipped to [0, kv_len], so a negative length
+    attends to nothing and one above kv_len to every key.
+    """
+    if kv_lengths is None:
+        return None
+    if not isinstance(kv_lengths, jax.Array):
+        array = np.asarray(kv_lengths)
+        check_kv_lengths_array(array.shape, array.dtype.name, batch)
+        kv_lengths = array
+    check_kv_lengths_array(kv_lengths.shape, dtype_name(kv_lengths.dtype), batch)
+    if not isinstance(kv_lengths, jax.core.Tracer):
+        # read with NumPy: inside a jit trace, even a concrete array's min() is staged out
+        values = np.asarray(kv_lengths)
+        check_kv_lengths_values(int(values.min()), int(values.max()), kv_len)
+    lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, kv_len)
+    return jnp.broadcast_to(lengths.reshape(-1), (batch,))
+
+
 def attention_scores(q: Array, k: Array, scale: float, *, precision: Precision = "highest") -> Array:
-    """``scale * q @ k^T``: (..., T, D), (..., S, D) -> (..., T, S) in the compute dtype."""
-    scores = jnp.matmul(q, jnp.swapaxes(k, -2, -1), precision=precision)  # (..., T, S)
-    return scores.astype(_compute_dtype(q.dtype)) * scale
+    """``scale * q @ k^T``: (..., T, D), (..., S, D) -> (..., T, S) in the compute dtype
+    (q and k are upcast first: half-precision scores would overflow or lose digits)."""
+    return _raw_scores(q, k, precision) * scale
+
+
+def _raw_scores(q: Array, k: Array, precision: Precision) -> Array:
+    ct = _compute_dtype(q.dtype)
+    return jnp.matmul(q.astype(ct), jnp.swapaxes(k.astype(ct), -2, -1), precision=precision)  # (..., T, S)
 
 
 def normalize_scores(
@@ -83,7 +146,10 @@ def normalize_scores(
 
     ``mask_strategy="fill"`` sets masked scores to -inf before the softmax;
     ``"renormalize"`` takes the softmax over every key, zeroes the masked weights and
-    divides by the new row sum (seed 004).  Both give zeros for a fully masked row.
+    divides by the new row sum (seed 004).  In exact arithmetic the two are equal, so
+    both are computed as the stable ``"fill"`` (the row maximum over the visible keys):
+    the literal renormalisation underflows to a zero row when a hidden key's logit is
+    about 104 above the visible ones.  Both give zeros for a fully masked row.
     ``normalization="sum"`` divides the (masked) scores by their row sum instead of a
     softmax, and raises ``ValueError`` where a row with something to attend to sums to 0
     (eagerly; under jit the same text arrives as a runtime error from a callback).
@@ -97,30 +163,27 @@ def normalize_scores(
         _raise_if(jnp.any((row_sum == 0) & live), zero_row_sum_message())
         return _safe_divide(kept, row_sum)
 
-    if mask is None:
-        return _softmax(scores)
-    if mask_strategy == "fill":
-        return _softmax(jnp.where(mask, scores, -jnp.inf))
-    weights = jnp.where(mask, _softmax(scores), 0.0)
-    return _safe_divide(weights, weights.sum(axis=-1, keepdims=True))
+    return _softmax(scores, mask)
 
 
-def _raise_if(bad: Array, message: str) -> None:
-    if isinstance(bad, jax.core.Tracer):
-        def callback(flag: Any) -> None:
-            if bool(flag):
-                raise ValueError(message)
-        jax.debug.callback(callback, bad)
-    elif bool(bad):
-        raise ValueError(message)
+def _unnormalized(scores: Array, mask: Array | None, scale: float) -> Array:
+    """exp(scale * (scores - row max)) over the keys ``mask`` lets through (``scale > 0``).
 
-
-def _softmax(scores: Array) -> Array:
-    # A row of -inf (nothing to attend to) has max -inf; subtracting 0 instead keeps
-    # exp() at exactly 0 and the division below turns 0/0 into 0, gradients finite.
+    The maximum is that of the unscaled scores, and the subtraction comes before the
+    scaling, so no multiply-add can be fused across it: the largest score gives exactly
+    exp(0) whatever XLA fuses."""
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    unnormalized = jnp.exp(scores - row_max)
+    if mask is not None:
+        # A row with nothing to attend to (known from the mask) subtracts 0: exp(-inf)
+        # stays exactly 0 and the division by the row sum turns 0/0 into 0.
+        row_max = jnp.where(mask.any(axis=-1, keepdims=True), row_max, 0.0)
+    return jnp.exp((scores - row_max) * scale)
+
+
+def _softmax(scores: Array, mask: Array | None, scale: float = 1.0) -> Array:
+    unnormalized = _unnormalized(scores, mask, scale)
     return _safe_divide(unnormalized, unnormalized.sum(axis=-1, keepdims=True))
 
 
@@ -164,9 +227,13 @@ def attention_weights(
     precision: Precision = "highest",
 ) -> Array:
     """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout."""
-    scores = attention_scores(q, k, resolve_scale(scale, q.shape[-1]), precision=precision)
-    mask = _combine(mask, causal, q.shape[-2], k.shape[-2], scores.ndim)
-    return normalize_scores(scores, mask, mask_strategy=mask_strategy, normalization=normalization)
+    scale = resolve_scale(scale, q.shape[-1])
+    raw = _raw_scores(q, k, precision)
+    mask = _combine(mask, causal, q.shape[-2], k.shape[-2], raw.ndim)
+    if normalization == "sum":
+        return normalize_scores(raw * scale, mask, normalization=normalization)
+    check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
+    return _softmax(raw, mask, scale)
 
 
 def _combine(mask: Array | None, causal: bool, q_len: int, kv_len: int, ndim: int) -> Array | None:
@@ -185,7 +252,7 @@ def dot_product_attention(
     *,
     mask: Array | None = None,
     causal: bool = False,
-    kv_lengths: Array | None = None,
+    kv_lengths: Any = None,
     scale: float | None = None,
     mask_strategy: str = "fill",
     normalization: str = "softmax",
@@ -200,39 +267,51 @@ def dot_product_attention(
     """Attention over q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv).
 
     Args:
-      mask: bool, True = may attend, broadcastable to (..., T, S).
+      mask: bool, True = may attend, broadcastable to (..., T, S); 0-d and 1-d included.
       causal: also block keys after the query (top-left aligned ``tril``).
-      kv_lengths: int (B,), the number of valid keys per example (padding given as
-        lengths, which fused kernels take natively); needs q of shape (B, H, T, D).
+      kv_lengths: the number of valid keys per example (padding given as lengths, which
+        fused kernels take natively): an int, a list of ints or an integer array of shape
+        () or (B,), each in [0, S]; see ``canonical_kv_lengths``.  Needs q of shape
+        (B, H, T, D).
       scale: None = 1/sqrt(D); a float as given.
+      mask_strategy: "fill" or "renormalize", equal in exact arithmetic and computed
+        alike (stably) on every path; see ``normalize_scores``.
       dropout_rate, deterministic, rng, dropout_mask: dropout on the weights, see
         ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
       implementation: ``"reference"`` (the explicit math), ``"fused"``
         (``jax.nn.dot_product_attention``: cuDNN for half precision on NVIDIA GPUs, XLA
-        elsewhere; Pallas splash attention on TPU), ``"blockwise"`` (query blocks that
-        skip the keys a causal mask hides; never materialises T x S), or ``"auto"``
-        (fused on GPU/TPU, blockwise on CPU, reference where those cannot honour an
-        option; see ``attention_spec.resolve_implementation``).
+        in float32 elsewhere; Pallas splash attention on TPU; refuses float64, which it
+        would compute with float32 accuracy), ``"blockwise"`` (query blocks that skip
+        the keys a causal mask hides; never materialises T x S), or ``"auto"`` (fused on
+        GPU/TPU, blockwise on CPU and for float64, reference where those cannot honour
+        an option; see ``attention_spec.resolve_implementation``).
       precision: of the matmuls; "highest" by default.
+
+    Keys and values at positions that no query may attend to are zeroed with ``where``
+    before any product: whatever is stored there (NaN included) reaches no output and
+    gets a zero gradient.
 
     Raises:
       ValueError / TypeError: inconsistent shapes or dtypes, a mask that is not bool or
-        does not broadcast, a bad option value, an explicit implementation that cannot
-        honour an option; all before any computation.
+        does not broadcast, bad ``kv_lengths``, a ``dropout_mask`` while dropout is off
+        (deterministic or rate 0), a bad option value, an explicit implementation that
+        cannot honour an option; all before any computation.  Under jit, the values of
+        ``kv_lengths`` are not checked (see ``canonical_kv_lengths``).
     """
     check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
     weights_shape = (*q.shape[:-1], k.shape[-2])
-    if mask is not None:
-        check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
+    mask = canonical_mask(mask, weights_shape)
     if kv_lengths is not None:
-        check_kv_lengths(kv_lengths.shape, dtype_name(kv_lengths.dtype), weights_shape)
+        if q.ndim != 4:
+            raise ValueError(kv_lengths_rank_message(q.shape))
+        kv_lengths = canonical_kv_lengths(kv_lengths, q.shape[0], k.shape[-2])
+    check_dropout_rate(dropout_rate)
     if dropout_mask is not None:
         check_dropout_mask(
             dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
-            training=not deterministic,
+            training=not deterministic, rate=dropout_rate,
         )
-    check_dropout_rate(dropout_rate)
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
@@ -245,9 +324,12 @@ def dot_product_attention(
         dropout_active=not deterministic and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
         fused_draws_dropout=False,
-        fused_blockers=() if v.shape[-1] == q.shape[-1] else ("a value width different from the key width",),
+        fused_blockers=(FUSED_FLOAT64_BLOCKER,) if q.dtype == jnp.float64 else (),
     )
     scale = resolve_scale(scale, q.shape[-1])
+    live_keys = _live_keys(mask, causal, kv_lengths, q.shape[-2], k.shape[-2], q.ndim)
+    if live_keys is not None:
+        k, v = jnp.where(live_keys, k, jnp.zeros((), k.dtype)), jnp.where(live_keys, v, jnp.zeros((), v.dtype))
     if path == "fused":
         return _fused(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
                       precision=precision)
@@ -263,9 +345,9 @@ def dot_product_attention(
     weights = dropout_weights(
         weights, dropout_rate, deterministic=deterministic, rng=rng, dropout_mask=dropout_mask
     )
-    weights = weights.astype(v.dtype)
-    out = jnp.matmul(weights, v, precision=precision)  # (..., T, Dv)
-    return (out, weights) if return_weights else out
+    # mixed in the compute dtype: half-precision weights would add a rounding per weight
+    out = jnp.matmul(weights, v.astype(weights.dtype), precision=precision).astype(v.dtype)  # (..., T, Dv)
+    return (out, weights.astype(v.dtype)) if return_weights else out
 
 
 def _length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
@@ -274,13 +356,42 @@ def _length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
     return valid.reshape(valid.shape[:1] + (1,) * (ndim - 2) + valid.shape[1:])
 
 
+def _live_keys(
+    mask: Array | None, causal: bool, kv_lengths: Array | None, q_len: int, kv_len: int, ndim: int
+) -> Array | None:
+    """(..., S, 1) bool, ``ndim`` dimensions: key positions that some query may attend
+    to; None if all may.  ``mask`` has ``ndim`` dimensions (``canonical_mask``)."""
+    live = None
+    if mask is not None:
+        visible = mask if not causal else mask & _expand_to(causal_mask(q_len, kv_len), ndim)
+        live = visible.any(axis=-2)  # (..., S), size-1 dimensions kept
+    elif causal and kv_len > q_len:  # top-left aligned: the last keys are never visible
+        live = _expand_to(jnp.arange(kv_len) < q_len, ndim - 1)
+    if kv_lengths is not None:
+        valid = _length_mask(kv_lengths, kv_len, ndim)[..., 0, :]
+        live = valid if live is None else live & valid
+    return None if live is None else live[..., None]
+
+
 def _fused(
     q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
     scale: float, precision: Precision,
 ) -> Array:
     """``jax.nn.dot_product_attention`` on (..., H, T, D) inputs, with this library's
     fully-masked-row policy (zeros, finite gradients) and causal/padding passed to the
-    kernel as ``is_causal`` / sequence lengths rather than dense masks."""
+    kernel as ``is_causal`` / sequence lengths rather than dense masks.
+
+    The XLA kernel gets float32 inputs with the scale folded into q (its
+    ``logits * scale`` fuses into the softmax's subtraction: NaN for logits of 1e10, and
+    its float16 matmul does not compile on CPU under jit); cuDNN gets half precision as
+    it is.  A value width Dv != D is zero-padded to a common width and the output
+    sliced: zero columns change neither the scores nor the other output columns."""
+    width, v_width = q.shape[-1], v.shape[-1]
+    if v_width < width:
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - v_width)])
+    elif v_width > width:
+        pad = [(0, 0)] * (q.ndim - 1) + [(0, v_width - width)]
+        q, k = jnp.pad(q, pad), jnp.pad(k, pad)
     lead = q.shape[:-3] if q.ndim >= 3 else ()
     heads = q.shape[-3] if q.ndim >= 3 else 1
     batch = math.prod(lead)
@@ -291,8 +402,7 @@ def _fused(
     live = None  # (B, H, T, 1): rows with something to attend to, when some may have none
     dense = None
     if mask is not None:
-        dense = _expand_to(mask, q.ndim)
-        dense = jnp.broadcast_to(dense, (*dense.shape[:-2], q.shape[-2], k.shape[-2]))
+        dense = jnp.broadcast_to(mask, (*mask.shape[:-2], q.shape[-2], k.shape[-2]))
         full = combine_masks(dense, None if not causal else _expand_to(causal_mask(q.shape[-2], k.shape[-2]), q.ndim))
         full = combine_masks(full, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.ndim))
         assert full is not None  # dense is not None
@@ -307,15 +417,21 @@ def _fused(
         empty = (kv_lengths > 0).reshape((-1,) + (1,) * (q.ndim - 1))
         live = empty if live is None else live & empty
     if jax.default_backend() == "tpu" and dense is None and kv_lengths is None and splash_supports(q, k, v):
-        return splash_attention(q, k, v, causal=causal, scale=scale)
+        out = splash_attention(q, k, v, causal=causal, scale=scale)
+        return out[..., :v_width]
     half = q.dtype in (jnp.bfloat16, jnp.float16)
     kernel: Literal["xla", "cudnn"] = "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+    out_dtype = v.dtype
+    if kernel == "xla":
+        q, k, v = q.astype(jnp.float32) * scale, k.astype(jnp.float32), v.astype(jnp.float32)
+        scale = 1.0
     with jax.default_matmul_precision(_precision_name(precision)):
         out = jax.nn.dot_product_attention(
             bthd(q), bthd(k), bthd(v), mask=dense, scale=scale, is_causal=causal,
             key_value_seq_lengths=lengths, implementation=kernel,
         )
-    out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])  # (..., H, T, Dv)
+    out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])[..., :v_width]  # (..., H, T, Dv)
+    out = out.astype(out_dtype)
     return out if live is None else jnp.where(live, out, jnp.zeros((), out.dtype))
 
 
@@ -377,7 +493,8 @@ def _blockwise(
     Within a slice the loop over query blocks is unrolled (static shapes; everything is
     differentiable).  Rows are normalised as in the reference path, except that the
     division by the row sum is applied to the (block, Dv) output instead of the
-    (block, S) weights: one pass less over the scores, the same value up to rounding."""
+    (block, S) weights: one pass less over the scores, the same value up to rounding.
+    ``mask`` has q's rank (``canonical_mask``)."""
     lead, q_len, kv_len = q.shape[:-2], q.shape[-2], k.shape[-2]
     batch = math.prod(lead)
     block = block_size or default_block_size(q_len)
@@ -387,7 +504,6 @@ def _blockwise(
     }
     shared_mask = None  # the same (T or 1, S or 1) mask for every slice
     if mask is not None:
-        mask = _expand_to(mask, q.ndim)
         if all(d == 1 for d in mask.shape[:-2]):
             shared_mask = mask.reshape(mask.shape[-2:])
         else:  # one mask per (batch, head) slice
@@ -397,31 +513,36 @@ def _blockwise(
         slices["length"] = jnp.broadcast_to(per_slice, lead).reshape(batch)
 
     def one_slice(t: dict[str, Array]) -> Array:
+        # half-precision scores would overflow or lose digits, and half-precision weights
+        # would add a rounding each: everything in the compute dtype, the output rounded once
+        q_c, k_c, v_c = t["q"].astype(ct), t["k"].astype(ct), t["v"].astype(ct)
         outputs = []
         for r0 in range(0, q_len, block):
             r1 = min(r0 + block, q_len)
             n = min(r1, kv_len) if causal else kv_len  # keys this block can see
-            scores = jnp.matmul(t["q"][r0:r1], t["k"][:n].T, precision=precision)
-            scores = scores.astype(ct) * scale  # (r1 - r0, n)
+            scores = jnp.matmul(q_c[r0:r1], k_c[:n].T, precision=precision)  # (r1 - r0, n), unscaled
             allowed = None
             for m in (shared_mask, t.get("mask")):
                 if m is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
                     m = m[r0:r1, :n] if m.shape[0] > 1 else m[:, :n]
                     allowed = m if allowed is None else allowed & m
-            if causal:
-                tri = jnp.arange(n)[None, :] <= jnp.arange(r0, r1)[:, None]
-                allowed = tri if allowed is None else allowed & tri
             if "length" in t:
                 valid = (jnp.arange(n) < t["length"])[None, :]
                 allowed = valid if allowed is None else allowed & valid
-            if allowed is not None:
-                scores = jnp.where(allowed, scores, -jnp.inf)
-            row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-            row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-            unnormalized = jnp.exp(scores - row_max)
+            if causal:
+                tri = jnp.arange(n)[None, :] <= jnp.arange(r0, r1)[:, None]
+                if allowed is None:
+                    # every causal row sees its own key: no row is empty, no emptiness test
+                    scores = jnp.where(tri, scores, -jnp.inf)
+                    row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+                    unnormalized = jnp.exp((scores - row_max) * scale)
+                else:
+                    unnormalized = _unnormalized(scores, allowed & tri, scale)
+            else:
+                unnormalized = _unnormalized(scores, allowed, scale)
             row_sum = unnormalized.sum(axis=-1, keepdims=True)
-            mixed = jnp.matmul(unnormalized.astype(v.dtype), t["v"][:n], precision=precision)
-            outputs.append((mixed.astype(ct) / jnp.where(row_sum == 0, 1.0, row_sum)).astype(v.dtype))
+            mixed = jnp.matmul(unnormalized, v_c[:n], precision=precision)
+            outputs.append((mixed / jnp.where(row_sum == 0, 1.0, row_sum)).astype(v.dtype))
         return jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
     out = jax.lax.map(one_slice, slices)  # (BH, T, Dv)

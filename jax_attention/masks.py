@@ -7,11 +7,19 @@ number of masks that broadcast together.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 from attention_spec import ADDITIVE_BIAS_MESSAGE, check_bool, check_floating, dtype_name
+from attention_spec.validation import (
+    ADDITIVE_BLOCKED_AT,
+    check_lengths_dtype,
+    check_mask_lengths,
+    check_masks_broadcast,
+)
 
 __all__ = [
     "causal_mask",
@@ -29,19 +37,37 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, bottom_right: bool = F
     a cache of ``kv_len - q_len`` earlier keys: query i may attend to key j <= i + S - T.
     """
     kv_len = q_len if kv_len is None else kv_len
+    check_mask_lengths(q_len, kv_len)
     offset = kv_len - q_len if bottom_right else 0
     return jnp.tril(jnp.ones((q_len, kv_len), dtype=jnp.bool_), k=offset)
 
 
 def padding_mask(lengths: Array, kv_len: int) -> Array:
-    """(B,) valid lengths -> (B, 1, 1, S) bool, True for key positions < length."""
+    """(B,) integer valid lengths -> (B, 1, 1, S) bool, True for key positions < length.
+
+    Raises ``TypeError`` for lengths that are not integers (a fraction is a bug)."""
+    lengths = jnp.asarray(lengths)
+    check_lengths_dtype(dtype_name(lengths.dtype))
+    check_mask_lengths(kv_len, kv_len)
     positions = jnp.arange(kv_len)
     return (positions[None, :] < lengths[:, None])[:, None, None, :]
 
 
 def combine_masks(*masks: Array | None) -> Array | None:
     """Logical and of the given masks (None entries are skipped); None if none given.
-    Masks of lower rank get leading 1s, so (T, S) and (B, 1, 1, S) combine to (B, 1, T, S)."""
+    Masks of lower rank get leading 1s, so (T, S) and (B, 1, 1, S) combine to (B, 1, T, S).
+    Raises ``TypeError`` for a mask that is not bool, ``ValueError`` for shapes that do not
+    broadcast together."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    check_masks_broadcast([m.shape for m in present], [dtype_name(m.dtype) for m in present])
+    return _and_masks(*present)
+
+
+def _and_masks(*masks: Array | None) -> Array | None:
+    """``combine_masks`` without the checks, for the functional core's own (canonical)
+    masks: no Python-level validation inside a compiled graph."""
     present = [m for m in masks if m is not None]
     if not present:
         return None
@@ -60,16 +86,26 @@ def from_blocked_mask(blocked: Array) -> Array:
 
 
 def from_additive_mask(additive: Array) -> Array:
-    """From an additive float mask (0 = attend, -inf = blocked) to a bool mask.
+    """From an additive float mask (0 = attend, blocked = -inf or any value at or below
+    -1e4 as rounded to the mask's dtype, such as -1e9 or ``finfo.min``) to a bool mask.
 
-    Values at or below the dtype's lowest finite number count as blocked (some libraries
-    use that instead of -inf).  Any other non-zero value is a bias, which a bool mask
-    cannot hold, so it raises ``ValueError`` rather than silently dropping it (checked
-    eagerly; under jit the values are unknown and the check is skipped).
+    Any other value is a bias, which a bool mask cannot hold, so it raises ``ValueError``
+    rather than silently dropping it: eagerly, and under jit as a runtime error carrying
+    the same text (from a callback; the mask's values are unknown while tracing).
     """
     check_floating("additive mask", dtype_name(additive.dtype))
-    blocked = additive <= jnp.finfo(additive.dtype).min
-    lossy = jnp.any((additive != 0) & ~blocked)
-    if not isinstance(lossy, jax.core.Tracer) and bool(lossy):
-        raise ValueError(ADDITIVE_BIAS_MESSAGE)
+    blocked = additive <= jnp.asarray(ADDITIVE_BLOCKED_AT, additive.dtype)
+    _raise_if(jnp.any((additive != 0) & ~blocked), ADDITIVE_BIAS_MESSAGE)
     return ~blocked
+
+
+def _raise_if(bad: Array, message: str) -> None:
+    """``ValueError(message)`` if ``bad``: eagerly at once; under tracing from a callback
+    when the computation runs (JAX then reports it wrapped in its runtime error)."""
+    if isinstance(bad, jax.core.Tracer):
+        def callback(flag: Any) -> None:
+            if bool(flag):
+                raise ValueError(message)
+        jax.debug.callback(callback, bad)
+    elif bool(bad):
+        raise ValueError(message)

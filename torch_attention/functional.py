@@ -8,15 +8,24 @@ Masks are bool, ``True`` = may attend, broadcastable to ``(B, H, T, S)`` (or to 
 leading dimensions that ``q`` has).  A query row that may attend to nothing gets zero
 weights and a zero output, never NaN, with finite gradients.
 
-Precision: scores and values are multiplied in the input dtype; scaling, masking and
-normalisation run in float32 for float16/bfloat16 inputs (float64 stays float64); the
-weights are cast back to the input dtype before they mix the values.
+Precision: the scores are formed, scaled, masked and normalised, and the weights mix the
+values, in float32 for float16/bfloat16 inputs (q, k and v are upcast, so a logit beyond
+the half-precision range stays finite and the output is rounded once; float64 stays
+float64); returned weights are cast to the input dtype.  Whether a row has anything to
+attend to is decided from the mask, never from an infinite row maximum.
+
+Masks and lengths are canonicalised once (``canonical_mask``, ``canonical_kv_lengths``)
+before any path runs, and keys and values at key positions that no query may attend to
+(past ``kv_lengths``, or blocked for every query) are replaced by zeros with ``where``:
+a NaN or Inf stored there never reaches an output or a gradient.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,7 +33,6 @@ from torch import Tensor
 from attention_spec import (
     check_dropout_mask,
     check_dropout_rate,
-    check_kv_lengths,
     check_mask,
     check_mask_strategy,
     check_normalization,
@@ -34,11 +42,20 @@ from attention_spec import (
     resolve_implementation,
     zero_row_sum_message,
 )
-from torch_attention.masks import causal_mask, combine_masks
+from attention_spec.validation import (
+    FUSED_FLOAT64_BLOCKER,
+    check_kv_lengths_array,
+    check_kv_lengths_values,
+    kv_lengths_rank_message,
+)
+from torch_attention.masks import _and_masks as combine_masks
+from torch_attention.masks import causal_mask
 
 __all__ = [
     "attention_scores",
     "attention_weights",
+    "canonical_kv_lengths",
+    "canonical_mask",
     "default_block_size",
     "dot_product_attention",
     "dropout_weights",
@@ -56,10 +73,44 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def canonical_mask(mask: Any, weights_shape: tuple[int, ...]) -> Tensor | None:
+    """A bool mask (True = may attend) broadcastable to ``weights_shape`` -> the same mask
+    with leading 1s up to ``len(weights_shape)`` dimensions (0-d and 1-d masks included).
+
+    Raises ``TypeError`` (not bool) or ``ValueError`` (does not broadcast), as ``check_mask``.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        mask = torch.as_tensor(np.asarray(mask))
+    check_mask(tuple(mask.shape), dtype_name(mask.dtype), weights_shape)
+    return mask.reshape((1,) * (len(weights_shape) - mask.dim()) + tuple(mask.shape))
+
+
+def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Tensor | None:
+    """Valid key counts -> int64 (batch,), or None.
+
+    Accepts None, a Python int (one length for every example), a list/tuple of ints, a
+    NumPy integer array, or an integer tensor of shape () or (batch,).  Raises
+    ``TypeError`` for non-integer values (floats, bools) and ``ValueError`` for another
+    shape or a length outside [0, kv_len] (values are read, so on a GPU this syncs).
+    """
+    if kv_lengths is None:
+        return None
+    if not isinstance(kv_lengths, Tensor):
+        array = np.asarray(kv_lengths)
+        check_kv_lengths_array(array.shape, array.dtype.name, batch)
+        kv_lengths = torch.as_tensor(array)
+    check_kv_lengths_array(tuple(kv_lengths.shape), dtype_name(kv_lengths.dtype), batch)
+    check_kv_lengths_values(int(kv_lengths.min()), int(kv_lengths.max()), kv_len)
+    return kv_lengths.to(torch.int64).reshape(-1).expand(batch)
+
+
 def attention_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """``scale * q @ k^T``: (..., T, D), (..., S, D) -> (..., T, S) in the compute dtype."""
-    scores = torch.matmul(q, k.transpose(-2, -1))  # (..., T, S), input dtype
-    return scores.to(_compute_dtype(q.dtype)) * scale
+    """``scale * q @ k^T``: (..., T, D), (..., S, D) -> (..., T, S) in the compute dtype
+    (q and k are upcast first: half-precision scores would overflow or lose digits)."""
+    ct = _compute_dtype(q.dtype)
+    return torch.matmul(q.to(ct), k.to(ct).transpose(-2, -1)) * scale  # (..., T, S)
 
 
 def normalize_scores(
@@ -73,7 +124,10 @@ def normalize_scores(
 
     ``mask_strategy="fill"`` sets masked scores to -inf before the softmax;
     ``"renormalize"`` takes the softmax over every key, zeroes the masked weights and
-    divides by the new row sum (seed 004).  Both give zeros for a fully masked row.
+    divides by the new row sum (seed 004).  In exact arithmetic the two are equal, so
+    both are computed as the stable ``"fill"`` (the row maximum over the visible keys):
+    the literal renormalisation underflows to a zero row when a hidden key's logit is
+    about 104 above the visible ones.  Both give zeros for a fully masked row.
     ``normalization="sum"`` divides the (masked) scores by their row sum instead of a
     softmax, and raises ``ValueError`` where a row with something to attend to sums to 0.
     """
@@ -85,20 +139,23 @@ def normalize_scores(
             raise ValueError(zero_row_sum_message())
         return kept / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
 
-    if mask is None:
-        return _softmax(scores)
-    if mask_strategy == "fill":
-        return _softmax(scores.masked_fill(~mask, -math.inf))
-    weights = _softmax(scores).masked_fill(~mask, 0.0)
-    return _safe_divide(weights, weights.sum(dim=-1, keepdim=True))
+    return _softmax(scores, mask)
 
 
-def _softmax(scores: Tensor) -> Tensor:
-    # A row of -inf (nothing to attend to) has max -inf; subtracting 0 instead keeps
-    # exp() at exactly 0 and the division below turns 0/0 into 0, gradients finite.
+def _softmax(scores: Tensor, mask: Tensor | None, scale: float = 1.0) -> Tensor:
+    """softmax(scale * scores) over the keys that ``mask`` lets through (``scale > 0``).
+
+    The maximum is taken over the unscaled scores and ``(scores - max) * scale`` is
+    exponentiated: the subtraction is exact for the largest score whatever a compiler
+    fuses (the twin of the JAX formulation, where it matters)."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
     row_max = scores.amax(dim=-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    unnormalized = torch.exp(scores - row_max)
+    if mask is not None:
+        # A row with nothing to attend to (known from the mask) subtracts 0: exp(-inf)
+        # stays exactly 0 and the division below turns 0/0 into 0, gradients finite.
+        row_max = torch.where(mask.any(dim=-1, keepdim=True), row_max, torch.zeros_like(row_max))
+    unnormalized = torch.exp((scores - row_max) * scale)
     return _safe_divide(unnormalized, unnormalized.sum(dim=-1, keepdim=True))
 
 
@@ -133,8 +190,11 @@ def attention_weights(
 ) -> Tensor:
     """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout."""
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], q.device)
-    scores = attention_scores(q, k, resolve_scale(scale, q.shape[-1]))
-    return normalize_scores(scores, mask, mask_strategy=mask_strategy, normalization=normalization)
+    scale = resolve_scale(scale, q.shape[-1])
+    if normalization == "sum":
+        return normalize_scores(attention_scores(q, k, scale), mask, normalization=normalization)
+    check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
+    return _softmax(attention_scores(q, k, 1.0), mask, scale)
 
 
 def _combine(mask: Tensor | None, causal: bool, q_len: int, kv_len: int, device) -> Tensor | None:
@@ -151,7 +211,7 @@ def dot_product_attention(
     *,
     mask: Tensor | None = None,
     causal: bool = False,
-    kv_lengths: Tensor | None = None,
+    kv_lengths: Any = None,
     scale: float | None = None,
     mask_strategy: str = "fill",
     normalization: str = "softmax",
@@ -164,36 +224,50 @@ def dot_product_attention(
     """Attention over q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv).
 
     Args:
-      mask: bool, True = may attend, broadcastable to (..., T, S).
+      mask: bool, True = may attend, broadcastable to (..., T, S); 0-d and 1-d included.
       causal: also block keys after the query (top-left aligned ``tril``).
-      kv_lengths: int (B,), the number of valid keys per example (padding given as
-        lengths); needs q of shape (B, H, T, D).
+      kv_lengths: the number of valid keys per example (padding given as lengths): an
+        int, a list of ints or an integer array of shape () or (B,), each in [0, S]; see
+        ``canonical_kv_lengths``.  Needs q of shape (B, H, T, D).
       scale: None = 1/sqrt(D); a float as given.
+      mask_strategy: "fill" or "renormalize", equal in exact arithmetic and computed
+        alike (stably) on every path; see ``normalize_scores``.
       dropout_rate, training, dropout_mask: dropout on the weights, see ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
       implementation: ``"reference"`` (the explicit math), ``"fused"``
-        (``F.scaled_dot_product_attention``, which also draws dropout), ``"blockwise"``
-        (query blocks that skip the keys a causal mask hides; never materialises T x S;
-        the twin of JAX's CPU path), or ``"auto"`` (fused, else blockwise, else the
-        reference where those cannot honour an option; see
+        (``F.scaled_dot_product_attention``, which also draws dropout; refuses float64
+        like its JAX twin, whose kernel computes in float32, although SDPA is exact in
+        float64 on CPU: one behaviour for both frameworks), ``"blockwise"`` (query
+        blocks that skip the keys a causal mask hides; never materialises T x S; the
+        twin of JAX's CPU path), or ``"auto"`` (fused, else blockwise, else the reference
+        where those cannot honour an option; float64 never goes to fused; see
         ``attention_spec.resolve_implementation``).
+
+    Keys and values at positions that no query may attend to are zeroed with ``where``
+    before any product: whatever is stored there (NaN included) reaches no output and
+    gets a zero gradient.
 
     Raises:
       ValueError / TypeError: inconsistent shapes or dtypes, a mask that is not bool or
-        does not broadcast, a bad option value, an explicit implementation that cannot
+        does not broadcast, bad ``kv_lengths``, a ``dropout_mask`` while dropout is off
+        (eval mode or rate 0), a bad option value, an explicit implementation that cannot
         honour an option; all before any computation.
     """
     check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
     weights_shape = (*q.shape[:-1], k.shape[-2])
-    if mask is not None:
-        check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
+    mask = canonical_mask(mask, weights_shape)
     if kv_lengths is not None:
-        check_kv_lengths(kv_lengths.shape, dtype_name(kv_lengths.dtype), weights_shape)
+        if q.dim() != 4:
+            raise ValueError(kv_lengths_rank_message(q.shape))
+        lengths = canonical_kv_lengths(kv_lengths, q.shape[0], k.shape[-2])
+        assert lengths is not None  # kv_lengths is not None
+        kv_lengths = lengths.to(q.device)
+    check_dropout_rate(dropout_rate)
     if dropout_mask is not None:
         check_dropout_mask(
-            dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape, training=training
+            dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape, training=training,
+            rate=dropout_rate,
         )
-    check_dropout_rate(dropout_rate)
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
@@ -206,23 +280,28 @@ def dot_product_attention(
         dropout_active=training and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
         fused_draws_dropout=True,
+        fused_blockers=(FUSED_FLOAT64_BLOCKER,) if q.dtype == torch.float64 else (),
     )
     scale = resolve_scale(scale, q.shape[-1])
+    lengths = None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.dim())
+    live_keys = _live_keys(mask, causal, lengths, q.shape[-2], k.shape[-2], q.device)
+    if live_keys is not None:
+        zero = torch.zeros((), dtype=v.dtype, device=v.device)
+        k, v = torch.where(live_keys, k, zero), torch.where(live_keys, v, zero)
     if path == "fused":
-        return _fused(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
+        return _fused(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
                       dropout_rate=dropout_rate if training else 0.0)
     if path == "blockwise":
-        return _blockwise(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale)
+        return _blockwise(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale)
 
-    mask = combine_masks(mask, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.dim()))
     weights = attention_weights(
-        q, k, mask=mask, causal=causal, scale=scale,
+        q, k, mask=combine_masks(mask, lengths), causal=causal, scale=scale,
         mask_strategy=mask_strategy, normalization=normalization,
     )
     weights = dropout_weights(weights, dropout_rate, training=training, dropout_mask=dropout_mask)
-    weights = weights.to(v.dtype)
-    out = torch.matmul(weights, v)  # (..., T, Dv)
-    return (out, weights) if return_weights else out
+    # mixed in the compute dtype: half-precision weights would add a rounding per weight
+    out = torch.matmul(weights, v.to(weights.dtype)).to(v.dtype)  # (..., T, Dv)
+    return (out, weights.to(v.dtype)) if return_weights else out
 
 
 def _length_mask(kv_lengths: Tensor, kv_len: int, ndim: int) -> Tensor:
@@ -231,23 +310,44 @@ def _length_mask(kv_lengths: Tensor, kv_len: int, ndim: int) -> Tensor:
     return valid.reshape(valid.shape[:1] + (1,) * (ndim - 2) + valid.shape[1:])
 
 
+def _live_keys(
+    mask: Tensor | None, causal: bool, lengths: Tensor | None, q_len: int, kv_len: int, device
+) -> Tensor | None:
+    """(..., S, 1) bool: key positions that some query may attend to; None if all may."""
+    live = None
+    if mask is not None:
+        visible = mask if not causal else mask & causal_mask(q_len, kv_len, device=device)
+        live = visible.any(dim=-2)  # (..., S), size-1 dimensions kept
+    elif causal and kv_len > q_len:  # top-left aligned: the last keys are never visible
+        live = torch.arange(kv_len, device=device) < q_len
+    if lengths is not None:
+        live = lengths[..., 0, :] if live is None else live & lengths[..., 0, :]
+    return None if live is None else live.unsqueeze(-1)
+
+
 def _fused(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, kv_lengths: Tensor | None,
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, lengths: Tensor | None,
     scale: float, dropout_rate: float,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` with this library's fully-masked-row policy
     (zeros, finite gradients).  Causal alone goes to the kernel as ``is_causal``; SDPA
-    takes no lengths, so padding becomes part of a dense mask."""
-    full = combine_masks(mask, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.dim()))
+    takes no lengths, so padding becomes part of a dense mask.  On CPU, half precision
+    runs in float32 and the output is rounded once (the CPU kernel rounds its
+    intermediate results to bfloat16; the twin of JAX's fused path on CPU)."""
+    out_dtype = v.dtype
+    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
+    full = combine_masks(mask, lengths)
     if full is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_rate, is_causal=causal, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_rate, is_causal=causal, scale=scale)
+        return out.to(out_dtype)
     if causal:
         full = full & causal_mask(q.shape[-2], k.shape[-2], device=q.device)
     live = full.any(dim=-1, keepdim=True)  # rows with something to attend to
     # A row with nothing to attend to attends to everything (finite, unlike SDPA's NaN),
     # and its output is zeroed: zero values, zero and finite gradients.
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=full | ~live, dropout_p=dropout_rate, scale=scale)
-    return torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)
 
 
 def default_block_size(q_len: int) -> int:
@@ -256,32 +356,33 @@ def default_block_size(q_len: int) -> int:
 
 
 def _blockwise(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, kv_lengths: Tensor | None,
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, lengths: Tensor | None,
     scale: float, block_size: int | None = None,
 ) -> Tensor:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once.  Rows are normalised exactly as in the
-    reference path.  Twin of the JAX formulation (where it is the CPU fast path)."""
+    reference path.  Twin of the JAX formulation (where it is the CPU fast path).
+    ``mask`` has q's rank (``canonical_mask``); ``lengths`` is (B, 1, 1, S)."""
     q_len, kv_len = q.shape[-2], k.shape[-2]
     block = block_size or default_block_size(q_len)
     ct = _compute_dtype(q.dtype)
-    lengths = None if kv_lengths is None else _length_mask(kv_lengths, kv_len, q.dim())
+    # half-precision scores would overflow or lose digits, and half-precision weights
+    # would add a rounding each: everything in the compute dtype, the output rounded once
+    qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
     outputs = []
     for r0 in range(0, q_len, block):
         r1 = min(r0 + block, q_len)
         n = min(r1, kv_len) if causal else kv_len  # keys this block can see
-        scores = torch.matmul(q[..., r0:r1, :], k[..., :n, :].transpose(-2, -1)).to(ct) * scale
+        scores = torch.matmul(qc[..., r0:r1, :], kc[..., :n, :].transpose(-2, -1))  # unscaled
         allowed = None
         if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
-            allowed = mask[..., r0:r1, :n] if mask.dim() >= 2 and mask.shape[-2] > 1 else mask[..., :n]
+            allowed = mask[..., r0:r1, :n] if mask.shape[-2] > 1 else mask[..., :n]
         if causal:
             tri = torch.arange(n, device=q.device)[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
             allowed = combine_masks(allowed, tri)
         if lengths is not None:
             allowed = combine_masks(allowed, lengths[..., :n])
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, -math.inf)
-        weights = _softmax(scores).to(v.dtype)
-        outputs.append(torch.matmul(weights, v[..., :n, :]))
+        weights = _softmax(scores, allowed, scale)
+        outputs.append(torch.matmul(weights, vc[..., :n, :]).to(v.dtype))
     return torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]

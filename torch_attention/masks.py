@@ -11,6 +11,12 @@ import torch
 from torch import Tensor
 
 from attention_spec import ADDITIVE_BIAS_MESSAGE, check_bool, check_floating, dtype_name
+from attention_spec.validation import (
+    ADDITIVE_BLOCKED_AT,
+    check_lengths_dtype,
+    check_mask_lengths,
+    check_masks_broadcast,
+)
 
 __all__ = [
     "causal_mask",
@@ -28,19 +34,37 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, bottom_right: bool = F
     a cache of ``kv_len - q_len`` earlier keys: query i may attend to key j <= i + S - T.
     """
     kv_len = q_len if kv_len is None else kv_len
+    check_mask_lengths(q_len, kv_len)
     offset = kv_len - q_len if bottom_right else 0
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
 def padding_mask(lengths: Tensor, kv_len: int) -> Tensor:
-    """(B,) valid lengths -> (B, 1, 1, S) bool, True for key positions < length."""
+    """(B,) integer valid lengths -> (B, 1, 1, S) bool, True for key positions < length.
+
+    Raises ``TypeError`` for lengths that are not integers (a fraction is a bug)."""
+    lengths = torch.as_tensor(lengths)
+    check_lengths_dtype(dtype_name(lengths.dtype))
+    check_mask_lengths(kv_len, kv_len)
     positions = torch.arange(kv_len, device=lengths.device)
     return (positions < lengths[:, None])[:, None, None, :]
 
 
 def combine_masks(*masks: Tensor | None) -> Tensor | None:
     """Logical and of the given masks (None entries are skipped); None if none given.
-    Masks of lower rank broadcast from the right: (T, S) & (B, 1, 1, S) -> (B, 1, T, S)."""
+    Masks of lower rank broadcast from the right: (T, S) & (B, 1, 1, S) -> (B, 1, T, S).
+    Raises ``TypeError`` for a mask that is not bool, ``ValueError`` for shapes that do not
+    broadcast together."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    check_masks_broadcast([tuple(m.shape) for m in present], [dtype_name(m.dtype) for m in present])
+    return _and_masks(*present)
+
+
+def _and_masks(*masks: Tensor | None) -> Tensor | None:
+    """``combine_masks`` without the checks, for the functional core's own (canonical)
+    masks: no Python-level validation inside a compiled graph."""
     present = [m for m in masks if m is not None]
     if not present:
         return None
@@ -57,14 +81,15 @@ def from_blocked_mask(blocked: Tensor) -> Tensor:
 
 
 def from_additive_mask(additive: Tensor) -> Tensor:
-    """From an additive float mask (0 = attend, -inf = blocked) to a bool mask.
+    """From an additive float mask (0 = attend, blocked = -inf or any value at or below
+    -1e4 as rounded to the mask's dtype, such as -1e9 or ``finfo.min``) to a bool mask.
 
-    Values at or below the dtype's lowest finite number count as blocked (some libraries
-    use that instead of -inf).  Any other non-zero value is a bias, which a bool mask
-    cannot hold, so it raises ``ValueError`` rather than silently dropping it.
+    Any other value is a bias, which a bool mask cannot hold, so it raises ``ValueError``
+    rather than silently dropping it.
     """
     check_floating("additive mask", dtype_name(additive.dtype))
-    blocked = additive <= torch.finfo(additive.dtype).min
+    threshold = torch.tensor(ADDITIVE_BLOCKED_AT, dtype=additive.dtype, device=additive.device)
+    blocked = additive <= threshold
     if bool(((additive != 0) & ~blocked).any()):
         raise ValueError(ADDITIVE_BIAS_MESSAGE)
     return ~blocked
