@@ -1,17 +1,22 @@
 """The framework-free contract that both twins share.
 
+``attention_spec.registry`` declares every variant once (signature, projections, dropout)
+and the frozen ``AttentionConfig`` that every module holds as ``module.spec``.
+
 ``torch_attention`` and ``jax_attention`` import this package (and never each other's
 framework) so that every check and every error message exists exactly once: the same bad
 input gives the same exception type and the same text in both frameworks.  Nothing here
 imports torch or jax; checks work on shapes (tuples of ints) and dtype names (strings).
 """
 
+from attention_spec.registry import REGISTRY, AttentionConfig, make_config, variant
 from attention_spec.validation import (
     ADDITIVE_BIAS_MESSAGE,
     IMPLEMENTATIONS,
     MASK_STRATEGIES,
     NORMALIZATIONS,
     check_bool,
+    check_compute_dtype,
     check_config,
     check_dropout_mask,
     check_dropout_rate,
@@ -32,6 +37,11 @@ from attention_spec.validation import (
 )
 
 __all__ = [
+    "REGISTRY",
+    "AttentionConfig",
+    "make_config",
+    "variant",
+    "check_compute_dtype",
     "ADDITIVE_BIAS_MESSAGE",
     "check_bool",
     "check_config",

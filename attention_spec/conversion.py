@@ -16,6 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from attention_spec.registry import REGISTRY, AttentionConfig, make_config
+from attention_spec.registry import VARIANTS as REGISTRY_VARIANTS
+from attention_spec.registry import variant as _variant
+
 __all__ = [
     "LAYOUTS",
     "ParamRule",
@@ -32,23 +36,19 @@ __all__ = [
 
 Path = tuple[Any, ...]
 
-# kind of each parameter-holding child: "linear" (weight transposed, bias if any) or
-# "matrix" (a raw (d_in, d_out) parameter used as x @ W, same layout in both frameworks).
+# kind of each parameter-holding child, per variant, read from the registry: "linear"
+# (weight transposed, bias if any) or "matrix" (a raw (d_in, d_out) parameter used as
+# x @ W, same layout in both frameworks).  The wrapper has none of its own: its layout is
+# its head variant's once per head.
 LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "SimplifiedAttention": (),
-    "SelfAttention_v1": (("W_query", "matrix"), ("W_key", "matrix"), ("W_value", "matrix")),
-    "SelfAttention_v2": (("W_query", "linear"), ("W_key", "linear"), ("W_value", "linear")),
-    "CausalAttention": (("W_query", "linear"), ("W_key", "linear"), ("W_value", "linear")),
-    "Head": (("key", "linear"), ("query", "linear"), ("value", "linear")),
-    "MultiHeadAttention": (
-        ("W_query", "linear"), ("W_key", "linear"), ("W_value", "linear"), ("out_proj", "linear"),
-    ),
+    name: tuple((p.name, p.layout) for p in decl.projections)
+    for name, decl in REGISTRY.items()
+    if decl.heads != "wrapper"
 }
 
 
-# Every variant of the library: those with a layout above, and the wrapper, whose layout
-# is CausalAttention's once per head.
-VARIANTS: tuple[str, ...] = (*LAYOUTS, "MultiHeadAttentionWrapper")
+# Every variant of the library, in the registry's order.
+VARIANTS: tuple[str, ...] = REGISTRY_VARIANTS
 
 
 @dataclass(frozen=True)
@@ -74,40 +74,46 @@ def _linear(prefix: Path, d_in: int, d_out: int, bias: bool) -> list[ParamRule]:
     return rules
 
 
-def rules_for(variant: str, config: Mapping[str, Any], prefix: Path = ()) -> list[ParamRule]:
-    """The parameter rules of a variant with the given constructor config.
+def rules_for(
+    variant: str, config: Mapping[str, Any] | AttentionConfig, prefix: Path = ()
+) -> list[ParamRule]:
+    """The parameter rules of a variant with the given constructor config (a dict of
+    constructor keywords, missing ones at their declared defaults, or an
+    ``AttentionConfig``), in the registry's creation order.
 
-    Raises ValueError for a variant that has no declared layout.
+    Raises ValueError for a variant that has no declared layout, TypeError/ValueError for
+    a config that the variant's constructor would refuse.
     """
-    if variant == "MultiHeadAttentionWrapper":
-        head = {**config, "num_heads": 1}
+    decl = _variant(variant)
+    if isinstance(config, AttentionConfig):
+        spec = config
+    else:
+        spec = make_config(variant, config)
+    if decl.heads == "wrapper":
+        head = spec.head()
         return [
             rule
-            for i in range(config["num_heads"])
-            for rule in rules_for("CausalAttention", head, (*prefix, "heads", i))
+            for i in range(spec.num_heads)
+            for rule in rules_for(head.variant, head, (*prefix, "heads", i))
         ]
-    if variant not in LAYOUTS:
-        known = ", ".join(sorted(VARIANTS))
-        raise ValueError(f"no declared weight layout for {variant!r}; known variants: {known}")
-    if not LAYOUTS[variant]:
-        return []
-    d_in = int(config["d_in"])
-    d_out = int(config["d_out"] if "d_out" in config else config["head_size"])
+    d_in, width = spec.d_in, spec.width
     rules: list[ParamRule] = []
-    for child, kind in LAYOUTS[variant]:
-        path = (*prefix, child)
-        if kind == "matrix":
-            rules.append(ParamRule(".".join(map(str, path)), path, (d_in, d_out), False))
-        elif child == "out_proj":
-            if config.get("out_proj", True):
-                rules += _linear(path, d_out, d_out, True)
+    for proj in spec.projections():
+        path = (*prefix, proj.name)
+        fan_in = width if proj.role == "out" else d_in
+        assert fan_in is not None and width is not None  # a variant with projections has both
+        if proj.layout == "matrix":
+            rules.append(ParamRule(".".join(map(str, path)), path, (fan_in, width), False))
         else:
-            rules += _linear(path, d_in, d_out, bool(config.get("qkv_bias", False)))
+            rules += _linear(path, fan_in, width, proj.has_bias(spec))
     return rules
 
 
 def module_rules(module: Any) -> list[ParamRule]:
-    """Rules for one of our modules (either framework), from its ``config``."""
+    """Rules for one of our modules (either framework), from its ``spec``."""
+    spec = getattr(module, "spec", None)
+    if isinstance(spec, AttentionConfig):
+        return rules_for(spec.variant, spec)
     return rules_for(type(module).__name__, module.config)
 
 
@@ -191,7 +197,9 @@ def _bfloat16() -> Any:
 def flatten_paths(arrays: Mapping[Any, Any]) -> dict[Path, np.ndarray]:
     """{path tuple: array}, {"a/0/b": array} or a nested dict -> {path tuple: NumPy array}.
 
-    An ``nnx.State`` is a nested mapping too; its leaves (Variables) are read with ``[...]``.
+    An ``nnx.State`` is a nested mapping too: its ``nnx.Param`` leaves are read, its other
+    variables (the dropout streams' ``RngKey``/``RngCount`` of a full ``nnx.state(module)``)
+    are skipped.
     """
     flat: dict[Path, np.ndarray] = {}
 
@@ -204,9 +212,19 @@ def flatten_paths(arrays: Mapping[Any, Any]) -> dict[Path, np.ndarray]:
                     walk((*prefix, *(int(p) if p.isdigit() else p for p in key.split("/"))), child)
                 else:
                     walk((*prefix, key), child)
+        elif hasattr(node, "get_value"):
+            # An nnx.Variable (duck-typed: no flax import here).  A full ``nnx.state(module)``
+            # also holds the dropout streams' RngKey/RngCount (and could hold other
+            # non-parameter variables): only parameters are weights, the rest is skipped.
+            if _is_param(node):
+                flat[prefix] = as_numpy(node.get_value())
         else:
-            # An nnx.Variable (duck-typed: no flax import here) holds its array as get_value().
-            flat[prefix] = as_numpy(node.get_value() if hasattr(node, "get_value") else node)
+            flat[prefix] = as_numpy(node)
 
     walk((), arrays)
     return flat
+
+
+def _is_param(variable: Any) -> bool:
+    """Whether an nnx.Variable is an ``nnx.Param`` (or a subclass), without importing flax."""
+    return any(c.__name__ == "Param" and c.__module__.startswith("flax") for c in type(variable).__mro__)

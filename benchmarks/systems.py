@@ -62,7 +62,7 @@ def _ours_jax(config: Config, implementation: str) -> Case:
     def make(rngs: Any, dtype: Any) -> Any:
         return ja.MultiHeadAttention(
             config.d_model, config.d_model, config.seq, 0.0, config.heads,
-            causal=config.causal, implementation=implementation, dtype=dtype, rngs=rngs,
+            causal=config.causal, implementation=implementation, param_dtype=dtype, rngs=rngs,
         )
 
     return JaxCase(config, make, lambda module, x: module(x))

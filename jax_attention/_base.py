@@ -1,6 +1,7 @@
-"""What every Flax NNX attention module shares: input checks, the batch dimension, the
-dropout stream, the call into ``functional``.  Subclasses only project to heads and merge
-heads back.
+"""What every Flax NNX attention module shares: the config built from the registry, the
+projections it declares, input checks, the batch dimension, the dropout stream, the call
+into ``functional``.  A variant's file only gives the constructor signature (the public
+API) and docstring.
 
 Twin of ``torch_attention/_base.py``.
 """
@@ -8,14 +9,22 @@ Twin of ``torch_attention/_base.py``.
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from attention_spec import check_dropout_mask, check_input, check_kv_lengths, check_mask, dtype_name
+from attention_spec import (
+    check_compute_dtype,
+    check_dropout_mask,
+    check_implementation,
+    check_input,
+    dtype_name,
+)
+from attention_spec.registry import AttentionConfig, Projection, make_config
 from jax_attention import functional
 
 
@@ -30,44 +39,120 @@ def torch_linear_init(fan_in: int) -> Any:
 
 
 def linear(
-    d_in: int, d_out: int, *, use_bias: bool, dtype: Any, precision: Any, rngs: nnx.Rngs
+    d_in: int,
+    d_out: int,
+    *,
+    use_bias: bool,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any,
+    rngs: nnx.Rngs,
 ) -> nnx.Linear:
-    """An ``nnx.Linear`` initialised as PyTorch's ``nn.Linear`` (kernel (in, out))."""
+    """An ``nnx.Linear`` initialised as PyTorch's ``nn.Linear`` (kernel (in, out)),
+    parameters stored in ``param_dtype``, computing in ``dtype`` (None: the parameters')."""
     init = torch_linear_init(d_in)
     return nnx.Linear(
         d_in, d_out, use_bias=use_bias, kernel_init=init, bias_init=init,
-        param_dtype=dtype or jnp.float32, precision=precision, rngs=rngs,
+        dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
     )
 
 
+class _Call(NamedTuple):
+    """One call's inputs after every check, batched and canonical."""
+
+    x: Array  # (B, T, d_in)
+    mask: Array | None  # bool, rank 4, broadcastable to (B, H, T, T)
+    dropout_mask: Array | None  # bool, broadcastable to (B, H, T, T)
+    kv_lengths: Array | None  # int (B,)
+    implementation: str
+    batched: bool
+    deterministic: bool
+
+
+def _head_slice(m: Array | None, i: int) -> Array | None:
+    """Head ``i`` of a mask broadcastable to (B, H, T, S); a head dimension of 1 is shared."""
+    if m is None or m.ndim < 3 or m.shape[-3] == 1:
+        return m
+    return m[..., i : i + 1, :, :]
+
+
 class AttentionModule(nnx.Module):
-    """Base class.  Subclasses set the attributes below in ``__init__``, define
-    ``_project(x) -> q, k, v`` of shape (B, H, T, D), and may extend ``_merge``.
+    """Base class.  A subclass names its registry entry (``variant``) and passes its
+    constructor arguments once: ``super().__init__(locals(), dtype=..., param_dtype=...,
+    precision=..., rngs=...)``.
+
+    ``spec`` (an ``attention_spec.AttentionConfig``, frozen and hashable) holds every
+    option and is a static attribute: ``jit`` hashes it, never traces it.  ``config`` is
+    the plain dict of constructor keywords (``cls(**m.config, rngs=...)`` rebuilds).
+
+    dtypes, as Flax's own modules: ``param_dtype`` (default float32) stores the
+    parameters, ``dtype`` is the computation dtype (None: ``param_dtype``); ``x`` must
+    come in the computation dtype.  PyTorch's ``dtype`` (storage, = computation) maps to
+    ``param_dtype`` here.
     """
 
-    d_in: int | None = None
-    context_length: int | None = None
-    num_heads: int = 1
-    causal: bool = False
-    scale: float | None = None
-    mask_strategy: str = "fill"
-    normalization: str = "softmax"
-    implementation: str = "reference"
-    precision: Any = "highest"
+    variant: ClassVar[str]
+    spec: AttentionConfig
 
-    def _set_config(self, **config: Any) -> None:
-        # Stored as a tuple of pairs: hashable, so that a Flax module's graphdef can be a
-        # static argument of jax.jit.
-        self._config = tuple(config.items())
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        *,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = "highest",
+        rngs: nnx.Rngs | None = None,
+    ) -> None:
+        spec = make_config(self.variant, options)  # validates before anything is built
+        self.spec = spec
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        for proj in spec.declaration.projections:
+            setattr(self, proj.name, self._projection(proj, cast(nnx.Rngs, rngs)) if proj.exists(spec) else None)
+        if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
+            # Rate 0 never draws: no 'dropout' stream is taken, so the module initialises
+            # from a params key alone (nnx.bridge.to_linen(...).init), as nnx.MultiHeadAttention.
+            self.dropout = nnx.Dropout(spec.dropout, rngs=rngs if spec.dropout > 0.0 else None)
+
+    def _projection(self, proj: Projection, rngs: nnx.Rngs) -> nnx.Module | nnx.Param:
+        spec = self.spec
+        width = cast(int, spec.width)
+        fan_in = width if proj.role == "out" else cast(int, spec.d_in)
+        if proj.layout == "matrix":  # N(0, 1), as torch.randn in seed 004
+            return nnx.Param(jax.random.normal(rngs.params(), (fan_in, width), self.param_dtype))
+        return linear(
+            fan_in, width, use_bias=proj.has_bias(spec), dtype=self.dtype, param_dtype=self.param_dtype,
+            precision=self.precision, rngs=rngs,
+        )
+
+    # ------------------------------------------------------------------ the options
 
     @property
     def config(self) -> dict[str, Any]:
-        """The constructor keywords this module was built with (not dtype/device/rngs)."""
-        return dict(self._config)
+        """The constructor keywords this module was built with (not dtype/param_dtype/
+        precision/rngs)."""
+        return self.spec.options()
 
-    def _dropout_rate(self) -> float:
-        dropout = getattr(self, "dropout", None)
-        return 0.0 if dropout is None else float(dropout.rate)
+    d_in = property(lambda self: self.spec.d_in)
+    d_out = property(lambda self: self.spec.d_out)
+    head_size = property(lambda self: self.spec.head_size)
+    context_length = property(lambda self: self.spec.context_length)
+    num_heads = property(lambda self: self.spec.num_heads)
+    head_dim = property(lambda self: self.spec.head_dim)
+    qkv_bias = property(lambda self: self.spec.qkv_bias)
+    scale = property(lambda self: self.spec.scale)
+    causal = property(lambda self: self.spec.causal)
+    mask_strategy = property(lambda self: self.spec.mask_strategy)
+    normalization = property(lambda self: self.spec.normalization)
+    implementation = property(lambda self: self.spec.implementation)
+
+    def _compute_dtype(self) -> str | None:
+        """The dtype the module computes in: ``dtype``, else ``param_dtype``; None for a
+        module without parameters (it computes in x's dtype)."""
+        if not (self.spec.projections() or self.spec.declaration.heads == "wrapper"):
+            return None
+        return dtype_name(jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype))
 
     def _deterministic(self, deterministic: bool | None) -> bool:
         """As ``nnx.Dropout``: the call's flag overrides the module's, which ``.eval()``
@@ -79,7 +164,7 @@ class AttentionModule(nnx.Module):
 
     def _dropout_key(self, rngs: Any) -> Array | None:
         """A key from the call's ``rngs`` (Rngs, RngStream or key), else the module's stream."""
-        dropout: Any = getattr(self, "dropout")  # noqa: B009 (set by subclasses)
+        dropout: Any = getattr(self, "dropout")  # noqa: B009 (a dropout variant has one)
         if isinstance(rngs, nnx.Rngs):
             return rngs[dropout.rng_collection]()
         if isinstance(rngs, nnx.RngStream):
@@ -88,81 +173,141 @@ class AttentionModule(nnx.Module):
             return rngs
         return None if dropout.rngs is None else dropout.rngs()
 
-    def _check_call(
-        self,
-        x: Array,
-        mask: Array | None,
-        dropout_mask: Array | None,
-        deterministic: bool,
-        kv_lengths: Array | None = None,
-    ) -> bool:
-        """All checks of one call, before any work; returns whether ``x`` is batched."""
-        batched = check_input(
-            x.shape, dtype_name(x.dtype), d_in=self.d_in, context_length=self.context_length
-        )
-        seq = x.shape[-2]
-        weights_shape = ((x.shape[0],) if batched else ()) + (self.num_heads, seq, seq)
-        if mask is not None:
-            check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
-        if kv_lengths is not None:
-            check_kv_lengths(kv_lengths.shape, dtype_name(kv_lengths.dtype), weights_shape)
-        if dropout_mask is not None:
-            check_dropout_mask(
-                dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
-                training=not deterministic,
-            )
-        return batched
+    # ------------------------------------------------------------------ the call
 
-    def _attend(
+    def __call__(
         self,
         x: Array,
-        mask: Array | None,
-        return_weights: bool,
+        mask: Array | None = None,
+        *,
+        return_weights: bool = False,
+        dropout_mask: Array | None = None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | Array | None = None,
+        kv_lengths: Any = None,
+        implementation: str | None = None,
+    ) -> Array | tuple[Array, Array]:
+        """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out); with
+        ``return_weights`` also the attention weights (B, H, T, T) or (H, T, T).
+
+        ``mask``: bool, True = may attend, broadcastable to (B, H, T, T).
+        ``dropout_mask``: bool, True = keep, replaces the random dropout draw (training
+        mode, dropout > 0 only).  ``deterministic``/``rngs``: ``nnx.Dropout``'s
+        conventions (the call's flag and key, else the module's).  ``kv_lengths``: valid
+        keys per example (an int, a sequence or an integer array of shape () or (B,)).
+        ``implementation``: this call's path (None = the module's).  Raises
+        ValueError/TypeError before any work and before any random draw.
+        """
+        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation)
+        key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
+        return self._unbatch(self._run(call, return_weights, key), call.batched)
+
+    def _prepare(
+        self,
+        x: Array,
+        mask: Any,
         dropout_mask: Array | None,
         deterministic: bool | None,
-        rngs: Any,
-        kv_lengths: Array | None = None,
-    ) -> Array | tuple[Array, Array]:
+        kv_lengths: Any,
+        implementation: str | None,
+    ) -> _Call:
+        """Every check of one call, before any work; the inputs batched and canonical."""
+        spec = self.spec
         deterministic = self._deterministic(deterministic)
-        batched = self._check_call(x, mask, dropout_mask, deterministic, kv_lengths)
-        rate = self._dropout_rate()
-        draws = not deterministic and rate > 0.0 and dropout_mask is None
-        key = self._dropout_key(rngs) if draws else None  # after the checks: state changes
+        batched = check_input(x.shape, dtype_name(x.dtype), d_in=spec.d_in, context_length=spec.context_length)
+        check_compute_dtype(dtype_name(x.dtype), self._compute_dtype())
+        implementation = check_implementation(spec.implementation if implementation is None else implementation)
+        batch, seq = (x.shape[0] if batched else 1), x.shape[-2]
+        weights_shape = (batch, spec.num_heads, seq, seq)
+        # Checked against the input's own rank (a 4-d mask for unbatched input is refused),
+        # then given the batch dimension.
+        mask = functional.canonical_mask(mask, weights_shape if batched else weights_shape[1:])
+        if mask is not None and not batched:
+            mask = mask[None]
+        if dropout_mask is not None:
+            # A variant without dropout has no train/eval distinction for it: its rate is 0.
+            check_dropout_mask(
+                dropout_mask.shape, dtype_name(dropout_mask.dtype),
+                weights_shape if batched else weights_shape[1:],
+                training=not deterministic or not spec.has_dropout, rate=spec.dropout,
+            )
+        kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq)
         if not batched:
             x = x[None]  # (T, C) -> (1, T, C); masks broadcast from the right
-        q, k, v = self._project(x)  # each (B, H, T, D)
+        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, deterministic)
+
+    def _draws(self, call: _Call) -> bool:
+        return not call.deterministic and self.spec.dropout > 0.0 and call.dropout_mask is None
+
+    def _draw_key(self, call: _Call, rngs: Any, return_weights: bool) -> Array | None:
+        if not self._draws(call):
+            return None
+        if call.implementation not in ("auto", "reference"):
+            # An explicit path may refuse the options (functional's choice, e.g. a path that
+            # cannot draw dropout): ask it on abstract values, before the stream advances.
+            jax.eval_shape(lambda x, key: self._run(call._replace(x=x), return_weights, key),
+                           call.x, jax.random.key(0))
+        return self._dropout_key(rngs)
+
+    def _run(self, call: _Call, return_weights: bool, key: Array | None) -> Array | tuple[Array, Array]:
+        """The work, on checked input: project, attend, merge.  Batched in and out."""
+        q, k, v = self._project(call.x)  # each (B, H, T, D)
+        spec = self.spec
         result = functional.dot_product_attention(
             q, k, v,
-            mask=mask,
-            causal=self.causal,
-            kv_lengths=kv_lengths,
-            scale=self.scale,
-            mask_strategy=self.mask_strategy,
-            normalization=self.normalization,
-            dropout_rate=rate,
-            dropout_mask=dropout_mask,
-            deterministic=deterministic,
+            mask=call.mask,
+            causal=spec.causal,
+            kv_lengths=call.kv_lengths,
+            scale=spec.scale,
+            mask_strategy=spec.mask_strategy,
+            normalization=spec.normalization,
+            dropout_rate=spec.dropout,
+            dropout_mask=call.dropout_mask,
+            deterministic=call.deterministic,
             rng=key,
             return_weights=return_weights,
-            implementation=self.implementation,
+            implementation=call.implementation,
             precision=self.precision,
         )
         if return_weights:
             out, weights = cast(tuple[Array, Array], result)
-            out = self._merge(out)  # (B, H, T, Dv) -> (B, T, d_out)
-            return (out, weights) if batched else (out[0], weights[0])
-        out = self._merge(cast(Array, result))  # (B, H, T, Dv) -> (B, T, d_out)
-        return out if batched else out[0]
+            return self._merge(out), weights  # (B, H, T, Dv) -> (B, T, d_out)
+        return self._merge(cast(Array, result))
+
+    @staticmethod
+    def _unbatch(result: Array | tuple[Array, Array], batched: bool) -> Array | tuple[Array, Array]:
+        if batched:
+            return result
+        if isinstance(result, tuple):
+            return result[0][0], result[1][0]
+        return result[0]
 
     def _project(self, x: Array) -> tuple[Array, Array, Array]:
-        raise NotImplementedError
+        """(B, T, d_in) -> q, k, v, each (B, H, T, D), by the declared projections."""
+        spec = self.spec
+        if not spec.projections():
+            x = x[:, None]  # (B, T, C) -> (B, 1, T, C): one head, the input itself
+            return x, x, x
+
+        def project(role: str) -> Array:
+            layer = getattr(self, cast(Projection, spec.projection(role)).name)
+            if isinstance(layer, nnx.Param):  # (d_in, d_out) used as x @ W, in the compute dtype
+                y = jnp.matmul(x, layer[...].astype(x.dtype), precision=self.precision)
+            else:
+                y = layer(x)
+            return self._split_heads(y)  # (B, T, H * D) -> (B, H, T, D)
+
+        return project("query"), project("key"), project("value")
 
     def _split_heads(self, t: Array) -> Array:
         b, num_tokens, width = t.shape
+        heads = self.spec.num_heads
         # (B, T, H * D) -> (B, T, H, D) -> (B, H, T, D)
-        return t.reshape(b, num_tokens, self.num_heads, width // self.num_heads).transpose(0, 2, 1, 3)
+        return t.reshape(b, num_tokens, heads, width // heads).transpose(0, 2, 1, 3)
 
     def _merge(self, out: Array) -> Array:
         b, h, num_tokens, head_dim = out.shape
         # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
-        return out.transpose(0, 2, 1, 3).reshape(b, num_tokens, h * head_dim)
+        out = out.transpose(0, 2, 1, 3).reshape(b, num_tokens, h * head_dim)
+        out_proj = getattr(self, "out_proj", None)
+        return out if out_proj is None else out_proj(out)  # heads mixed by out_proj

@@ -43,15 +43,18 @@ def state_from_torch(
 ) -> nnx.State:
     """A PyTorch ``state_dict`` (tensors or NumPy arrays) -> an ``nnx.State`` of params."""
     flat = torch_to_flax({k: as_numpy(v) for k, v in state_dict.items()}, rules_for(variant, config))
-    return nnx.from_flat_state({p: nnx.Param(jnp.asarray(a)) for p, a in flat.items()})
+    return nnx.from_flat_state({p: nnx.Param(jnp.array(a)) for p, a in flat.items()})  # a copy
 
 
 def state_to_torch(
     state: nnx.State | Mapping[Any, Any], variant: str, config: Mapping[str, Any]
 ) -> dict[str, np.ndarray]:
-    """An ``nnx.State`` (or {path: array}, {"a/b": array}, nested) -> PyTorch-named arrays."""
+    """An ``nnx.State`` (or {path: array}, {"a/b": array}, nested) -> PyTorch-named arrays.
+
+    A full ``nnx.state(module)`` is accepted: only its ``nnx.Param`` variables are
+    weights, the dropout streams' ``RngKey``/``RngCount`` are skipped."""
     if isinstance(state, nnx.State):
-        state = {tuple(p): v[...] for p, v in nnx.to_flat_state(state)}
+        state = {tuple(p): v[...] for p, v in nnx.to_flat_state(state) if isinstance(v, nnx.Param)}
     return flax_to_torch(flatten_paths(state), rules_for(variant, config))
 
 
@@ -74,8 +77,11 @@ def torch_state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
 
 def load_flax_arrays(module: nnx.Module, arrays: Mapping[Any, Any]) -> nnx.Module:
     """Writes Flax-layout arrays into the module, each parameter exactly once, cast to
-    the module's parameter dtype.  Raises ValueError listing missing, unexpected and
-    misshaped paths before writing anything."""
+    the module's parameter dtype.  ``arrays``: {path: array}, {"a/b": array}, a nested
+    dict, or an ``nnx.State`` -- ``nnx.state(module, nnx.Param)`` or the full
+    ``nnx.state(module)``, whose non-parameter variables (the dropout streams'
+    ``RngKey``/``RngCount``) are skipped.  Raises ValueError listing missing, unexpected
+    and misshaped paths before writing anything."""
     rules = module_rules(module)
     flat = flatten_paths(arrays)
     check_complete({p: np.shape(a) for p, a in flat.items()}, {r.flax_path: r.flax_shape for r in rules},
@@ -83,7 +89,9 @@ def load_flax_arrays(module: nnx.Module, arrays: Mapping[Any, Any]) -> nnx.Modul
     check_float_arrays(flat, "the Flax state")
     variables = {r.flax_path: _variable(module, r.flax_path) for r in rules}
     # Every array is converted before the first write: a failure leaves the module as it was.
-    ready = {p: jnp.asarray(flat[p], dtype=v[...].dtype) for p, v in variables.items()}
+    # jnp.array copies: on CPU jnp.asarray of a NumPy view of a torch tensor can share its
+    # memory, and an in-place update of the source (an optimizer step) would reach us.
+    ready = {p: jnp.array(flat[p], dtype=v[...].dtype) for p, v in variables.items()}
     for path, variable in variables.items():
         variable[...] = ready[path]
     return module

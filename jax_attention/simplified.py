@@ -8,9 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from flax import nnx
-from jax import Array
 
-from attention_spec import check_config
 from jax_attention._base import AttentionModule
 
 
@@ -22,11 +20,16 @@ class SimplifiedAttention(AttentionModule):
         that the tutorials show and reject (a row summing to zero raises ``ValueError``).
       causal: block keys after each query.
       mask_strategy: ``"fill"`` or ``"renormalize"`` (see ``functional.normalize_scores``).
+      implementation: ``"auto"``, ``"reference"``, ``"fused"`` or ``"blockwise"``.
+      precision: of the matmuls (``jax.lax.Precision``), ``"highest"`` by default.
       rngs: accepted for uniformity with the other modules; nothing is random here.
 
-    Input (B, T, C) or (T, C); output the same shape; weights (B, 1, T, T) or (1, T, T).
+    Input (B, T, C) or (T, C) of any float dtype (no parameters, so no ``dtype``: it
+    computes in ``x``'s dtype); output the same shape; weights (B, 1, T, T) or (1, T, T).
     Scores are not scaled, as in the tutorials.
     """
+
+    variant = "SimplifiedAttention"
 
     def __init__(
         self,
@@ -38,27 +41,4 @@ class SimplifiedAttention(AttentionModule):
         precision: Any = "highest",
         rngs: nnx.Rngs | None = None,
     ) -> None:
-        check_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy,
-                     implementation=implementation)
-        self.normalization = normalization
-        self.causal = causal
-        self.mask_strategy = mask_strategy
-        self.implementation = implementation
-        self.scale = 1.0
-        self._set_config(normalization=normalization, causal=causal, mask_strategy=mask_strategy,
-                     implementation=implementation)
-        self.precision = precision
-
-    def __call__(
-        self,
-        x: Array,
-        mask: Array | None = None,
-        *,
-        return_weights: bool = False,
-        kv_lengths: Array | None = None,
-    ) -> Array | tuple[Array, Array]:
-        return self._attend(x, mask, return_weights, None, None, None, kv_lengths)
-
-    def _project(self, x: Array) -> tuple[Array, Array, Array]:
-        x = x[:, None]  # (B, T, C) -> (B, 1, T, C): one head, the input itself
-        return x, x, x
+        super().__init__(locals(), precision=precision, rngs=rngs)

@@ -56,7 +56,8 @@ def flax_module(cls: str, config: dict[str, Any], dtype: str = "float32", seed: 
 
     import jax_attention
 
-    kwargs = {} if cls == "SimplifiedAttention" else {"dtype": getattr(jnp, dtype)}
+    # param_dtype: the parameters' storage dtype (Flax's convention; PyTorch's ``dtype``).
+    kwargs = {} if cls == "SimplifiedAttention" else {"param_dtype": getattr(jnp, dtype)}
     return getattr(jax_attention, cls)(**config, **kwargs, rngs=nnx.Rngs(seed))
 
 

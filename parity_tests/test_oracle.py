@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from attention_spec.registry import REGISTRY, variant
 from parity_tests import reference
 from parity_tests.cases import VARIANTS, make_mask
 from parity_tests.conftest import needs_jax, needs_torch
@@ -92,3 +93,23 @@ def test_oracle_matches_hand_computation():
     np.testing.assert_allclose(out, [[2 * w0 + 4 * (1 - w0)]], rtol=1e-15)
     out, weights = reference.attention(q, k, v, scale=0.5, mask=np.array([[False, False]]))
     assert (out == 0).all() and (weights == 0).all()  # nothing to attend to
+
+
+@needs_torch
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_oracle_defaults_are_the_registry_s(name):
+    """Given only a variant's required constructor arguments, the oracle fills in the same
+    defaults (causal, scale, qkv_bias, out_proj, ...) as the registry, hence the modules."""
+    import torch
+
+    import torch_attention
+    from torch_attention.interop import torch_state_dict
+
+    sizes = {"d_in": 4, "d_out": 4, "head_size": 4, "context_length": 6, "dropout": 0.0, "num_heads": 2}
+    required = {k: sizes[k] for k in variant(name).required}
+    torch.manual_seed(3)
+    module = getattr(torch_attention, name)(**required).eval()
+    x = np.random.default_rng(3).standard_normal((2, 5, 4)).astype(np.float32) * 0.5
+    out = module(torch.from_numpy(x)).detach().numpy()
+    out64, _ = reference.forward(name, required, torch_state_dict(module), x)
+    assert relative_error(out, out64) <= FLOAT32_ORACLE_RELATIVE

@@ -89,7 +89,9 @@ def _tensor(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 
 
 def load_flax_arrays(module: nn.Module, arrays: Mapping[Any, Any]) -> nn.Module:
-    """Writes Flax-layout arrays into the module; checks as ``load_torch_state_dict``."""
+    """Writes Flax-layout arrays into the module; checks as ``load_torch_state_dict``.
+    A full ``nnx.state(flax_module)`` is accepted: its non-parameter variables (the
+    dropout streams' ``RngKey``/``RngCount``) are skipped."""
     flat = flatten_paths(arrays)
     state_dict = flax_to_torch(flat, module_rules(module))  # names and shapes, Flax's words
     check_float_arrays(flat, "the Flax state")

@@ -6,12 +6,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import Tensor, nn
 
-from attention_spec import check_config
 from torch_attention._base import AttentionModule
 
 
@@ -22,7 +18,11 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
     Input (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out); weights (B, 1, T, T).
     Scores are scaled by 1/sqrt(d_out) unless ``scale`` says otherwise; ``causal=True``
     blocks future keys; an optional bool ``mask`` (True = may attend) blocks more.
+    ``dtype``/``device`` as ``nn.Linear``'s (parameter storage, also the compute dtype;
+    the Flax twin's ``param_dtype``).
     """
+
+    variant = "SelfAttention_v1"
 
     def __init__(
         self,
@@ -36,43 +36,15 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
-                     implementation=implementation)
-        super().__init__()
-        self.d_in, self.d_out = d_in, d_out
-        self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
-        self.implementation = implementation
-        self._set_config(
-            d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy, implementation=implementation,
-        )
-        factory: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.W_query = nn.Parameter(torch.randn(d_in, d_out, **factory))
-        self.W_key = nn.Parameter(torch.randn(d_in, d_out, **factory))
-        self.W_value = nn.Parameter(torch.randn(d_in, d_out, **factory))
-
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        return_weights: bool = False,
-        kv_lengths: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        return self._attend(x, mask, return_weights, kv_lengths=kv_lengths)
-
-    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # (B, T, d_in) @ (d_in, d_out) -> (B, 1, T, d_out)
-        return (
-            self._split_heads(x @ self.W_query),
-            self._split_heads(x @ self.W_key),
-            self._split_heads(x @ self.W_value),
-        )
+        super().__init__(locals(), dtype=dtype, device=device)
 
 
 class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
     """As ``SelfAttention_v1`` with ``nn.Linear`` projections ``W_query``, ``W_key``,
     ``W_value`` (PyTorch's default initialisation), with biases if ``qkv_bias``.
     """
+
+    variant = "SelfAttention_v2"
 
     def __init__(
         self,
@@ -87,36 +59,4 @@ class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        check_config(d_in=d_in, d_out=d_out, scale=scale, causal=causal, mask_strategy=mask_strategy,
-                     implementation=implementation)
-        super().__init__()
-        self.d_in, self.d_out, self.qkv_bias = d_in, d_out, qkv_bias
-        self.scale, self.causal, self.mask_strategy = scale, causal, mask_strategy
-        self.implementation = implementation
-        self._set_config(
-            d_in=d_in, d_out=d_out, qkv_bias=qkv_bias, scale=scale, causal=causal,
-            mask_strategy=mask_strategy,
-            implementation=implementation,
-        )
-        factory: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
-        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
-        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
-
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        return_weights: bool = False,
-        kv_lengths: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        return self._attend(x, mask, return_weights, kv_lengths=kv_lengths)
-
-    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # (B, T, d_in) -> (B, T, d_out) -> (B, 1, T, d_out)
-        return (
-            self._split_heads(self.W_query(x)),
-            self._split_heads(self.W_key(x)),
-            self._split_heads(self.W_value(x)),
-        )
+        super().__init__(locals(), dtype=dtype, device=device)

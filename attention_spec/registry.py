@@ -1,0 +1,373 @@
+"""One description per variant: the registry that the modules, the conversion map, the
+float64 oracle and the parity matrix all read, and the frozen config every module holds.
+
+A variant is declared once, in ``REGISTRY``: its constructor signature (positional
+names, keyword-only options, defaults), its projections in creation order (each with a
+weight layout and a bias rule), how it has heads, and whether it has dropout.  A module
+is built from ``make_config(variant, options)``, an ``AttentionConfig`` that is frozen,
+validated and hashable (so a Flax module can hold it as a static attribute that ``jit``
+hashes).  Adding an option touches ``AttentionConfig`` and the signatures here, plus the
+module file of each framework; nothing here imports torch or jax.
+
+Reading the registry::
+
+    v = variant("MultiHeadAttention")
+    v.positional          # ("d_in", "d_out", "context_length", "dropout", "num_heads", "qkv_bias")
+    v.defaults            # {"qkv_bias": False, "out_proj": True, "scale": None, "causal": True, ...}
+    v.has_dropout         # True
+    v.projections         # (Projection("W_query", "query", "linear", "qkv_bias"), ...)
+    config = make_config("Head", {"d_in": 4, "head_size": 2, "context_length": 8})
+    [p.name for p in config.projections()]   # the projections this config creates, in order
+    config.projection("query").name          # "query" (Head's name for it), .layout, .has_bias(config)
+    config.options()      # the constructor keywords, a plain dict (``module.config``)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from attention_spec.validation import (
+    check_dropout_rate,
+    check_heads,
+    check_implementation,
+    check_mask_strategy,
+    check_normalization,
+    check_positive_int,
+    check_scale,
+)
+
+__all__ = [
+    "REGISTRY",
+    "REQUIRED",
+    "VARIANTS",
+    "AttentionConfig",
+    "Option",
+    "Projection",
+    "Variant",
+    "make_config",
+    "variant",
+]
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()  # the default of an option that has none (a required argument)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One constructor parameter: its name, its default (``REQUIRED`` if none) and
+    whether it is keyword-only."""
+
+    name: str
+    default: Any = REQUIRED
+    keyword_only: bool = False
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One parameter-holding child of a module.
+
+    name: the attribute and the parameter prefix (``W_query``: ``W_query.weight`` in
+      PyTorch, ``("W_query", "kernel")`` in Flax).
+    role: ``"query"``, ``"key"``, ``"value"`` (from ``x``: (d_in, width)) or ``"out"``
+      (mixes the merged heads: (width, width)).
+    layout: ``"linear"`` (``nn.Linear`` / ``nnx.Linear``: PyTorch weight (out, in), Flax
+      kernel (in, out)) or ``"matrix"`` (a raw (d_in, width) parameter used as ``x @ W``,
+      the same array in both frameworks, drawn from N(0, 1)).
+    bias: ``"qkv_bias"`` (the option decides), ``"always"`` or ``"never"``.
+    when: the bool option that must be True for the projection to exist (None: always).
+    """
+
+    name: str
+    role: str
+    layout: str
+    bias: str = "never"
+    when: str | None = None
+
+    def exists(self, config: Mapping[str, Any] | AttentionConfig) -> bool:
+        return self.when is None or bool(_get(config, self.when, True))
+
+    def has_bias(self, config: Mapping[str, Any] | AttentionConfig) -> bool:
+        if self.bias == "qkv_bias":
+            return bool(_get(config, "qkv_bias", False))
+        return self.bias == "always"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A variant's declaration.
+
+    signature: the constructor parameters in order (without the framework's own ``dtype``,
+      ``param_dtype``, ``device``, ``precision`` and ``rngs``).
+    projections: in creation order (PyTorch draws its initial weights in that order).
+    heads: ``"single"`` (one head), ``"split"`` (one projection split into ``num_heads``
+      heads of ``d_out // num_heads``) or ``"wrapper"`` (``num_heads`` copies of
+      ``head_variant``, outputs concatenated).
+    width: the option that gives the projections' output width (``d_out``/``head_size``),
+      None for a variant without projections (its q, k, v are ``x`` itself).
+    fixed: values the variant fixes for options that it does not expose.
+    """
+
+    name: str
+    signature: tuple[Option, ...]
+    projections: tuple[Projection, ...]
+    has_dropout: bool
+    heads: str = "single"
+    width: str | None = "d_out"
+    head_variant: str | None = None
+    fixed: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def positional(self) -> tuple[str, ...]:
+        """Names of the parameters that may be given by position, in order."""
+        return tuple(o.name for o in self.signature if not o.keyword_only)
+
+    @property
+    def keyword_only(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.signature if o.keyword_only)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """Every constructor keyword, in signature order (the keys of ``module.config``)."""
+        return tuple(o.name for o in self.signature)
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.signature if o.default is REQUIRED)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """{option: default} for the options that have one."""
+        return {o.name: o.default for o in self.signature if o.default is not REQUIRED}
+
+
+def _get(config: Mapping[str, Any] | AttentionConfig, name: str, default: Any) -> Any:
+    if isinstance(config, AttentionConfig):
+        return getattr(config, name)
+    return config.get(name, default)
+
+
+def _common(causal: bool, scale: float | None = None) -> tuple[Option, ...]:
+    return (
+        Option("scale", scale, True),
+        Option("causal", causal, True),
+        Option("mask_strategy", "fill", True),
+        Option("implementation", "auto", True),
+    )
+
+
+def _qkv(*names: str, layout: str = "linear", bias: str = "qkv_bias") -> tuple[Projection, ...]:
+    roles = {"W_query": "query", "W_key": "key", "W_value": "value",
+             "query": "query", "key": "key", "value": "value"}
+    return tuple(Projection(n, roles[n], layout, bias) for n in names)
+
+
+_QKV = ("W_query", "W_key", "W_value")
+
+REGISTRY: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant(
+            "SimplifiedAttention",
+            (
+                Option("normalization", "softmax", True),
+                Option("causal", False, True),
+                Option("mask_strategy", "fill", True),
+                Option("implementation", "auto", True),
+            ),
+            projections=(),
+            has_dropout=False,
+            width=None,
+            fixed=(("scale", 1.0),),  # the tutorials' unscaled x @ x^T
+        ),
+        Variant(
+            "SelfAttention_v1",
+            (Option("d_in"), Option("d_out"), *_common(causal=False)),
+            projections=_qkv(*_QKV, layout="matrix", bias="never"),
+            has_dropout=False,
+        ),
+        Variant(
+            "SelfAttention_v2",
+            (Option("d_in"), Option("d_out"), Option("qkv_bias", False), *_common(causal=False)),
+            projections=_qkv(*_QKV),
+            has_dropout=False,
+        ),
+        Variant(
+            "CausalAttention",
+            (Option("d_in"), Option("d_out"), Option("context_length"), Option("dropout"),
+             Option("qkv_bias", False), *_common(causal=True)),
+            projections=_qkv(*_QKV),
+            has_dropout=True,
+        ),
+        Variant(
+            "Head",
+            (Option("d_in"), Option("head_size"), Option("context_length"), Option("dropout", 0.0),
+             *_common(causal=True, scale=1.0)),  # seed 002 does not scale its scores
+            projections=_qkv("key", "query", "value", bias="never"),  # seed 002's creation order
+            has_dropout=True,
+            width="head_size",
+        ),
+        Variant(
+            "MultiHeadAttentionWrapper",
+            (Option("d_in"), Option("d_out"), Option("context_length"), Option("dropout"),
+             Option("num_heads"), Option("qkv_bias", False), *_common(causal=True)),
+            projections=(),  # each head holds its own (heads.i.W_query, ...)
+            has_dropout=True,
+            heads="wrapper",
+            head_variant="CausalAttention",
+        ),
+        Variant(
+            "MultiHeadAttention",
+            (Option("d_in"), Option("d_out"), Option("context_length"), Option("dropout"),
+             Option("num_heads"), Option("qkv_bias", False), Option("out_proj", True, True),
+             *_common(causal=True)),
+            projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "always", when="out_proj")),
+            has_dropout=True,
+            heads="split",
+        ),
+    )
+}
+
+VARIANTS: tuple[str, ...] = tuple(REGISTRY)
+
+
+def variant(name: str) -> Variant:
+    """The declaration of a variant; ValueError naming the known ones for another name."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(REGISTRY))
+        raise ValueError(f"no declared weight layout for {name!r}; known variants: {known}") from None
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Every option of a variant, validated, frozen and hashable (``module.spec``).
+
+    Build one with ``make_config`` (the variant's declared defaults, e.g. ``out_proj=True``
+    for ``MultiHeadAttention``); direct construction takes the neutral defaults below.
+
+    Fields that the variant does not expose hold the variant's fixed value or the neutral
+    default below (e.g. ``dropout=0.0``, ``num_heads=1`` for a single-head variant);
+    setting one of them raises ``ValueError``.  ``context_length=None`` means no cap on
+    the sequence length.  Raises ``TypeError``/``ValueError`` (the texts of
+    ``attention_spec.validation``) for a bad value.
+    """
+
+    variant: str
+    d_in: int | None = None
+    d_out: int | None = None
+    head_size: int | None = None
+    context_length: int | None = None
+    dropout: float = 0.0
+    num_heads: int = 1
+    qkv_bias: bool = False
+    out_proj: bool = False
+    scale: float | None = None
+    causal: bool = False
+    mask_strategy: str = "fill"
+    normalization: str = "softmax"
+    implementation: str = "auto"
+
+    def __post_init__(self) -> None:
+        decl = variant(self.variant)
+        exposed = set(decl.options)
+        fixed = dict(decl.fixed)
+        for f in fields(self):
+            if f.name == "variant" or f.name in exposed:
+                continue
+            neutral = fixed.get(f.name, f.default)
+            if getattr(self, f.name) != neutral:
+                raise ValueError(f"{self.variant} has no option {f.name!r}")
+        set_ = object.__setattr__  # frozen: normalised values are written once, here
+        for name in ("d_in", "d_out", "head_size"):
+            if name in exposed:
+                check_positive_int(name, getattr(self, name))
+        if "context_length" in exposed and self.context_length is not None:
+            check_positive_int("context_length", self.context_length)
+        if "num_heads" in exposed:
+            if decl.heads == "split":
+                check_heads(self.d_out, self.num_heads)
+            else:  # each wrapped head has its own width d_out: num_heads need not divide it
+                check_positive_int("num_heads", self.num_heads)
+        if "dropout" in exposed:
+            set_(self, "dropout", check_dropout_rate(self.dropout))
+        if "scale" in exposed:
+            set_(self, "scale", check_scale(self.scale))
+        for name in ("causal", "qkv_bias", "out_proj"):
+            value = getattr(self, name)
+            if name in exposed and not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
+        check_mask_strategy(self.mask_strategy)
+        check_normalization(self.normalization)
+        check_implementation(self.implementation)
+
+    # ------------------------------------------------------------------ reading it
+
+    @property
+    def declaration(self) -> Variant:
+        return REGISTRY[self.variant]
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.declaration.has_dropout
+
+    @property
+    def width(self) -> int | None:
+        """Output width of the q/k/v projections (``d_out`` or ``head_size``)."""
+        name = self.declaration.width
+        return None if name is None else getattr(self, name)
+
+    @property
+    def head_dim(self) -> int | None:
+        """Width of one head's queries and keys."""
+        width = self.width
+        if width is None:
+            return self.d_in
+        return width // self.num_heads if self.declaration.heads == "split" else width
+
+    def options(self) -> dict[str, Any]:
+        """The constructor keywords, in signature order: ``cls(**config.options())``
+        rebuilds the module (with the framework's own dtype/device/rngs)."""
+        return {name: getattr(self, name) for name in self.declaration.options}
+
+    def projections(self) -> tuple[Projection, ...]:
+        """The projections this configuration creates, in creation order."""
+        return tuple(p for p in self.declaration.projections if p.exists(self))
+
+    def projection(self, role: str) -> Projection | None:
+        """The projection of ``role`` (``"query"``, ``"key"``, ``"value"``, ``"out"``) that
+        this config creates, None if it has none (``out`` with ``out_proj=False``)."""
+        return next((p for p in self.projections() if p.role == role), None)
+
+    def head(self) -> AttentionConfig:
+        """A wrapper's per-head configuration (its ``head_variant`` with one head)."""
+        decl = self.declaration
+        if decl.head_variant is None:
+            raise ValueError(f"{self.variant} does not wrap heads")
+        opts = self.options()
+        head_opts = {k: opts[k] for k in REGISTRY[decl.head_variant].options if k in opts}
+        return make_config(decl.head_variant, head_opts)
+
+
+def make_config(name: str, options: Mapping[str, Any]) -> AttentionConfig:
+    """The validated config of variant ``name`` from a mapping that holds (at least) its
+    constructor keywords; missing ones take the declared default, other keys are ignored
+    (so a constructor can pass ``locals()``).  Raises TypeError for a missing required
+    argument, TypeError/ValueError for a bad value."""
+    decl = variant(name)
+    values: dict[str, Any] = {}
+    for option in decl.signature:
+        if option.name in options:
+            values[option.name] = options[option.name]
+        elif option.default is REQUIRED:
+            raise TypeError(f"{name}() missing required argument: {option.name!r}")
+        else:
+            values[option.name] = option.default
+    return AttentionConfig(name, **dict(decl.fixed), **values)
