@@ -3,7 +3,10 @@
 ``to_flax`` / ``to_torch`` build a module's twin with its weights copied exactly;
 ``assert_parity`` / ``check_parity`` prove that a PyTorch module and a Flax NNX module
 compute the same function, forward and backward, for this library's modules or, with a
-``param_map``, for your own.  ``python -m parity_tests`` prints the parity report.
+``param_map``, for your own, on the path you choose (``implementation=``), comparing
+attention weights only when asked (``weights=True``).  ``full_precision`` is the context
+they run in (full-precision matmuls, global flags restored).  ``python -m parity_tests``
+prints the parity report.
 """
 
 from parity_tests.harness import (
@@ -13,6 +16,7 @@ from parity_tests.harness import (
     assert_parity,
     check_parity,
     compare,
+    full_precision,
     to_flax,
     to_torch,
 )
@@ -24,6 +28,7 @@ __all__ = [
     "assert_parity",
     "check_parity",
     "compare",
+    "full_precision",
     "to_flax",
     "to_torch",
 ]

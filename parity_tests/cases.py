@@ -1,15 +1,34 @@
 """The parity matrix, defined once: used by the test suite and by ``python -m parity_tests``.
 
-Axes: variant x batch {1, 2, 7} x heads {1, 2, 4, 8} x seq {1, 6, 17, 64} x mask {none,
-causal, padding, causal+padding, random, rows fully masked} x dtype {float32, bfloat16,
-float16} x direction (PyTorch -> Flax, Flax -> PyTorch).  The full product is ~14k
-cases; per variant a greedy pairwise covering design keeps every pair of axis values
-(and so every value of every axis) at least once, ~35 cases per variant.  Each case has
-a readable id such as ``mha-b2-h4-T17-causal-bf16-pt2fx``.
+Two tables.
+
+Module cases: variant x batch {1, 2, 7} x heads {1, 2, 4, 8} x seq {1, 6, 17, 64} x mask
+{none, causal, padding, causal+padding, random, rows fully masked} x dtype {float32,
+bfloat16, float16} x direction (PyTorch -> Flax, Flax -> PyTorch) x path {reference,
+fused, blockwise, auto}.  The full product is ~69k cases; one greedy pairwise covering
+design over all eight axes (66 cases with the refusals) holds every pair of values that
+can go together at least once: every variant meets every path, mask, dtype, size and
+direction; every path meets every mask, dtype, size and direction.  Constraints: a
+single-head variant has one head, and a variant runs only on the paths that can honour
+its options (``REFUSED``); each path that refuses a variant by design gets one case that
+asserts the refusal (a ValueError naming the option) instead.  Attention weights are
+compared on the reference path only: asking for them anywhere else would change the path
+under test.
+
+Functional cases: ``dot_product_attention`` of both frameworks on q, k, v directly, with
+q_len != kv_len (where top-left and bottom-right causal alignment differ), causal x mask
+x kv_lengths x path x dtype, pairwise, plus causal alignment under a mask and lengths on
+every path (31 cases).
+
+Every case has a readable id that shows its path, e.g. ``mha-b2-h4-T17-causal-bf16-fused-pt2fx``
+or ``fn-T5-S9-causal-random-lenempty-f16-blockwise``.  The variants' constructor keywords come
+from the variant registry (``attention_spec.registry``), not from a copy kept here.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import zlib
 from dataclasses import dataclass
@@ -17,6 +36,8 @@ from functools import cache
 from typing import Any
 
 import numpy as np
+
+from attention_spec.registry import variant as declaration
 
 D_IN = 16
 HEAD_DIM = 8
@@ -27,58 +48,85 @@ HEADS = (1, 2, 4, 8)
 SEQS = (1, 6, 17, 64)
 MASKS = ("none", "causal", "padding", "causal+padding", "random", "fully-masked")
 DTYPES = ("float32", "bfloat16", "float16")
+IMPLEMENTATIONS = ("reference", "fused", "blockwise", "auto")
 DIRECTIONS = ("pt2fx", "fx2pt")
 DTYPE_IDS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+# Options that an explicit fast path cannot honour, by design (DESIGN: "an explicit path
+# that cannot honour an option raises, naming it"): {option: paths that refuse it}.  A
+# variant configured with such an option gets a refusal case on those paths.
+# (mask_strategy="renormalize" is not here: it equals "fill" in exact arithmetic and
+# every path computes it, stably; the causal-renorm variant runs on all four.)
+REFUSED: dict[tuple[str, Any], tuple[str, ...]] = {
+    ("normalization", "sum"): ("fused", "blockwise"),
+}
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A variant under test: its short id, class name, and whether it has several heads."""
+    """A variant under test: its short id, class name and the options it is built with
+    beyond the registry's required ones (``extra``)."""
 
     id: str
     cls: str
-    multihead: bool
     extra: tuple[tuple[str, Any], ...] = ()
     # Input scale.  SelfAttention_v1's N(0, 1) matrices (the tutorial's init) give scores
     # of size ~d_in with unit inputs: near one-hot softmaxes whose conditioning, not the
     # code, dominates half-precision error.  Inputs of size 1/sqrt(d_in) give O(1) scores,
     # as the Linear variants have with unit inputs.
     input_scale: float = 1.0
+    # |x|: for normalization="sum", whose row sums of x @ x^T must stay away from 0 (a row
+    # summing to 0 is an error; near 0 the result is ill-conditioned, not wrong).
+    positive: bool = False
+
+    @property
+    def multihead(self) -> bool:
+        return declaration(self.cls).heads != "single"
 
     def config(self, heads: int) -> dict[str, Any]:
-        """Constructor keywords (the same for both frameworks) for ``heads`` heads."""
-        extra = dict(self.extra)
-        if self.cls == "SimplifiedAttention":
-            return extra
-        if self.cls == "SelfAttention_v1":
-            return {"d_in": D_IN, "d_out": HEAD_DIM, **extra}
-        if self.cls == "SelfAttention_v2":
-            return {"d_in": D_IN, "d_out": HEAD_DIM, "qkv_bias": True, **extra}
-        if self.cls == "CausalAttention":
-            return {"d_in": D_IN, "d_out": HEAD_DIM, "context_length": CONTEXT_LENGTH,
-                    "dropout": 0.1, "qkv_bias": True, **extra}
-        if self.cls == "Head":
-            return {"d_in": D_IN, "head_size": HEAD_DIM, "context_length": CONTEXT_LENGTH,
-                    "dropout": 0.1, **extra}
-        if self.cls == "MultiHeadAttentionWrapper":
-            return {"d_in": D_IN, "d_out": HEAD_DIM, "context_length": CONTEXT_LENGTH,
-                    "dropout": 0.1, "num_heads": heads, "qkv_bias": True, **extra}
-        return {"d_in": D_IN, "d_out": HEAD_DIM * heads, "context_length": CONTEXT_LENGTH,
-                "dropout": 0.1, "num_heads": heads, "qkv_bias": True, **extra}
+        """Constructor keywords (the same for both frameworks) for ``heads`` heads: the
+        registry's options of the variant, set to the sizes of the matrix."""
+        decl = declaration(self.cls)
+        width = HEAD_DIM * (heads if decl.heads == "split" else 1)
+        values: dict[str, Any] = {
+            "d_in": D_IN, "context_length": CONTEXT_LENGTH, "num_heads": heads, "qkv_bias": True,
+            "dropout": 0.1,
+        }
+        if decl.width is not None:
+            values[decl.width] = width
+        config = {name: value for name, value in values.items() if name in decl.options}
+        return {**config, **dict(self.extra)}
+
+    def refusal(self, implementation: str) -> str | None:
+        """The option ``implementation`` refuses for this variant (as the error names
+        it, e.g. ``normalization='sum'``), or None if the path runs it."""
+        for (option, value), paths in REFUSED.items():
+            if dict(self.extra).get(option) == value and implementation in paths:
+                return f"{option}={value!r}"
+        return None
+
+    def runs_on(self, implementation: str) -> bool:
+        return self.refusal(implementation) is None
+
+    def make_inputs(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        """x of ``shape`` + (d_in,), float64, at this variant's scale."""
+        x = rng.standard_normal((*shape, D_IN)) * self.input_scale
+        return np.abs(x) if self.positive else x
 
 
 VARIANTS: dict[str, Variant] = {
     v.id: v
     for v in (
-        Variant("simplified", "SimplifiedAttention", False),
-        Variant("sa1", "SelfAttention_v1", False, input_scale=D_IN**-0.5),
-        Variant("sa2", "SelfAttention_v2", False),
-        Variant("causal", "CausalAttention", False),
-        Variant("causal-renorm", "CausalAttention", False, (("mask_strategy", "renormalize"),)),
-        Variant("head", "Head", False),
-        Variant("mhaw", "MultiHeadAttentionWrapper", True),
-        Variant("mha", "MultiHeadAttention", True),
-        Variant("mha-noproj", "MultiHeadAttention", True, (("out_proj", False),)),
+        Variant("simplified", "SimplifiedAttention"),
+        Variant("simplified-sum", "SimplifiedAttention", (("normalization", "sum"),), positive=True),
+        Variant("sa1", "SelfAttention_v1", input_scale=D_IN**-0.5),
+        Variant("sa2", "SelfAttention_v2"),
+        Variant("causal", "CausalAttention"),
+        Variant("causal-renorm", "CausalAttention", (("mask_strategy", "renormalize"),)),
+        Variant("head", "Head"),
+        Variant("mhaw", "MultiHeadAttentionWrapper"),
+        Variant("mha", "MultiHeadAttention"),
+        Variant("mha-noproj", "MultiHeadAttention", (("out_proj", False),)),
     )
 }
 
@@ -92,11 +140,12 @@ class Case:
     mask: str
     dtype: str
     direction: str
+    implementation: str = "reference"
 
     @property
     def id(self) -> str:
         return (f"{self.variant}-b{self.batch}-h{self.heads}-T{self.seq}-{self.mask}"
-                f"-{DTYPE_IDS[self.dtype]}-{self.direction}")
+                f"-{DTYPE_IDS[self.dtype]}-{self.implementation}-{self.direction}")
 
     @property
     def spec(self) -> Variant:
@@ -107,23 +156,35 @@ class Case:
         return self.spec.config(self.heads)
 
     @property
+    def weights(self) -> bool:
+        """Compare attention weights: on the reference path, the only one that has them."""
+        return self.implementation == "reference"
+
+    @property
+    def refusal(self) -> str | None:
+        """The option this case's path must refuse, naming it (None: a numbers case)."""
+        return self.spec.refusal(self.implementation)
+
+    @property
     def seed(self) -> int:
         return zlib.crc32(self.id.encode())
 
     def inputs(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(x (B, T, d_in) float32, mask bool broadcastable to (B, H, T, T) or None)."""
         rng = np.random.default_rng(self.seed)
-        x = rng.standard_normal((self.batch, self.seq, D_IN)) * self.spec.input_scale
-        x = x.astype(np.float32)
+        x = self.spec.make_inputs(rng, (self.batch, self.seq)).astype(np.float32)
         return x, make_mask(self.mask, self.batch, self.heads, self.seq, rng)
 
 
-def make_mask(kind: str, batch: int, heads: int, seq: int, rng: np.random.Generator) -> np.ndarray | None:
-    """A bool mask (True = may attend) of the given kind, broadcastable to (B, H, T, T)."""
-    causal = np.tril(np.ones((seq, seq), dtype=bool))
-    lengths = rng.integers(1, seq + 1, size=batch)
-    lengths[0] = seq  # one example unpadded
-    padding = (np.arange(seq)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+def make_mask(kind: str, batch: int, heads: int, seq: int, rng: np.random.Generator,
+              kv_len: int | None = None) -> np.ndarray | None:
+    """A bool mask (True = may attend) of the given kind, broadcastable to (B, H, T, S)
+    (S = ``kv_len``, default ``seq``)."""
+    kv_len = seq if kv_len is None else kv_len
+    causal = np.tril(np.ones((seq, kv_len), dtype=bool))
+    lengths = rng.integers(1, kv_len + 1, size=batch)
+    lengths[0] = kv_len  # one example unpadded
+    padding = (np.arange(kv_len)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
     if kind == "none":
         return None
     if kind == "causal":
@@ -132,7 +193,7 @@ def make_mask(kind: str, batch: int, heads: int, seq: int, rng: np.random.Genera
         return padding
     if kind == "causal+padding":
         return causal & padding
-    random = rng.random((batch, heads, seq, seq)) < 0.7
+    random = rng.random((batch, heads, seq, kv_len)) < 0.7
     if kind == "random":
         return random
     if kind == "fully-masked":
@@ -141,36 +202,172 @@ def make_mask(kind: str, batch: int, heads: int, seq: int, rng: np.random.Genera
     raise ValueError(f"unknown mask kind {kind!r}")
 
 
-def _pairwise(axes: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """A greedy covering array of strength 2: every pair of values of every two axes
-    appears in at least one row.  Deterministic (ties broken by product order)."""
-    uncovered = {
-        (i, a, j, b)
-        for i, j in itertools.combinations(range(len(axes)), 2)
-        for a in axes[i]
-        for b in axes[j]
-    }
-    candidates = list(itertools.product(*axes))
-    rows: list[tuple[Any, ...]] = []
+def _pairwise(axes: list[tuple[Any, ...]], valid: Any = None) -> list[tuple[Any, ...]]:
+    """A covering array of strength 2: every pair of values of every two axes that some
+    valid row can hold appears in at least one row.  ``valid(partial)`` says whether a
+    partial row ({axis index: value}) breaks no constraint.  Greedy and deterministic:
+    each row starts from the first uncovered pair and takes, axis by axis, the value that
+    covers the most new pairs (ties to the earlier value)."""
+    valid = valid or (lambda partial: True)
     pairs = list(itertools.combinations(range(len(axes)), 2))
+    uncovered = {
+        (i, a, j, b) for i, j in pairs for a in axes[i] for b in axes[j] if valid({i: a, j: b})
+    }
+    rows: list[tuple[Any, ...]] = []
     while uncovered:
-        best = max(candidates, key=lambda row: sum((i, row[i], j, row[j]) in uncovered for i, j in pairs))
-        rows.append(best)
-        uncovered -= {(i, best[i], j, best[j]) for i, j in pairs}
+        i, a, j, b = min(uncovered, key=lambda p: (p[0], axes[p[0]].index(p[1]), p[2], axes[p[2]].index(p[3])))
+        row: dict[int, Any] = {i: a, j: b}
+        for axis in range(len(axes)):
+            if axis in row:
+                continue
+
+            options = [v for v in axes[axis] if valid({**row, axis: v})]
+            row[axis] = max(options, key=functools.partial(_gain, row, axis, uncovered))  # first of equals
+        full = tuple(row[axis] for axis in range(len(axes)))
+        rows.append(full)
+        uncovered -= {(i, full[i], j, full[j]) for i, j in pairs}
     return rows
+
+
+AXES = ("variant", "batch", "heads", "seq", "mask", "dtype", "direction", "implementation")
+
+
+def _valid(partial: dict[int, Any]) -> bool:
+    """The constraints of the module design: a single-head variant has one head, and a
+    variant runs only on the paths that honour its options."""
+    values = {AXES[i]: v for i, v in partial.items()}
+    spec = VARIANTS.get(values.get("variant", ""))
+    if spec is None:
+        return True
+    if not spec.multihead and values.get("heads", 1) != 1:
+        return False
+    return "implementation" not in values or spec.runs_on(values["implementation"])
+
+
+def _gain(row: dict[int, Any], axis: int, uncovered: set[tuple[Any, ...]], value: Any) -> int:
+    """How many uncovered pairs ``value`` on ``axis`` would cover, with the partial ``row``."""
+    return sum(((min(axis, o), value if axis < o else row[o], max(axis, o), row[o] if axis < o else value)
+                in uncovered) for o in row)
 
 
 @cache
 def matrix() -> tuple[Case, ...]:
-    """Every case of the parity matrix."""
-    cases = []
+    """Every module case of the parity matrix: one pairwise design over all the axes, the
+    variant and the path included (so every variant meets every path, mask, dtype, size
+    and direction, and every path meets every mask, dtype, size...), then one refusal case
+    per path that refuses a variant by design."""
+    axes = [tuple(VARIANTS), BATCHES, HEADS, SEQS, MASKS, DTYPES, DIRECTIONS, IMPLEMENTATIONS]
+    cases = [Case(*row) for row in _pairwise(axes, _valid)]
     for variant in VARIANTS.values():
-        heads = HEADS if variant.multihead else (1,)
-        for row in _pairwise([BATCHES, heads, SEQS, MASKS, DTYPES, DIRECTIONS]):
-            cases.append(Case(variant.id, *row))
-    return tuple(cases)
+        heads = HEADS[-1] if variant.multihead else 1
+        for i, path in enumerate(p for p in IMPLEMENTATIONS if not variant.runs_on(p)):
+            cases.append(Case(variant.id, 2, heads, 6, MASKS[1 + i], DTYPES[i], DIRECTIONS[i % 2], path))
+    return tuple(sorted(cases, key=lambda c: (list(VARIANTS).index(c.variant), c.refusal is not None)))
 
 
 def quick() -> tuple[Case, ...]:
-    """A subset for ``--quick``: float32 and bfloat16, every variant, one direction each."""
-    return tuple(c for c in matrix() if c.dtype != "float16" and c.seq <= 17)[::3]
+    """A subset for ``--quick`` (under 30 s): each variant once, on the path run least so
+    far (so that every path runs several variants), short sequences, float32 or bfloat16
+    where the variant has such a case; and every refusal (they cost nothing)."""
+    chosen: list[Case] = []
+    for variant in VARIANTS:
+        runnable = [c for c in matrix() if c.variant == variant and c.refusal is None and c.seq <= 17]
+        runnable.sort(key=lambda c: c.dtype == "float16")  # float16 only where nothing else is
+
+        runs = collections.Counter(c.implementation for c in chosen if c.refusal is None)
+        chosen.append(min(runnable, key=lambda c: runs[c.implementation]))  # least run so far; first of equals
+        chosen += [c for c in matrix() if c.variant == variant and c.refusal is not None]
+    return tuple(chosen)
+
+
+# --------------------------------------------------------------------------- functional cases
+
+FN_BATCH, FN_HEADS, FN_DIM = 2, 2, 8
+# (q_len, kv_len): fewer and more queries than keys (causal alignment matters), one query
+# (a decoding step), and equal lengths.
+FN_SHAPES = ((5, 9), (9, 5), (1, 7), (6, 6))
+FN_MASKS = ("none", "padding", "random", "fully-masked", "shared")
+FN_LENGTHS = ("none", "partial", "empty")
+
+
+@dataclass(frozen=True)
+class FunctionalCase:
+    """``dot_product_attention(q, k, v, mask=, causal=, kv_lengths=, implementation=)``
+    of both frameworks, q (B, H, T, D), k and v (B, H, S, D)."""
+
+    q_len: int
+    kv_len: int
+    causal: bool
+    mask: str
+    lengths: str
+    dtype: str
+    implementation: str
+
+    variant = "fn"
+    direction = "-"
+    weights = False
+    refusal = None
+
+    @property
+    def id(self) -> str:
+        return (f"fn-T{self.q_len}-S{self.kv_len}-{'causal' if self.causal else 'full'}-{self.mask}"
+                f"-len{self.lengths}-{DTYPE_IDS[self.dtype]}-{self.implementation}")
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(self.id.encode())
+
+    def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(q, k, v float32, mask bool broadcastable to (B, H, T, S) or None, kv_lengths
+        int (B,) or None)."""
+        rng = np.random.default_rng(self.seed)
+        q = rng.standard_normal((FN_BATCH, FN_HEADS, self.q_len, FN_DIM)).astype(np.float32)
+        k = rng.standard_normal((FN_BATCH, FN_HEADS, self.kv_len, FN_DIM)).astype(np.float32)
+        v = rng.standard_normal((FN_BATCH, FN_HEADS, self.kv_len, FN_DIM)).astype(np.float32)
+        if self.mask == "shared":  # (T, S): one mask for every example and head
+            mask = rng.random((self.q_len, self.kv_len)) < 0.7
+        else:
+            mask = make_mask(self.mask, FN_BATCH, FN_HEADS, self.q_len, rng, kv_len=self.kv_len)
+        lengths = {
+            "none": None,
+            "partial": np.array([self.kv_len, max(1, self.kv_len // 2)]),
+            "empty": np.array([self.kv_len - 1, 0]),  # an example with no keys at all
+        }[self.lengths]
+        return q, k, v, mask, lengths
+
+    def oracle_mask(self) -> np.ndarray | None:
+        """The mask and the lengths as one bool (B, H, T, S) mask, for the oracle."""
+        _, _, _, mask, lengths = self.inputs()
+        full = np.ones((FN_BATCH, FN_HEADS, self.q_len, self.kv_len), dtype=bool)
+        if mask is not None:
+            full &= np.broadcast_to(mask, full.shape)
+        if lengths is not None:
+            full &= (np.arange(self.kv_len)[None, :] < lengths[:, None])[:, None, None, :]
+        return full
+
+
+@cache
+def functional_matrix() -> tuple[FunctionalCase, ...]:
+    """The functional cases: pairwise over shape x causal x mask x lengths x dtype x path,
+    and causal alignment under a mask and lengths on every path."""
+    rows = _pairwise([FN_SHAPES, (True, False), FN_MASKS, FN_LENGTHS, DTYPES, IMPLEMENTATIONS])
+    cases = [FunctionalCase(t, s, causal, mask, lengths, dtype, path)
+             for (t, s), causal, mask, lengths, dtype, path in rows]
+    # Causal alignment together with a mask and lengths, on every path, fewer and more
+    # queries than keys: where a top-left / bottom-right mix-up shows (pairs alone do not
+    # guarantee these combinations).
+    for i, path in enumerate(IMPLEMENTATIONS):
+        for (t, s), mask in (((5, 9), "random"), ((9, 5), "padding")):
+            case = FunctionalCase(t, s, True, mask, "partial", DTYPES[i % 2], path)
+            if case not in cases:
+                cases.append(case)
+    return tuple(cases)
+
+
+def quick_functional() -> tuple[FunctionalCase, ...]:
+    """Every path once with a causal mask and q_len != kv_len, for ``--quick``."""
+    chosen: dict[str, FunctionalCase] = {}
+    for case in functional_matrix():
+        if case.causal and case.mask != "none" and case.q_len != case.kv_len:
+            chosen.setdefault(case.implementation, case)
+    return tuple(chosen.values())

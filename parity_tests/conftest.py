@@ -1,5 +1,10 @@
-"""Strict test settings: JAX rank promotion raises, float32 matmuls at full precision in
-both frameworks (TF32 off), and helpers that skip cleanly when a framework is missing."""
+"""Strict test settings: JAX rank promotion raises (a strictness setting of the tests, not
+something the library needs), and helpers that skip cleanly when a framework is missing.
+
+No precision flag is set here: the library passes ``precision=`` to its own matmuls, and
+``check_parity`` sets full-precision matmuls (JAX "highest", PyTorch TF32 off) in a
+context that it restores (``harness.full_precision``); test_global_state.py proves both.
+"""
 
 from __future__ import annotations
 
@@ -15,16 +20,8 @@ if HAS_JAX:
     import jax
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
-    jax.config.update("jax_default_matmul_precision", "highest")
     if os.environ.get("JAX_ENABLE_X64"):
         jax.config.update("jax_enable_x64", True)
-
-if HAS_TORCH:
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
 
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="PyTorch is not installed")
 needs_jax = pytest.mark.skipif(not HAS_JAX, reason="JAX / Flax are not installed")

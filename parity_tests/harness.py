@@ -2,16 +2,20 @@
 
 ``to_flax`` / ``to_torch`` build a module's twin from its own ``config`` and copy the
 weights through the declared map (``attention_spec.conversion``).  ``check_parity``
-runs a PyTorch module and a Flax module on the same inputs, in the same mode, and
-compares outputs, attention weights and (optionally) gradients with respect to every
-input and every parameter; ``assert_parity`` raises on the first failure with the worst
-element named.  Both work on a user's own pair of modules with a ``param_map``.
+runs a PyTorch module and a Flax module on the same inputs, in the same mode and on the
+same path (``implementation=``), and compares outputs, attention weights (when asked,
+``weights=True``) and gradients with respect to every input and every parameter;
+``assert_parity`` raises on the first failure with the worst element named.  Both work on
+a user's own pair of modules with a ``param_map``.  Neither changes a global flag: the
+full-precision matmuls they need are set in a context (``full_precision``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +31,7 @@ __all__ = [
     "assert_parity",
     "check_parity",
     "compare",
+    "full_precision",
     "run_flax",
     "run_torch",
     "to_flax",
@@ -97,8 +102,11 @@ def to_flax(torch_module: Any, *, rngs: Any = None) -> Any:
 
     name = type(torch_module).__name__
     cls = _twin_class(jax_attention, name)
-    dtype = module_dtype(torch_module)
-    kwargs = {"dtype": jax_dtype(dtype)} if name != "SimplifiedAttention" else {}
+    dtype = jax_dtype(module_dtype(torch_module))
+    # PyTorch has one dtype for storage and computation: it is Flax's param_dtype (dtype,
+    # the computation dtype, left at None follows it).
+    key = "param_dtype" if _takes(cls.__init__, "param_dtype") else "dtype"
+    kwargs = {key: dtype} if _takes(cls.__init__, key) else {}
     twin = cls(**torch_module.config, **kwargs, rngs=rngs if rngs is not None else nnx.Rngs(0))
     jax_attention.interop.load_torch_state_dict(twin, torch_module.state_dict())
     twin.set_attributes(deterministic=not torch_module.training, raise_if_not_found=False)
@@ -115,12 +123,33 @@ def to_torch(flax_module: Any) -> Any:
 
     name = type(flax_module).__name__
     cls = _twin_class(torch_attention, name)
+    # The Flax module's parameter dtype (param_dtype, its storage) is PyTorch's dtype;
+    # PyTorch cannot store in one dtype and compute in another.
     dtype = module_dtype(flax_module)
-    kwargs = {"dtype": torch_dtype(dtype)} if name != "SimplifiedAttention" else {}
+    compute = getattr(flax_module, "dtype", None)
+    if compute is not None and _dtype_name(compute) != dtype:
+        raise ValueError(
+            f"the Flax {name} stores its parameters in {dtype} (param_dtype) but computes in "
+            f"{_dtype_name(compute)} (dtype); a PyTorch module has one dtype for both: "
+            "build the Flax module with dtype=None or dtype=param_dtype"
+        )
+    kwargs = {"dtype": torch_dtype(dtype)} if _takes(cls.__init__, "dtype") else {}
     twin = cls(**flax_module.config, **kwargs)
     torch_attention.interop.load_flax_arrays(twin, flax_arrays(flax_module))
     twin.train(not _flax_deterministic(flax_module))
     return twin
+
+
+def _dtype_name(dtype: Any) -> str:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).name
+
+
+def _takes(function: Any, name: str) -> bool:
+    """Whether ``function`` has a parameter called ``name`` (or takes ``**kwargs``)."""
+    parameters = inspect.signature(function).parameters
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def _flax_deterministic(module: Any) -> bool:
@@ -253,15 +282,60 @@ def _is_ours(module: Any) -> bool:
 
 
 def _has_dropout_arg(module: Any) -> bool:
-    return "dropout" in module.config  # the variants built with a dropout rate take dropout_mask=
+    """Whether the variant has dropout (and so takes ``deterministic=`` / ``dropout_mask=``),
+    as the variant registry declares it."""
+    from attention_spec.registry import variant
+
+    return variant(type(module).__name__).has_dropout
 
 
-def _split_outputs(result: Any, ours: bool) -> dict[str, Any]:
-    if ours:  # called with return_weights=True
+def _split_outputs(result: Any, ours: bool, weights: bool) -> dict[str, Any]:
+    if ours and weights:  # called with return_weights=True
         return {"output": result[0], "attention weights": result[1]}
     if isinstance(result, (tuple, list)):
         return {f"output[{i}]": r for i, r in enumerate(result)}
     return {"output": result}
+
+
+def _call_kwargs(module: Any, implementation: str | None, weights: bool) -> dict[str, Any]:
+    """The keywords that choose what one of our modules computes: ``return_weights`` only
+    when weights are compared (asking for them sends every module down the reference
+    path), ``implementation`` only when one is asked for (None: the module's own)."""
+    if not _is_ours(module):
+        return {}
+    kwargs: dict[str, Any] = {"return_weights": True} if weights else {}
+    if implementation is not None:  # the per-call override every module's call takes
+        kwargs["implementation"] = implementation
+    return kwargs
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """float32 matmuls at full precision in both frameworks for the duration: JAX's
+    default matmul precision "highest" (a context, so jit caches stay apart) and PyTorch's
+    TF32 off.  Every flag is put back as it was found, also on error."""
+    import importlib.util
+
+    with contextlib.ExitStack() as stack:
+        if importlib.util.find_spec("jax") is not None:
+            import jax
+
+            stack.enter_context(jax.default_matmul_precision("highest"))
+        if importlib.util.find_spec("torch") is not None:
+            import torch
+
+            saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                     torch.get_float32_matmul_precision())
+
+            def restore() -> None:
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+                torch.set_float32_matmul_precision(saved[2])
+
+            stack.callback(restore)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            torch.set_float32_matmul_precision("highest")
+        yield
 
 
 def run_torch(
@@ -274,9 +348,12 @@ def run_torch(
     grads: bool = True,
     cotangent: np.ndarray | None = None,
     param_names: Sequence[str] | None = None,
+    implementation: str | None = None,
+    weights: bool = False,
 ) -> dict[str, np.ndarray]:
     """Runs a PyTorch module; returns outputs and gradients (of ``sum(out * cotangent)``
-    with respect to every float input and the named parameters) as NumPy arrays."""
+    with respect to every float input and the named parameters) as NumPy arrays.
+    ``implementation`` and ``weights`` as in ``check_parity``."""
     import torch
 
     dtype = torch_dtype(module_dtype(module, inputs))
@@ -288,8 +365,7 @@ def run_torch(
     kwargs: dict[str, Any] = {}
     if mask is not None:
         kwargs["mask"] = torch.tensor(np.asarray(mask, dtype=bool))
-    if _is_ours(module):
-        kwargs["return_weights"] = True
+    kwargs.update(_call_kwargs(module, implementation, weights))
     if dropout_mask is not None:
         kwargs["dropout_mask"] = torch.tensor(np.asarray(dropout_mask, dtype=bool))
     was_training = module.training
@@ -298,7 +374,7 @@ def run_torch(
     for p in params.values():
         p.grad = None
     try:
-        outputs = _split_outputs(module(*xs, **kwargs), _is_ours(module))
+        outputs = _split_outputs(module(*xs, **kwargs), _is_ours(module), weights)
     finally:
         module.train(was_training)
     result = {name: as_numpy(value) for name, value in outputs.items()}
@@ -326,6 +402,8 @@ def run_flax(
     cotangent: np.ndarray | None = None,
     param_paths: Mapping[str, tuple[Any, ...]] | None = None,
     transposed: Mapping[str, bool] | None = None,
+    implementation: str | None = None,
+    weights: bool = False,
 ) -> dict[str, np.ndarray]:
     """Runs a Flax NNX module like ``run_torch``; parameter gradients are reported under
     the PyTorch names of ``param_paths`` and in PyTorch's layout (transposed back)."""
@@ -339,8 +417,7 @@ def run_flax(
     if mask is not None:
         kwargs["mask"] = jnp.asarray(np.asarray(mask, dtype=bool))
     ours = _is_ours(module)
-    if ours:
-        kwargs["return_weights"] = True
+    kwargs.update(_call_kwargs(module, implementation, weights))
     if dropout_mask is not None:
         kwargs["dropout_mask"] = jnp.asarray(np.asarray(dropout_mask, dtype=bool))
     restore = None
@@ -350,16 +427,17 @@ def run_flax(
         restore = _flax_deterministic(module)
         module.set_attributes(deterministic=not training, raise_if_not_found=False)
     float_positions = tuple(i for i, x in enumerate(inputs) if _is_float(x))
+    split_weights = ours and weights
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
     static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
     try:
         primary_shape = jax.eval_shape(
-            lambda p, xs_, a: _flax_call(graphdef, p, rest, xs_, a, static, ours)[0], params, xs, arrays
+            lambda p, xs_, a: _flax_call(graphdef, p, rest, xs_, a, static, split_weights)[0], params, xs, arrays
         ).shape
         cot = jnp.asarray(_cotangent(cotangent, primary_shape))
         outputs, gradients = _flax_run(
-            graphdef, params, rest, xs, arrays, cot, static=static, ours=ours,
+            graphdef, params, rest, xs, arrays, cot, static=static, ours=split_weights,
             float_positions=float_positions if grads else None,
         )
         result = {name: as_numpy(value) for name, value in outputs.items()}
@@ -381,7 +459,7 @@ def run_flax(
 def _flax_call(graphdef: Any, params: Any, rest: Any, xs: Any, arrays: Any, static: Any, ours: bool) -> Any:
     from flax import nnx
 
-    outputs = _split_outputs(nnx.merge(graphdef, params, rest)(*xs, **arrays, **dict(static)), ours)
+    outputs = _split_outputs(nnx.merge(graphdef, params, rest)(*xs, **arrays, **dict(static)), ours, ours)
     return next(iter(outputs.values())), outputs
 
 
@@ -499,6 +577,8 @@ def check_parity(
     training: bool = False,
     dropout_mask: Any = None,
     cotangent: Any = None,
+    implementation: str | None = None,
+    weights: bool = False,
 ) -> ParityReport:
     """Runs both modules on the same inputs in the same mode and compares everything.
 
@@ -512,12 +592,29 @@ def check_parity(
         a tuple or "a/b/c", or (path, transpose) for a Linear-style weight.
       training: run both in training mode; dropout then needs ``dropout_mask`` (bool,
         True = keep), which both frameworks apply identically.
+      implementation: the path both modules compute on for this call ("reference",
+        "fused", "blockwise", "auto"); None = each module's own configuration.  The
+        modules are not changed.
+      weights: also compare the attention weights (``return_weights=True``).  Off by
+        default because only the reference path materialises them: asking for them would
+        move a module off the path under test.  With an explicit "fused" or "blockwise"
+        the modules raise ValueError, naming the option.
+
+    Both runs happen in ``full_precision()`` (JAX matmul precision "highest", PyTorch
+    TF32 off); the global flags are as they were afterwards.
 
     Returns a ``ParityReport`` (raises nothing on mismatch; see ``assert_parity``).
     Raises ValueError for modules that cannot be compared (different variants, configs,
-    dtypes, a param_map naming parameters that do not exist).
+    dtypes, a param_map naming parameters that do not exist), for ``implementation`` or
+    ``weights=True`` with modules that are not this library's, and whatever the modules
+    raise for their inputs.
     """
     _check_pair(torch_module, flax_module)
+    if (implementation is not None or weights) and not _is_ours(torch_module):
+        raise ValueError(
+            "implementation= and weights= apply to this library's modules only; "
+            f"{type(torch_module).__name__} returns what it returns, and every output is compared"
+        )
     paths, transposed = _resolve_param_map(torch_module, flax_module, param_map)
     if training and dropout_mask is None and _is_ours(torch_module) and torch_module.config.get("dropout", 0.0) > 0:
         raise ValueError(
@@ -528,9 +625,11 @@ def check_parity(
     np_mask = None if mask is None else as_numpy(mask)
     np_keep = None if dropout_mask is None else as_numpy(dropout_mask)
     common = {"mask": np_mask, "dropout_mask": np_keep, "training": training, "grads": grads,
-              "cotangent": None if cotangent is None else as_numpy(cotangent)}
-    t = run_torch(torch_module, np_inputs, param_names=list(paths), **common)
-    f = run_flax(flax_module, np_inputs, param_paths=paths, transposed=transposed, **common)
+              "cotangent": None if cotangent is None else as_numpy(cotangent),
+              "implementation": implementation, "weights": weights}
+    with full_precision():
+        t = run_torch(torch_module, np_inputs, param_names=list(paths), **common)
+        f = run_flax(flax_module, np_inputs, param_paths=paths, transposed=transposed, **common)
     dtype = module_dtype(torch_module, np_inputs)
     report = ParityReport(torch_results=t, flax_results=f)
     for name in t:
@@ -555,12 +654,15 @@ def assert_parity(
     training: bool = False,
     dropout_mask: Any = None,
     cotangent: Any = None,
+    implementation: str | None = None,
+    weights: bool = False,
 ) -> ParityReport:
     """As ``check_parity``, but raises ``ParityError`` (an AssertionError) on any
     mismatch, naming the worst element: tensor, index, both values, errors, tolerance."""
     report = check_parity(
         torch_module, flax_module, *inputs, mask=mask, grads=grads, rtol=rtol, atol=atol,
         param_map=param_map, training=training, dropout_mask=dropout_mask, cotangent=cotangent,
+        implementation=implementation, weights=weights,
     )
     if not report.ok:
         raise ParityError(report)

@@ -1,33 +1,48 @@
 """Runs one case of the parity matrix: build, convert, compare twin against twin and each
-twin against the float64 references.  Shared by the tests and the report.
+twin against the float64 references, on the case's path.  Shared by the tests and the
+report.
+
+The references: outputs (and, on the reference path, attention weights) against the
+NumPy loop oracle (``reference.py``) on the inputs and weights the twins saw; gradients
+against the same computation in float64 through PyTorch's reference path, which
+``test_gradient_oracle.py`` checks in turn against finite differences of the loop oracle.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from parity_tests import reference
-from parity_tests.cases import Case
+from parity_tests.cases import Case, FunctionalCase
 from parity_tests.harness import (
     Finding,
+    _cotangent,
     check_parity,
     compare,
+    full_precision,
+    jax_jit_lazy,
+    run_flax,
     run_torch,
     to_flax,
     to_torch,
     torch_dtype,
 )
-from parity_tests.tolerances import GRAD_ORACLE, ORACLE
+from parity_tests.tolerances import GRAD_ORACLE, GRAD_PARITY, ORACLE, PARITY
 
 
 @dataclass
 class CaseResult:
-    case: Case
+    case: Case | FunctionalCase
     parity: list[Finding] = field(default_factory=list)  # torch vs flax
     oracle: list[Finding] = field(default_factory=list)  # each vs float64 (names say which)
+    # A refusal case: what each framework said (or a complaint that it did not refuse).
+    refusals: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
 
     @property
     def findings(self) -> list[Finding]:
@@ -35,7 +50,7 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
-        return all(f.ok for f in self.findings)
+        return not self.problems and all(f.ok for f in self.findings)
 
     def worst(self, group: str = "all") -> tuple[float, float]:
         findings = {"parity": self.parity, "oracle": self.oracle, "all": self.findings}[group]
@@ -55,26 +70,37 @@ def build_pair(case: Case) -> tuple[Any, Any]:
 
     cls_name = case.spec.cls
     if case.direction == "pt2fx":
-        torch.manual_seed(case.seed)
-        src = getattr(torch_attention, cls_name)(**case.config)
+        with torch.random.fork_rng():
+            torch.manual_seed(case.seed)
+            src = getattr(torch_attention, cls_name)(**case.config)
         src = src.to(torch_dtype(case.dtype)).eval()
         return src, to_flax(src)
+    import inspect
+
     import jax.numpy as jnp
 
-    kwargs = {} if cls_name == "SimplifiedAttention" else {"dtype": getattr(jnp, case.dtype)}
-    src = getattr(jax_attention, cls_name)(**case.config, **kwargs, rngs=nnx.Rngs(case.seed % 2**31))
+    cls = getattr(jax_attention, cls_name)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: getattr(jnp, case.dtype) for k in ("dtype", "param_dtype") if k in accepted}
+    src = cls(**case.config, **kwargs, rngs=nnx.Rngs(case.seed % 2**31))
     src.eval()
     return to_torch(src), src
 
 
-def run_case(case: Case, *, grads: bool = True) -> CaseResult:
+def run_case(case: Case | FunctionalCase, *, grads: bool = True) -> CaseResult:
+    """One case: a functional case, a refusal case, or a module case on its path."""
+    if isinstance(case, FunctionalCase):
+        return run_functional_case(case, grads=grads)
     from torch_attention.interop import torch_state_dict
 
     torch_m, flax_m = build_pair(case)
     x, mask = case.inputs()
     x = _in_dtype(x, case.dtype)  # so that a module without parameters runs in it too
     result = CaseResult(case)
-    report = check_parity(torch_m, flax_m, x, mask=mask, grads=grads)
+    if case.refusal is not None:
+        return _expect_refusal(result, torch_m, flax_m, x, mask, case.refusal, case.implementation)
+    report = check_parity(torch_m, flax_m, x, mask=mask, grads=grads,
+                          implementation=case.implementation, weights=case.weights)
     result.parity = report.findings
 
     # The float64 references see exactly the inputs and weights the twins saw.
@@ -86,8 +112,9 @@ def run_case(case: Case, *, grads: bool = True) -> CaseResult:
     for side, got in (("torch", t), ("flax", f)):
         labels = (side, "oracle")
         result.oracle.append(compare(f"{side} output vs oracle", got["output"], out64, tol, labels))
-        result.oracle.append(
-            compare(f"{side} weights vs oracle", got["attention weights"], weights64, tol, labels))
+        if case.weights:
+            result.oracle.append(
+                compare(f"{side} weights vs oracle", got["attention weights"], weights64, tol, labels))
     if grads:
         ref = _torch_float64_grads(torch_m, x_seen, mask)
         grad_tol = GRAD_ORACLE[case.dtype]
@@ -96,6 +123,25 @@ def run_case(case: Case, *, grads: bool = True) -> CaseResult:
                 if name.startswith("grad"):
                     result.oracle.append(compare(f"{side} {name} vs float64", got[name], value, grad_tol,
                                                  (side, "float64")))
+    return result
+
+
+def _expect_refusal(result: CaseResult, torch_m: Any, flax_m: Any, x: np.ndarray, mask: Any,
+                    option: str, implementation: str) -> CaseResult:
+    """Each framework, asked to run ``implementation``, must raise ValueError naming
+    ``option`` (before computing anything)."""
+    for side, run, module in (("torch", run_torch, torch_m), ("flax", run_flax, flax_m)):
+        try:
+            with full_precision():
+                run(module, [x], mask=mask, grads=False, implementation=implementation)
+        except ValueError as err:
+            result.refusals[side] = str(err)
+            if option not in str(err):
+                result.problems.append(f"{side} refused implementation={implementation!r} without naming "
+                                       f"{option}: {err}")
+        else:
+            result.problems.append(f"{side} ran implementation={implementation!r} with {option} "
+                                   "instead of refusing it")
     return result
 
 
@@ -109,10 +155,103 @@ def _in_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _torch_float64_grads(torch_m: Any, x: np.ndarray, mask: Any) -> dict[str, np.ndarray]:
-    """Gradients of the same module and loss in float64: the reference for gradients."""
+    """Gradients of the same module and loss in float64 on the reference path: the
+    reference for gradients on every path."""
     import copy
 
     import torch
 
     m64 = copy.deepcopy(torch_m).to(torch.float64)
-    return run_torch(m64, [x.astype(np.float64)], mask=mask, grads=True)
+    return run_torch(m64, [x.astype(np.float64)], mask=mask, grads=True, implementation="reference")
+
+
+# --------------------------------------------------------------------------- functional cases
+
+def functional_torch(case: FunctionalCase, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray, *,
+                     dtype: str, implementation: str, grads: bool = True) -> dict[str, np.ndarray]:
+    """``torch_attention.functional.dot_product_attention`` on the case's inputs in
+    ``dtype``: the output and the gradients of ``sum(out * cot)`` w.r.t. q, k, v."""
+    import torch
+
+    from torch_attention.functional import dot_product_attention
+
+    _, _, _, mask, lengths = case.inputs()
+    tensors = [torch.tensor(a.astype(np.float64), dtype=torch_dtype(dtype), requires_grad=grads)
+               for a in (q, k, v)]
+    out = dot_product_attention(
+        *tensors, mask=None if mask is None else torch.tensor(mask), causal=case.causal,
+        kv_lengths=None if lengths is None else torch.tensor(lengths), implementation=implementation,
+    )
+    result = {"output": out.detach().float().numpy() if dtype != "float64" else out.detach().numpy()}
+    if grads:
+        (out.to(torch.float64) * torch.tensor(cot, dtype=torch.float64)).sum().backward()
+        for name, t in zip("qkv", tensors, strict=True):
+            result[f"grad {name}"] = t.grad.to(torch.float64).numpy()
+    return result
+
+
+def functional_jax(case: FunctionalCase, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray, *,
+                   dtype: str, implementation: str, grads: bool = True) -> dict[str, np.ndarray]:
+    """``jax_attention.functional.dot_product_attention`` under ``jit``, as ``functional_torch``."""
+    import jax.numpy as jnp
+
+    _, _, _, mask, lengths = case.inputs()
+    arrays = [jnp.asarray(a.astype(np.float32)).astype(getattr(jnp, dtype)) for a in (q, k, v)]
+    if dtype == "float64":
+        arrays = [jnp.asarray(a) for a in (q, k, v)]
+    wide = jnp.float64 if dtype == "float64" else jnp.float32
+    out, gradients = _jax_functional_run(
+        *arrays, None if mask is None else jnp.asarray(mask),
+        None if lengths is None else jnp.asarray(lengths, jnp.int32), jnp.asarray(cot, wide),
+        causal=case.causal, implementation=implementation, grads=grads,
+    )
+    result = {"output": np.asarray(out.astype(wide))}
+    if grads:
+        result.update({f"grad {n}": np.asarray(g.astype(wide)) for n, g in zip("qkv", gradients, strict=True)})
+    return result
+
+
+@functools.partial(jax_jit_lazy, static_argnames=("causal", "implementation", "grads"))
+def _jax_functional_run(q: Any, k: Any, v: Any, mask: Any, lengths: Any, cot: Any, *,
+                        causal: bool, implementation: str, grads: bool) -> Any:
+    import jax
+
+    from jax_attention.functional import dot_product_attention
+
+    def attend(q: Any, k: Any, v: Any) -> Any:
+        return dot_product_attention(q, k, v, mask=mask, causal=causal, kv_lengths=lengths,
+                                     implementation=implementation)
+
+    if not grads:
+        return attend(q, k, v), None
+    out, pullback = jax.vjp(attend, q, k, v)
+    return out, pullback(cot.astype(out.dtype))
+
+
+def run_functional_case(case: FunctionalCase, *, grads: bool = True) -> CaseResult:
+    """Both functional cores on the case's path, in its dtype: twin against twin, each
+    against the loop oracle (outputs) and against float64 reference-path autograd
+    (gradients w.r.t. q, k and v)."""
+    result = CaseResult(case)
+    q, k, v, _, _ = case.inputs()
+    q, k, v = (_in_dtype(a, case.dtype).astype(np.float64) for a in (q, k, v))  # as the twins see them
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    cot = _cotangent(None, out_shape).astype(np.float64)
+    common = {"dtype": case.dtype, "implementation": case.implementation, "grads": grads}
+    with full_precision():
+        t = functional_torch(case, q, k, v, cot, **common)
+        f = functional_jax(case, q, k, v, cot, **common)
+        ref = functional_torch(case, q, k, v, cot, dtype="float64", implementation="reference", grads=grads)
+    for name in t:
+        tol = (GRAD_PARITY if name.startswith("grad") else PARITY)[case.dtype]
+        result.parity.append(compare(name, t[name], f[name], tol))
+    out64, _ = reference.attention(q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), mask=case.oracle_mask(),
+                                   causal=case.causal)
+    for side, got in (("torch", t), ("flax", f)):
+        result.oracle.append(compare(f"{side} output vs oracle", got["output"], out64, ORACLE[case.dtype],
+                                     (side, "oracle")))
+        if grads:
+            for name in ("grad q", "grad k", "grad v"):
+                result.oracle.append(compare(f"{side} {name} vs float64", got[name], ref[name],
+                                             GRAD_ORACLE[case.dtype], (side, "float64")))
+    return result

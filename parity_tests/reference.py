@@ -1,5 +1,6 @@
 """The float64 NumPy oracle: every variant written as explicit loops over queries, keys
-and values (seed 001's unravelled form), independent of both frameworks' code.
+and values (seed 001's unravelled form), independent of both frameworks' code.  What each
+variant is made of is read from the variant registry (``attention_spec.registry``).
 
 Parameters come in PyTorch's naming and layout (a ``state_dict`` as NumPy arrays), so
 the oracle checks a module after conversion too.  Masks are bool, True = may attend.
@@ -94,53 +95,57 @@ def forward(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The oracle for one module: (out, weights) for x (B, T, d_in) or (T, d_in).
 
-    ``keep`` is the dropout keep-mask of a training-mode call (None = eval mode).
-    Weights are (B, H, T, T), the ones that mixed the values.
+    ``config`` holds the constructor keywords; what the variant is made of (projections
+    and their layouts, how it has heads, the defaults of ``causal`` and ``scale``) comes
+    from the variant registry, ``attention_spec.registry``.  ``keep`` is the dropout
+    keep-mask of a training-mode call (None = eval mode).  Weights are (B, H, T, T), the
+    ones that mixed the values.
     """
+    from attention_spec.registry import variant as declaration
+
     x = np.asarray(x, dtype=np.float64)
     if x.ndim == 2:
         out, weights = forward(variant, config, params, x[None], mask, keep)
         return out[0], weights[0]
-    rate = float(config.get("dropout", 0.0))
-    causal = bool(config.get("causal", variant in ("CausalAttention", "Head", "MultiHeadAttention",
-                                                    "MultiHeadAttentionWrapper")))
-    common = {"mask": mask, "causal": causal, "keep": keep, "rate": rate}
-
-    def scale_for(head_dim: int) -> float:
-        default = 1.0 if variant == "Head" else None
-        scale = config.get("scale", default)
-        return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-
-    if variant == "SimplifiedAttention":
-        xs = x[:, None]
-        out, weights = attention(xs, xs, xs, scale=1.0, normalization=config.get("normalization", "softmax"),
-                                 **common)
-        return out[:, 0], weights
-    if variant == "MultiHeadAttentionWrapper":
+    decl = declaration(variant)
+    options = {**decl.defaults, **dict(decl.fixed), **config}
+    if decl.heads == "wrapper":  # num_heads copies of the head variant, concatenated
+        assert decl.head_variant is not None
         outs, ws = [], []
         head_config = {**config, "num_heads": 1}
         for i in range(config["num_heads"]):
             head_params = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith(f"heads.{i}.")}
             head_mask = None if mask is None else _head(mask, i)
             head_keep = None if keep is None else _head(keep, i)
-            o, w = forward("CausalAttention", head_config, head_params, x, head_mask, head_keep)
+            o, w = forward(decl.head_variant, head_config, head_params, x, head_mask, head_keep)
             outs.append(o)
             ws.append(w)
         return np.concatenate(outs, axis=-1), np.concatenate(ws, axis=-3)
 
-    if variant == "SelfAttention_v1":
-        q, k, v = (x @ np.asarray(params[n], np.float64) for n in ("W_query", "W_key", "W_value"))
-    elif variant == "Head":
-        q, k, v = (_linear(params, n, x) for n in ("query", "key", "value"))
-    else:
-        q, k, v = (_linear(params, n, x) for n in ("W_query", "W_key", "W_value"))
-    num_heads = int(config.get("num_heads", 1)) if variant == "MultiHeadAttention" else 1
-    q, k, v = (_heads(t, num_heads) for t in (q, k, v))  # (B, H, T, D)
-    out, weights = attention(q, k, v, scale=scale_for(q.shape[-1]), **common)
+    rate = float(options.get("dropout", 0.0))
+    common = {"mask": mask, "causal": bool(options.get("causal", False)), "keep": keep, "rate": rate,
+              "normalization": options.get("normalization", "softmax")}
+    projections = [p for p in decl.projections if p.exists(options)]
+    by_role: dict[str, np.ndarray] = {}
+    for p in projections:
+        if p.role == "out":
+            continue
+        if p.layout == "matrix":  # x @ W, W (d_in, d_out)
+            by_role[p.role] = x @ np.asarray(params[p.name], np.float64)
+        else:
+            by_role[p.role] = _linear(params, p.name, x)
+    if not by_role:  # no projections: queries, keys and values are x itself
+        by_role = {"query": x, "key": x, "value": x}
+    num_heads = int(options.get("num_heads", 1)) if decl.heads == "split" else 1
+    q, k, v = (_heads(by_role[r], num_heads) for r in ("query", "key", "value"))  # (B, H, T, D)
+    scale = options.get("scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, weights = attention(q, k, v, scale=scale, **common)
     b, h, n, d = out.shape
     out = out.transpose(0, 2, 1, 3).reshape(b, n, h * d)
-    if variant == "MultiHeadAttention" and "out_proj.weight" in params:
-        out = _linear(params, "out_proj", out)
+    for p in projections:
+        if p.role == "out":
+            out = _linear(params, p.name, out)
     return out, weights
 
 

@@ -67,7 +67,7 @@ def test_assert_parity_passes_for_a_correct_copy() -> None:
     from parity_tests import ParityReport, assert_parity, to_flax
 
     tm = torch_module("SelfAttention_v2")
-    report = assert_parity(tm, to_flax(tm), inputs(), mask=random_mask())
+    report = assert_parity(tm, to_flax(tm), inputs(), mask=random_mask(), weights=True)
     assert isinstance(report, ParityReport) and report.ok and report.failures == []
     names = {f.name for f in report.findings}
     assert {"output", "attention weights", "grad input[0]", "grad W_query.weight", "grad W_query.bias",
@@ -211,13 +211,13 @@ def test_training_mode_with_a_shared_dropout_mask(cls: str) -> None:
     heads = CONFIGS[cls].get("num_heads", 1)
     keep = np.random.default_rng(3).random((BATCH, heads, SEQ, SEQ)) >= RATE
     x = inputs(1)
-    report = assert_parity(tm, fm, x, training=True, dropout_mask=keep)
+    report = assert_parity(tm, fm, x, training=True, dropout_mask=keep, weights=True)
     names = {f.name for f in report.findings}
     assert "grad input[0]" in names and any(n.startswith("grad ") and n.endswith(".weight") for n in names)
     # dropout really happened: dropped weights are 0, the kept ones scaled by 1/(1 - p)
     train_w = report.torch_results["attention weights"]
     assert np.all(train_w[~keep] == 0)
-    eval_report = assert_parity(tm, fm, x, grads=False)
+    eval_report = assert_parity(tm, fm, x, grads=False, weights=True)
     eval_w = eval_report.torch_results["attention weights"]
     np.testing.assert_allclose(train_w[keep], eval_w[keep] / (1 - RATE), rtol=1e-6, atol=1e-7)
     assert not np.allclose(report.torch_results["output"], eval_report.torch_results["output"])
@@ -405,3 +405,129 @@ def test_to_flax_of_a_foreign_module_is_refused() -> None:
         to_flax(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"Linear is not one of this library's modules"):
         to_torch(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+# --------------------------------------------------------------------------- the path under test
+
+
+def _record_paths(monkeypatch: Any) -> dict[str, list[str]]:
+    """The path each framework's functional core resolved to, per call (JAX: per trace)."""
+    import jax_attention.functional as jf
+    import torch_attention.functional as tf
+
+    seen: dict[str, list[str]] = {"torch": [], "flax": []}
+    for side, module in (("torch", tf), ("flax", jf)):
+        real = module.resolve_implementation
+
+        def spy(*args: Any, _real: Any = real, _side: str = side, **kwargs: Any) -> str:
+            path = _real(*args, **kwargs)
+            seen[_side].append(path)
+            return path
+
+        monkeypatch.setattr(module, "resolve_implementation", spy)
+    return seen
+
+
+# A sequence length no other test in this file uses, so that the jitted Flax run is traced
+# (and the spy sees the path) instead of coming from the cache.
+PATH_SEQ = 5
+
+
+@pytest.mark.parametrize("implementation", [None, "reference", "fused", "blockwise", "auto"])
+def test_the_modules_run_on_the_path_asked_for(monkeypatch: Any, implementation: str | None) -> None:
+    import jax
+
+    from parity_tests import assert_parity, to_flax
+
+    tm = torch_module("MultiHeadAttention")
+    fm = to_flax(tm)
+    configured = tm.implementation
+    seen = _record_paths(monkeypatch)
+    x = inputs(seed=7, shape=(BATCH, PATH_SEQ, D))
+    mask = np.random.default_rng(8).random((BATCH, 2, PATH_SEQ, PATH_SEQ)) < 0.6
+    report = assert_parity(tm, fm, x, mask=mask, implementation=implementation)
+    # weights are not asked for, so nothing moves the modules off the path under test
+    assert "attention weights" not in {f.name for f in report.findings}
+    assert {"output", "grad input[0]", "grad out_proj.weight"} <= {f.name for f in report.findings}
+    requested = implementation or configured
+    auto = {"torch": "fused", "flax": "fused" if jax.default_backend() in ("gpu", "tpu") else "blockwise"}
+    for side in ("torch", "flax"):
+        assert seen[side], f"{side} never reached its functional core"
+        assert set(seen[side]) == {auto[side] if requested == "auto" else requested}, seen
+    # the modules keep their own configuration
+    assert tm.implementation == configured and fm.implementation == configured
+    assert tm.config["implementation"] == fm.config["implementation"] == configured
+
+
+def test_weights_are_compared_on_the_reference_path_only_when_asked(monkeypatch: Any) -> None:
+    from parity_tests import assert_parity, to_flax
+
+    tm = torch_module("CausalAttention")
+    fm = to_flax(tm)
+    seen = _record_paths(monkeypatch)
+    x = inputs(seed=9, shape=(BATCH, PATH_SEQ, D))
+    report = assert_parity(tm, fm, x, weights=True, grads=False)
+    assert [f.name for f in report.findings] == ["output", "attention weights"]
+    assert set(seen["torch"]) == set(seen["flax"]) == {"reference"}
+    weights = report.torch_results["attention weights"]
+    assert weights.shape == (BATCH, 1, PATH_SEQ, PATH_SEQ)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6)
+    assert np.all(np.triu(weights[0, 0], 1) == 0)  # causal
+
+
+@pytest.mark.parametrize("implementation", ["fused", "blockwise"])
+def test_weights_on_a_path_that_has_none_are_refused_naming_the_option(implementation: str) -> None:
+    from parity_tests import check_parity, to_flax
+
+    tm = torch_module("SelfAttention_v2")
+    with pytest.raises(ValueError, match=rf"implementation='{implementation}' cannot honour return_weights=True"):
+        check_parity(tm, to_flax(tm), inputs(), implementation=implementation, weights=True)
+
+
+def test_a_bug_on_one_path_is_caught_on_that_path_only(monkeypatch: Any) -> None:
+    """SDPA made slightly wrong: the fused comparison fails, the reference one holds.
+    (Before the harness had ``implementation=``, asking for weights hid such a bug.)"""
+    import torch.nn.functional as F
+
+    from parity_tests import ParityError, assert_parity, check_parity, to_flax
+
+    tm = torch_module("SelfAttention_v2")
+    fm = to_flax(tm)
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: real(*a, **k) * 1.001)
+    x = inputs(seed=11)
+    assert_parity(tm, fm, x, implementation="reference")
+    assert check_parity(tm, fm, x, implementation="reference", weights=True).ok
+    with pytest.raises(ParityError) as err:
+        assert_parity(tm, fm, x, implementation="fused")
+    assert "output" in {f.name for f in err.value.report.failures}
+    assert not check_parity(tm, fm, x).ok  # the modules' own path (auto) is SDPA in PyTorch
+
+
+def test_implementation_and_weights_are_refused_for_a_users_own_modules() -> None:
+    from parity_tests import check_parity
+
+    tm, fm = _tiny_pair()
+    x = np.ones((5, 4), np.float32)
+    for kwargs in ({"implementation": "fused"}, {"weights": True}):
+        with pytest.raises(ValueError, match=r"implementation= and weights= apply to this library's modules only"):
+            check_parity(tm, fm, x, param_map=USER_MAP, **kwargs)
+
+
+def test_pytorchs_dtype_is_flaxs_param_dtype() -> None:
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    import jax_attention
+    from parity_tests import to_flax, to_torch
+
+    tm = torch_module("MultiHeadAttention").to(torch.bfloat16)
+    fm = to_flax(tm)
+    assert fm.param_dtype == jnp.bfloat16 and fm.dtype is None  # computes in param_dtype
+    assert to_torch(fm).W_query.weight.dtype == torch.bfloat16
+    mixed = jax_attention.MultiHeadAttention(**CONFIGS["MultiHeadAttention"], dtype=jnp.bfloat16,
+                                             param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"stores its parameters in float32 \(param_dtype\) but computes in "
+                                         r"bfloat16 \(dtype\); a PyTorch module has one dtype"):
+        to_torch(mixed)

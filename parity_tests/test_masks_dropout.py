@@ -118,7 +118,7 @@ def test_fully_masked_module_rows_agree_between_frameworks():
     module = torch_attention.MultiHeadAttention(8, 8, 5, 0.0, 2).eval()
     x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
     mask = fully_masked_mask((2, 2, 5, 5))
-    report = assert_parity(module, to_flax(module), x, mask=mask)
+    report = assert_parity(module, to_flax(module), x, mask=mask, weights=True)
     weights = report.torch_results["attention weights"]
     assert (weights[1, 0] == 0).all()
 

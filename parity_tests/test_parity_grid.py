@@ -1,6 +1,7 @@
 """Every variant, PyTorch -> Flax with weights copied, over batch {1, 3}, seq {1, 5,
-context_length}, heads {1, 2, 4}, with and without a mask: outputs and attention weights.
-(Gradients are compared across the larger matrix in test_matrix.py; here they would
+context_length}, heads {1, 2, 4}, with and without a mask: outputs and attention weights,
+on the reference path (the only one that has weights; the other paths are in the matrix,
+test_matrix.py).  (Gradients are compared across the larger matrix in test_matrix.py; here they would
 double the compile time for no extra coverage.)"""
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def test_twins_agree(variant_id, batch, seq, heads, masked):
     if "context_length" in config:
         config["context_length"] = CONTEXT_LENGTH
     rng = np.random.default_rng(batch * 100 + seq * 10 + heads)
-    x = (rng.standard_normal((batch, seq, 16)) * spec.input_scale).astype(np.float32)
+    x = spec.make_inputs(rng, (batch, seq)).astype(np.float32)
     mask = make_mask("random", batch, heads, seq, rng) if masked else None
     torch.manual_seed(0)
     torch_module = getattr(torch_attention, spec.cls)(**config).eval()
-    report = assert_parity(torch_module, to_flax(torch_module), x, mask=mask, grads=False)
+    report = assert_parity(torch_module, to_flax(torch_module), x, mask=mask, grads=False, weights=True)
     assert [f.name for f in report.findings] == ["output", "attention weights"]
