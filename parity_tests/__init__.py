@@ -5,7 +5,9 @@
 compute the same function, forward and backward, for this library's modules or, with a
 ``param_map``, for your own, on the path you choose (``implementation=``), comparing
 attention weights only when asked (``weights=True``).  ``full_precision`` is the context
-they run in (full-precision matmuls, global flags restored).  ``python -m parity_tests``
+they run in (full-precision matmuls, global flags restored).  ``assert_training_parity`` /
+``check_training_parity`` train copies of both with matched ``torch.optim`` / ``optax``
+optimisers and compare the parameters after every step.  ``python -m parity_tests``
 prints the parity report.
 """
 
@@ -20,6 +22,12 @@ from parity_tests.harness import (
     to_flax,
     to_torch,
 )
+from parity_tests.training import (
+    TrainingParityError,
+    TrainingReport,
+    assert_training_parity,
+    check_training_parity,
+)
 
 __all__ = [
     "Finding",
@@ -31,4 +39,8 @@ __all__ = [
     "full_precision",
     "to_flax",
     "to_torch",
+    "TrainingParityError",
+    "TrainingReport",
+    "assert_training_parity",
+    "check_training_parity",
 ]

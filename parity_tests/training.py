@@ -1,0 +1,661 @@
+"""Training-step parity: the same batches, loss and optimiser in both frameworks, the
+parameters compared after every step.
+
+``check_training_parity(torch_module, flax_module, batches, ...)`` trains a copy of each
+module, PyTorch with ``torch.optim`` and Flax with the matching ``optax`` transformation,
+and compares every parameter through the declared weight map (or ``param_map=``) after
+every step; ``assert_training_parity`` raises ``TrainingParityError`` (an
+``AssertionError``) naming the first step that drifts past the tolerance, the parameter,
+its worst element and both values.  Output parity says that the port computes the same
+function; this says that training it gives the same model.
+
+How the optimisers are matched (PyTorch's update, written out; optax's is the same
+arithmetic, with the same defaults made explicit on both sides):
+
+- ``"sgd"``: ``torch.optim.SGD(lr, momentum, weight_decay, nesterov)`` against
+  ``optax.chain(optax.add_decayed_weights(wd), optax.sgd(lr, momentum, nesterov))``.
+  PyTorch's weight decay is L2 added to the gradient before the momentum buffer, as
+  ``add_decayed_weights`` placed before ``sgd``; PyTorch's first buffer is the gradient
+  itself and optax's trace starts at zero, so ``g + m * 0`` is the same first step.
+  Dampening is 0 (PyTorch's default; optax has none).
+- ``"adam"``: ``torch.optim.Adam(lr, betas, eps, weight_decay)`` against
+  ``optax.chain(optax.add_decayed_weights(wd), optax.adam(lr, b1, b2, eps, eps_root=0))``.
+  Both bias-correct both moments and add ``eps`` *outside* the square root,
+  ``m̂ / (sqrt(v̂) + eps)``: optax's ``eps`` is that epsilon, its ``eps_root`` (inside the
+  root) must be 0.  PyTorch Adam's ``weight_decay`` is L2 on the gradient, so it goes
+  before the moments.
+- ``"adamw"``: ``torch.optim.AdamW(lr, betas, eps, weight_decay)`` against
+  ``optax.adamw(lr, b1, b2, eps, eps_root=0, weight_decay=wd)``.  Decoupled decay in
+  both, and scaled by the learning rate in both: PyTorch multiplies the parameter by
+  ``1 - lr * wd``, optax adds ``wd * p`` to the Adam direction before scaling by ``-lr``.
+  The defaults differ (PyTorch 1e-2, optax 1e-4): here ``weight_decay`` defaults to 0.0
+  for every optimiser and is passed to both explicitly.
+- Or your own pair: ``optimizer=(torch_factory, optax_transformation)`` where
+  ``torch_factory(params) -> torch.optim.Optimizer``; the run then proves that the two
+  agree (or finds the step where they do not).
+
+Decisions:
+
+- Copies.  Neither module passed in is changed: PyTorch trains a ``copy.deepcopy``, Flax
+  works on its split parameter state functionally.  The trained pair is returned in the
+  report (``report.torch_module``, ``report.flax_module``; for a Linen model
+  ``report.flax_variables``).
+- Eval mode by default (``training=False``): dropout off, so the trajectory is that of a
+  deterministic function.  ``training=True`` with one of this library's modules whose
+  ``dropout > 0`` needs ``dropout_masks=`` (one bool keep-mask per step, True = keep),
+  which both frameworks apply identically; without them it raises ValueError (the
+  frameworks cannot share a random stream).  For a pair of your own modules in training
+  mode, randomness is yours to rule out.
+- The loss: ``"mse"`` (the mean of ``(output - target) ** 2`` over every element) or a
+  pair ``(torch_loss, flax_loss)``, each ``loss(output, target) -> scalar``.  A batch is
+  an input array or ``(input, target)``; a batch without a target trains ``"mse"``
+  towards zeros (a callable pair receives ``target=None``).  A module returning a tuple
+  is trained on its first element.
+- A Linen model (for example one that holds our NNX module through
+  ``flax.nnx.bridge.to_linen``) is accepted as the Flax side with its variables,
+  ``flax_variables=model.init(...)``: only the ``"params"`` collection is trained, and
+  paths in ``param_map`` are paths inside it.
+- The Flax step (forward, gradient, optax update) is one ``jax.jit`` over the parameter
+  pytree; only parameters are trained and carried from step to step (Flax state that is
+  not a parameter, such as batch statistics or RNG counters, stays as it was given, while
+  PyTorch updates its buffers as usual: a module with such state is not for this check).  Both frameworks run in ``full_precision()`` for the whole run; no global flag
+  is changed.
+
+A caveat the tests met: Adam divides each gradient by its own running RMS, so a gradient
+that is zero in exact arithmetic (the key projection's bias, which adds the same number
+to every score of a query) is rounding noise of 1e-9 that Adam turns into steps of size
+``lr`` with an arbitrary sign, different in each framework.  Such a parameter diverges
+by about ``lr`` per step though both ports are right; train without it (``qkv_bias=False``)
+or compare with SGD.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from attention_spec.conversion import VARIANTS, as_numpy, module_rules
+from parity_tests.harness import Finding, compare, full_precision, module_dtype
+from parity_tests.tolerances import TRAINING_PARITY, Tolerance
+
+__all__ = [
+    "StepRecord",
+    "TrainingParityError",
+    "TrainingReport",
+    "assert_training_parity",
+    "check_training_parity",
+    "plot_trajectory",
+]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LOSSES = ("mse",)
+
+
+# --------------------------------------------------------------------------- report
+
+@dataclass
+class StepRecord:
+    """One training step: both losses (before the update) and every parameter compared
+    after it; ``max_abs`` / ``max_rel`` are the largest over all parameters (``max_rel``
+    relative to each parameter's largest magnitude)."""
+
+    step: int  # 1-based
+    torch_loss: float
+    flax_loss: float
+    findings: list[Finding]  # "loss" first, then each parameter under its PyTorch name
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    @property
+    def parameters(self) -> list[Finding]:
+        """The parameter findings (the loss left out)."""
+        return [f for f in self.findings if f.name != "loss"]
+
+    @property
+    def max_abs(self) -> float:
+        return max((f.max_abs for f in self.parameters), default=0.0)
+
+    @property
+    def max_rel(self) -> float:
+        return max((f.max_rel for f in self.parameters), default=0.0)
+
+    @property
+    def worst(self) -> Finding | None:
+        failures = [f for f in self.findings if not f.ok]
+        return max(failures or self.findings, key=lambda f: f.tolerance_used, default=None)
+
+
+@dataclass
+class TrainingReport:
+    """The trajectory of a training-parity run, and the trained copies."""
+
+    optimizer: str
+    steps: list[StepRecord] = field(default_factory=list)
+    torch_module: Any = field(default=None, repr=False)
+    flax_module: Any = field(default=None, repr=False)
+    flax_variables: Any = field(default=None, repr=False)  # Linen models only
+
+    @property
+    def ok(self) -> bool:
+        return all(s.ok for s in self.steps)
+
+    @property
+    def first_failure(self) -> StepRecord | None:
+        return next((s for s in self.steps if not s.ok), None)
+
+    @property
+    def max_abs(self) -> list[float]:
+        """The largest absolute parameter divergence after each step."""
+        return [s.max_abs for s in self.steps]
+
+    @property
+    def max_rel(self) -> list[float]:
+        """The largest divergence relative to the parameter's scale after each step."""
+        return [s.max_rel for s in self.steps]
+
+    def table(self) -> str:
+        lines = [f"{'step':>4}  {'torch loss':>13}  {'flax loss':>13}  {'max abs':>9}  {'max rel':>9}  worst"]
+        for s in self.steps:
+            worst = s.worst
+            lines.append(
+                f"{s.step:>4}  {s.torch_loss:>13.7g}  {s.flax_loss:>13.7g}  {s.max_abs:>9.2e}  "
+                f"{s.max_rel:>9.2e}  {worst.name if worst else '-'}{'' if s.ok else '  FAIL'}"
+            )
+        return "\n".join(lines)
+
+    def message(self) -> str:
+        n = len(self.steps)
+        bad = self.first_failure
+        if bad is None:
+            worst = max(self.max_rel, default=0.0)
+            return (f"training parity holds for {n} {self.optimizer} steps "
+                    f"(largest parameter divergence {max(self.max_abs, default=0.0):.3g} abs, "
+                    f"{worst:.3g} relative to scale)")
+        failures = sorted((f for f in bad.findings if not f.ok), key=lambda f: -f.tolerance_used)
+        lines = [f"training parity fails at step {bad.step} of {n} ({self.optimizer}): "
+                 f"{len(failures)} of {len(bad.findings)} tensors drift past the tolerance; worst:"]
+        lines += ["  " + f.describe() for f in failures]
+        lines += ["trajectory:", self.table()]
+        return "\n".join(lines)
+
+
+class TrainingParityError(AssertionError):
+    def __init__(self, report: TrainingReport) -> None:
+        super().__init__(report.message())
+        self.report = report
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _is_ours(module: Any) -> bool:
+    return type(module).__name__ in VARIANTS and hasattr(module, "config")
+
+
+def _is_linen(module: Any) -> bool:
+    try:
+        from flax import linen
+    except ImportError:  # pragma: no cover - flax ships linen
+        return False
+    return isinstance(module, linen.Module)
+
+
+def _split_batch(batch: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    if isinstance(batch, (tuple, list)):
+        if len(batch) != 2:
+            raise ValueError(f"a batch is an input array or (input, target); got a sequence of {len(batch)}")
+        return as_numpy(batch[0]), None if batch[1] is None else as_numpy(batch[1])
+    return as_numpy(batch), None
+
+
+def _source(array: np.ndarray) -> np.ndarray:
+    """An array both frameworks take at its full precision (bfloat16, which NumPy lacks,
+    goes through float32 exactly); cast to the modules' dtype by each framework."""
+    return array.astype(np.float32) if array.dtype.name == "bfloat16" else array
+
+
+def _first(output: Any) -> Any:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _flat_params(tree: Any) -> dict[tuple[Any, ...], Any]:
+    """{path: array} of a Linen params pytree (nested dicts)."""
+    out: dict[tuple[Any, ...], Any] = {}
+
+    def walk(node: Any, prefix: tuple[Any, ...]) -> None:
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                walk(v, (*prefix, k))
+        else:
+            out[prefix] = node
+
+    walk(tree, ())
+    return out
+
+
+def _parse_map(param_map: Mapping[str, Any]) -> tuple[dict[str, tuple[Any, ...]], dict[str, bool]]:
+    paths, transposed = {}, {}
+    for name, target in param_map.items():
+        is_pair = isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], bool)
+        path, transpose = target if is_pair else (target, False)
+        if isinstance(path, str):
+            path = tuple(int(p) if p.isdigit() else p for p in path.split("/"))
+        paths[name], transposed[name] = tuple(path), transpose
+    return paths, transposed
+
+
+def _resolve_map(
+    torch_module: Any, flax_params: Mapping[tuple[Any, ...], Any], param_map: Mapping[str, Any] | None
+) -> tuple[dict[str, tuple[Any, ...]], dict[str, bool]]:
+    """{torch name: flax path}, {torch name: transposed?}; every trainable parameter of
+    both sides mapped exactly once with matching shapes, else one ValueError."""
+    torch_params = {n: p for n, p in torch_module.named_parameters() if p.requires_grad}
+    if param_map is None:
+        if not _is_ours(torch_module):
+            raise ValueError(
+                f"{type(torch_module).__name__} is not one of this library's modules: "
+                "pass param_map={torch name: flax path or (flax path, transpose)}"
+            )
+        rules = module_rules(torch_module)
+        paths = {r.torch_name: r.flax_path for r in rules}
+        transposed = {r.torch_name: r.transpose for r in rules}
+        # A Linen model that holds the module (nnx.bridge.to_linen) keeps its parameters
+        # under the submodule's name: find the one prefix under which all of them are.
+        if paths and not all(p in flax_params for p in paths.values()):
+            prefixes = {fp[: len(fp) - len(p)] for fp in flax_params for p in paths.values()
+                        if len(fp) >= len(p) and fp[len(fp) - len(p):] == p}
+            found = [q for q in prefixes if all((*q, *p) in flax_params for p in paths.values())]
+            if len(found) == 1:
+                paths = {n: (*found[0], *p) for n, p in paths.items()}
+    else:
+        paths, transposed = _parse_map(param_map)
+    problems = [f"  PyTorch has no trainable parameter {n!r}" for n in paths if n not in torch_params]
+    problems += [f"  Flax has no parameter {'/'.join(map(str, p))!r}" for p in paths.values() if p not in flax_params]
+    problems += [f"  PyTorch parameter {n!r} is not in the map" for n in torch_params if n not in paths]
+    mapped = set(paths.values())
+    problems += [f"  Flax parameter {'/'.join(map(str, p))!r} is not in the map"
+                 for p in flax_params if p not in mapped]
+    for name, path in paths.items():
+        if name in torch_params and path in flax_params:
+            t_shape = tuple(torch_params[name].shape)
+            f_shape = tuple(np.shape(flax_params[path]))
+            if (f_shape[::-1] if transposed[name] else f_shape) != t_shape:
+                problems.append(f"  {name!r} {t_shape} does not match {'/'.join(map(str, path))!r} {f_shape}"
+                                + (" (transposed)" if transposed[name] else ""))
+    if problems:
+        raise ValueError("the parameter map does not match the two modules:\n" + "\n".join(problems))
+    return paths, transposed
+
+
+def _optimizers(
+    optimizer: Any, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+    momentum: float, nesterov: bool,
+) -> tuple[str, Callable[[Any], Any], Any]:
+    """(name, torch factory params -> Optimizer, optax transformation), matched."""
+    import optax
+    import torch
+
+    if isinstance(optimizer, tuple):
+        if len(optimizer) != 2 or not callable(optimizer[0]):
+            raise TypeError("optimizer= is 'sgd', 'adam', 'adamw' or a pair (torch_factory, optax_transformation)")
+        return "custom", optimizer[0], optimizer[1]
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))} or a pair; got {optimizer!r}")
+    if optimizer != "sgd" and (momentum or nesterov):
+        raise ValueError(f"momentum= and nesterov= are SGD's; {optimizer} has betas=")
+    if nesterov and not momentum:
+        raise ValueError("nesterov=True needs momentum > 0 (as torch.optim.SGD requires)")
+    b1, b2 = betas
+    decay = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+    if optimizer == "sgd":
+        def torch_sgd(params: Any) -> Any:
+            return torch.optim.SGD(params, lr=lr, momentum=momentum, dampening=0.0,
+                                   weight_decay=weight_decay, nesterov=nesterov)
+        return "sgd", torch_sgd, optax.chain(*decay, optax.sgd(lr, momentum=momentum or None, nesterov=nesterov))
+    if optimizer == "adam":
+        def torch_adam(params: Any) -> Any:
+            return torch.optim.Adam(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay)
+        return "adam", torch_adam, optax.chain(*decay, optax.adam(lr, b1=b1, b2=b2, eps=eps, eps_root=0.0))
+
+    def torch_adamw(params: Any) -> Any:
+        return torch.optim.AdamW(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay)
+    return "adamw", torch_adamw, optax.adamw(lr, b1=b1, b2=b2, eps=eps, eps_root=0.0, weight_decay=weight_decay)
+
+
+def _losses(loss: Any) -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
+    if isinstance(loss, tuple):
+        if len(loss) != 2 or not all(callable(f) for f in loss):
+            raise TypeError("loss= is 'mse' or a pair of callables (torch_loss, flax_loss)")
+        return loss
+    if loss != "mse":
+        raise ValueError(f"loss must be one of {', '.join(map(repr, LOSSES))} or a pair of callables; got {loss!r}")
+
+    def torch_mse(out: Any, target: Any) -> Any:
+        return (out if target is None else out - target).pow(2).mean()
+
+    def flax_mse(out: Any, target: Any) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.mean(jnp.square(out if target is None else out - target))
+
+    return torch_mse, flax_mse
+
+
+# --------------------------------------------------------------------------- the run
+
+def check_training_parity(
+    torch_module: Any,
+    flax_module: Any,
+    batches: Sequence[Any],
+    *,
+    loss: str | tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]] = "mse",
+    optimizer: str | tuple[Callable[[Any], Any], Any] = "sgd",
+    steps: int | None = None,
+    lr: float = 1e-2,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+    mask: Any = None,
+    param_map: Mapping[str, Any] | None = None,
+    flax_variables: Any = None,
+    training: bool = False,
+    dropout_masks: Sequence[Any] | None = None,
+    implementation: str | None = None,
+    plot: str | None = None,
+) -> TrainingReport:
+    """Trains copies of both modules side by side and compares their parameters after
+    every step.
+
+    Args:
+      torch_module: a ``torch.nn.Module`` (this library's, or your own with ``param_map``).
+      flax_module: a Flax NNX module, or a Linen module with ``flax_variables``.
+      batches: a sequence of batches, each an input array ``(B, T, d_in)`` (NumPy, torch
+        or JAX) or ``(input, target)`` with the target shaped like the output; cast to
+        the modules' parameter dtype.  Step ``k`` uses ``batches[k % len(batches)]``.
+      loss: ``"mse"`` or ``(torch_loss, flax_loss)``, each ``(output, target) -> scalar``.
+      optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` (matched as the module docstring
+        says) or ``(torch_factory, optax_transformation)``, whose own settings then
+        stand (``lr`` and the other hyper-parameters below are not used).
+      steps: how many steps (default ``len(batches)``).
+      lr, betas, eps, weight_decay, momentum, nesterov: the hyper-parameters, given to
+        both optimisers.
+      rtol, atol: override ``tolerances.TRAINING_PARITY`` for the dtype; a parameter
+        passes when ``|torch - flax| <= atol + rtol * max|flax|`` (normwise).
+      mask: bool, True = may attend, passed as ``mask=`` to both modules at every step.
+      param_map: {torch name: flax path or (flax path, transpose)}, as for
+        ``check_parity``; default: the declared weight map of this library's modules.
+      flax_variables: the variables of a Linen ``flax_module`` (``model.init(...)``).
+      training: run in training mode (eval by default); dropout > 0 then needs
+        ``dropout_masks``: one bool keep-mask per step (True = keep), shaped like the
+        attention weights (B, H, T, S).
+      implementation: the path both of this library's modules compute on (None = own).
+      plot: write a PNG of the divergence per step (log scale) to this path.
+
+    Returns a ``TrainingReport`` (raises nothing on divergence; see
+    ``assert_training_parity``).  The modules passed in are not changed.
+
+    Raises ValueError / TypeError for an unknown loss or optimiser, SGD options given to
+    Adam, a parameter map that does not cover both modules, training mode with dropout
+    but no ``dropout_masks`` (or too few), a Linen module without ``flax_variables``, and
+    whatever the modules raise for their inputs.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+
+    if not batches:
+        raise ValueError("batches is empty: give at least one input array or (input, target)")
+    n_steps = len(batches) if steps is None else int(steps)
+    if n_steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}")
+    name, torch_factory, tx = _optimizers(optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                          momentum=momentum, nesterov=nesterov)
+    torch_loss, flax_loss = _losses(loss)
+    linen = _is_linen(flax_module)
+    if linen and flax_variables is None:
+        raise ValueError("a Linen flax_module needs flax_variables= (what model.init returned)")
+    if not linen and flax_variables is not None:
+        raise ValueError("flax_variables= is for a Linen flax_module; an NNX module holds its own")
+    ours = _is_ours(torch_module)
+    has_dropout = ours and float(torch_module.config.get("dropout", 0.0) or 0.0) > 0
+    if training and has_dropout and dropout_masks is None:
+        raise ValueError(
+            "training mode with dropout > 0 needs dropout_masks= (one bool keep-mask per step, "
+            "True = keep): the two frameworks cannot share a random stream"
+        )
+    if dropout_masks is not None:
+        if not training:
+            raise ValueError("dropout_masks= applies in training mode only: pass training=True")
+        if len(dropout_masks) < n_steps:
+            raise ValueError(f"dropout_masks has {len(dropout_masks)} masks for {n_steps} steps: give one per step")
+    if implementation is not None and not ours:
+        raise ValueError("implementation= applies to this library's modules only")
+    if ours and not linen and _is_ours(flax_module) and type(flax_module).__name__ != type(torch_module).__name__:
+        raise ValueError(f"the modules are different variants: torch {type(torch_module).__name__} "
+                         f"vs flax {type(flax_module).__name__}")
+    if ours and type(flax_module).__name__ == type(torch_module).__name__:
+        diff = sorted(k for k in set(torch_module.config) | set(flax_module.config)
+                      if torch_module.config.get(k) != flax_module.config.get(k))
+        if diff:
+            raise ValueError(f"the {type(torch_module).__name__} modules have different configurations: "
+                             + ", ".join(diff))
+
+    # --- the Flax side, as a pure function of its parameter pytree
+    if linen:
+        from flax.core import unfreeze
+
+        variables = unfreeze(flax_variables)
+        params0 = variables["params"]
+        others = {k: v for k, v in variables.items() if k != "params"}
+
+        def apply(params: Any, x: Any, kwargs: dict[str, Any]) -> Any:
+            return flax_module.apply({**others, "params": params}, x, **kwargs)
+
+        flat0 = _flat_params(params0)
+    else:
+        from flax import nnx
+
+        graphdef, params0, rest = nnx.split(flax_module, nnx.Param, ...)
+
+        def apply(params: Any, x: Any, kwargs: dict[str, Any]) -> Any:
+            return nnx.merge(graphdef, params, rest)(x, **kwargs)
+
+        flat0 = {tuple(p): v[...] for p, v in nnx.to_flat_state(params0)}
+    paths, transposed = _resolve_map(torch_module, flat0, param_map)
+    dtype = module_dtype(torch_module)
+    flax_dtype = str(np.asarray(next(iter(flat0.values()))).dtype) if flat0 else dtype
+    if flax_dtype != dtype:
+        raise ValueError(f"the modules have different parameter dtypes: torch {dtype} vs flax {flax_dtype}")
+
+    static: dict[str, Any] = {}
+    if ours:
+        if implementation is not None:
+            static["implementation"] = implementation
+        if not linen and has_dropout:
+            static["deterministic"] = not training
+
+    def flax_step(params: Any, opt_state: Any, x: Any, target: Any, arrays: dict[str, Any]) -> Any:
+        def objective(p: Any) -> Any:
+            return flax_loss(_first(apply(p, x, {**arrays, **static})), target)
+
+        value, grads = jax.value_and_grad(objective)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    step_fn = jax.jit(flax_step)
+
+    # --- the PyTorch side: a copy, in the requested mode
+    pt = copy.deepcopy(torch_module)
+    pt.train(training)
+    torch_opt = torch_factory([p for p in pt.parameters() if p.requires_grad])
+    t_dtype = getattr(torch, dtype)
+    j_dtype = getattr(jnp, dtype)
+
+    if dtype not in TRAINING_PARITY and (rtol is None or atol is None):
+        raise ValueError(
+            f"no training tolerance is measured for {dtype} (only for {', '.join(TRAINING_PARITY)}): "
+            "pass rtol= and atol="
+        )
+    default = TRAINING_PARITY.get(dtype, Tolerance(0.0, 0.0, normwise=True))
+    tol = default._replace(rtol=default.rtol if rtol is None else rtol, atol=default.atol if atol is None else atol)
+    loss_tol = tol._replace(normwise=False)
+
+    report = TrainingReport(optimizer=name)
+    mask_np = None if mask is None else np.asarray(as_numpy(mask), dtype=bool)
+    with full_precision():
+        params = params0
+        opt_state = tx.init(params)
+        for k in range(n_steps):
+            x_np, target_np = _split_batch(batches[k % len(batches)])
+            keep = None if dropout_masks is None else np.asarray(as_numpy(dropout_masks[k]), dtype=bool)
+            t_kwargs: dict[str, Any] = dict(static)
+            t_kwargs.pop("deterministic", None)
+            f_arrays: dict[str, Any] = {}
+            if mask_np is not None:
+                t_kwargs["mask"], f_arrays["mask"] = torch.tensor(mask_np), jnp.asarray(mask_np)
+            if keep is not None:
+                t_kwargs["dropout_mask"], f_arrays["dropout_mask"] = torch.tensor(keep), jnp.asarray(keep)
+
+            x_src, tgt_src = _source(x_np), None if target_np is None else _source(target_np)
+            x_t = torch.tensor(x_src, dtype=t_dtype)
+            tgt_t = None if tgt_src is None else torch.tensor(tgt_src, dtype=t_dtype)
+            torch_opt.zero_grad(set_to_none=True)
+            t_value = torch_loss(_first(pt(x_t, **t_kwargs)), tgt_t)
+            t_value.backward()
+            torch_opt.step()
+
+            x_j = jnp.asarray(x_src).astype(j_dtype)
+            tgt_j = None if tgt_src is None else jnp.asarray(tgt_src).astype(j_dtype)
+            params, opt_state, f_value = step_fn(params, opt_state, x_j, tgt_j, f_arrays)
+
+            flat = _flat_params(params) if linen else {tuple(p): v[...] for p, v in nnx.to_flat_state(params)}
+            t_params = dict(pt.named_parameters())
+            findings = [compare("loss", float(t_value.detach()), float(f_value), loss_tol)]
+            for t_name, path in paths.items():
+                f_value_np = np.asarray(flat[path])
+                if transposed[t_name]:
+                    f_value_np = f_value_np.T
+                findings.append(compare(t_name, t_params[t_name].detach(), f_value_np, tol))
+            report.steps.append(StepRecord(k + 1, float(t_value.detach()), float(f_value), findings))
+
+    report.torch_module = pt
+    if linen:
+        report.flax_variables = {**others, "params": params}
+    else:
+        trained = nnx.merge(graphdef, params, rest)
+        if has_dropout:
+            trained.set_attributes(deterministic=not training, raise_if_not_found=False)
+        report.flax_module = trained
+    if plot is not None:
+        plot_trajectory(report, plot, tolerance=tol)
+    return report
+
+
+def assert_training_parity(
+    torch_module: Any, flax_module: Any, batches: Sequence[Any], **kwargs: Any
+) -> TrainingReport:
+    """As ``check_training_parity`` (same keywords), but raises ``TrainingParityError``
+    (an AssertionError) when any step drifts past the tolerance, naming the first such
+    step, the parameter, its worst element and both values, and printing the trajectory."""
+    report = check_training_parity(torch_module, flax_module, batches, **kwargs)
+    if not report.ok:
+        raise TrainingParityError(report)
+    return report
+
+
+def plot_trajectory(report: TrainingReport, path: str, *, tolerance: Tolerance | None = None) -> None:
+    """A PNG at ``path``: the largest parameter divergence after each step, absolute and
+    relative to scale, on a log scale (zeros drawn at 1e-16).  Uses matplotlib's Agg
+    canvas directly, so no global backend is selected."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    floor = 1e-16
+    steps = [s.step for s in report.steps]
+    fig = Figure(figsize=(6, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(steps, [max(v, floor) for v in report.max_abs], marker="o", label="max abs")
+    ax.plot(steps, [max(v, floor) for v in report.max_rel], marker="s", label="max rel (to scale)")
+    if tolerance is not None and tolerance.rtol > 0:
+        ax.axhline(tolerance.rtol, color="red", linestyle="--", label=f"tolerance: rtol {tolerance.rtol:g}")
+    bad = report.first_failure
+    if bad is not None:
+        ax.axvline(bad.step, color="red", alpha=0.4, label=f"first failure: step {bad.step}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("parameter divergence")
+    ax.set_title(f"training parity, {report.optimizer}: torch vs flax")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+# --------------------------------------------------------------------------- command line
+
+_DEMO_VARIANTS = {
+    "MultiHeadAttention": {"d_in": 8, "d_out": 8, "context_length": 16, "dropout": 0.0, "num_heads": 2},
+    "CausalAttention": {"d_in": 8, "d_out": 8, "context_length": 16, "dropout": 0.0},
+    "SelfAttention_v2": {"d_in": 8, "d_out": 8},
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m parity_tests.training [--variant NAME] [--optimizer sgd|adam|adamw]
+    [--steps N] [--lr LR] [--momentum M] [--weight-decay WD] [--plot PATH]``: trains one of
+    this library's modules (float32, batches (2, 6, 8), targets from a second module of
+    the same variant) both ways and prints the trajectory; exit status 1 past the
+    tolerance."""
+    import argparse
+
+    import torch
+
+    import torch_attention
+    from parity_tests.harness import to_flax
+
+    parser = argparse.ArgumentParser(prog="python -m parity_tests.training", description=main.__doc__)
+    parser.add_argument("--variant", choices=sorted(_DEMO_VARIANTS), default="MultiHeadAttention")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=None, help="default: 0.5 for sgd, 1e-2 for adam/adamw")
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of the divergence per step")
+    args = parser.parse_args(argv)
+
+    cls = getattr(torch_attention, args.variant)
+    torch.manual_seed(0)
+    student = cls(**_DEMO_VARIANTS[args.variant]).eval()
+    torch.manual_seed(1)
+    teacher = cls(**_DEMO_VARIANTS[args.variant]).eval()
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(2):
+        x = rng.standard_normal((2, 6, 8)).astype(np.float32)
+        with torch.no_grad():
+            batches.append((x, teacher(torch.from_numpy(x)).numpy()))
+    lr = args.lr if args.lr is not None else (0.5 if args.optimizer == "sgd" else 1e-2)
+    report = check_training_parity(
+        student, to_flax(student), batches, optimizer=args.optimizer, steps=args.steps, lr=lr,
+        momentum=args.momentum, weight_decay=args.weight_decay, plot=args.plot,
+    )
+    print(report.table())
+    print(report.message().splitlines()[0] if not report.ok else report.message())
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
