@@ -388,3 +388,54 @@ def check_compute_dtype(x_dtype: str, compute_dtype: str | None) -> None:
         raise TypeError(
             f"x has dtype {x_dtype} but the module computes in {compute_dtype}; cast x first"
         )
+
+
+# --------------------------------------------------------------------------- foreign masks (appended by the torch-native helper)
+# nn.MultiheadAttention's key_padding_mask and Hugging Face's attention_mask are both
+# (batch, kv_len) but with opposite polarities, and a (batch, kv_len) mask given where a
+# (q_len, kv_len) one is expected broadcasts silently when batch == q_len: the converters
+# insist on rank 2 and on their own dtype, so that a mask cannot be read the wrong way.
+
+
+def check_key_padding_mask(shape: Any, dtype: str) -> None:
+    """``from_key_padding_mask``: bool (batch, kv_len), True = ignore this key.  A float
+    key_padding_mask (nn.MultiheadAttention adds it to the scores) is refused: it is an
+    additive mask, for ``from_additive_mask``.  Raises TypeError / ValueError."""
+    if dtype in FLOAT_DTYPES:
+        raise TypeError(
+            f"key_padding_mask must be a bool array (True = ignore); got dtype {dtype}. A float "
+            "key_padding_mask is additive (0 = attend, -inf = ignore): convert it with "
+            "from_additive_mask(mask)[:, None, None, :]"
+        )
+    check_bool("key_padding_mask", dtype, "True = ignore, as nn.MultiheadAttention takes it")
+    shape = _shape(shape)
+    if len(shape) != 2:
+        raise ValueError(
+            "key_padding_mask must have shape (batch, kv_len) (True = ignore); got a "
+            f"{len(shape)}-d array of shape {shape}"
+        )
+
+
+HF_ATTENTION_MASK_VALUES_MESSAGE = (
+    "attention_mask (Hugging Face: 1 = attend, 0 = padding) holds values other than 0 and 1"
+)
+
+
+def check_hf_attention_mask(shape: Any, dtype: str) -> None:
+    """``from_hf_attention_mask``: integer or bool (batch, seq), 1 = attend, 0 = padding.
+    A float mask is refused: 0 means attend in an additive mask and padding here, so a
+    float mask's meaning cannot be told from its dtype.  Raises TypeError / ValueError;
+    values other than 0 and 1 raise ``HF_ATTENTION_MASK_VALUES_MESSAGE`` (the caller
+    checks them: the values are the framework's)."""
+    if dtype != "bool" and not dtype.startswith(("int", "uint")):
+        raise TypeError(
+            "attention_mask (Hugging Face: 1 = attend, 0 = padding) must be an integer or bool "
+            f"array; got dtype {dtype}. A float mask may be additive (0 = attend): convert that "
+            "with from_additive_mask"
+        )
+    shape = _shape(shape)
+    if len(shape) != 2:
+        raise ValueError(
+            "attention_mask (Hugging Face: 1 = attend, 0 = padding) must have shape "
+            f"(batch, seq); got a {len(shape)}-d array of shape {shape}"
+        )

@@ -12,6 +12,8 @@ from jax_attention.masks import (
     combine_masks,
     from_additive_mask,
     from_blocked_mask,
+    from_hf_attention_mask,
+    from_key_padding_mask,
     padding_mask,
 )
 from jax_attention.multihead import MultiHeadAttention, MultiHeadAttentionWrapper
@@ -32,6 +34,8 @@ __all__ = [
     "dot_product_attention",
     "from_additive_mask",
     "from_blocked_mask",
+    "from_hf_attention_mask",
+    "from_key_padding_mask",
     "functional",
     "interop",
     "masks",

@@ -1,16 +1,23 @@
 """Weights in and out of the Flax NNX twins, in either framework's layout.  Needs no PyTorch.
 
 Twin of ``torch_attention/interop.py``: both offer ``torch_state_dict``, ``flax_arrays``,
-``load_torch_state_dict`` and ``load_flax_arrays`` for their own modules, plus
-array-level converters for checkpoints.  The map is declared in
-``attention_spec.conversion`` (names, transposes, shapes); a load checks everything
-before it writes anything, so a failed load leaves the module as it was.
+``load_torch_state_dict``, ``load_flax_arrays`` and ``load_packed_qkv`` for their own
+modules, plus array-level converters for checkpoints.  The map is declared in
+``attention_spec.conversion`` (names, transposes, shapes) and ``attention_spec.packing``
+(packed q/k/v, head-shaped kernels); a load checks everything before it writes
+anything, so a failed load leaves the module as it was.
+
+Flax's own attention, both ways: ``from_nnx_multihead`` / ``to_nnx_multihead`` for
+``flax.nnx.MultiHeadAttention``, ``from_linen_multihead_params`` /
+``to_linen_multihead_params`` (and ``from_linen_multihead`` / ``to_linen_multihead``
+with the Linen module) for Linen's ``MultiHeadDotProductAttention``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,13 +34,23 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
+from attention_spec.packing import native_flax_params, packed_state_dict, state_dict_from_native_flax
+from jax_attention._base import AttentionModule
+from jax_attention.multihead import MultiHeadAttention
 
 __all__ = [
     "flax_arrays",
+    "from_linen_multihead",
+    "from_linen_multihead_params",
+    "from_nnx_multihead",
     "load_flax_arrays",
+    "load_packed_qkv",
     "load_torch_state_dict",
     "state_from_torch",
     "state_to_torch",
+    "to_linen_multihead",
+    "to_linen_multihead_params",
+    "to_nnx_multihead",
     "torch_state_dict",
 ]
 
@@ -104,3 +121,332 @@ def load_torch_state_dict(module: nnx.Module, state_dict: Mapping[str, Any]) -> 
     flat = torch_to_flax(arrays, module_rules(module))  # names and shapes, PyTorch's words
     check_float_arrays(arrays, "the PyTorch state_dict")
     return load_flax_arrays(module, flat)
+
+
+def load_packed_qkv(
+    module: nnx.Module,
+    qkv_weight: Any,
+    qkv_bias: Any = None,
+    *,
+    layout: str,
+    out_weight: Any = None,
+    out_bias: Any = None,
+) -> nnx.Module:
+    """Writes a packed q/k/v checkpoint (GPT-2's ``c_attn``, ``in_proj_weight``) into one
+    of our modules with its own q/k/v projections (``MultiHeadAttention``, ...).
+
+    ``layout`` (keyword, required: a square packed weight would be ambiguous) applies to
+    both weights: ``"in_out"``: qkv_weight (d_in, 3*d_out), out_weight (d_out, d_out)
+    applied as ``x @ W`` (GPT-2's ``Conv1D``); ``"out_in"``: (3*d_out, d_in) and (out,
+    in), as ``nn.Linear``.  Biases: qkv_bias (3*d_out,), out_bias (d_out,).  Packed order
+    query, key, value.  Without ``out_weight`` the output projection is left as it is;
+    ``out_weight`` without ``out_bias`` loads a zero bias (our projection always has one).
+    Arrays are cast to the module's parameter dtype.
+
+    Raises ValueError (``attention_spec.packing.packed_state_dict``'s checks: layout,
+    shapes, widths against the module, a qkv_bias the module lacks or needs) and
+    TypeError (non-floating arrays) before writing anything.  Returns the module.
+    """
+    if not isinstance(module, AttentionModule):
+        raise TypeError(f"load_packed_qkv loads into this library's modules; got {type(module).__name__}")
+    arrays = packed_state_dict(module.spec, qkv_weight, qkv_bias, layout=layout, out_weight=out_weight,
+                               out_bias=out_bias)
+    state = torch_state_dict(module)
+    state.update(arrays)
+    return load_torch_state_dict(module, state)  # checks names, shapes, dtypes before any write
+
+
+# ------------------------------------------------------------ Flax's own attention modules
+
+
+def _default_attention_fn() -> Any:
+    from flax.nnx.nn.attention import dot_product_attention
+
+    return dot_product_attention
+
+
+def _linen_attention_fn() -> Any:
+    from flax.linen.attention import dot_product_attention
+
+    return dot_product_attention
+
+
+def _native_problems(m: Any, default_fn: Any) -> list[str]:
+    """What an nnx.MultiHeadAttention / Linen MultiHeadDotProductAttention does that our
+    MultiHeadAttention cannot express, one line each."""
+    problems = []
+    if getattr(m, "normalize_qk", False):
+        problems.append("normalize_qk=True (layer-normalised queries and keys)")
+    if getattr(m, "decode", None):
+        problems.append("decode=True (an autoregressive cache)")
+    if getattr(m, "cached_key", None) is not None:
+        problems.append("an initialised decode cache (cached_key/cached_value)")
+    num_kv = getattr(m, "num_kv_heads", None)
+    if num_kv is not None and num_kv != m.num_heads:
+        problems.append(f"num_kv_heads={num_kv} != num_heads={m.num_heads} (grouped-query attention)")
+    in_features = getattr(m, "in_features", None)
+    if in_features is not None and not isinstance(in_features, int):
+        problems.append(f"in_features={in_features!r} (a tuple of input axes)")
+    in_kv = getattr(m, "in_kv_features", None)
+    if in_kv is not None and in_kv != in_features:
+        problems.append(f"in_kv_features={in_kv} != in_features={in_features} (cross-attention)")
+    qkv, out = getattr(m, "qkv_features", None), getattr(m, "out_features", None)
+    if qkv is not None and out is not None and qkv != out:
+        problems.append(f"out_features={out} != qkv_features={qkv} (our out_proj is (d_out, d_out))")
+    if m.attention_fn is not default_fn:
+        problems.append(f"attention_fn={getattr(m.attention_fn, '__name__', m.attention_fn)!r} "
+                        "(only Flax's dot_product_attention)")
+    for name in ("qkv_dot_general", "out_dot_general", "qkv_dot_general_cls", "out_dot_general_cls",
+                 "qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls"):
+        if getattr(m, name, None) is not None:
+            problems.append(f"{name} (a custom matmul)")
+    return problems
+
+
+def _refuse(what: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError("\n".join([f"{what}:", *(f"  {p}" for p in problems)]))
+
+
+def _rngs_for(dropout: float, rngs: nnx.Rngs | None, what: str) -> nnx.Rngs:
+    # The weights are overwritten, so any key initialises; a dropout stream is a choice
+    # of randomness that we do not make silently.
+    if rngs is not None:
+        return rngs
+    if dropout > 0.0:
+        raise ValueError(f"{what} has dropout_rate={dropout}: pass rngs= (an nnx.Rngs, e.g. nnx.Rngs(0), "
+                         "whose default or 'dropout' stream draws the dropout; it also initialises the "
+                         "weights before they are overwritten)")
+    return nnx.Rngs(0)
+
+
+def _our_module_from_native(
+    tree: Mapping[str, Mapping[str, Any]],
+    *,
+    num_heads: int,
+    dropout: float,
+    dtype: Any,
+    precision: Any,
+    rngs: nnx.Rngs,
+) -> nnx.Module:
+    state = state_dict_from_native_flax(tree)  # every shape check, before anything is built
+    d_out, d_in = state["W_query.weight"].shape
+    heads = np.shape(tree["query"]["kernel"])[1]
+    if heads != num_heads:
+        raise ValueError(f"num_heads={num_heads} but the query kernel {np.shape(tree['query']['kernel'])} "
+                         f"has {heads} heads")
+    if state["out_proj.weight"].shape != (d_out, d_out):
+        raise ValueError(f"the output kernel gives {state['out_proj.weight'].shape[0]} features but the "
+                         f"heads give {d_out}: our out_proj is (d_out, d_out)")
+    check_float_arrays(state, "the attention params")
+    dtypes = {a.dtype for a in state.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"the attention params mix dtypes {sorted(map(str, dtypes))}")
+    param_dtype = dtypes.pop()
+    use_bias = "W_query.bias" in state
+    if not use_bias:  # our out_proj always has a bias: a bias-free projection is a zero one
+        state["out_proj.bias"] = np.zeros(d_out, param_dtype)
+    module = MultiHeadAttention(
+        d_in, d_out, None, dropout, num_heads, use_bias, causal=False,
+        dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
+    )
+    return load_torch_state_dict(module, state)
+
+
+def from_nnx_multihead(m: nnx.MultiHeadAttention, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
+    """Our Flax ``MultiHeadAttention`` with the weights and behaviour of an
+    ``nnx.MultiHeadAttention`` used for self-attention: ``d_in=in_features``,
+    ``d_out=qkv_features``, ``num_heads``, ``qkv_bias=use_bias``, ``dropout=dropout_rate``,
+    ``dtype``, ``param_dtype`` (the kernels' dtype), ``precision``, ``causal=False``,
+    ``context_length=None``; ``deterministic`` when set.  ``use_bias=False`` gives a zero
+    ``out_proj`` bias (ours always has one).
+
+    Call it as ``ours(x, mask)`` where the native module was called ``m(x, mask=mask)``
+    (the same polarity: True = attend); ``m(x, is_causal=True)`` is ``ours(x,
+    causal_mask(T))``.  Where the two differ: a query with nothing to attend to gives a
+    zero row here (Flax's softmax averages every value); in training mode the dropout
+    draws differ (ours drops each weight independently, Flax's ``broadcast_dropout=True``
+    shares one draw over batch and heads).
+
+    ``rngs``: for the dropout stream, needed when ``dropout_rate > 0``.  Raises
+    ValueError, naming each, for what our module cannot express (``normalize_qk``,
+    ``decode``/a cache, grouped-query heads, ``in_kv_features`` != ``in_features``,
+    ``out_features`` != ``qkv_features``, a custom ``attention_fn`` or matmul), before
+    building anything; TypeError for another module type.
+    """
+    if not isinstance(m, nnx.MultiHeadAttention):
+        raise TypeError(f"from_nnx_multihead takes an nnx.MultiHeadAttention; got {type(m).__name__}")
+    _refuse("nnx.MultiHeadAttention options that our MultiHeadAttention cannot express",
+            _native_problems(m, _default_attention_fn()))
+    rngs = _rngs_for(m.dropout_rate, rngs, "the nnx.MultiHeadAttention")
+    tree = {role: {name: as_numpy(getattr(getattr(m, role), name)[...])
+                   for name in ("kernel", "bias") if getattr(getattr(m, role), name, None) is not None}
+            for role in ("query", "key", "value", "out")}
+    module: Any = _our_module_from_native(tree, num_heads=m.num_heads, dropout=m.dropout_rate, dtype=m.dtype,
+                                     precision=m.precision, rngs=rngs)
+    if m.deterministic is not None and m.dropout_rate > 0.0:
+        module.dropout.deterministic = bool(m.deterministic)
+    return module
+
+
+def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: str) -> tuple[dict, bool]:
+    """Our MultiHeadAttention -> (Flax's attention param tree of NumPy arrays, use_bias),
+    after every check."""
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(f"{what} takes our MultiHeadAttention; got {type(module).__name__}")
+    spec = module.spec
+    problems = []
+    if not spec.out_proj:
+        problems.append("out_proj=False (Flax's attention always has an output projection)")
+    if spec.causal and not allow_causal:
+        problems.append("causal=True (Flax's module takes causality per call: pass allow_causal=True and "
+                        "call it with is_causal=True or a causal mask)")
+    head_dim = cast(int, spec.head_dim)
+    if spec.scale is not None and abs(spec.scale * math.sqrt(head_dim) - 1.0) > 1e-12:
+        problems.append(f"scale={spec.scale} (Flax's attention scales by 1/sqrt(head_dim) = "
+                        f"{1 / math.sqrt(head_dim)})")
+    if use_bias is not None and not isinstance(use_bias, bool):
+        raise TypeError(f"use_bias must be None or a bool; got {use_bias!r}")
+    bias = spec.qkv_bias if use_bias is None else use_bias
+    state = torch_state_dict(module)
+    if not bias:  # every bias dropped must be zero, or the module would change
+        nonzero = [name for name, a in state.items() if name.endswith(".bias") and np.any(a != 0)]
+        if nonzero:
+            problems.append(f"nonzero biases {', '.join(nonzero)} with use_bias=False (Flax's attention has "
+                            "all biases or none; pass use_bias=True to export zero q/k/v biases)")
+    _refuse(f"our MultiHeadAttention options that {what} cannot express", problems)
+    if bias and not spec.qkv_bias:  # exact: a zero bias adds nothing
+        for name in ("W_query", "W_key", "W_value"):
+            state[f"{name}.bias"] = np.zeros(cast(int, spec.d_out), state[f"{name}.weight"].dtype)
+    return native_flax_params(state, spec.num_heads, use_bias=bias), bias
+
+
+def to_nnx_multihead(
+    module: Any,
+    *,
+    use_bias: bool | None = None,
+    allow_causal: bool = False,
+    rngs: nnx.Rngs | None = None,
+) -> nnx.MultiHeadAttention:
+    """An ``nnx.MultiHeadAttention`` (``decode=False``) with our ``MultiHeadAttention``'s
+    weights: ``in_features=d_in``, ``qkv_features=out_features=d_out``, ``num_heads``,
+    ``dropout_rate``, ``dtype``, ``param_dtype``, ``precision``, ``deterministic`` (from
+    the module's mode).  ``from_nnx_multihead`` undoes it bit-exactly.
+
+    ``use_bias``: None = ``qkv_bias``.  With ``qkv_bias=False`` our ``out_proj`` still
+    has a bias: a nonzero one is refused unless ``use_bias=True``, which exports zero
+    q/k/v biases (exact).  ``allow_causal``: a causal module is refused unless given,
+    since the native module has no causal setting: call it with ``is_causal=True`` (or
+    ``mask=causal_mask(T)``) every time.  ``context_length`` is not carried (Flax's
+    module has no cap).  ``rngs``: needed when ``dropout > 0``.
+
+    Raises ValueError, naming each, for what the native module cannot express
+    (``out_proj=False``, a scale other than 1/sqrt(head_dim), ``causal`` without
+    ``allow_causal``, dropped nonzero biases) before building anything.
+    """
+    tree, bias = _native_tree(module, use_bias, allow_causal, "nnx.MultiHeadAttention")
+    spec = module.spec
+    rngs = _rngs_for(spec.dropout, rngs, "the module")
+    dropout = getattr(module, "dropout", None)
+    m = nnx.MultiHeadAttention(
+        num_heads=spec.num_heads, in_features=spec.d_in, qkv_features=spec.d_out, out_features=spec.d_out,
+        dtype=module.dtype, param_dtype=module.param_dtype, dropout_rate=spec.dropout,
+        deterministic=None if dropout is None else dropout.deterministic,
+        precision=module.precision, use_bias=bias, decode=False, rngs=rngs,
+    )
+    ready = {(role, name): jnp.array(a, dtype=getattr(m, role).kernel[...].dtype)
+             for role, node in tree.items() for name, a in node.items()}
+    for (role, name), value in ready.items():
+        getattr(getattr(m, role), name)[...] = value
+    return m
+
+
+def _linen_tree(params: Mapping[str, Any]) -> dict[str, dict[str, np.ndarray]]:
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping (Linen's params dict); got {type(params).__name__}")
+    if set(params) == {"params"}:  # the variables dict that Module.init returns
+        params = params["params"]
+    tree: dict[str, dict[str, np.ndarray]] = {}
+    for role, node in params.items():
+        if isinstance(node, Mapping):
+            tree[role] = {name: as_numpy(a) for name, a in node.items()}
+        else:
+            tree[role] = node  # state_dict_from_native_flax names what is wrong with it
+    return tree
+
+
+def from_linen_multihead_params(
+    params: Mapping[str, Any],
+    *,
+    num_heads: int | None = None,
+    dropout: float = 0.0,
+    dtype: Any = None,
+    precision: Any = None,
+    rngs: nnx.Rngs | None = None,
+) -> nnx.Module:
+    """Our Flax ``MultiHeadAttention`` from a Linen ``MultiHeadDotProductAttention``'s
+    params: ``{"query"|"key"|"value": {"kernel": (d_in, heads, head_dim), "bias": (heads,
+    head_dim)}, "out": {"kernel": (heads, head_dim, d_out), "bias": (d_out,)}}`` (or the
+    ``{"params": ...}`` variables that ``init`` returns; biases absent for
+    ``use_bias=False``).  ``num_heads`` is read from the kernels (checked if given);
+    ``param_dtype`` is the params' dtype; ``dropout``, ``dtype`` and ``precision`` are the
+    Linen module's ``dropout_rate``, ``dtype`` and ``precision`` (the params do not hold
+    them).  ``causal=False``, ``context_length=None``; behaviour as ``from_nnx_multihead``.
+
+    Raises ValueError for a tree that is not Linen's attention (missing or unexpected
+    entries, shapes that disagree, biases on some projections only, out features !=
+    heads * head_dim, mixed dtypes) before building anything.
+    """
+    tree = _linen_tree(params)
+    state_dict_from_native_flax(tree)  # the tree's own checks, with their messages
+    heads = int(np.shape(tree["query"]["kernel"])[1])
+    rngs = _rngs_for(dropout, rngs, "the Linen attention")
+    return _our_module_from_native(tree, num_heads=heads if num_heads is None else num_heads,
+                                   dropout=dropout, dtype=dtype, precision=precision, rngs=rngs)
+
+
+def to_linen_multihead_params(module: nnx.Module, *, use_bias: bool | None = None,
+                              allow_causal: bool = False) -> dict[str, dict[str, jnp.ndarray]]:
+    """Our ``MultiHeadAttention``'s weights as a Linen ``MultiHeadDotProductAttention``'s
+    params ({"query": {"kernel", "bias"}, "key", "value", "out"}, JAX arrays; apply with
+    ``{"params": ...}``); the module to apply them with is ``to_linen_multihead``'s.
+    ``use_bias``, ``allow_causal`` and the refusals as ``to_nnx_multihead``."""
+    tree, _ = _native_tree(module, use_bias, allow_causal, "Linen MultiHeadDotProductAttention")
+    return {role: {name: jnp.array(a) for name, a in node.items()} for role, node in tree.items()}
+
+
+def to_linen_multihead(module: Any, *, use_bias: bool | None = None,
+                       allow_causal: bool = False) -> tuple[Any, dict[str, Any]]:
+    """(a Linen ``MultiHeadDotProductAttention``, its ``{"params": ...}``) with our
+    ``MultiHeadAttention``'s weights and options (``num_heads``, ``qkv_features =
+    out_features = d_out``, ``dropout_rate``, ``dtype``, ``param_dtype``, ``precision``,
+    ``use_bias``, ``decode=False``); ``module.apply(variables, x)`` runs it.  Refusals as
+    ``to_nnx_multihead``."""
+    import flax.linen as nn
+
+    params = to_linen_multihead_params(module, use_bias=use_bias, allow_causal=allow_causal)
+    spec = module.spec
+    linen = nn.MultiHeadDotProductAttention(
+        num_heads=spec.num_heads, dtype=module.dtype, param_dtype=module.param_dtype,
+        qkv_features=spec.d_out, out_features=spec.d_out, dropout_rate=spec.dropout,
+        precision=module.precision, use_bias="bias" in params["query"], decode=False,
+    )
+    return linen, {"params": params}
+
+
+def from_linen_multihead(linen: Any, variables: Mapping[str, Any], *, rngs: nnx.Rngs | None = None) -> nnx.Module:
+    """Our Flax ``MultiHeadAttention`` from a Linen ``MultiHeadDotProductAttention`` and its
+    variables (``init``'s ``{"params": ...}``): its options are read from the module
+    (``num_heads``, ``dropout_rate``, ``dtype``, ``precision``) and refused, naming each,
+    where ours cannot express them, as ``from_nnx_multihead``."""
+    import flax.linen as nn
+
+    if not isinstance(linen, nn.MultiHeadDotProductAttention):
+        raise TypeError(f"from_linen_multihead takes a MultiHeadDotProductAttention; got {type(linen).__name__}")
+    _refuse("Linen MultiHeadDotProductAttention options that our MultiHeadAttention cannot express",
+            _native_problems(linen, _linen_attention_fn()))
+    module: Any = from_linen_multihead_params(variables, num_heads=linen.num_heads, dropout=linen.dropout_rate,
+                                         dtype=linen.dtype, precision=linen.precision, rngs=rngs)
+    if linen.deterministic is not None and linen.dropout_rate > 0.0:
+        module.dropout.deterministic = bool(linen.deterministic)
+    return module

@@ -5,12 +5,18 @@ Twin of ``jax_attention/interop.py``: both offer ``torch_state_dict``, ``flax_ar
 array-level converters for checkpoints.  The map is declared in
 ``attention_spec.conversion`` (names, transposes, shapes); a load checks everything
 before it writes anything, so a failed load leaves the module as it was.
+
+Native PyTorch and packed checkpoints: ``from_nn_multihead`` / ``to_nn_multihead`` go
+between ``torch.nn.MultiheadAttention`` and our ``MultiHeadAttention``, and
+``load_packed_qkv`` loads a packed q/k/v checkpoint (GPT-2's ``c_attn``/``c_proj``,
+``nn.Linear`` packing) with the split of ``attention_spec.packing``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -27,13 +33,19 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
+from attention_spec.packing import packed_state_dict
+from torch_attention._base import AttentionModule
+from torch_attention.multihead import MultiHeadAttention
 
 __all__ = [
     "flax_arrays",
+    "from_nn_multihead",
     "load_flax_arrays",
+    "load_packed_qkv",
     "load_torch_state_dict",
     "state_dict_from_flax",
     "state_dict_to_flax",
+    "to_nn_multihead",
     "torch_state_dict",
 ]
 
@@ -96,3 +108,186 @@ def load_flax_arrays(module: nn.Module, arrays: Mapping[Any, Any]) -> nn.Module:
     state_dict = flax_to_torch(flat, module_rules(module))  # names and shapes, Flax's words
     check_float_arrays(flat, "the Flax state")
     return load_torch_state_dict(module, state_dict)
+
+
+# --------------------------------------------------------------------------- packed checkpoints
+
+
+def load_packed_qkv(
+    module: nn.Module,
+    qkv_weight: Any,
+    qkv_bias: Any = None,
+    *,
+    layout: str,
+    out_weight: Any = None,
+    out_bias: Any = None,
+) -> nn.Module:
+    """Loads a packed q/k/v checkpoint into one of our modules with its own q/k/v
+    projections (``MultiHeadAttention``, ``CausalAttention``, ``SelfAttention_v2``, ...),
+    cast to the module's dtype; returns the module.
+
+    ``layout`` (keyword, required: a square weight cannot tell) applies to both weights:
+      ``"in_out"``: ``qkv_weight`` (d_in, 3*d_out), ``out_weight`` (d_out, d_out) as (in, out),
+      applied as ``x @ W``: GPT-2's ``Conv1D`` (``c_attn.weight``, ``c_proj.weight``);
+      ``"out_in"``: ``qkv_weight`` (3*d_out, d_in), ``out_weight`` as (out, in), applied as
+      ``x @ W.T``: ``nn.Linear`` and ``nn.MultiheadAttention.in_proj_weight``.
+    The packed axis holds query, key, value in that order, heads contiguous within each.
+    ``qkv_bias`` (3*d_out,) must be given exactly when the module has q/k/v biases.
+    ``out_weight=None`` leaves ``out_proj`` as it is; ``out_weight`` without ``out_bias``
+    loads a zero bias (our ``out_proj`` always has one).
+
+    Everything is checked before anything is written (a failure leaves the module as it
+    was): TypeError for a module that is not one of ours or non-floating arrays;
+    ValueError for a bad ``layout``, shapes that do not fit the module (d_in, d_out), a
+    ``qkv_bias`` for a module without q/k/v biases or none for one with them, an
+    ``out_weight`` for a module without ``out_proj``, an ``out_bias`` without ``out_weight``,
+    or a variant without q/k/v projections of its own.
+    """
+    if not isinstance(module, AttentionModule):
+        raise TypeError(
+            f"load_packed_qkv loads into this library's modules; got {type(module).__name__}"
+        )
+    parts = packed_state_dict(
+        module.spec, qkv_weight, qkv_bias, layout=layout, out_weight=out_weight, out_bias=out_bias
+    )
+    # The parts not in the checkpoint (out_proj when out_weight is None) keep their values;
+    # load_torch_state_dict checks the whole set again and writes only after every check.
+    return load_torch_state_dict(module, {**torch_state_dict(module), **parts})
+
+
+# --------------------------------------------------------------------------- nn.MultiheadAttention
+
+
+def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
+    """A ``torch.nn.MultiheadAttention`` (self-attention) -> our ``MultiHeadAttention`` with
+    the same weights (copied exactly), dropout rate, dtype, device and train/eval mode:
+    ``d_in = d_out = embed_dim``, ``causal=False``, ``context_length=None`` (no cap),
+    ``qkv_bias`` = whether ``in_proj_bias`` exists, scale ``1/sqrt(head_dim)`` as torch's.
+
+    Inputs: ours is always batch-first, (batch, seq, embed_dim) or unbatched (seq,
+    embed_dim).  For a ``batch_first=False`` module, transpose (seq, batch, embed_dim)
+    inputs and outputs yourself (``x.transpose(0, 1)``); the result is one of our modules
+    (not a wrapper), so that the harness, ``to_flax`` and ``to_nn_multihead`` take it.
+    Masks: ``key_padding_mask`` goes through ``from_key_padding_mask``, a bool
+    ``attn_mask`` (True = blocked) through ``from_blocked_mask``; combine them with
+    ``combine_masks`` and pass the result as ``mask=``.  A module built with ``bias=False``
+    has no ``out_proj`` bias, ours always has one: it is imported as zeros (the same
+    function; ``to_nn_multihead`` maps it back to ``bias=False``).
+
+    Raises TypeError for another class; ValueError, naming the option, for
+    ``add_bias_kv=True``, ``add_zero_attn=True`` (no equivalent here) and ``kdim``/``vdim``
+    different from ``embed_dim`` (that is cross-attention, which this library does not
+    have yet).  Separate q/k/v weights (``q_proj_weight``, ...) of shape
+    (embed_dim, embed_dim) are read like ``in_proj_weight``'s three blocks.
+    The call draws no random numbers (the new module is built on the meta device).
+    """
+    if not isinstance(mha, nn.MultiheadAttention):
+        raise TypeError(f"from_nn_multihead takes a torch.nn.MultiheadAttention; got {type(mha).__name__}")
+    embed_dim, num_heads = int(mha.embed_dim), int(mha.num_heads)
+    problems = []
+    if mha.bias_k is not None or mha.bias_v is not None:
+        problems.append("add_bias_kv=True (learned bias key/value rows appended to the sequence)")
+    if mha.add_zero_attn:
+        problems.append("add_zero_attn=True (a zero key/value row appended to the sequence)")
+    if (mha.kdim, mha.vdim) != (embed_dim, embed_dim):
+        problems.append(
+            f"kdim={mha.kdim}, vdim={mha.vdim} different from embed_dim={embed_dim} (cross-attention, "
+            "which this library does not have yet)"
+        )
+    if mha.in_proj_weight is not None:
+        weights = list(mha.in_proj_weight.detach().chunk(3, dim=0))
+    else:
+        weights = [w.detach() for w in (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)]
+        shapes = [tuple(w.shape) for w in weights]
+        if not problems and any(shape != (embed_dim, embed_dim) for shape in shapes):
+            problems.append(
+                f"q/k/v projection weights of shapes {shapes}, not ({embed_dim}, {embed_dim}) "
+                "(cross-attention, which this library does not have yet)"
+            )
+    if problems:
+        raise ValueError(
+            "this nn.MultiheadAttention cannot be expressed as MultiHeadAttention: " + "; ".join(problems)
+        )
+    biases = None if mha.in_proj_bias is None else list(mha.in_proj_bias.detach().chunk(3, dim=0))
+    out_weight = mha.out_proj.weight.detach()
+    out_bias = mha.out_proj.bias
+    module = MultiHeadAttention(
+        embed_dim, embed_dim, None, float(mha.dropout), num_heads, qkv_bias=biases is not None,
+        causal=False, dtype=out_weight.dtype, device="meta",
+    ).to_empty(device=out_weight.device)
+    qkv, out_proj = _linears(module)
+    assert out_proj is not None
+    with torch.no_grad():
+        for i, proj in enumerate(qkv):
+            proj.weight.copy_(weights[i])
+            if biases is not None:
+                proj.bias.copy_(biases[i])
+        out_proj.weight.copy_(out_weight)
+        if out_bias is None:
+            out_proj.bias.zero_()
+        else:
+            out_proj.bias.copy_(out_bias.detach())
+    return module.train(mha.training)
+
+
+def _linears(module: MultiHeadAttention) -> tuple[list[nn.Linear], nn.Linear | None]:
+    """W_query, W_key, W_value and out_proj (None with out_proj=False), typed as what they are."""
+    qkv = [cast(nn.Linear, getattr(module, name)) for name in ("W_query", "W_key", "W_value")]
+    return qkv, cast("nn.Linear | None", module.out_proj)
+
+
+def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
+    """Our ``MultiHeadAttention`` -> a ``torch.nn.MultiheadAttention`` with the same weights
+    (copied exactly, ``in_proj_weight`` = [W_query; W_key; W_value]), dropout rate,
+    dtype, device and train/eval mode.  ``batch_first`` is the new module's (ours is
+    batch-first; the default keeps it so).  ``bias`` = ``qkv_bias``; with ``qkv_bias=False``
+    the ``out_proj`` bias must be all zeros (``nn.MultiheadAttention`` has one ``bias``
+    switch for both) and is dropped.  ``context_length`` (a cap on the input, not part of
+    the computation) is not kept: ``nn.MultiheadAttention`` has none.
+
+    Raises TypeError for another class; ValueError, naming each option, for what
+    ``nn.MultiheadAttention`` cannot express: ``causal=True`` (it takes the causal mask per
+    call: pass ``attn_mask``/``is_causal`` there, or build ours with ``causal=False``),
+    ``out_proj=False``, ``d_in != d_out``, a ``scale`` other than 1/sqrt(head_dim), a
+    nonzero ``out_proj`` bias with ``qkv_bias=False``.  Nothing is built before every
+    check passed; the call draws no random numbers.
+    """
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(f"to_nn_multihead takes torch_attention.MultiHeadAttention; got {type(module).__name__}")
+    spec = module.spec
+    qkv, out_proj = _linears(module)
+    problems = []
+    if spec.causal:
+        problems.append(
+            "causal=True (nn.MultiheadAttention takes a causal mask per call, attn_mask or is_causal; "
+            "build the module with causal=False)"
+        )
+    if out_proj is None:
+        problems.append("out_proj=False (nn.MultiheadAttention always has an output projection)")
+    if spec.d_in != spec.d_out:
+        problems.append(f"d_in={spec.d_in} != d_out={spec.d_out} (nn.MultiheadAttention maps embed_dim to embed_dim)")
+    head_dim = cast(int, spec.head_dim)
+    if spec.scale is not None and not math.isclose(spec.scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
+        problems.append(
+            f"scale={spec.scale!r} (nn.MultiheadAttention scales by 1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim)!r})"
+        )
+    if not spec.qkv_bias and out_proj is not None and bool(out_proj.bias.detach().ne(0).any()):
+        problems.append(
+            "a nonzero out_proj bias with qkv_bias=False (nn.MultiheadAttention's one bias switch "
+            "gives both or neither)"
+        )
+    if problems:
+        raise ValueError("nn.MultiheadAttention cannot express this MultiHeadAttention: " + "; ".join(problems))
+    assert out_proj is not None
+    weight = qkv[0].weight
+    mha = nn.MultiheadAttention(
+        spec.d_out, spec.num_heads, dropout=float(spec.dropout), bias=bool(spec.qkv_bias),
+        batch_first=batch_first, dtype=weight.dtype, device="meta",
+    ).to_empty(device=weight.device)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([p.weight.detach() for p in qkv], dim=0))
+        if spec.qkv_bias:
+            mha.in_proj_bias.copy_(torch.cat([p.bias.detach() for p in qkv], dim=0))
+            mha.out_proj.bias.copy_(out_proj.bias.detach())
+        mha.out_proj.weight.copy_(out_proj.weight.detach())
+    return mha.train(module.training)

@@ -13,6 +13,9 @@ from torch import Tensor
 from attention_spec import ADDITIVE_BIAS_MESSAGE, check_bool, check_floating, dtype_name
 from attention_spec.validation import (
     ADDITIVE_BLOCKED_AT,
+    HF_ATTENTION_MASK_VALUES_MESSAGE,
+    check_hf_attention_mask,
+    check_key_padding_mask,
     check_lengths_dtype,
     check_mask_lengths,
     check_masks_broadcast,
@@ -23,6 +26,8 @@ __all__ = [
     "combine_masks",
     "from_additive_mask",
     "from_blocked_mask",
+    "from_hf_attention_mask",
+    "from_key_padding_mask",
     "padding_mask",
 ]
 
@@ -75,7 +80,17 @@ def _and_masks(*masks: Tensor | None) -> Tensor | None:
 
 
 def from_blocked_mask(blocked: Tensor) -> Tensor:
-    """From ``nn.MultiheadAttention`` polarity (True = blocked) to ours (True = may attend)."""
+    """From ``nn.MultiheadAttention``'s ``attn_mask`` polarity (True = blocked) to ours
+    (True = may attend), same shape.
+
+    Shapes keep their meaning in our convention (broadcast from the right against
+    (batch, heads, q_len, kv_len)): a 2-d mask is (q_len, kv_len), as ``attn_mask``; 4-d
+    is (batch, heads, q_len, kv_len).  ``attn_mask``'s 3-d form (batch * heads, q_len,
+    kv_len) must be reshaped to (batch, heads, q_len, kv_len) first.  A (batch, kv_len)
+    ``key_padding_mask`` is not for this function (it would be read as (q_len, kv_len),
+    silently so when batch == q_len): use ``from_key_padding_mask``.
+    Raises ``TypeError`` for a mask that is not bool.
+    """
     check_bool("blocked mask", dtype_name(blocked.dtype), "True = blocked")
     return ~blocked
 
@@ -93,3 +108,34 @@ def from_additive_mask(additive: Tensor) -> Tensor:
     if bool(((additive != 0) & ~blocked).any()):
         raise ValueError(ADDITIVE_BIAS_MESSAGE)
     return ~blocked
+
+
+def from_key_padding_mask(mask: Tensor) -> Tensor:
+    """``nn.MultiheadAttention``'s ``key_padding_mask`` -- bool (batch, kv_len), True = ignore
+    this key -- to ours: (batch, 1, 1, kv_len) bool, True = may attend.
+
+    Raises ``ValueError`` for any other rank (a (q_len, kv_len) mask is ``from_blocked_mask``'s)
+    and ``TypeError`` for a non-bool mask.  A float ``key_padding_mask``, which
+    ``nn.MultiheadAttention`` adds to the scores, is refused rather than guessed at: convert
+    it with ``from_additive_mask(mask)[:, None, None, :]``.  For unbatched input
+    (``nn.MultiheadAttention``'s (kv_len,) form) convert ``mask[None]`` and take ``[0]``.
+    """
+    mask = torch.as_tensor(mask)
+    check_key_padding_mask(tuple(mask.shape), dtype_name(mask.dtype))
+    return (~mask)[:, None, None, :]
+
+
+def from_hf_attention_mask(mask: Tensor) -> Tensor:
+    """A Hugging Face ``attention_mask`` -- integer (or bool) (batch, seq), 1 = attend,
+    0 = padding, as tokenizers return it -- to ours: (batch, 1, 1, seq) bool, True = may
+    attend.  Combine it with the causal mask yourself, or let a causal module do it.
+
+    Raises ``ValueError`` for a rank other than 2 or values other than 0 and 1, and
+    ``TypeError`` for a float mask (in an additive mask 0 means attend: use
+    ``from_additive_mask`` for those).
+    """
+    mask = torch.as_tensor(mask)
+    check_hf_attention_mask(tuple(mask.shape), dtype_name(mask.dtype))
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(HF_ATTENTION_MASK_VALUES_MESSAGE)
+    return (mask != 0)[:, None, None, :]

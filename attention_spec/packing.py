@@ -1,0 +1,462 @@
+"""Packed q/k/v and head-shaped kernels: the layouts real checkpoints use, framework-free.
+
+Two things that ``attention_spec.conversion``'s one-name-to-one-name map cannot say:
+
+* **Packed q/k/v**: one weight holds the three projections side by side.
+  ``layout="in_out"``: (d_in, 3*d_out), applied as ``x @ W`` (GPT-2's ``Conv1D``
+  ``c_attn.weight``); ``layout="out_in"``: (3*d_out, d_in), applied as ``x @ W.T``
+  (``nn.Linear``, ``nn.MultiheadAttention.in_proj_weight``).  The packed bias is
+  (3*d_out,) in both.  The order along the packed axis is always query, key, value.
+  ``split_qkv`` / ``join_qkv`` go between a packed weight and three weights in PyTorch's
+  (out, in) layout; ``packed_state_dict`` / ``pack_state_dict`` go between a packed
+  checkpoint and our modules' PyTorch names (``W_query.weight``, ...), read from the
+  registry.
+
+* **Head-shaped kernels** of Flax's own attention (``nnx.MultiHeadAttention``, Linen
+  ``MultiHeadDotProductAttention``): query/key/value kernels (in, heads, head_dim) with
+  biases (heads, head_dim), the output kernel (heads, head_dim, out) with bias (out,).
+  Heads are contiguous blocks of ``head_dim`` along the width, the same split as our
+  ``MultiHeadAttention``.  ``split_heads_*`` / ``merge_heads_*`` reshape one array;
+  ``native_flax_params`` / ``state_dict_from_native_flax`` convert a whole parameter tree.
+
+Everything takes NumPy arrays (or anything ``as_numpy`` reads: torch tensors, JAX
+arrays), returns NumPy copies (never views of the input) with the input's dtype, and
+validates everything before returning anything: bad input raises ``ValueError`` (shapes,
+layout names, a bias that does not fit) or ``TypeError`` (non-floating arrays).
+Every conversion is a reshape, a transpose or a slice: round trips are bit-exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from attention_spec.conversion import as_numpy, check_float_arrays
+from attention_spec.registry import AttentionConfig
+
+__all__ = [
+    "PACKED_LAYOUTS",
+    "ROLES",
+    "check_layout",
+    "join_qkv",
+    "merge_heads_bias",
+    "merge_heads_kernel",
+    "merge_heads_out_kernel",
+    "native_flax_params",
+    "pack_state_dict",
+    "packed_state_dict",
+    "split_heads_bias",
+    "split_heads_kernel",
+    "split_heads_out_kernel",
+    "split_qkv",
+    "state_dict_from_native_flax",
+    "torch_names_for_packed",
+]
+
+PACKED_LAYOUTS = ("in_out", "out_in")
+ROLES = ("query", "key", "value")
+
+
+def check_layout(layout: Any) -> str:
+    """``layout`` itself if it is ``"in_out"`` or ``"out_in"``; else ValueError."""
+    if not isinstance(layout, str) or layout not in PACKED_LAYOUTS:
+        raise ValueError(
+            "layout must be 'in_out' (packed weight (d_in, 3*d_out), applied as x @ W, as GPT-2's "
+            "Conv1D) or 'out_in' ((3*d_out, d_in), applied as x @ W.T, as nn.Linear and "
+            f"nn.MultiheadAttention.in_proj_weight); got {layout!r}"
+        )
+    return layout
+
+
+def _float(name: str, value: Any) -> np.ndarray:
+    array = as_numpy(value)
+    check_float_arrays({name: array}, name)
+    return array
+
+
+def _rank(name: str, array: np.ndarray, rank: int, meaning: str) -> None:
+    if array.ndim != rank:
+        raise ValueError(f"{name} must have rank {rank} {meaning}; got shape {tuple(array.shape)}")
+
+
+def _check_packed(weight: np.ndarray, bias: np.ndarray | None, layout: str) -> tuple[int, int]:
+    """(d_in, d_out) of a packed weight, after every check."""
+    expected = "(d_in, 3*d_out)" if layout == "in_out" else "(3*d_out, d_in)"
+    _rank("the packed q/k/v weight", weight, 2, f"{expected} for layout={layout!r}")
+    packed, d_in = (weight.shape[1], weight.shape[0]) if layout == "in_out" else weight.shape
+    if packed == 0 or packed % 3:
+        axis = 1 if layout == "in_out" else 0
+        raise ValueError(
+            f"the packed q/k/v weight {tuple(weight.shape)} must have a width divisible by 3 "
+            f"(query, key, value) along axis {axis}, {expected} for layout={layout!r}; got {packed}"
+        )
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != packed):
+        raise ValueError(
+            f"the packed q/k/v bias must have shape ({packed},) (3*d_out, to match the weight "
+            f"{tuple(weight.shape)} with layout={layout!r}); got {tuple(bias.shape)}"
+        )
+    return int(d_in), packed // 3
+
+
+def split_qkv(
+    weight: Any, bias: Any = None, *, layout: str
+) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+    """A packed q/k/v weight (and bias) -> {"query"|"key"|"value": (weight, bias or None)}.
+
+    weight: (d_in, 3*d_out) for ``layout="in_out"``, (3*d_out, d_in) for ``"out_in"``.
+    bias: (3*d_out,) or None.  Each returned weight is in PyTorch's (out, in) layout,
+    (d_out, d_in), each bias (d_out,).  Raises ValueError for a bad layout, a weight not
+    of rank 2 or whose packed width is not a multiple of 3, a bias that does not fit;
+    TypeError for non-floating arrays.
+    """
+    layout = check_layout(layout)
+    w = _float("the packed q/k/v weight", weight)
+    b = None if bias is None else _float("the packed q/k/v bias", bias)
+    _, d_out = _check_packed(w, b, layout)
+    out_in = w.T if layout == "in_out" else w
+    return {
+        role: (
+            np.array(out_in[i * d_out:(i + 1) * d_out]),
+            None if b is None else np.array(b[i * d_out:(i + 1) * d_out]),
+        )
+        for i, role in enumerate(ROLES)
+    }
+
+
+def join_qkv(
+    query: Any, key: Any, value: Any, biases: Sequence[Any] | None = None, *, layout: str
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Three (d_out, d_in) weights in PyTorch's layout (and optionally their three (d_out,)
+    biases, in the order query, key, value) -> (packed weight, packed bias or None).
+
+    The packed weight is (d_in, 3*d_out) for ``layout="in_out"``, (3*d_out, d_in) for
+    ``"out_in"``; the bias (3*d_out,).  ``split_qkv`` undoes it exactly.  Raises
+    ValueError for a bad layout, weights not of rank 2 or of different shapes, a
+    ``biases`` that is not three (d_out,) arrays; TypeError for non-floating arrays.
+    """
+    layout = check_layout(layout)
+    weights = [_float(f"the {r} weight", w) for r, w in zip(ROLES, (query, key, value), strict=True)]
+    for role, w in zip(ROLES, weights, strict=True):
+        _rank(f"the {role} weight", w, 2, "(d_out, d_in), PyTorch's layout")
+    shapes = {tuple(w.shape) for w in weights}
+    if len(shapes) != 1:
+        raise ValueError(
+            "the query, key and value weights must have the same shape (d_out, d_in); got "
+            + ", ".join(str(tuple(w.shape)) for w in weights)
+        )
+    d_out = weights[0].shape[0]
+    dtypes = {w.dtype for w in weights}
+    if len(dtypes) != 1:
+        raise ValueError(
+            "the query, key and value weights must have the same dtype; got "
+            + ", ".join(str(w.dtype) for w in weights)
+        )
+    packed_bias = None
+    if biases is not None:
+        if isinstance(biases, (str, bytes)) or not isinstance(biases, Sequence) or len(biases) != 3:
+            raise ValueError("biases must be None or a sequence of three arrays (query, key, value)")
+        bs = [_float(f"the {r} bias", b) for r, b in zip(ROLES, biases, strict=True)]
+        for role, b in zip(ROLES, bs, strict=True):
+            if b.shape != (d_out,):
+                raise ValueError(
+                    f"the {role} bias must have shape ({d_out},) to match the weights "
+                    f"{tuple(weights[0].shape)}; got {tuple(b.shape)}"
+                )
+        if len({b.dtype for b in bs}) != 1:
+            raise ValueError("the query, key and value biases must have the same dtype; got "
+                             + ", ".join(str(b.dtype) for b in bs))
+        packed_bias = np.concatenate(bs)
+    packed = np.concatenate(weights, axis=0)  # (3*d_out, d_in)
+    return (np.array(packed.T) if layout == "in_out" else packed), packed_bias
+
+
+# ---------------------------------------------------------------- our modules' names
+
+
+def _qkv_projections(config: AttentionConfig) -> dict[str, Any]:
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(f"expected an AttentionConfig (module.spec); got {type(config).__name__}")
+    projs = {role: config.projection(role) for role in (*ROLES, "out")}
+    if any(projs[r] is None for r in ROLES):
+        raise ValueError(
+            f"{config.variant} has no query, key and value projections of its own, so packed q/k/v "
+            "cannot be loaded into it (MultiHeadAttentionWrapper holds one per head)"
+        )
+    return projs
+
+
+def torch_names_for_packed(config: AttentionConfig) -> dict[str, tuple[str, str | None]]:
+    """{"query"|"key"|"value"|"out": (weight name, bias name or None)}: where each part of a
+    packed checkpoint goes among our modules' PyTorch parameter names, read from the
+    registry (``W_query.weight`` for ``MultiHeadAttention``, ``query.weight`` for ``Head``;
+    ``W_query`` alone for ``SelfAttention_v1``'s raw matrices).  "out" is absent when the
+    config has no output projection.  Raises ValueError for a variant without its own
+    q/k/v projections."""
+    names: dict[str, tuple[str, str | None]] = {}
+    for role, proj in _qkv_projections(config).items():
+        if proj is None:
+            continue
+        if proj.layout == "matrix":
+            names[role] = (proj.name, None)
+        else:
+            names[role] = (f"{proj.name}.weight", f"{proj.name}.bias" if proj.has_bias(config) else None)
+    return names
+
+
+def packed_state_dict(
+    config: AttentionConfig,
+    qkv_weight: Any,
+    qkv_bias: Any = None,
+    *,
+    layout: str,
+    out_weight: Any = None,
+    out_bias: Any = None,
+) -> dict[str, np.ndarray]:
+    """A packed checkpoint -> the PyTorch-named arrays of our module (``module.spec``) that
+    it gives: q/k/v always, the output projection when ``out_weight`` is given.  Load the
+    result over the module's current state dict (it may hold only part of it).
+
+    qkv_weight: (d_in, 3*d_out) for ``layout="in_out"`` (GPT-2's ``c_attn.weight``),
+      (3*d_out, d_in) for ``"out_in"`` (``in_proj_weight``); qkv_bias (3*d_out,) or None.
+    out_weight: (d_out, d_out) in the same layout (``"in_out"``: (in, out), GPT-2's
+      ``c_proj.weight``; ``"out_in"``: (out, in), ``out_proj.weight``); out_bias (d_out,).
+      Our output projection always has a bias: ``out_weight`` without ``out_bias`` loads a
+      zero bias (what a bias-free projection computes).
+
+    Raises ValueError, before returning anything, for a bad layout or shape, widths that
+    do not match the config (d_in, d_out), a ``qkv_bias`` for a module without q/k/v
+    biases or none for a module with them (build it with ``qkv_bias=`` to match), an
+    ``out_weight`` for a module without ``out_proj``, an ``out_bias`` without
+    ``out_weight``; TypeError for non-floating arrays.
+    """
+    names = torch_names_for_packed(config)
+    parts = split_qkv(qkv_weight, qkv_bias, layout=layout)
+    d_out, d_in = parts["query"][0].shape
+    if (d_in, d_out) != (config.d_in, config.width):
+        raise ValueError(
+            f"the packed q/k/v weight is for d_in={d_in}, d_out={d_out} (layout={layout!r}); "
+            f"the module has d_in={config.d_in}, d_out={config.width}"
+        )
+    has_qkv_bias = names["query"][1] is not None
+    if qkv_bias is not None and not has_qkv_bias:
+        raise ValueError(
+            f"a qkv_bias was given but the module has no q/k/v biases; build it with qkv_bias=True "
+            f"({config.variant})"
+        )
+    if qkv_bias is None and has_qkv_bias:
+        raise ValueError(
+            "the module has q/k/v biases but no qkv_bias was given; pass the checkpoint's bias or "
+            "build the module with qkv_bias=False"
+        )
+    out: dict[str, np.ndarray] = {}
+    if out_weight is None:
+        if out_bias is not None:
+            raise ValueError("out_bias was given without out_weight")
+    else:
+        if "out" not in names:
+            raise ValueError(f"out_weight was given but the module has no output projection ({config.variant} "
+                             "with out_proj=False)")
+        ow = _float("out_weight", out_weight)
+        if ow.shape != (d_out, d_out):
+            raise ValueError(f"out_weight must have shape ({d_out}, {d_out}) (d_out, d_out); "
+                             f"got {tuple(ow.shape)}")
+        ob = None if out_bias is None else _float("out_bias", out_bias)
+        if ob is not None and ob.shape != (d_out,):
+            raise ValueError(f"out_bias must have shape ({d_out},); got {tuple(ob.shape)}")
+        weight_name, bias_name = names["out"]
+        assert bias_name is not None  # the registry declares out_proj's bias "always"
+        out[weight_name] = np.array(ow.T if layout == "in_out" else ow)
+        out[bias_name] = np.zeros(d_out, ow.dtype) if ob is None else np.array(ob)
+    for role in ROLES:
+        weight_name, bias_name = names[role]
+        w, b = parts[role]
+        out[weight_name] = np.array(w.T) if "." not in weight_name else w  # a raw matrix is (d_in, d_out)
+        if bias_name is not None:
+            assert b is not None
+            out[bias_name] = b
+    return {k: out[k] for k in sorted(out, key=_order(names))}
+
+
+def _order(names: Mapping[str, tuple[str, str | None]]) -> Any:
+    ranking = [n for pair in names.values() for n in pair if n is not None]
+    return ranking.index
+
+
+def pack_state_dict(
+    config: AttentionConfig, state_dict: Mapping[str, Any], *, layout: str
+) -> dict[str, np.ndarray | None]:
+    """Our module's PyTorch-named arrays -> a packed checkpoint: {"qkv_weight", "qkv_bias",
+    "out_weight", "out_bias"} in ``layout`` (the inverse of ``packed_state_dict``; a bias
+    the module does not have, or the output projection of one without it, is None).
+    Raises ValueError for a missing name and as ``join_qkv``."""
+    names = torch_names_for_packed(config)
+    layout = check_layout(layout)
+    missing = [n for pair in names.values() for n in pair if n is not None and n not in state_dict]
+    if missing:
+        raise ValueError("the state_dict lacks " + ", ".join(missing))
+    arrays = {n: as_numpy(state_dict[n]) for pair in names.values() for n in pair if n is not None}
+    weights = [arrays[names[r][0]] for r in ROLES]
+    if "." not in names["query"][0]:  # raw (d_in, d_out) matrices
+        weights = [w.T for w in weights]
+    biases = None if names["query"][1] is None else [arrays[names[r][1]] for r in ROLES]  # type: ignore[index]
+    qkv_weight, qkv_bias = join_qkv(weights[0], weights[1], weights[2], biases, layout=layout)
+    out_weight = out_bias = None
+    if "out" in names:
+        w_name, b_name = names["out"]
+        out_weight = np.array(arrays[w_name].T if layout == "in_out" else arrays[w_name])
+        out_bias = None if b_name is None else np.array(arrays[b_name])
+    return {"qkv_weight": qkv_weight, "qkv_bias": qkv_bias, "out_weight": out_weight, "out_bias": out_bias}
+
+
+# ------------------------------------------------------- Flax's head-shaped kernels
+
+
+def _heads(num_heads: Any) -> int:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
+    return int(num_heads)
+
+
+def _divides(what: str, width: int, num_heads: int) -> None:
+    if width % num_heads:
+        raise ValueError(f"{what} width {width} is not divisible by num_heads={num_heads}")
+
+
+def split_heads_kernel(kernel: Any, num_heads: int) -> np.ndarray:
+    """A q/k/v kernel (in, heads*head_dim) -> (in, heads, head_dim)."""
+    k = _float("the kernel", kernel)
+    _rank("the q/k/v kernel", k, 2, "(in, heads*head_dim)")
+    h = _heads(num_heads)
+    _divides("the q/k/v kernel's", k.shape[1], h)
+    return np.array(k.reshape(k.shape[0], h, k.shape[1] // h))
+
+
+def merge_heads_kernel(kernel: Any) -> np.ndarray:
+    """A q/k/v kernel (in, heads, head_dim) -> (in, heads*head_dim)."""
+    k = _float("the kernel", kernel)
+    _rank("the q/k/v kernel", k, 3, "(in, heads, head_dim)")
+    return np.array(k.reshape(k.shape[0], k.shape[1] * k.shape[2]))
+
+
+def split_heads_bias(bias: Any, num_heads: int) -> np.ndarray:
+    """A q/k/v bias (heads*head_dim,) -> (heads, head_dim)."""
+    b = _float("the bias", bias)
+    _rank("the q/k/v bias", b, 1, "(heads*head_dim,)")
+    h = _heads(num_heads)
+    _divides("the q/k/v bias's", b.shape[0], h)
+    return np.array(b.reshape(h, b.shape[0] // h))
+
+
+def merge_heads_bias(bias: Any) -> np.ndarray:
+    """A q/k/v bias (heads, head_dim) -> (heads*head_dim,)."""
+    b = _float("the bias", bias)
+    _rank("the q/k/v bias", b, 2, "(heads, head_dim)")
+    return np.array(b.reshape(-1))
+
+
+def split_heads_out_kernel(kernel: Any, num_heads: int) -> np.ndarray:
+    """An output kernel (heads*head_dim, out) -> (heads, head_dim, out)."""
+    k = _float("the kernel", kernel)
+    _rank("the output kernel", k, 2, "(heads*head_dim, out)")
+    h = _heads(num_heads)
+    _divides("the output kernel's input", k.shape[0], h)
+    return np.array(k.reshape(h, k.shape[0] // h, k.shape[1]))
+
+
+def merge_heads_out_kernel(kernel: Any) -> np.ndarray:
+    """An output kernel (heads, head_dim, out) -> (heads*head_dim, out)."""
+    k = _float("the kernel", kernel)
+    _rank("the output kernel", k, 3, "(heads, head_dim, out)")
+    return np.array(k.reshape(k.shape[0] * k.shape[1], k.shape[2]))
+
+
+_NATIVE = {"query": "W_query", "key": "W_key", "value": "W_value", "out": "out_proj"}
+
+
+def native_flax_params(
+    state_dict: Mapping[str, Any], num_heads: int, *, use_bias: bool = True
+) -> dict[str, dict[str, np.ndarray]]:
+    """Our ``MultiHeadAttention``'s PyTorch-named arrays (``W_query.weight`` (d_out, d_in),
+    ..., ``out_proj.weight``/``.bias``) -> the parameter tree of Flax's own attention:
+    {"query"|"key"|"value": {"kernel": (d_in, heads, head_dim)[, "bias": (heads, head_dim)]},
+    "out": {"kernel": (heads, head_dim, d_out)[, "bias": (d_out,)]}}.
+
+    ``use_bias=False`` leaves every bias out (Flax's module then has none, the output's
+    included); the caller checks that the dropped biases are zero.  Raises ValueError for
+    missing names or shapes that do not fit."""
+    h = _heads(num_heads)
+    arrays = {k: _float(k, v) for k, v in state_dict.items()}
+    need = [f"{n}.weight" for n in _NATIVE.values()]
+    if use_bias:
+        need += [f"{n}.bias" for n in _NATIVE.values()]
+    missing = [n for n in need if n not in arrays]
+    if missing:
+        raise ValueError("the state_dict lacks " + ", ".join(missing))
+    tree: dict[str, dict[str, np.ndarray]] = {}
+    for role in ROLES:
+        name = _NATIVE[role]
+        tree[role] = {"kernel": split_heads_kernel(arrays[f"{name}.weight"].T, h)}
+        if use_bias:
+            tree[role]["bias"] = split_heads_bias(arrays[f"{name}.bias"], h)
+    tree["out"] = {"kernel": split_heads_out_kernel(arrays["out_proj.weight"].T, h)}
+    if use_bias:
+        tree["out"]["bias"] = np.array(arrays["out_proj.bias"])
+    widths = {tree[r]["kernel"].shape[1:] for r in ROLES} | {tree["out"]["kernel"].shape[:2]}
+    if len(widths) != 1:
+        raise ValueError(f"the q/k/v and output projections disagree on (heads, head_dim): {sorted(widths)}")
+    return tree
+
+
+def state_dict_from_native_flax(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The parameter tree of Flax's own attention ({"query": {"kernel", "bias"?}, "key",
+    "value", "out"}, as ``native_flax_params`` gives) -> our ``MultiHeadAttention``'s
+    PyTorch-named arrays.  Biases the tree lacks (``use_bias=False``) are absent from the
+    result too.  Raises ValueError for a missing or unexpected entry, a kernel or bias of
+    the wrong rank, q/k/v/out that disagree on heads and head_dim, or biases on some
+    projections only."""
+    expected = (*ROLES, "out")
+    keys = set(params)
+    if keys != set(expected):
+        raise ValueError(
+            f"the attention params must hold exactly {', '.join(expected)}; "
+            f"missing {sorted(set(expected) - keys)}, unexpected {sorted(map(str, keys - set(expected)))}"
+        )
+    out: dict[str, np.ndarray] = {}
+    with_bias = []
+    heads = set()
+    for role in expected:
+        node = params[role]
+        if not isinstance(node, Mapping) or "kernel" not in node or set(node) - {"kernel", "bias"}:
+            raise ValueError(f"params[{role!r}] must be a mapping with 'kernel' and optionally 'bias'; "
+                             f"got {sorted(node) if isinstance(node, Mapping) else type(node).__name__}")
+        kernel = _float(f"{role}/kernel", node["kernel"])
+        name = _NATIVE[role]
+        if role == "out":
+            merged = merge_heads_out_kernel(kernel)
+            heads.add(tuple(kernel.shape[:2]))
+        else:
+            merged = merge_heads_kernel(kernel)
+            heads.add(tuple(kernel.shape[1:]))
+        out[f"{name}.weight"] = np.array(merged.T)
+        if "bias" in node:
+            with_bias.append(role)
+            bias = _float(f"{role}/bias", node["bias"])
+            if role == "out":
+                _rank("the output bias", bias, 1, "(out,)")
+                if bias.shape[0] != kernel.shape[2]:
+                    raise ValueError(f"the output bias {tuple(bias.shape)} does not fit the output kernel "
+                                     f"{tuple(kernel.shape)}")
+                out[f"{name}.bias"] = np.array(bias)
+            else:
+                if bias.shape != kernel.shape[1:]:
+                    raise ValueError(f"params[{role!r}]['bias'] {tuple(bias.shape)} does not fit the kernel "
+                                     f"{tuple(kernel.shape)}: expected {tuple(kernel.shape[1:])}")
+                out[f"{name}.bias"] = merge_heads_bias(bias)
+    if len(heads) != 1:
+        raise ValueError(f"the q/k/v and output kernels disagree on (heads, head_dim): {sorted(heads)}")
+    if with_bias and len(with_bias) != len(expected):
+        raise ValueError(f"only some projections have a bias ({', '.join(with_bias)}); Flax's attention "
+                         "has all or none")
+    return out
