@@ -43,11 +43,13 @@ __all__ = [
     "from_linen_multihead",
     "from_linen_multihead_params",
     "from_nnx_multihead",
+    "load",
     "load_flax_arrays",
     "load_packed_qkv",
     "load_torch_state_dict",
     "state_from_torch",
     "state_to_torch",
+    "save",
     "to_linen_multihead",
     "to_linen_multihead_params",
     "to_nnx_multihead",
@@ -450,3 +452,60 @@ def from_linen_multihead(linen: Any, variables: Mapping[str, Any], *, rngs: nnx.
     if linen.deterministic is not None and linen.dropout_rate > 0.0:
         module.dropout.deterministic = bool(linen.deterministic)
     return module
+
+
+# --------------------------------------------------------------------------- files
+
+
+def save(module: nnx.Module, path: Any, *, format: str | None = None, layout: str = "flax") -> None:
+    """Writes one of our modules' parameters to ``path``, atomically (a temporary name in
+    the same directory, renamed when complete; an existing file or directory is untouched
+    on failure).
+
+    ``format``: ``"safetensors"``, ``"msgpack"`` (``flax.serialization.msgpack_serialize``
+    of ``{"W_query": {"kernel": ...}}``) or ``"orbax"`` (a directory written by
+    ``orbax.checkpoint.PyTreeCheckpointer``), else from the extension (``.safetensors``,
+    ``.msgpack``, an existing directory).  ``layout``: ``"flax"`` (``W_query/kernel``, (in,
+    out)) or ``"torch"`` (safetensors only: ``W_query.weight``, (out, in), what PyTorch's
+    ``load_state_dict`` and ``torch_attention.interop.load`` take).  A ``.pt`` file needs
+    torch: write it with ``torch_attention.interop.save`` or ``python -m
+    parity_tests.convert``.  Raises ``attention_spec.files.CheckpointError`` (a ValueError)
+    for an unknown format or one that cannot hold the layout, before anything is written.
+    """
+    from attention_spec.files import flax_names, write_arrays
+
+    _flax_formats(path, format, "save")
+    if layout == "torch":
+        write_arrays(torch_state_dict(module), path, layout="torch", format=format)
+    else:
+        write_arrays(flax_names(flax_arrays(module)), path, layout=layout, format=format)
+
+
+def load(module: nnx.Module, path: Any, *, format: str | None = None) -> nnx.Module:
+    """Reads ``path`` into one of our modules (cast to its ``param_dtype``) and returns it.
+
+    Reads safetensors in either layout (a name with ``/`` means Flax's; PyTorch's
+    ``W_query.weight`` is transposed on the way), Flax msgpack and Orbax directories.
+    Raises ``attention_spec.files.CheckpointError`` for an unreadable or truncated file,
+    an unknown format or a ``.pt`` file (it needs torch); the map's ValueError listing
+    missing, unexpected and misshaped parameters; TypeError for non-floating arrays.
+    Nothing is written to the module unless every check passed.
+    """
+    from attention_spec.files import read_arrays
+
+    layout, arrays = read_arrays(path, _flax_formats(path, format, "load"))
+    if layout == "torch":
+        return load_torch_state_dict(module, arrays)
+    return load_flax_arrays(module, arrays)
+
+
+def _flax_formats(path: Any, format: str | None, what: str) -> str:
+    from attention_spec.files import CheckpointError, format_for
+
+    fmt = format_for(path, format)
+    if fmt == "pt":
+        raise CheckpointError(
+            f"jax_attention.interop.{what} handles safetensors, msgpack and Orbax; a .pt file needs torch: "
+            "use torch_attention.interop or python -m parity_tests.convert"
+        )
+    return fmt

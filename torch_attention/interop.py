@@ -40,11 +40,13 @@ from torch_attention.multihead import MultiHeadAttention
 __all__ = [
     "flax_arrays",
     "from_nn_multihead",
+    "load",
     "load_flax_arrays",
     "load_packed_qkv",
     "load_torch_state_dict",
     "state_dict_from_flax",
     "state_dict_to_flax",
+    "save",
     "to_nn_multihead",
     "torch_state_dict",
 ]
@@ -291,3 +293,57 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
             mha.out_proj.bias.copy_(out_proj.bias.detach())
         mha.out_proj.weight.copy_(out_proj.weight.detach())
     return mha.train(module.training)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def save(module: nn.Module, path: Any, *, format: str | None = None, layout: str = "torch") -> None:
+    """Writes one of our modules' parameters to ``path``, atomically (a temporary name in
+    the same directory, renamed when complete; an existing file is untouched on failure).
+
+    ``format``: ``"safetensors"`` or ``"pt"`` (a ``torch.save`` state dict), else from the
+    extension (``.safetensors``, ``.pt``/``.pth``).  ``layout``: ``"torch"`` (``W_query.weight``,
+    (out, in)) or ``"flax"`` (safetensors only: ``W_query/kernel``, (in, out), what
+    ``jax_attention.interop.load`` reads as well).  Flax msgpack and Orbax need flax: write
+    them with ``jax_attention.interop.save`` or ``python -m parity_tests.convert``.
+    Raises ``attention_spec.files.CheckpointError`` (a ValueError) for an unknown format or
+    a format that cannot hold the layout, before anything is written.
+    """
+    from attention_spec.files import flax_names, write_arrays
+
+    _torch_formats(path, format, "save")
+    if layout == "flax":
+        write_arrays(flax_names(flax_arrays(module)), path, layout="flax", format=format)
+    else:
+        write_arrays(torch_state_dict(module), path, layout=layout, format=format)
+
+
+def load(module: nn.Module, path: Any, *, format: str | None = None) -> nn.Module:
+    """Reads ``path`` into one of our modules (cast to its dtype) and returns it.
+
+    Reads safetensors in either layout (a name with ``/`` means Flax's: ``W_query/kernel``,
+    transposed on the way) and ``.pt``/``.pth`` state dicts (``torch.load(...,
+    weights_only=True)``).  Raises ``attention_spec.files.CheckpointError`` for an
+    unreadable or truncated file, an unknown format, or msgpack/Orbax (they need flax);
+    the map's ValueError listing missing, unexpected and misshaped parameters; TypeError
+    for non-floating arrays.  Nothing is written to the module unless every check passed.
+    """
+    from attention_spec.files import read_arrays
+
+    layout, arrays = read_arrays(path, _torch_formats(path, format, "load"))
+    if layout == "flax":
+        return load_flax_arrays(module, arrays)
+    return load_torch_state_dict(module, arrays)
+
+
+def _torch_formats(path: Any, format: str | None, what: str) -> str:
+    from attention_spec.files import CheckpointError, format_for
+
+    fmt = format_for(path, format)
+    if fmt not in ("safetensors", "pt"):
+        raise CheckpointError(
+            f"torch_attention.interop.{what} handles safetensors and .pt files; {fmt} needs flax: use "
+            "jax_attention.interop or python -m parity_tests.convert"
+        )
+    return fmt

@@ -1,0 +1,483 @@
+"""Checkpoint files for the twins: reading, writing and converting through the declared map.
+
+Formats, chosen by the file's extension (or named explicitly):
+
+- ``safetensors`` (``.safetensors``): either framework's layout.  PyTorch names
+  (``W_query.weight``, (out, in)) or Flax paths joined with ``/`` (``W_query/kernel``,
+  (in, out)); a file is read as Flax's layout when any name holds a ``/``.  Read and
+  written here with NumPy alone (the format is a JSON header and raw little-endian
+  bytes), so that bfloat16 survives (``safetensors.numpy`` has no bfloat16) and a
+  truncated file is named as such; the files are the ones the ``safetensors`` library
+  reads and writes.
+- ``pt`` (``.pt``, ``.pth``): a PyTorch state dict, ``torch.save`` / ``torch.load(...,
+  weights_only=True)``; PyTorch's layout.  Needs torch.
+- ``msgpack`` (``.msgpack``): ``flax.serialization.msgpack_serialize`` of the nested dict
+  of arrays (``{"W_query": {"kernel": ...}}``, ``{"heads": {"0": ...}}``); Flax's layout.
+  Needs flax.
+- ``orbax`` (a directory; any other name with ``format="orbax"``): the same nested dict
+  through ``orbax.checkpoint.PyTreeCheckpointer``; Flax's layout.  Needs orbax-checkpoint.
+
+This module imports no framework at import time; each reader or writer imports the one
+its format needs.  Every write goes to a temporary name in the destination's directory
+and is renamed over the destination only when complete (``os.replace``); on any failure
+the temporary is removed and an existing destination is left as it was.
+
+Errors: ``CheckpointError`` (a ``ValueError``) for an unreadable, truncated or malformed
+file, an unknown format or a layout that the format cannot hold; the conversion map's own
+``ValueError`` / ``TypeError`` (``attention_spec.conversion``) for missing, unexpected or
+misshaped parameters and non-floating arrays; the registry's for an unknown variant or a
+bad config.  Everything is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path as FsPath
+from typing import Any
+
+import numpy as np
+
+from attention_spec.conversion import (
+    Path,
+    as_numpy,
+    check_float_arrays,
+    flatten_paths,
+    flax_to_torch,
+    rules_for,
+    torch_to_flax,
+)
+from attention_spec.registry import AttentionConfig, make_config, variant
+
+__all__ = [
+    "FORMATS",
+    "LAYOUTS",
+    "CheckpointError",
+    "checked_config",
+    "convert_file",
+    "flax_names",
+    "format_for",
+    "layout_of",
+    "read_arrays",
+    "read_checkpoint",
+    "read_safetensors",
+    "to_layout",
+    "write_arrays",
+    "write_checkpoint",
+    "write_safetensors",
+]
+
+FORMATS: tuple[str, ...] = ("safetensors", "pt", "msgpack", "orbax")
+LAYOUTS: tuple[str, ...] = ("torch", "flax")
+_EXTENSIONS = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt", ".msgpack": "msgpack"}
+# The layout a format holds (None: either, told by the names).
+_FORMAT_LAYOUT = {"safetensors": None, "pt": "torch", "msgpack": "flax", "orbax": "flax"}
+
+
+class CheckpointError(ValueError):
+    """A file that cannot be read as the format it claims, an unknown format, or a layout
+    that the format cannot hold."""
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def format_for(path: str | os.PathLike[str], format: str | None = None) -> str:
+    """The format of ``path``: ``format`` if given (checked), else from the extension
+    (``.safetensors``, ``.pt``/``.pth``, ``.msgpack``; an existing directory is Orbax).
+    Raises CheckpointError for an unknown format or extension."""
+    if format is not None:
+        if format not in FORMATS:
+            raise CheckpointError(f"unknown format {format!r}; known formats: {', '.join(FORMATS)}")
+        return format
+    suffix = FsPath(path).suffix.lower()
+    if suffix in _EXTENSIONS:
+        return _EXTENSIONS[suffix]
+    if os.path.isdir(path):
+        return "orbax"
+    raise CheckpointError(
+        f"cannot tell the format of {os.fspath(path)!r} from its extension {suffix or '(none)'!r}: "
+        "use .safetensors, .pt, .pth or .msgpack, or name the format (safetensors, pt, msgpack, orbax)"
+    )
+
+
+def layout_of(names: Any) -> str:
+    """``"flax"`` when any name is a ``/``-joined path, else ``"torch"`` (a variant whose
+    names have no separator, ``SelfAttention_v1``'s ``W_query``, reads the same either way)."""
+    return "flax" if any("/" in str(n) for n in names) else "torch"
+
+
+# --------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}
+_ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
+_MAX_HEADER = 100_000_000  # as the safetensors library: a bigger header is not a safetensors file
+
+
+def _bfloat16() -> Any:
+    import ml_dtypes  # comes with jax; torch-only installs read bfloat16 through it as well
+
+    return ml_dtypes.bfloat16
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(_bfloat16()) if name == "bfloat16" else np.dtype(name)
+
+
+def write_safetensors(
+    arrays: Mapping[str, Any], path: str | os.PathLike[str], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Writes {name: array} as a safetensors file at ``path`` (not atomically: see
+    ``write_arrays``).  Raises CheckpointError for a dtype that safetensors cannot hold."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blobs = []
+    offset = 0
+    for name, value in arrays.items():
+        a = np.ascontiguousarray(as_numpy(value))
+        code = _ST_CODES.get(a.dtype.name)
+        if code is None:
+            raise CheckpointError(f"safetensors cannot hold {name!r} of dtype {a.dtype}")
+        if a.dtype.byteorder == ">":  # safetensors is little-endian
+            a = a.astype(a.dtype.newbyteorder("<"))
+        data = a.tobytes()
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the library writes it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for data in blobs:
+            f.write(data)
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """{name: NumPy array} from a safetensors file, every array a copy.  Raises
+    CheckpointError naming the problem for a file that is truncated, has a malformed
+    header, an unknown dtype or offsets that do not fit the shapes."""
+    where = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {where!r}: {e.strerror or e}") from None
+    if len(blob) < 8:
+        raise CheckpointError(f"{where!r} is not a safetensors file (truncated: {len(blob)} bytes)")
+    size = int.from_bytes(blob[:8], "little")
+    if size > _MAX_HEADER:
+        raise CheckpointError(f"{where!r} is not a safetensors file (header length {size})")
+    if 8 + size > len(blob):
+        raise CheckpointError(f"{where!r} is truncated: its header needs {8 + size} bytes, the file has {len(blob)}")
+    try:
+        header = json.loads(blob[8:8 + size].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{where!r} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where!r} is not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    data = memoryview(blob)[8 + size:]
+    arrays: dict[str, np.ndarray] = {}
+    for name, entry in header.items():
+        try:
+            dtype_name = _ST_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{where!r} has a malformed header entry for {name!r}: {entry!r}") from None
+        dtype = _np_dtype(dtype_name)
+        if end > len(data):
+            raise CheckpointError(
+                f"{where!r} is truncated: {name!r} needs bytes {begin}..{end} of the data, the file has {len(data)}"
+            )
+        if begin < 0 or end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise CheckpointError(f"{where!r}: the data of {name!r} ({end - begin} bytes) does not fit "
+                                  f"shape {shape} of {entry['dtype']}")
+        if dtype.itemsize > 1 and dtype.name != "bfloat16":
+            dtype = dtype.newbyteorder("<")
+        arrays[name] = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    return arrays
+
+
+# --------------------------------------------------------------------------- other formats
+
+
+def _read_pt(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    import pickle
+    import zipfile
+
+    import torch
+
+    where = os.fspath(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"cannot read {where!r}: no such file") from None
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError) as e:
+        first = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"cannot read {where!r} as a PyTorch state dict (truncated or not one): "
+                              f"{first}") from None
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{where!r} does not hold a PyTorch state dict (a mapping of names to tensors)")
+    return {str(k): as_numpy(v).copy() for k, v in state.items()}
+
+
+def _write_pt(arrays: Mapping[str, np.ndarray], path: str) -> None:
+    import torch
+
+    state = {}
+    for name, a in arrays.items():
+        if a.dtype.name == "bfloat16":  # NumPy has no bfloat16: the bits, reinterpreted
+            state[name] = torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            state[name] = torch.from_numpy(np.array(a))
+    torch.save(state, path)
+
+
+def _nested(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, a in arrays.items():
+        node = tree
+        *parents, leaf = name.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = a
+    return tree
+
+
+def _flat_names(tree: Any, where: str) -> dict[str, np.ndarray]:
+    flat: dict[str, np.ndarray] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, Mapping):
+            for key, child in node.items():
+                walk(f"{prefix}/{key}" if prefix else str(key), child)
+        else:
+            try:
+                flat[prefix] = as_numpy(node)
+            except Exception:  # noqa: BLE001 - anything that is not an array is a malformed file
+                raise CheckpointError(f"{where!r} holds {type(node).__name__} at {prefix!r}, not an array") from None
+
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(f"{where!r} does not hold a nested dict of arrays")
+    walk("", tree)
+    return flat
+
+
+def _read_msgpack(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    from flax import serialization
+
+    where = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {where!r}: {e.strerror or e}") from None
+    try:
+        tree = serialization.msgpack_restore(blob)
+    except Exception as e:  # noqa: BLE001 - msgpack raises a family of its own errors
+        raise CheckpointError(f"cannot read {where!r} as Flax msgpack (truncated or not one): "
+                              f"{type(e).__name__}") from None
+    return _flat_names(tree, where)
+
+
+def _write_msgpack(arrays: Mapping[str, np.ndarray], path: str) -> None:
+    from flax import serialization
+
+    with open(path, "wb") as f:
+        f.write(serialization.msgpack_serialize(_nested(arrays)))
+
+
+def _read_orbax(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    import orbax.checkpoint as ocp
+
+    where = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"cannot read {where!r}: an Orbax checkpoint is a directory")
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            tree = checkpointer.restore(os.path.abspath(path))
+    except Exception as e:  # noqa: BLE001 - Orbax raises many kinds for a damaged directory
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"cannot read {where!r} as an Orbax checkpoint: {first}") from None
+    return _flat_names(tree, where)
+
+
+def _write_orbax(arrays: Mapping[str, np.ndarray], path: str) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(path), _nested({k: np.asarray(a) for k, a in arrays.items()}))
+
+
+_READERS: dict[str, Callable[[str | os.PathLike[str]], dict[str, np.ndarray]]] = {
+    "safetensors": read_safetensors, "pt": _read_pt, "msgpack": _read_msgpack, "orbax": _read_orbax,
+}
+
+
+# --------------------------------------------------------------------------- reading and writing
+
+
+def read_arrays(path: str | os.PathLike[str], format: str | None = None) -> tuple[str, dict[str, np.ndarray]]:
+    """(layout, {name: array}) from a file: the layout is ``"torch"`` (names such as
+    ``W_query.weight``) or ``"flax"`` (``/``-joined paths such as ``W_query/kernel``).
+    Raises CheckpointError for an unknown format or an unreadable file."""
+    fmt = format_for(path, format)
+    if fmt != "orbax" and not os.path.isfile(path):
+        raise CheckpointError(f"cannot read {os.fspath(path)!r}: no such file")
+    arrays = _READERS[fmt](path)
+    return _FORMAT_LAYOUT[fmt] or layout_of(arrays), arrays
+
+
+def _check_layout(fmt: str, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"unknown layout {layout!r}; known layouts: torch, flax")
+    holds = _FORMAT_LAYOUT[fmt]
+    if holds is not None and holds != layout:
+        fits = [f for f, held in _FORMAT_LAYOUT.items() if held in (None, layout)]
+        raise CheckpointError(f"a {fmt} file holds {holds} layout, not {layout}; {layout} layout goes to "
+                              + ", ".join(fits))
+
+
+def write_arrays(
+    arrays: Mapping[str, np.ndarray], path: str | os.PathLike[str], *, layout: str, format: str | None = None
+) -> None:
+    """Writes {name: array} (PyTorch names for ``layout="torch"``, ``/``-joined Flax paths
+    for ``"flax"``) atomically: to a temporary name in the same directory, renamed over
+    ``path`` when complete; on failure the temporary is removed and ``path`` is untouched.
+    Raises CheckpointError for an unknown format or a layout that it cannot hold, before
+    anything is written."""
+    fmt = format_for(path, format)
+    _check_layout(fmt, layout)
+    target = os.path.abspath(path)
+    directory = os.path.dirname(target)
+    if fmt == "orbax":
+        _replace_dir(target, directory, lambda tmp: _write_orbax(arrays, tmp))
+        return
+    writer: Callable[[str], None]
+    if fmt == "safetensors":
+        def writer(tmp: str) -> None:
+            write_safetensors(arrays, tmp, {"format": "pt" if layout == "torch" else "flax"})
+    elif fmt == "pt":
+        def writer(tmp: str) -> None:
+            _write_pt(arrays, tmp)
+    else:
+        def writer(tmp: str) -> None:
+            _write_msgpack(arrays, tmp)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        writer(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _replace_dir(target: str, directory: str, write: Callable[[str], None]) -> None:
+    """A directory written under a temporary name, then moved into place: an existing
+    ``target`` is set aside first and removed only once the new one is in place."""
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    tmp = os.path.join(staging, "checkpoint")  # Orbax writes a directory that must not exist yet
+    old = None
+    try:
+        write(tmp)
+        if os.path.lexists(target):
+            old = os.path.join(staging, "previous")
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException:
+        if old is not None and not os.path.lexists(target):
+            os.replace(old, target)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- through the map
+
+
+def checked_config(name: str, config: Mapping[str, Any] | AttentionConfig | None) -> AttentionConfig:
+    decl = variant(name)  # ValueError naming the known variants
+    if isinstance(config, AttentionConfig):
+        return config
+    options = dict(config or {})
+    unknown = sorted(set(options) - set(decl.options))
+    if unknown:
+        raise ValueError(f"{name} has no option {', '.join(map(repr, unknown))}; its options: "
+                         + ", ".join(decl.options))
+    return make_config(name, options)
+
+
+def flax_names(flat: Mapping[Path, np.ndarray]) -> dict[str, np.ndarray]:
+    """{Flax path tuple: array} -> {``/``-joined name: array}, the names files hold."""
+    return {"/".join(str(p) for p in path): a for path, a in flat.items()}
+
+
+def to_layout(
+    arrays: Mapping[str, np.ndarray], layout: str, to: str, variant_name: str,
+    config: Mapping[str, Any] | AttentionConfig | None,
+) -> dict[str, np.ndarray]:
+    """Arrays in ``layout`` -> the same arrays in layout ``to`` (names ``W_query.weight`` or
+    ``W_query/kernel``), through the declared map of the variant and config: every name
+    and shape checked (ValueError listing missing, unexpected and misshaped ones), every
+    array floating (TypeError).  Bit-exact: only transposes and renames."""
+    if to not in LAYOUTS:
+        raise CheckpointError(f"unknown layout {to!r}; known layouts: torch, flax")
+    rules = rules_for(variant_name, checked_config(variant_name, config))
+    if layout == "torch":
+        flax = torch_to_flax(arrays, rules)
+        check_float_arrays(arrays, "the PyTorch state_dict")
+        torch_named = dict(arrays)
+    else:
+        flat = flatten_paths(dict(arrays))
+        torch_named = flax_to_torch(flat, rules)
+        check_float_arrays(flat, "the Flax state")
+        flax = {r.flax_path: flat[r.flax_path] for r in rules}
+    if to == "torch":
+        return {r.torch_name: np.ascontiguousarray(torch_named[r.torch_name]) for r in rules}
+    return flax_names({r.flax_path: np.ascontiguousarray(flax[r.flax_path]) for r in rules})
+
+
+def read_checkpoint(
+    path: str | os.PathLike[str], variant_name: str, config: Mapping[str, Any] | AttentionConfig | None = None,
+    *, to: str, format: str | None = None,
+) -> dict[str, np.ndarray]:
+    """A checkpoint file of either layout, checked against the variant's declared map and
+    given in layout ``to`` (``"torch"``: {``W_query.weight``: array}; ``"flax"``:
+    {``W_query/kernel``: array})."""
+    layout, arrays = read_arrays(path, format)
+    return to_layout(arrays, layout, to, variant_name, config)
+
+
+def write_checkpoint(
+    arrays: Mapping[str, np.ndarray], path: str | os.PathLike[str], *, layout: str, format: str | None = None,
+) -> None:
+    """``write_arrays`` under its name for checkpoints (already checked arrays)."""
+    write_arrays(arrays, path, layout=layout, format=format)
+
+
+def convert_file(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, variant_name: str,
+    config: Mapping[str, Any] | AttentionConfig | None = None,
+    src_format: str | None = None, dst_format: str | None = None,
+) -> dict[str, np.ndarray]:
+    """Reads ``src`` (either layout), checks it against the declared map and writes it to
+    ``dst`` in layout ``to`` (atomically); returns what was written.  Everything (the
+    destination's format and layout included) is checked before anything is written."""
+    fmt = format_for(dst, dst_format)
+    _check_layout(fmt, to)
+    checked_config(variant_name, config)  # an unknown variant or a bad config before the file is read
+    arrays = read_checkpoint(src, variant_name, config, to=to, format=src_format)
+    write_arrays(arrays, dst, layout=to, format=fmt)
+    return arrays
