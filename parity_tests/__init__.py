@@ -3,9 +3,11 @@
 ``to_flax`` / ``to_torch`` build a module's twin with its weights copied exactly;
 ``assert_parity`` / ``check_parity`` prove that a PyTorch module and a Flax NNX module
 compute the same function, forward and backward, for this library's modules or, with a
-``param_map``, for your own, on the path you choose (``implementation=``), comparing
+``param_map`` (names, or ``attention_spec.specs.Rule``s for packed, transposed,
+reshaped and prefixed weights) and ``torch_call`` / ``flax_call``, for any pair, on the path you choose (``implementation=``), comparing
 attention weights only when asked (``weights=True``).  ``full_precision`` is the context
-they run in (full-precision matmuls, global flags restored).  ``assert_training_parity`` /
+they run in (full-precision matmuls, global flags restored); ``copy_params`` copies
+weights through the same map.  ``assert_training_parity`` /
 ``check_training_parity`` train copies of both with matched ``torch.optim`` / ``optax``
 optimisers and compare the parameters after every step.  ``python -m parity_tests``
 prints the parity report.
@@ -18,6 +20,7 @@ from parity_tests.harness import (
     assert_parity,
     check_parity,
     compare,
+    copy_params,
     full_precision,
     to_flax,
     to_torch,
@@ -36,6 +39,7 @@ __all__ = [
     "assert_parity",
     "check_parity",
     "compare",
+    "copy_params",
     "full_precision",
     "to_flax",
     "to_torch",

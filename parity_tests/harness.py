@@ -6,7 +6,10 @@ runs a PyTorch module and a Flax module on the same inputs, in the same mode and
 same path (``implementation=``), and compares outputs, attention weights (when asked,
 ``weights=True``) and gradients with respect to every input and every parameter;
 ``assert_parity`` raises on the first failure with the worst element named.  Both work on
-a user's own pair of modules with a ``param_map``.  Neither changes a global flag: the
+any pair (a user's own modules, Hugging Face's, PyTorch's or Flax's own) with a
+``param_map`` (a name-to-path mapping or ``attention_spec.specs.Rule``s: packed q/k/v,
+reshapes, transposes) and ``torch_call`` / ``flax_call`` to adapt call signatures and
+outputs; ``copy_params`` copies the weights through the same map.  Neither changes a global flag: the
 full-precision matmuls they need are set in a context (``full_precision``).
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from attention_spec.conversion import VARIANTS, as_numpy, module_rules
+from attention_spec.specs import Rule, Transpose, apply_specs, check_specs, path_text, spec_shapes
 from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "assert_parity",
     "check_parity",
     "compare",
+    "copy_params",
     "full_precision",
     "run_flax",
     "run_torch",
@@ -350,10 +355,11 @@ def run_torch(
     param_names: Sequence[str] | None = None,
     implementation: str | None = None,
     weights: bool = False,
+    call: Any = None,
 ) -> dict[str, np.ndarray]:
     """Runs a PyTorch module; returns outputs and gradients (of ``sum(out * cotangent)``
     with respect to every float input and the named parameters) as NumPy arrays.
-    ``implementation`` and ``weights`` as in ``check_parity``."""
+    ``implementation``, ``weights`` and ``call`` (``torch_call``) as in ``check_parity``."""
     import torch
 
     dtype = torch_dtype(module_dtype(module, inputs))
@@ -374,7 +380,8 @@ def run_torch(
     for p in params.values():
         p.grad = None
     try:
-        outputs = _split_outputs(module(*xs, **kwargs), _is_ours(module), weights)
+        returned = module(*xs, **kwargs) if call is None else call(module, *xs, **kwargs)
+        outputs = _split_outputs(returned, _is_ours(module), weights)
     finally:
         module.train(was_training)
     result = {name: as_numpy(value) for name, value in outputs.items()}
@@ -404,9 +411,11 @@ def run_flax(
     transposed: Mapping[str, bool] | None = None,
     implementation: str | None = None,
     weights: bool = False,
+    call: Any = None,
 ) -> dict[str, np.ndarray]:
     """Runs a Flax NNX module like ``run_torch``; parameter gradients are reported under
-    the PyTorch names of ``param_paths`` and in PyTorch's layout (transposed back)."""
+    the names of ``param_paths`` (transposed when ``transposed`` says so).  ``call`` is
+    ``flax_call`` of ``check_parity``; it runs inside ``jax.jit``."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -433,12 +442,13 @@ def run_flax(
     static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
     try:
         primary_shape = jax.eval_shape(
-            lambda p, xs_, a: _flax_call(graphdef, p, rest, xs_, a, static, split_weights)[0], params, xs, arrays
+            lambda p, xs_, a: _flax_call(graphdef, p, rest, xs_, a, static, split_weights, call)[0],
+            params, xs, arrays
         ).shape
         cot = jnp.asarray(_cotangent(cotangent, primary_shape))
         outputs, gradients = _flax_run(
             graphdef, params, rest, xs, arrays, cot, static=static, ours=split_weights,
-            float_positions=float_positions if grads else None,
+            float_positions=float_positions if grads else None, call=call,
         )
         result = {name: as_numpy(value) for name, value in outputs.items()}
         if grads:
@@ -456,29 +466,32 @@ def run_flax(
     return result
 
 
-def _flax_call(graphdef: Any, params: Any, rest: Any, xs: Any, arrays: Any, static: Any, ours: bool) -> Any:
+def _flax_call(graphdef: Any, params: Any, rest: Any, xs: Any, arrays: Any, static: Any, ours: bool,
+               call: Any = None) -> Any:
     from flax import nnx
 
-    outputs = _split_outputs(nnx.merge(graphdef, params, rest)(*xs, **arrays, **dict(static)), ours, ours)
+    module = nnx.merge(graphdef, params, rest)
+    result = module(*xs, **arrays, **dict(static)) if call is None else call(module, *xs, **arrays, **dict(static))
+    outputs = _split_outputs(result, ours, ours)
     return next(iter(outputs.values())), outputs
 
 
-@functools.partial(jax_jit_lazy, static_argnames=("graphdef", "static", "ours", "float_positions"))
+@functools.partial(jax_jit_lazy, static_argnames=("graphdef", "static", "ours", "float_positions", "call"))
 def _flax_run(graphdef: Any, params: Any, rest: Any, xs: Any, arrays: Any, cot: Any, *,
-              static: Any, ours: bool, float_positions: tuple[int, ...] | None) -> Any:
+              static: Any, ours: bool, float_positions: tuple[int, ...] | None, call: Any = None) -> Any:
     """Outputs and (optionally) gradients of ``sum(primary * cot)``, jitted once per
     module structure, shapes and options and reused across cases that share them."""
     import jax
     import jax.numpy as jnp
 
     if float_positions is None:
-        return _flax_call(graphdef, params, rest, xs, arrays, static, ours)[1], None
+        return _flax_call(graphdef, params, rest, xs, arrays, static, ours, call)[1], None
 
     def loss(params: Any, float_xs: Any) -> Any:
         call_xs = list(xs)
         for pos, fx in zip(float_positions, float_xs, strict=True):
             call_xs[pos] = fx
-        primary, outputs = _flax_call(graphdef, params, rest, call_xs, arrays, static, ours)
+        primary, outputs = _flax_call(graphdef, params, rest, call_xs, arrays, static, ours, call)
         return jnp.sum(primary.astype(jnp.float32) * cot), outputs
 
     float_xs = [xs[i] for i in float_positions]
@@ -507,10 +520,30 @@ def _cotangent(cotangent: np.ndarray | None, shape: Any) -> np.ndarray:
 
 # --------------------------------------------------------------------------- parity
 
-def _resolve_param_map(
-    torch_module: Any, flax_module: Any, param_map: Mapping[str, Any] | None
-) -> tuple[dict[str, tuple[Any, ...]], dict[str, bool]]:
-    """{torch name: flax path} and {torch name: transposed?}, checked against both modules."""
+def _as_rules(param_map: Any) -> list[Rule]:
+    """``param_map`` as ``Rule``s: a ``Rule``, a list of them, or the mapping form
+    {torch name: flax path or (flax path, transpose)}."""
+    if isinstance(param_map, Rule):
+        return [param_map]
+    if isinstance(param_map, Mapping):
+        rules = []
+        for name, target in param_map.items():
+            transpose = isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], bool)
+            path = target[0] if transpose else target
+            rules.append(Rule(name, path, (Transpose(),) if transpose and target[1] else ()))
+        return check_specs(rules)
+    if isinstance(param_map, (list, tuple)):
+        return check_specs(param_map)
+    raise TypeError(
+        "param_map is a mapping {torch name: flax path or (flax path, transpose)}, a Rule or a list of "
+        f"Rules (attention_spec.specs); got {type(param_map).__name__}"
+    )
+
+
+def _resolve_param_map(torch_module: Any, flax_module: Any, param_map: Any) -> list[Rule]:
+    """The conversion rules between the two modules, checked against both: every
+    parameter of each side in exactly one rule, every shape carried through the steps to
+    the other side's shape.  Raises one ValueError listing every problem."""
     from flax import nnx
 
     torch_params = dict(torch_module.named_parameters())
@@ -519,39 +552,75 @@ def _resolve_param_map(
         if not _is_ours(torch_module):
             raise ValueError(
                 f"{type(torch_module).__name__} is not one of this library's modules: "
-                "pass param_map={torch name: flax path or (flax path, transpose)}"
+                "pass param_map={torch name: flax path or (flax path, transpose)} or a list of "
+                "attention_spec.specs.Rule"
             )
-        rules = module_rules(torch_module)
-        paths = {r.torch_name: r.flax_path for r in rules}
-        transposed = {r.torch_name: r.transpose for r in rules}
+        rules = [Rule(r.torch_name, r.flax_path, (Transpose(),) if r.transpose else ())
+                 for r in module_rules(torch_module)]
     else:
-        paths, transposed = {}, {}
-        for name, target in param_map.items():
-            path, transpose = target if isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], bool) \
-                else (target, False)
-            if isinstance(path, str):
-                path = tuple(int(p) if p.isdigit() else p for p in path.split("/"))
-            paths[name], transposed[name] = tuple(path), transpose
-    problems = [f"  PyTorch has no parameter {n!r}" for n in paths if n not in torch_params]
-    problems += [f"  Flax has no parameter {'/'.join(map(str, p))!r}" for p in paths.values() if p not in flax_params]
-    problems += [f"  PyTorch parameter {n!r} is not in the map" for n in torch_params if n not in paths]
-    mapped = set(paths.values())
-    problems += [f"  Flax parameter {'/'.join(map(str, p))!r} is not in the map" for p in flax_params if p not in mapped]
-    for name, path in paths.items():
-        if name in torch_params and path in flax_params:
-            t_shape = tuple(torch_params[name].shape)
-            f_shape = tuple(flax_params[path][...].shape)
-            if (f_shape[::-1] if transposed[name] else f_shape) != t_shape:
-                problems.append(f"  {name!r} {t_shape} does not match {'/'.join(map(str, path))!r} {f_shape}"
-                                + (" (transposed)" if transposed[name] else ""))
+        rules = _as_rules(param_map)
+    names = [n for r in rules for n in r.torch_names]
+    paths = [p for r in rules for p in r.flax_paths]
+    problems = [f"  PyTorch has no parameter {n!r}" for n in names if n not in torch_params]
+    problems += [f"  Flax has no parameter {path_text(p)!r}" for p in paths if p not in flax_params]
+    problems += [f"  PyTorch parameter {n!r} is not in the map" for n in torch_params if n not in set(names)]
+    problems += [f"  Flax parameter {path_text(p)!r} is not in the map" for p in flax_params if p not in set(paths)]
+    for rule in rules:
+        if not all(n in torch_params for n in rule.torch_names) or not all(p in flax_params for p in rule.flax_paths):
+            continue
+        t_shapes = {n: tuple(torch_params[n].shape) for n in rule.torch_names}
+        f_shapes = {p: tuple(flax_params[p][...].shape) for p in rule.flax_paths}
+        try:
+            got = spec_shapes(t_shapes, [rule], "to_flax")
+        except ValueError as err:
+            problems += err.args[0].splitlines()[1:]
+            continue
+        if got != f_shapes:
+            source = ", ".join(f"{n!r} {s}" for n, s in t_shapes.items())
+            target = ", ".join(f"{path_text(p)!r} {s}" for p, s in f_shapes.items())
+            gives = ", ".join(str(got[p]) for p in rule.flax_paths)
+            steps = f" (through {', '.join(map(repr, rule.steps))}, which gives {gives})" if rule.steps else ""
+            problems.append(f"  {source} does not match {target}{steps}")
     if problems:
         raise ValueError("param_map does not match the two modules:\n" + "\n".join(problems))
-    return paths, transposed
+    return rules
+
+
+def copy_params(torch_module: Any, flax_module: Any, param_map: Any = None, *, to: str = "flax") -> None:
+    """Copies every parameter from one module to the other through ``param_map`` (as in
+    ``check_parity``; None for this library's modules), exactly.  ``to="flax"``: PyTorch
+    -> Flax; ``to="torch"``: Flax -> PyTorch.  Everything is checked (names, shapes through
+    every step) before anything is written; raises ValueError otherwise."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    if to not in ("flax", "torch"):
+        raise ValueError(f"to must be 'flax' or 'torch'; got {to!r}")
+    rules = _resolve_param_map(torch_module, flax_module, param_map)
+    torch_params = dict(torch_module.named_parameters())
+    flax_params = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(flax_module, nnx.Param))}
+    if to == "flax":
+        converted = apply_specs({n: as_numpy(p) for n, p in torch_params.items()}, rules, "to_flax")
+        for path, array in converted.items():
+            node = flax_module
+            for key in path[:-1]:
+                node = node[key] if isinstance(key, int) else getattr(node, key)
+            variable = getattr(node, path[-1]) if isinstance(path[-1], str) else node[path[-1]]
+            variable[...] = jnp.asarray(_numpy_source(array)).astype(flax_params[path][...].dtype)
+    else:
+        arrays = apply_specs({p: as_numpy(v[...]) for p, v in flax_params.items()}, rules, "to_torch")
+        with torch.no_grad():
+            for name, array in arrays.items():
+                param = torch_params[name]
+                param.copy_(torch.from_numpy(np.array(_numpy_source(array))).to(param.dtype))
 
 
 def _check_pair(torch_module: Any, flax_module: Any) -> None:
     t_name, f_name = type(torch_module).__name__, type(flax_module).__name__
-    if _is_ours(torch_module) or _is_ours(flax_module):
+    # Only a pair of this library's modules has a declared correspondence to check; any
+    # other pair (one side a user's or a native module) is matched by its param_map.
+    if _is_ours(torch_module) and _is_ours(flax_module):
         if t_name != f_name:
             raise ValueError(f"the modules are different variants: torch {t_name} vs flax {f_name}")
         diff = {k: (torch_module.config.get(k), flax_module.config.get(k))
@@ -573,12 +642,14 @@ def check_parity(
     grads: bool = True,
     rtol: float | None = None,
     atol: float | None = None,
-    param_map: Mapping[str, Any] | None = None,
+    param_map: Any = None,
     training: bool = False,
     dropout_mask: Any = None,
     cotangent: Any = None,
     implementation: str | None = None,
     weights: bool = False,
+    torch_call: Any = None,
+    flax_call: Any = None,
 ) -> ParityReport:
     """Runs both modules on the same inputs in the same mode and compares everything.
 
@@ -588,8 +659,23 @@ def check_parity(
       grads: also compare gradients of ``sum(out * cotangent)`` with respect to every
         float input and every parameter (matched by the declared map or ``param_map``).
       rtol, atol: override the dtype's tolerance (``tolerances.PARITY``).
-      param_map: for your own modules: {torch parameter name: flax path} where a path is
-        a tuple or "a/b/c", or (path, transpose) for a Linear-style weight.
+      param_map: for any other pair: {torch parameter name: flax path} where a path is
+        a tuple or "a/b/c", or (path, transpose) for a Linear-style weight; or a list of
+        ``attention_spec.specs.Rule`` (packed q/k/v, reshapes, any transposition).  Every
+        parameter of both modules must be in it; each Flax gradient is carried through
+        the rules back to the PyTorch names and layouts (a packed weight's gradient is
+        the packing of the three kernels' gradients) and compared there.
+      torch_call, flax_call: ``(module, *inputs, **kwargs) -> output`` to call a module
+        whose signature or output is not ours, e.g. Hugging Face's
+        ``lambda m, x, mask=None: m(x, attention_mask=additive(mask))[0]``.  ``inputs``
+        are that framework's arrays (float inputs in the module's dtype, tracked for
+        gradients); ``kwargs`` are the keywords the harness would pass the module itself:
+        ``mask=`` (bool, True = may attend) when a mask is given, ``dropout_mask=``,
+        and for this library's modules ``deterministic=``, ``implementation=``,
+        ``return_weights=``.  The output is an array or a tuple/list of arrays, all
+        compared (``output[i]``); gradients are of ``sum(first * cotangent)``.
+        ``flax_call`` runs inside ``jax.jit``: it must be traceable.  Default: the module
+        called as ``module(*inputs, **kwargs)``.
       training: run both in training mode; dropout then needs ``dropout_mask`` (bool,
         True = keep), which both frameworks apply identically.
       implementation: the path both modules compute on for this call ("reference",
@@ -610,12 +696,17 @@ def check_parity(
     raise for their inputs.
     """
     _check_pair(torch_module, flax_module)
-    if (implementation is not None or weights) and not _is_ours(torch_module):
+    foreign = [m for m in (torch_module, flax_module) if not _is_ours(m)]
+    if (implementation is not None or weights) and foreign:
         raise ValueError(
             "implementation= and weights= apply to this library's modules only; "
-            f"{type(torch_module).__name__} returns what it returns, and every output is compared"
+            f"{type(foreign[0]).__name__} returns what it returns, and every output is compared"
         )
-    paths, transposed = _resolve_param_map(torch_module, flax_module, param_map)
+    for what, call in (("torch_call", torch_call), ("flax_call", flax_call)):
+        if call is not None and not callable(call):
+            raise TypeError(f"{what} must be a callable (module, *inputs, **kwargs) -> output; got {call!r}")
+    rules = _resolve_param_map(torch_module, flax_module, param_map)
+    flax_names = {f"flax:{path_text(p)}": p for r in rules for p in r.flax_paths}
     if training and dropout_mask is None and _is_ours(torch_module) and torch_module.config.get("dropout", 0.0) > 0:
         raise ValueError(
             "training mode with dropout > 0 needs dropout_mask= (bool, True = keep): "
@@ -628,8 +719,14 @@ def check_parity(
               "cotangent": None if cotangent is None else as_numpy(cotangent),
               "implementation": implementation, "weights": weights}
     with full_precision():
-        t = run_torch(torch_module, np_inputs, param_names=list(paths), **common)
-        f = run_flax(flax_module, np_inputs, param_paths=paths, transposed=transposed, **common)
+        t = run_torch(torch_module, np_inputs, param_names=[n for r in rules for n in r.torch_names],
+                      call=torch_call, **common)
+        f = run_flax(flax_module, np_inputs, param_paths=flax_names, call=flax_call, **common)
+    if grads:
+        # the Flax gradients, carried through the same rules back to PyTorch's names and
+        # layouts: every step only moves elements, so it moves a gradient as it moves its weight
+        flax_grads = {path: f.pop(f"grad {name}") for name, path in flax_names.items()}
+        f.update({f"grad {n}": g for n, g in apply_specs(flax_grads, rules, "to_torch").items()})
     dtype = module_dtype(torch_module, np_inputs)
     report = ParityReport(torch_results=t, flax_results=f)
     for name in t:
@@ -650,19 +747,21 @@ def assert_parity(
     grads: bool = True,
     rtol: float | None = None,
     atol: float | None = None,
-    param_map: Mapping[str, Any] | None = None,
+    param_map: Any = None,
     training: bool = False,
     dropout_mask: Any = None,
     cotangent: Any = None,
     implementation: str | None = None,
     weights: bool = False,
+    torch_call: Any = None,
+    flax_call: Any = None,
 ) -> ParityReport:
     """As ``check_parity``, but raises ``ParityError`` (an AssertionError) on any
     mismatch, naming the worst element: tensor, index, both values, errors, tolerance."""
     report = check_parity(
         torch_module, flax_module, *inputs, mask=mask, grads=grads, rtol=rtol, atol=atol,
         param_map=param_map, training=training, dropout_mask=dropout_mask, cotangent=cotangent,
-        implementation=implementation, weights=weights,
+        implementation=implementation, weights=weights, torch_call=torch_call, flax_call=flax_call,
     )
     if not report.ok:
         raise ParityError(report)
