@@ -161,16 +161,21 @@ def write_safetensors(
             f.write(data)
 
 
+def _read_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The whole file, or CheckpointError naming it (never an OSError)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {os.fspath(path)!r}: {e.strerror or e}") from None
+
+
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """{name: NumPy array} from a safetensors file, every array a copy.  Raises
     CheckpointError naming the problem for a file that is truncated, has a malformed
     header, an unknown dtype or offsets that do not fit the shapes."""
     where = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            blob = f.read()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {where!r}: {e.strerror or e}") from None
+    blob = _read_bytes(path)
     if len(blob) < 8:
         raise CheckpointError(f"{where!r} is not a safetensors file (truncated: {len(blob)} bytes)")
     size = int.from_bytes(blob[:8], "little")
@@ -277,11 +282,7 @@ def _read_msgpack(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     from flax import serialization
 
     where = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            blob = f.read()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {where!r}: {e.strerror or e}") from None
+    blob = _read_bytes(path)
     try:
         tree = serialization.msgpack_restore(blob)
     except Exception as e:  # noqa: BLE001 - msgpack raises a family of its own errors
