@@ -36,6 +36,7 @@ from attention_spec.validation import (
     check_normalization,
     check_positive_int,
     check_scale,
+    check_softcap,
 )
 
 __all__ = [
@@ -159,6 +160,7 @@ def _common(causal: bool, scale: float | None = None) -> tuple[Option, ...]:
         Option("causal", causal, True),
         Option("mask_strategy", "fill", True),
         Option("implementation", "auto", True),
+        Option("softcap", None, True),
     )
 
 
@@ -180,6 +182,7 @@ REGISTRY: dict[str, Variant] = {
                 Option("causal", False, True),
                 Option("mask_strategy", "fill", True),
                 Option("implementation", "auto", True),
+                Option("softcap", None, True),
             ),
             projections=(),
             has_dropout=False,
@@ -274,6 +277,7 @@ class AttentionConfig:
     mask_strategy: str = "fill"
     normalization: str = "softmax"
     implementation: str = "auto"
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         decl = variant(self.variant)
@@ -307,6 +311,7 @@ class AttentionConfig:
         check_mask_strategy(self.mask_strategy)
         check_normalization(self.normalization)
         check_implementation(self.implementation)
+        set_(self, "softcap", check_softcap(self.softcap))
 
     # ------------------------------------------------------------------ reading it
 

@@ -439,3 +439,48 @@ def check_hf_attention_mask(shape: Any, dtype: str) -> None:
             "attention_mask (Hugging Face: 1 = attend, 0 = padding) must have shape "
             f"(batch, seq); got a {len(shape)}-d array of shape {shape}"
         )
+
+
+# --------------------------------------------------------------------------- bias and soft-capping (issue 9 items 4, 7)
+# Order on every path and in the oracle: s = scale * q.k; s = softcap * tanh(s / softcap)
+# (Gemma 2 caps the raw logits); s = s + bias (a position bias such as ALiBi is added to
+# the capped logits, as Gemma 2 adds its attention mask after the cap); then masking.
+
+SOFTCAP_FUSED_BLOCKER = "softcap (the fused kernel has no logit soft-capping)"
+
+
+def check_bias(shape: Any, dtype: str, target: Any) -> None:
+    """``bias``: a floating-point array added to the scaled scores, broadcastable to
+    ``target`` = (batch, heads, q_len, kv_len).  Raises TypeError / ValueError."""
+    check_floating("bias", dtype)
+    shape, target = _shape(shape), _shape(target)
+    if not _broadcasts(shape, target):
+        names = "(batch, heads, q_len, kv_len)" if len(target) == 4 else "(heads, q_len, kv_len)"
+        raise ValueError(f"bias of shape {shape} does not broadcast to {names} = {target}")
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap``: None (off) or a positive finite float.  Raises ValueError."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not (
+        math.isfinite(softcap) and softcap > 0
+    ):
+        raise ValueError(f"softcap must be None or a positive finite float; got {softcap!r}")
+    return float(softcap)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """The ALiBi head slopes of Press et al.: for n a power of two, 2^(-8 i / n) for
+    i = 1..n; otherwise those of the nearest lower power of two followed by every other
+    slope of twice that many heads (the interpolation of the reference code, HF's BLOOM).
+    Raises TypeError / ValueError for a num_heads that is not a positive int."""
+    check_positive_int("num_heads", num_heads)
+
+    def powers(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    if closest == num_heads:
+        return powers(num_heads)
+    return powers(closest) + powers(2 * closest)[0::2][: num_heads - closest]

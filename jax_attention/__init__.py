@@ -8,6 +8,7 @@ from jax_attention import functional, interop, masks
 from jax_attention.causal import CausalAttention, Head
 from jax_attention.functional import attention_weights, dot_product_attention
 from jax_attention.masks import (
+    alibi_bias,
     causal_mask,
     combine_masks,
     from_additive_mask,
@@ -30,6 +31,7 @@ __all__ = [
     "SimplifiedAttention",
     "attention_weights",
     "causal_mask",
+    "alibi_bias",
     "combine_masks",
     "dot_product_attention",
     "from_additive_mask",

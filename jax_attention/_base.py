@@ -67,6 +67,7 @@ class _Call(NamedTuple):
     implementation: str
     batched: bool
     deterministic: bool
+    bias: Array | None = None  # float, rank 4, broadcastable to (B, H, T, T)
 
 
 def _head_slice(m: Array | None, i: int) -> Array | None:
@@ -186,6 +187,7 @@ class AttentionModule(nnx.Module):
         rngs: nnx.Rngs | Array | None = None,
         kv_lengths: Any = None,
         implementation: str | None = None,
+        bias: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out); with
         ``return_weights`` also the attention weights (B, H, T, T) or (H, T, T).
@@ -195,10 +197,11 @@ class AttentionModule(nnx.Module):
         mode, dropout > 0 only).  ``deterministic``/``rngs``: ``nnx.Dropout``'s
         conventions (the call's flag and key, else the module's).  ``kv_lengths``: valid
         keys per example (an int, a sequence or an integer array of shape () or (B,)).
-        ``implementation``: this call's path (None = the module's).  Raises
-        ValueError/TypeError before any work and before any random draw.
+        ``implementation``: this call's path (None = the module's).  ``bias``: float,
+        broadcastable to (B, H, T, T), added to the scaled (soft-capped) scores before
+        masking.  Raises ValueError/TypeError before any work and before any random draw.
         """
-        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation)
+        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias)
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
         return self._unbatch(self._run(call, return_weights, key), call.batched)
 
@@ -210,6 +213,7 @@ class AttentionModule(nnx.Module):
         deterministic: bool | None,
         kv_lengths: Any,
         implementation: str | None,
+        bias: Any = None,
     ) -> _Call:
         """Every check of one call, before any work; the inputs batched and canonical."""
         spec = self.spec
@@ -224,6 +228,9 @@ class AttentionModule(nnx.Module):
         mask = functional.canonical_mask(mask, weights_shape if batched else weights_shape[1:])
         if mask is not None and not batched:
             mask = mask[None]
+        bias = functional.canonical_bias(bias, weights_shape if batched else weights_shape[1:])
+        if bias is not None and not batched:
+            bias = bias[None]
         if dropout_mask is not None:
             # A variant without dropout has no train/eval distinction for it: its rate is 0.
             check_dropout_mask(
@@ -234,7 +241,7 @@ class AttentionModule(nnx.Module):
         kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq)
         if not batched:
             x = x[None]  # (T, C) -> (1, T, C); masks broadcast from the right
-        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, deterministic)
+        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, deterministic, bias)
 
     def _draws(self, call: _Call) -> bool:
         return not call.deterministic and self.spec.dropout > 0.0 and call.dropout_mask is None
@@ -268,6 +275,8 @@ class AttentionModule(nnx.Module):
             return_weights=return_weights,
             implementation=call.implementation,
             precision=self.precision,
+            bias=call.bias,
+            softcap=spec.softcap,
         )
         if return_weights:
             out, weights = cast(tuple[Array, Array], result)

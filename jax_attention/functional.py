@@ -50,8 +50,11 @@ from attention_spec import (
 )
 from attention_spec.validation import (
     FUSED_FLOAT64_BLOCKER,
+    SOFTCAP_FUSED_BLOCKER,
+    check_bias,
     check_kv_lengths_array,
     check_kv_lengths_values,
+    check_softcap,
     kv_lengths_rank_message,
 )
 from jax_attention.masks import _and_masks as combine_masks
@@ -60,6 +63,7 @@ from jax_attention.masks import _raise_if, causal_mask
 __all__ = [
     "attention_scores",
     "attention_weights",
+    "canonical_bias",
     "canonical_kv_lengths",
     "canonical_mask",
     "default_block_size",
@@ -97,6 +101,27 @@ def canonical_mask(mask: Any, weights_shape: tuple[int, ...]) -> Array | None:
     mask = jnp.asarray(mask)
     check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
     return _expand_to(mask, len(weights_shape))
+
+
+def canonical_bias(bias: Any, weights_shape: tuple[int, ...]) -> Array | None:
+    """A floating-point bias broadcastable to ``weights_shape`` -> the same bias with
+    leading 1s up to ``len(weights_shape)`` dimensions.  Raises ``TypeError`` (not
+    floating point) or ``ValueError`` (does not broadcast), as ``check_bias``."""
+    if bias is None:
+        return None
+    bias = jnp.asarray(bias)
+    check_bias(bias.shape, dtype_name(bias.dtype), weights_shape)
+    return _expand_to(bias, len(weights_shape))
+
+
+def _adjust(scores: Array, bias: Array | None, softcap: float | None) -> Array:
+    """Scaled scores -> ``softcap * tanh(s / softcap)``, then ``+ bias`` (in the scores'
+    compute dtype: a half-precision bias is added in float32)."""
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + _expand_to(bias, scores.ndim).astype(scores.dtype)
+    return scores
 
 
 def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Array | None:
@@ -225,14 +250,19 @@ def attention_weights(
     mask_strategy: str = "fill",
     normalization: str = "softmax",
     precision: Precision = "highest",
+    bias: Array | None = None,
+    softcap: float | None = None,
 ) -> Array:
-    """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout."""
+    """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout.
+    ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores."""
     scale = resolve_scale(scale, q.shape[-1])
     raw = _raw_scores(q, k, precision)
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], raw.ndim)
     if normalization == "sum":
-        return normalize_scores(raw * scale, mask, normalization=normalization)
+        return normalize_scores(_adjust(raw * scale, bias, softcap), mask, normalization=normalization)
     check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
+    if bias is not None or softcap is not None:
+        return _softmax(_adjust(raw * scale, bias, softcap), mask)
     return _softmax(raw, mask, scale)
 
 
@@ -263,6 +293,8 @@ def dot_product_attention(
     return_weights: bool = False,
     implementation: str = "auto",
     precision: Precision = "highest",
+    bias: Array | None = None,
+    softcap: float | None = None,
 ) -> Array | tuple[Array, Array]:
     """Attention over q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv).
 
@@ -279,6 +311,12 @@ def dot_product_attention(
       dropout_rate, deterministic, rng, dropout_mask: dropout on the weights, see
         ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
+      bias: float, broadcastable to (..., T, S), added to the scores (after scaling and
+        soft-capping, before masking; differentiable).  A blocked key stays blocked.
+      softcap: None (off) or c > 0: the scaled scores become ``c * tanh(s / c)`` before
+        the bias and the mask (Gemma 2's order).  The fused path refuses it
+        (``jax.nn.dot_product_attention`` has no soft-capping on XLA); ``"auto"`` then
+        takes a path that honours it.
       implementation: ``"reference"`` (the explicit math), ``"fused"``
         (``jax.nn.dot_product_attention``: cuDNN for half precision on NVIDIA GPUs, XLA
         in float32 elsewhere; Pallas splash attention on TPU; refuses float64, which it
@@ -302,6 +340,8 @@ def dot_product_attention(
     check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
     weights_shape = (*q.shape[:-1], k.shape[-2])
     mask = canonical_mask(mask, weights_shape)
+    bias = canonical_bias(bias, weights_shape)
+    softcap = check_softcap(softcap)
     if kv_lengths is not None:
         if q.ndim != 4:
             raise ValueError(kv_lengths_rank_message(q.shape))
@@ -324,7 +364,8 @@ def dot_product_attention(
         dropout_active=not deterministic and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
         fused_draws_dropout=False,
-        fused_blockers=(FUSED_FLOAT64_BLOCKER,) if q.dtype == jnp.float64 else (),
+        fused_blockers=((FUSED_FLOAT64_BLOCKER,) if q.dtype == jnp.float64 else ())
+        + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ()),
     )
     scale = resolve_scale(scale, q.shape[-1])
     live_keys = _live_keys(mask, causal, kv_lengths, q.shape[-2], k.shape[-2], q.ndim)
@@ -332,15 +373,15 @@ def dot_product_attention(
         k, v = jnp.where(live_keys, k, jnp.zeros((), k.dtype)), jnp.where(live_keys, v, jnp.zeros((), v.dtype))
     if path == "fused":
         return _fused(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
-                      precision=precision)
+                      precision=precision, bias=bias)
     if path == "blockwise":
         return _blockwise(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
-                          precision=precision)
+                          precision=precision, bias=bias, softcap=softcap)
 
     mask = combine_masks(mask, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.ndim))
     weights = attention_weights(
         q, k, mask=mask, causal=causal, scale=scale, mask_strategy=mask_strategy,
-        normalization=normalization, precision=precision,
+        normalization=normalization, precision=precision, bias=bias, softcap=softcap,
     )
     weights = dropout_weights(
         weights, dropout_rate, deterministic=deterministic, rng=rng, dropout_mask=dropout_mask
@@ -375,7 +416,7 @@ def _live_keys(
 
 def _fused(
     q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
-    scale: float, precision: Precision,
+    scale: float, precision: Precision, bias: Array | None = None,
 ) -> Array:
     """``jax.nn.dot_product_attention`` on (..., H, T, D) inputs, with this library's
     fully-masked-row policy (zeros, finite gradients) and causal/padding passed to the
@@ -416,7 +457,11 @@ def _fused(
         lengths = jnp.maximum(kv_lengths, 1).astype(jnp.int32)
         empty = (kv_lengths > 0).reshape((-1,) + (1,) * (q.ndim - 1))
         live = empty if live is None else live & empty
-    if jax.default_backend() == "tpu" and dense is None and kv_lengths is None and splash_supports(q, k, v):
+    if bias is not None:  # (B, H, T, S), added by the kernel to the scaled scores
+        bias = jnp.broadcast_to(bias, (*q.shape[:-2], q.shape[-2], k.shape[-2]))
+        bias = bias.reshape(batch, heads, q.shape[-2], k.shape[-2])
+    if (jax.default_backend() == "tpu" and dense is None and bias is None and kv_lengths is None
+            and splash_supports(q, k, v)):
         out = splash_attention(q, k, v, causal=causal, scale=scale)
         return out[..., :v_width]
     half = q.dtype in (jnp.bfloat16, jnp.float16)
@@ -425,9 +470,12 @@ def _fused(
     if kernel == "xla":
         q, k, v = q.astype(jnp.float32) * scale, k.astype(jnp.float32), v.astype(jnp.float32)
         scale = 1.0
+        bias = None if bias is None else bias.astype(jnp.float32)
+    elif bias is not None:
+        bias = bias.astype(q.dtype)
     with jax.default_matmul_precision(_precision_name(precision)):
         out = jax.nn.dot_product_attention(
-            bthd(q), bthd(k), bthd(v), mask=dense, scale=scale, is_causal=causal,
+            bthd(q), bthd(k), bthd(v), bias=bias, mask=dense, scale=scale, is_causal=causal,
             key_value_seq_lengths=lengths, implementation=kernel,
         )
     out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])[..., :v_width]  # (..., H, T, Dv)
@@ -481,7 +529,8 @@ def default_block_size(q_len: int) -> int:
 
 def _blockwise(
     q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
-    scale: float, precision: Precision, block_size: int | None = None,
+    scale: float, precision: Precision, block_size: int | None = None, bias: Array | None = None,
+    softcap: float | None = None,
 ) -> Array:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
@@ -508,6 +557,12 @@ def _blockwise(
             shared_mask = mask.reshape(mask.shape[-2:])
         else:  # one mask per (batch, head) slice
             slices["mask"] = jnp.broadcast_to(mask, (*lead, *mask.shape[-2:])).reshape(batch, *mask.shape[-2:])
+    shared_bias = None  # as the mask: one (T or 1, S or 1) bias for every slice, or one per slice
+    if bias is not None:
+        if all(d == 1 for d in bias.shape[:-2]):
+            shared_bias = bias.reshape(bias.shape[-2:])
+        else:
+            slices["bias"] = jnp.broadcast_to(bias, (*lead, *bias.shape[-2:])).reshape(batch, *bias.shape[-2:])
     if kv_lengths is not None:  # (B,) -> one length per (batch, head) slice
         per_slice = kv_lengths.reshape((-1,) + (1,) * (len(lead) - 1))
         slices["length"] = jnp.broadcast_to(per_slice, lead).reshape(batch)
@@ -521,6 +576,12 @@ def _blockwise(
             r1 = min(r0 + block, q_len)
             n = min(r1, kv_len) if causal else kv_len  # keys this block can see
             scores = jnp.matmul(q_c[r0:r1], k_c[:n].T, precision=precision)  # (r1 - r0, n), unscaled
+            block_scale = scale
+            if bias is not None or softcap is not None:
+                part = shared_bias if shared_bias is not None else t.get("bias")
+                if part is not None:
+                    part = part[r0:r1, :n] if part.shape[0] > 1 else part[:, :n]
+                scores, block_scale = _adjust(scores * scale, part, softcap), 1.0
             allowed = None
             for m in (shared_mask, t.get("mask")):
                 if m is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
@@ -535,11 +596,11 @@ def _blockwise(
                     # every causal row sees its own key: no row is empty, no emptiness test
                     scores = jnp.where(tri, scores, -jnp.inf)
                     row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-                    unnormalized = jnp.exp((scores - row_max) * scale)
+                    unnormalized = jnp.exp((scores - row_max) * block_scale)
                 else:
-                    unnormalized = _unnormalized(scores, allowed & tri, scale)
+                    unnormalized = _unnormalized(scores, allowed & tri, block_scale)
             else:
-                unnormalized = _unnormalized(scores, allowed, scale)
+                unnormalized = _unnormalized(scores, allowed, block_scale)
             row_sum = unnormalized.sum(axis=-1, keepdims=True)
             mixed = jnp.matmul(unnormalized, v_c[:n], precision=precision)
             outputs.append((mixed / jnp.where(row_sum == 0, 1.0, row_sum)).astype(v.dtype))

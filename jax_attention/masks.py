@@ -17,6 +17,7 @@ from attention_spec import ADDITIVE_BIAS_MESSAGE, check_bool, check_floating, dt
 from attention_spec.validation import (
     ADDITIVE_BLOCKED_AT,
     HF_ATTENTION_MASK_VALUES_MESSAGE,
+    alibi_slopes,
     check_hf_attention_mask,
     check_key_padding_mask,
     check_lengths_dtype,
@@ -25,6 +26,7 @@ from attention_spec.validation import (
 )
 
 __all__ = [
+    "alibi_bias",
     "causal_mask",
     "combine_masks",
     "from_additive_mask",
@@ -156,3 +158,17 @@ def _raise_if(bad: Array, message: str) -> None:
         jax.debug.callback(callback, bad)
     elif bool(bad):
         raise ValueError(message)
+
+
+def alibi_bias(num_heads: int, q_len: int, kv_len: int | None = None) -> Array:
+    """ALiBi (Press et al.): (1, H, T, S) float32, ``bias[0, h, i, j] = slope_h * (j - i)``
+    for query i and key j (top-left aligned, as ``causal_mask``): 0 on the diagonal,
+    more negative the further back a key lies.  Pass it as ``bias=``.  The slopes are
+    ``attention_spec.validation.alibi_slopes`` (2^(-8 i / H) for H a power of two).
+    Raises TypeError / ValueError for lengths or a head count that are not positive ints.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    check_mask_lengths(q_len, kv_len)
+    slopes = jnp.asarray(alibi_slopes(num_heads), dtype=jnp.float32)
+    distance = (jnp.arange(kv_len)[None, :] - jnp.arange(q_len)[:, None]).astype(jnp.float32)
+    return (slopes[:, None, None] * distance[None])[None]

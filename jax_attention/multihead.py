@@ -42,6 +42,7 @@ class MultiHeadAttentionWrapper(AttentionModule):
         causal: bool = True,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = "highest",
@@ -70,11 +71,15 @@ class MultiHeadAttentionWrapper(AttentionModule):
         rngs: nnx.Rngs | Array | None = None,
         kv_lengths: Any = None,
         implementation: str | None = None,
+        bias: Array | None = None,
     ) -> Array | tuple[Array, Array]:
-        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation)
+        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias)
         results = []
         for i, head in enumerate(cast(list[CausalAttention], self.heads)):
-            head_call = call._replace(mask=_head_slice(call.mask, i), dropout_mask=_head_slice(call.dropout_mask, i))
+            head_call = call._replace(
+                mask=_head_slice(call.mask, i), dropout_mask=_head_slice(call.dropout_mask, i),
+                bias=_head_slice(call.bias, i),
+            )
             head_rngs = rngs
             if rngs is not None and not isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
                 head_rngs = jax.random.fold_in(rngs, i)  # one raw key: a distinct key per head
@@ -117,6 +122,7 @@ class MultiHeadAttention(AttentionModule):
         causal: bool = True,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = "highest",

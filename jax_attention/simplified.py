@@ -38,6 +38,7 @@ class SimplifiedAttention(AttentionModule):
         causal: bool = False,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         precision: Any = "highest",
         rngs: nnx.Rngs | None = None,
     ) -> None:

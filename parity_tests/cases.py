@@ -288,12 +288,16 @@ FN_BATCH, FN_HEADS, FN_DIM = 2, 2, 8
 FN_SHAPES = ((5, 9), (9, 5), (1, 7), (6, 6))
 FN_MASKS = ("none", "padding", "random", "fully-masked", "shared")
 FN_LENGTHS = ("none", "partial", "empty")
+# issue 9 items 4 and 7: an additive bias, soft-capping, both ("none" for the pairwise rows)
+FN_EXTRAS = ("bias", "softcap", "bias-softcap")
+FN_SOFTCAP = 2.0
 
 
 @dataclass(frozen=True)
 class FunctionalCase:
     """``dot_product_attention(q, k, v, mask=, causal=, kv_lengths=, implementation=)``
-    of both frameworks, q (B, H, T, D), k and v (B, H, S, D)."""
+    of both frameworks, q (B, H, T, D), k and v (B, H, S, D); ``extra`` adds ``bias=``
+    and/or ``softcap=``."""
 
     q_len: int
     kv_len: int
@@ -302,6 +306,7 @@ class FunctionalCase:
     lengths: str
     dtype: str
     implementation: str
+    extra: str = "none"
 
     variant = "fn"
     direction = "-"
@@ -311,7 +316,20 @@ class FunctionalCase:
     @property
     def id(self) -> str:
         return (f"fn-T{self.q_len}-S{self.kv_len}-{'causal' if self.causal else 'full'}-{self.mask}"
-                f"-len{self.lengths}-{DTYPE_IDS[self.dtype]}-{self.implementation}")
+                f"-len{self.lengths}-{DTYPE_IDS[self.dtype]}-{self.implementation}"
+                + ("" if self.extra == "none" else f"-{self.extra}"))
+
+    @property
+    def softcap(self) -> float | None:
+        return FN_SOFTCAP if "softcap" in self.extra else None
+
+    def bias(self) -> np.ndarray | None:
+        """float32 (1, H, T, S) or (B, 1, T, S) (by the seed's parity), or None."""
+        if "bias" not in self.extra:
+            return None
+        rng = np.random.default_rng(self.seed + 1)
+        shape = (1, FN_HEADS) if self.seed % 2 else (FN_BATCH, 1)
+        return rng.standard_normal((*shape, self.q_len, self.kv_len)).astype(np.float32)
 
     @property
     def seed(self) -> int:
@@ -361,6 +379,14 @@ def functional_matrix() -> tuple[FunctionalCase, ...]:
             case = FunctionalCase(t, s, True, mask, "partial", DTYPES[i % 2], path)
             if case not in cases:
                 cases.append(case)
+    # Bias and soft-capping on every path that honours them (fused refuses softcap, by
+    # name: test_bias_softcap.py), with masks, lengths and causal alignment.
+    for i, path in enumerate(IMPLEMENTATIONS):
+        for j, extra in enumerate(FN_EXTRAS):
+            if "softcap" in extra and path == "fused":
+                continue
+            (t, s), mask, lengths = FN_SHAPES[(i + j) % 4], FN_MASKS[(i + 2 * j) % 5], FN_LENGTHS[(i + j) % 3]
+            cases.append(FunctionalCase(t, s, (i + j) % 2 == 0, mask, lengths, DTYPES[(i + j) % 3], path, extra))
     return tuple(cases)
 
 

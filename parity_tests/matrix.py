@@ -176,16 +176,18 @@ def functional_torch(case: FunctionalCase, q: np.ndarray, k: np.ndarray, v: np.n
     from torch_attention.functional import dot_product_attention
 
     _, _, _, mask, lengths = case.inputs()
+    bias = case.bias()
     tensors = [torch.tensor(a.astype(np.float64), dtype=torch_dtype(dtype), requires_grad=grads)
-               for a in (q, k, v)]
+               for a in (q, k, v) + (() if bias is None else (_in_dtype(bias, dtype),))]
     out = dot_product_attention(
-        *tensors, mask=None if mask is None else torch.tensor(mask), causal=case.causal,
+        *tensors[:3], mask=None if mask is None else torch.tensor(mask), causal=case.causal,
         kv_lengths=None if lengths is None else torch.tensor(lengths), implementation=implementation,
+        bias=None if bias is None else tensors[3], softcap=case.softcap,
     )
     result = {"output": out.detach().float().numpy() if dtype != "float64" else out.detach().numpy()}
     if grads:
         (out.to(torch.float64) * torch.tensor(cot, dtype=torch.float64)).sum().backward()
-        for name, t in zip("qkv", tensors, strict=True):
+        for name, t in zip(("q", "k", "v", "bias")[: len(tensors)], tensors, strict=True):
             result[f"grad {name}"] = t.grad.to(torch.float64).numpy()
     return result
 
@@ -199,32 +201,37 @@ def functional_jax(case: FunctionalCase, q: np.ndarray, k: np.ndarray, v: np.nda
     arrays = [jnp.asarray(a.astype(np.float32)).astype(getattr(jnp, dtype)) for a in (q, k, v)]
     if dtype == "float64":
         arrays = [jnp.asarray(a) for a in (q, k, v)]
+    bias = case.bias()
+    if bias is not None:
+        arrays.append(jnp.asarray(np.asarray(_in_dtype(bias, dtype), np.float32)).astype(getattr(jnp, dtype)))
     wide = jnp.float64 if dtype == "float64" else jnp.float32
     out, gradients = _jax_functional_run(
-        *arrays, None if mask is None else jnp.asarray(mask),
+        arrays, None if mask is None else jnp.asarray(mask),
         None if lengths is None else jnp.asarray(lengths, jnp.int32), jnp.asarray(cot, wide),
-        causal=case.causal, implementation=implementation, grads=grads,
+        causal=case.causal, implementation=implementation, grads=grads, softcap=case.softcap,
     )
     result = {"output": np.asarray(out.astype(wide))}
     if grads:
-        result.update({f"grad {n}": np.asarray(g.astype(wide)) for n, g in zip("qkv", gradients, strict=True)})
+        names = ("q", "k", "v", "bias")[: len(arrays)]
+        result.update({f"grad {n}": np.asarray(g.astype(wide)) for n, g in zip(names, gradients, strict=True)})
     return result
 
 
-@functools.partial(jax_jit_lazy, static_argnames=("causal", "implementation", "grads"))
-def _jax_functional_run(q: Any, k: Any, v: Any, mask: Any, lengths: Any, cot: Any, *,
-                        causal: bool, implementation: str, grads: bool) -> Any:
+@functools.partial(jax_jit_lazy, static_argnames=("causal", "implementation", "grads", "softcap"))
+def _jax_functional_run(arrays: Any, mask: Any, lengths: Any, cot: Any, *,
+                        causal: bool, implementation: str, grads: bool, softcap: float | None = None) -> Any:
+    """``arrays``: [q, k, v] or [q, k, v, bias]; gradients w.r.t. each."""
     import jax
 
     from jax_attention.functional import dot_product_attention
 
-    def attend(q: Any, k: Any, v: Any) -> Any:
+    def attend(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
         return dot_product_attention(q, k, v, mask=mask, causal=causal, kv_lengths=lengths,
-                                     implementation=implementation)
+                                     implementation=implementation, bias=bias, softcap=softcap)
 
     if not grads:
-        return attend(q, k, v), None
-    out, pullback = jax.vjp(attend, q, k, v)
+        return attend(*arrays), None
+    out, pullback = jax.vjp(attend, *arrays)
     return out, pullback(cot.astype(out.dtype))
 
 
@@ -245,13 +252,15 @@ def run_functional_case(case: FunctionalCase, *, grads: bool = True) -> CaseResu
     for name in t:
         tol = (GRAD_PARITY if name.startswith("grad") else PARITY)[case.dtype]
         result.parity.append(compare(name, t[name], f[name], tol))
+    bias = case.bias()
+    bias64 = None if bias is None else _in_dtype(bias, case.dtype).astype(np.float64)
     out64, _ = reference.attention(q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), mask=case.oracle_mask(),
-                                   causal=case.causal)
+                                   causal=case.causal, bias=bias64, softcap=case.softcap)
     for side, got in (("torch", t), ("flax", f)):
         result.oracle.append(compare(f"{side} output vs oracle", got["output"], out64, ORACLE[case.dtype],
                                      (side, "oracle")))
         if grads:
-            for name in ("grad q", "grad k", "grad v"):
+            for name in ("grad q", "grad k", "grad v", "grad bias")[: 3 + (bias is not None)]:
                 result.oracle.append(compare(f"{side} {name} vs float64", got[name], ref[name],
                                              GRAD_ORACLE[case.dtype], (side, "float64")))
     return result

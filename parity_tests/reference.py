@@ -28,8 +28,13 @@ def attention(
     normalization: str = "softmax",
     keep: np.ndarray | None = None,
     rate: float = 0.0,
+    bias: np.ndarray | None = None,
+    softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """q (..., T, D), k (..., S, D), v (..., S, Dv) -> out (..., T, Dv), weights (..., T, S).
+
+    Each visible score is ``s = q.k * scale``, then ``softcap * tanh(s / softcap)``, then
+    ``+ bias[..., i, j]`` (bias broadcastable to the weights), as in Gemma 2.
 
     ``keep`` (bool, broadcastable to the weights) applies dropout: kept weights are
     scaled by 1/(1 - rate), the others become 0.
@@ -41,6 +46,7 @@ def attention(
     if mask is not None:
         allowed = allowed & np.broadcast_to(mask, allowed.shape)
     keep_b = None if keep is None else np.broadcast_to(keep, allowed.shape)
+    bias_b = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), allowed.shape)
     out = np.zeros((*lead, t_len, v.shape[-1]))
     weights = np.zeros((*lead, t_len, s_len))
     for idx in np.ndindex(*lead):
@@ -50,7 +56,12 @@ def attention(
                 if (causal and j > i) or not allowed[idx + (i, j)]:
                     scores.append(None)  # blocked
                 else:
-                    scores.append(float(np.dot(q[idx + (i,)], k[idx + (j,)])) * scale)
+                    s = float(np.dot(q[idx + (i,)], k[idx + (j,)])) * scale
+                    if softcap is not None:
+                        s = softcap * math.tanh(s / softcap)
+                    if bias_b is not None:
+                        s += float(bias_b[idx + (i, j)])
+                    scores.append(s)
             live = [s for s in scores if s is not None]
             if not live:
                 continue  # nothing to attend to: zero weights, zero output
@@ -92,20 +103,22 @@ def forward(
     x: np.ndarray,
     mask: np.ndarray | None = None,
     keep: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The oracle for one module: (out, weights) for x (B, T, d_in) or (T, d_in).
 
     ``config`` holds the constructor keywords; what the variant is made of (projections
     and their layouts, how it has heads, the defaults of ``causal`` and ``scale``) comes
     from the variant registry, ``attention_spec.registry``.  ``keep`` is the dropout
-    keep-mask of a training-mode call (None = eval mode).  Weights are (B, H, T, T), the
+    keep-mask of a training-mode call (None = eval mode); ``bias`` the additive bias of the
+    call (broadcastable to (B, H, T, T)); ``config["softcap"]`` soft-caps the scores.  Weights are (B, H, T, T), the
     ones that mixed the values.
     """
     from attention_spec.registry import variant as declaration
 
     x = np.asarray(x, dtype=np.float64)
     if x.ndim == 2:
-        out, weights = forward(variant, config, params, x[None], mask, keep)
+        out, weights = forward(variant, config, params, x[None], mask, keep, bias)
         return out[0], weights[0]
     decl = declaration(variant)
     options = {**decl.defaults, **dict(decl.fixed), **config}
@@ -117,14 +130,16 @@ def forward(
             head_params = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith(f"heads.{i}.")}
             head_mask = None if mask is None else _head(mask, i)
             head_keep = None if keep is None else _head(keep, i)
-            o, w = forward(decl.head_variant, head_config, head_params, x, head_mask, head_keep)
+            head_bias = None if bias is None else _head(bias, i)
+            o, w = forward(decl.head_variant, head_config, head_params, x, head_mask, head_keep, head_bias)
             outs.append(o)
             ws.append(w)
         return np.concatenate(outs, axis=-1), np.concatenate(ws, axis=-3)
 
     rate = float(options.get("dropout", 0.0))
     common = {"mask": mask, "causal": bool(options.get("causal", False)), "keep": keep, "rate": rate,
-              "normalization": options.get("normalization", "softmax")}
+              "normalization": options.get("normalization", "softmax"), "bias": bias,
+              "softcap": options.get("softcap")}
     projections = [p for p in decl.projections if p.exists(options)]
     by_role: dict[str, np.ndarray] = {}
     for p in projections:

@@ -83,3 +83,5 @@ def test_case(case):
     assert {"output", "grad q", "grad k", "grad v"} <= names
     assert {"torch output vs oracle", "flax output vs oracle", "torch grad k vs float64",
             "flax grad v vs float64"} <= names
+    if "bias" in case.extra:  # the gradient w.r.t. the bias, twin against twin and vs float64
+        assert {"grad bias", "torch grad bias vs float64", "flax grad bias vs float64"} <= names

@@ -33,6 +33,7 @@ class _Call(NamedTuple):
     kv_lengths: Tensor | None  # int64 (B,)
     implementation: str
     batched: bool
+    bias: Tensor | None = None  # float, rank 4, broadcastable to (B, H, T, T)
 
 
 def _head_slice(m: Tensor | None, i: int) -> Tensor | None:
@@ -117,6 +118,7 @@ class AttentionModule(nn.Module):
         dropout_mask: Tensor | None = None,
         kv_lengths: Any = None,
         implementation: str | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out); with
         ``return_weights`` also the attention weights (B, H, T, T) or (H, T, T).
@@ -125,9 +127,11 @@ class AttentionModule(nn.Module):
         ``dropout_mask``: bool, True = keep, replaces the random dropout draw (training
         mode, dropout > 0 only).  ``kv_lengths``: valid keys per example (an int, a
         sequence or an integer array of shape () or (B,)).  ``implementation``: this
-        call's path (None = the module's).  Raises ValueError/TypeError before any work.
+        call's path (None = the module's).  ``bias``: float, broadcastable to (B, H, T, T),
+        added to the scaled (soft-capped) scores before masking.  Raises ValueError/TypeError
+        before any work.
         """
-        call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation)
+        call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias)
         return self._unbatch(self._run(call, return_weights), call.batched)
 
     def _prepare(
@@ -137,6 +141,7 @@ class AttentionModule(nn.Module):
         dropout_mask: Tensor | None,
         kv_lengths: Any,
         implementation: str | None,
+        bias: Any = None,
     ) -> _Call:
         """Every check of one call, before any work; the inputs batched and canonical."""
         spec = self.spec
@@ -150,6 +155,9 @@ class AttentionModule(nn.Module):
         mask = functional.canonical_mask(mask, weights_shape if batched else weights_shape[1:])
         if mask is not None and not batched:
             mask = mask[None]
+        bias = functional.canonical_bias(bias, weights_shape if batched else weights_shape[1:])
+        if bias is not None and not batched:
+            bias = bias[None]
         if dropout_mask is not None:
             # A variant without dropout has no train/eval distinction for it: its rate is 0.
             check_dropout_mask(
@@ -160,7 +168,7 @@ class AttentionModule(nn.Module):
         kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq)
         if not batched:
             x = x.unsqueeze(0)  # (T, C) -> (1, T, C); masks broadcast from the right
-        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched)
+        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, bias)
 
     def _run(self, call: _Call, return_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
         """The work, on checked input: project, attend, merge.  Batched in and out."""
@@ -179,6 +187,8 @@ class AttentionModule(nn.Module):
             training=self.training,
             return_weights=return_weights,
             implementation=call.implementation,
+            bias=call.bias,
+            softcap=spec.softcap,
         )
         if return_weights:
             out, weights = cast(tuple[Tensor, Tensor], result)

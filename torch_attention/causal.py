@@ -44,6 +44,7 @@ class CausalAttention(AttentionModule):
         causal: bool = True,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -72,6 +73,7 @@ class Head(AttentionModule):
         causal: bool = True,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:

@@ -44,8 +44,11 @@ from attention_spec import (
 )
 from attention_spec.validation import (
     FUSED_FLOAT64_BLOCKER,
+    SOFTCAP_FUSED_BLOCKER,
+    check_bias,
     check_kv_lengths_array,
     check_kv_lengths_values,
+    check_softcap,
     kv_lengths_rank_message,
 )
 from torch_attention.masks import _and_masks as combine_masks
@@ -54,6 +57,7 @@ from torch_attention.masks import causal_mask
 __all__ = [
     "attention_scores",
     "attention_weights",
+    "canonical_bias",
     "canonical_kv_lengths",
     "canonical_mask",
     "default_block_size",
@@ -85,6 +89,28 @@ def canonical_mask(mask: Any, weights_shape: tuple[int, ...]) -> Tensor | None:
         mask = torch.as_tensor(np.asarray(mask))
     check_mask(tuple(mask.shape), dtype_name(mask.dtype), weights_shape)
     return mask.reshape((1,) * (len(weights_shape) - mask.dim()) + tuple(mask.shape))
+
+
+def canonical_bias(bias: Any, weights_shape: tuple[int, ...]) -> Tensor | None:
+    """A floating-point bias broadcastable to ``weights_shape`` -> the same bias with
+    leading 1s up to ``len(weights_shape)`` dimensions.  Raises ``TypeError`` (not
+    floating point) or ``ValueError`` (does not broadcast), as ``check_bias``."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Tensor):
+        bias = torch.as_tensor(np.asarray(bias))
+    check_bias(tuple(bias.shape), dtype_name(bias.dtype), weights_shape)
+    return bias.reshape((1,) * (len(weights_shape) - bias.dim()) + tuple(bias.shape))
+
+
+def _adjust(scores: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
+    """Scaled scores -> ``softcap * tanh(s / softcap)``, then ``+ bias`` (in the scores'
+    compute dtype: a half-precision bias is added in float32)."""
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    return scores
 
 
 def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Tensor | None:
@@ -187,13 +213,19 @@ def attention_weights(
     scale: float | None = None,
     mask_strategy: str = "fill",
     normalization: str = "softmax",
+    bias: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout."""
+    """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout.
+    ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores."""
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], q.device)
     scale = resolve_scale(scale, q.shape[-1])
     if normalization == "sum":
-        return normalize_scores(attention_scores(q, k, scale), mask, normalization=normalization)
+        scores = _adjust(attention_scores(q, k, scale), bias, softcap)
+        return normalize_scores(scores, mask, normalization=normalization)
     check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
+    if bias is not None or softcap is not None:
+        return _softmax(_adjust(attention_scores(q, k, scale), bias, softcap), mask)
     return _softmax(attention_scores(q, k, 1.0), mask, scale)
 
 
@@ -220,6 +252,8 @@ def dot_product_attention(
     training: bool = False,
     return_weights: bool = False,
     implementation: str = "auto",
+    bias: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv).
 
@@ -234,6 +268,11 @@ def dot_product_attention(
         alike (stably) on every path; see ``normalize_scores``.
       dropout_rate, training, dropout_mask: dropout on the weights, see ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
+      bias: float, broadcastable to (..., T, S), added to the scores (after scaling and
+        soft-capping, before masking; differentiable).  A blocked key stays blocked.
+      softcap: None (off) or c > 0: the scaled scores become ``c * tanh(s / c)`` before
+        the bias and the mask (Gemma 2's order).  The fused path refuses it (SDPA has no
+        soft-capping); ``"auto"`` then takes a path that honours it.
       implementation: ``"reference"`` (the explicit math), ``"fused"``
         (``F.scaled_dot_product_attention``, which also draws dropout; refuses float64
         like its JAX twin, whose kernel computes in float32, although SDPA is exact in
@@ -256,6 +295,8 @@ def dot_product_attention(
     check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
     weights_shape = (*q.shape[:-1], k.shape[-2])
     mask = canonical_mask(mask, weights_shape)
+    bias = canonical_bias(bias, weights_shape)
+    softcap = check_softcap(softcap)
     if kv_lengths is not None:
         if q.dim() != 4:
             raise ValueError(kv_lengths_rank_message(q.shape))
@@ -280,8 +321,11 @@ def dot_product_attention(
         dropout_active=training and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
         fused_draws_dropout=True,
-        fused_blockers=(FUSED_FLOAT64_BLOCKER,) if q.dtype == torch.float64 else (),
+        fused_blockers=((FUSED_FLOAT64_BLOCKER,) if q.dtype == torch.float64 else ())
+        + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ()),
     )
+    if bias is not None:
+        bias = bias.to(q.device)
     scale = resolve_scale(scale, q.shape[-1])
     lengths = None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.dim())
     live_keys = _live_keys(mask, causal, lengths, q.shape[-2], k.shape[-2], q.device)
@@ -290,13 +334,14 @@ def dot_product_attention(
         k, v = torch.where(live_keys, k, zero), torch.where(live_keys, v, zero)
     if path == "fused":
         return _fused(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
-                      dropout_rate=dropout_rate if training else 0.0)
+                      dropout_rate=dropout_rate if training else 0.0, bias=bias)
     if path == "blockwise":
-        return _blockwise(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale)
+        return _blockwise(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
+                          bias=bias, softcap=softcap)
 
     weights = attention_weights(
         q, k, mask=combine_masks(mask, lengths), causal=causal, scale=scale,
-        mask_strategy=mask_strategy, normalization=normalization,
+        mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap,
     )
     weights = dropout_weights(weights, dropout_rate, training=training, dropout_mask=dropout_mask)
     # mixed in the compute dtype: half-precision weights would add a rounding per weight
@@ -327,7 +372,7 @@ def _live_keys(
 
 def _fused(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, lengths: Tensor | None,
-    scale: float, dropout_rate: float,
+    scale: float, dropout_rate: float, bias: Tensor | None = None,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` with this library's fully-masked-row policy
     (zeros, finite gradients).  Causal alone goes to the kernel as ``is_causal``; SDPA
@@ -338,15 +383,24 @@ def _fused(
     if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     full = combine_masks(mask, lengths)
-    if full is None:
+    if full is None and bias is None:
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_rate, is_causal=causal, scale=scale)
         return out.to(out_dtype)
-    if causal:
-        full = full & causal_mask(q.shape[-2], k.shape[-2], device=q.device)
+    if causal:  # SDPA takes is_causal or attn_mask, not both
+        full = combine_masks(full, causal_mask(q.shape[-2], k.shape[-2], device=q.device))
+    if full is None:  # a bias alone: SDPA adds a float attn_mask to the scaled scores
+        assert bias is not None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_rate,
+                                             scale=scale)
+        return out.to(out_dtype)
     live = full.any(dim=-1, keepdim=True)  # rows with something to attend to
     # A row with nothing to attend to attends to everything (finite, unlike SDPA's NaN),
     # and its output is zeroed: zero values, zero and finite gradients.
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=full | ~live, dropout_p=dropout_rate, scale=scale)
+    attn_mask: Tensor = full | ~live
+    if bias is not None:  # the bias as an additive mask, -inf where blocked
+        blocked = torch.tensor(-math.inf, dtype=q.dtype, device=q.device)
+        attn_mask = torch.where(attn_mask, bias.to(q.dtype), blocked)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_rate, scale=scale)
     return torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)
 
 
@@ -357,7 +411,7 @@ def default_block_size(q_len: int) -> int:
 
 def _blockwise(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, lengths: Tensor | None,
-    scale: float, block_size: int | None = None,
+    scale: float, block_size: int | None = None, bias: Tensor | None = None, softcap: float | None = None,
 ) -> Tensor:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
@@ -383,6 +437,10 @@ def _blockwise(
             allowed = combine_masks(allowed, tri)
         if lengths is not None:
             allowed = combine_masks(allowed, lengths[..., :n])
-        weights = _softmax(scores, allowed, scale)
+        if bias is None and softcap is None:
+            weights = _softmax(scores, allowed, scale)
+        else:  # a broadcast (size-1) dimension of the bias stays size 1 under the slice
+            part = None if bias is None else (bias[..., r0:r1, :n] if bias.shape[-2] > 1 else bias[..., :n])
+            weights = _softmax(_adjust(scores * scale, part, softcap), allowed)
         outputs.append(torch.matmul(weights, vc[..., :n, :]).to(v.dtype))
     return torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]

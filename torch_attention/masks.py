@@ -14,6 +14,7 @@ from attention_spec import ADDITIVE_BIAS_MESSAGE, check_bool, check_floating, dt
 from attention_spec.validation import (
     ADDITIVE_BLOCKED_AT,
     HF_ATTENTION_MASK_VALUES_MESSAGE,
+    alibi_slopes,
     check_hf_attention_mask,
     check_key_padding_mask,
     check_lengths_dtype,
@@ -22,6 +23,7 @@ from attention_spec.validation import (
 )
 
 __all__ = [
+    "alibi_bias",
     "causal_mask",
     "combine_masks",
     "from_additive_mask",
@@ -139,3 +141,17 @@ def from_hf_attention_mask(mask: Tensor) -> Tensor:
     if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(HF_ATTENTION_MASK_VALUES_MESSAGE)
     return (mask != 0)[:, None, None, :]
+
+
+def alibi_bias(num_heads: int, q_len: int, kv_len: int | None = None, *, device=None) -> Tensor:
+    """ALiBi (Press et al.): (1, H, T, S) float32, ``bias[0, h, i, j] = slope_h * (j - i)``
+    for query i and key j (top-left aligned, as ``causal_mask``): 0 on the diagonal,
+    more negative the further back a key lies.  Pass it as ``bias=``.  The slopes are
+    ``attention_spec.validation.alibi_slopes`` (2^(-8 i / H) for H a power of two).
+    Raises TypeError / ValueError for lengths or a head count that are not positive ints.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    check_mask_lengths(q_len, kv_len)
+    slopes = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32, device=device)
+    distance = torch.arange(kv_len, device=device)[None, :] - torch.arange(q_len, device=device)[:, None]
+    return (slopes[:, None, None] * distance.to(torch.float32))[None]

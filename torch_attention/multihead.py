@@ -38,6 +38,7 @@ class MultiHeadAttentionWrapper(AttentionModule):
         causal: bool = True,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -56,11 +57,13 @@ class MultiHeadAttentionWrapper(AttentionModule):
         dropout_mask: Tensor | None = None,
         kv_lengths: Any = None,
         implementation: str | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation)
+        call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias)
         results = [
             cast(CausalAttention, head)._run(
-                call._replace(mask=_head_slice(call.mask, i), dropout_mask=_head_slice(call.dropout_mask, i)),
+                call._replace(mask=_head_slice(call.mask, i), dropout_mask=_head_slice(call.dropout_mask, i),
+                              bias=_head_slice(call.bias, i)),
                 return_weights,
             )
             for i, head in enumerate(self.heads)
@@ -101,6 +104,7 @@ class MultiHeadAttention(AttentionModule):
         causal: bool = True,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:

@@ -33,6 +33,7 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
         causal: bool = False,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -56,6 +57,7 @@ class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
         causal: bool = False,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:

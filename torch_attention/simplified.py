@@ -32,5 +32,6 @@ class SimplifiedAttention(AttentionModule):
         causal: bool = False,
         mask_strategy: str = "fill",
         implementation: str = "auto",
+        softcap: float | None = None,
     ) -> None:
         super().__init__(locals())
