@@ -59,6 +59,11 @@ PACKED_LAYOUTS = ("in_out", "out_in")
 ROLES = ("query", "key", "value")
 
 
+def not_ours_message(module: Any) -> str:
+    """The TypeError text of ``load_packed_qkv`` (both twins) for a foreign module."""
+    return f"load_packed_qkv loads into this library's modules; got {type(module).__name__}"
+
+
 def check_layout(layout: Any) -> str:
     """``layout`` itself if it is ``"in_out"`` or ``"out_in"``; else ValueError."""
     if not isinstance(layout, str) or layout not in PACKED_LAYOUTS:

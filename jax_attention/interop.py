@@ -34,7 +34,12 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
-from attention_spec.packing import native_flax_params, packed_state_dict, state_dict_from_native_flax
+from attention_spec.packing import (
+    native_flax_params,
+    not_ours_message,
+    packed_state_dict,
+    state_dict_from_native_flax,
+)
 from jax_attention._base import AttentionModule
 from jax_attention.multihead import MultiHeadAttention
 
@@ -150,7 +155,7 @@ def load_packed_qkv(
     TypeError (non-floating arrays) before writing anything.  Returns the module.
     """
     if not isinstance(module, AttentionModule):
-        raise TypeError(f"load_packed_qkv loads into this library's modules; got {type(module).__name__}")
+        raise TypeError(not_ours_message(module))
     arrays = packed_state_dict(module.spec, qkv_weight, qkv_bias, layout=layout, out_weight=out_weight,
                                out_bias=out_bias)
     state = torch_state_dict(module)

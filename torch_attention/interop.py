@@ -33,7 +33,7 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
-from attention_spec.packing import packed_state_dict
+from attention_spec.packing import not_ours_message, packed_state_dict
 from torch_attention._base import AttentionModule
 from torch_attention.multihead import MultiHeadAttention
 
@@ -146,9 +146,7 @@ def load_packed_qkv(
     or a variant without q/k/v projections of its own.
     """
     if not isinstance(module, AttentionModule):
-        raise TypeError(
-            f"load_packed_qkv loads into this library's modules; got {type(module).__name__}"
-        )
+        raise TypeError(not_ours_message(module))
     parts = packed_state_dict(
         module.spec, qkv_weight, qkv_bias, layout=layout, out_weight=out_weight, out_bias=out_bias
     )
