@@ -19,10 +19,19 @@ python -c "import jax, torch; print('jax', jax.__version__, jax.devices()); prin
 phase=${1:-check}
 case "$phase" in
   check)
-    python -m pip install -q hypothesis pytest >/dev/null 2>&1 || true
-    python -m pytest -q -x -p no:cacheprovider \
-      parity_tests/test_implementations.py parity_tests/test_float64.py parity_tests/test_jit.py \
-      parity_tests/test_masks_dropout.py parity_tests/test_tutorial_numbers.py
+    # The GPU table (both frameworks on the GPU against float64), then the whole suite
+    # with JAX on the GPU (the module matrix's "auto" and "fused" cases take cuDNN there).
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several pytest workers share the GPU
+    log=${OUT:-/tmp}
+    python -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 parity_tests/test_gpu.py \
+      --junitxml="$log/gpu-table.xml" 2>&1 | tee "$log/gpu-table.log" | tail -40
+    table=${PIPESTATUS[0]}
+    timeout 420 python -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 parity_tests \
+      --deselect parity_tests/test_gpu.py --junitxml="$log/gpu-suite.xml" 2>&1 \
+      | tee "$log/gpu-suite.log" | tail -60
+    suite=${PIPESTATUS[0]}
+    echo "gpu table exit $table, suite exit $suite"
+    [ "$table" = 0 ] && [ "$suite" = 0 ]
     ;;
   bench-1) python -m benchmarks --seq 512,1024,2048 ;;
   bench-2) python -m benchmarks --seq 4096,8192 --append ;;

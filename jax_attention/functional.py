@@ -422,7 +422,8 @@ def _fused(
     fully-masked-row policy (zeros, finite gradients) and causal/padding passed to the
     kernel as ``is_causal`` / sequence lengths rather than dense masks.
 
-    The XLA kernel gets float32 inputs with the scale folded into q (its
+    cuDNN runs where ``cudnn_supports`` says it can, XLA's kernel everywhere else.  The
+    XLA kernel gets float32 inputs with the scale folded into q (its
     ``logits * scale`` fuses into the softmax's subtraction: NaN for logits of 1e10, and
     its float16 matmul does not compile on CPU under jit); cuDNN gets half precision as
     it is.  A value width Dv != D is zero-padded to a common width and the output
@@ -464,8 +465,7 @@ def _fused(
             and splash_supports(q, k, v)):
         out = splash_attention(q, k, v, causal=causal, scale=scale)
         return out[..., :v_width]
-    half = q.dtype in (jnp.bfloat16, jnp.float16)
-    kernel: Literal["xla", "cudnn"] = "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+    kernel: Literal["xla", "cudnn"] = "cudnn" if cudnn_supports(q, k, v) else "xla"
     out_dtype = v.dtype
     if kernel == "xla":
         q, k, v = q.astype(jnp.float32) * scale, k.astype(jnp.float32), v.astype(jnp.float32)
@@ -481,6 +481,22 @@ def _fused(
     out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])[..., :v_width]  # (..., H, T, Dv)
     out = out.astype(out_dtype)
     return out if live is None else jnp.where(live, out, jnp.zeros((), out.dtype))
+
+
+def cudnn_supports(q: Array, k: Array, v: Array) -> bool:
+    """Whether cuDNN's fused attention takes these inputs (after the value-width padding
+    in ``_fused``): an NVIDIA GPU, float16 or bfloat16, a head width that is a multiple
+    of 8 and at most 256 (Hopper and later; 128 before), and even sequence lengths (its
+    backward kernel refuses odd ones, and whether a call will be differentiated is not
+    known here).  Anything else runs ``jax.nn.dot_product_attention``'s XLA kernel in
+    float32 (checked on an H100 with jax 0.11.2: Q = KV = 77 raised "Unsupported sequence
+    length" from cuDNN)."""
+    if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+    widest = 256 if float(capability) >= 9.0 else 128
+    width, q_len, kv_len = q.shape[-1], q.shape[-2], k.shape[-2]
+    return width % 8 == 0 and width <= widest and q_len % 2 == 0 and kv_len % 2 == 0
 
 
 def splash_supports(q: Array, k: Array, v: Array) -> bool:
