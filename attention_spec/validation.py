@@ -265,8 +265,14 @@ def check_qkv(q: Any, k: Any, v: Any, dtypes: tuple[str, str, str]) -> None:
     got = f"got q {q}, k {k}, v {v}"
     if not (len(q) == len(k) == len(v)) or len(q) < 2:
         raise ValueError(f"q, k and v must have the same rank, at least 2; {got}")
-    if not (q[:-2] == k[:-2] == v[:-2]):
-        raise ValueError(f"q, k and v must have the same leading (batch, heads) dimensions; {got}")
+    if k[:-2] != v[:-2]:
+        raise ValueError(f"k and v must have the same leading (batch, heads) dimensions; {got}")
+    grouped = len(q) >= 3 and q[:-3] == k[:-3] and k[-3] >= 1 and q[-3] % k[-3] == 0
+    if q[:-2] != k[:-2] and not grouped:
+        raise ValueError(
+            "q, k and v must have the same leading (batch, heads) dimensions, or k and v "
+            f"fewer heads that divide q's (grouped-query attention); {got}"
+        )
     if q[-1] != k[-1]:
         raise ValueError(f"q and k must have the same last dimension (head_dim); {got}")
     if k[-2] != v[-2]:
@@ -484,3 +490,118 @@ def alibi_slopes(num_heads: int) -> list[float]:
     if closest == num_heads:
         return powers(num_heads)
     return powers(closest) + powers(2 * closest)[0::2][: num_heads - closest]
+
+
+# --------------------------------------------------------------------------- issue 9 options
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def check_alignment(value: Any) -> str:
+    """Where query 0 sits among the keys for ``causal`` and ``window``: ``"top_left"`` (at
+    key 0) or ``"bottom_right"`` (at key kv_len - q_len: the last query sees the last key)."""
+    return _one_of("alignment", value, ALIGNMENTS)
+
+
+def _is_int(value: Any) -> bool:
+    return not isinstance(value, bool) and hasattr(value, "__index__") and not hasattr(value, "shape")
+
+
+def check_window(window: Any) -> tuple[int | None, int | None] | None:
+    """``window=(left, right)``: query at position p may attend to keys p - left .. p + right
+    (inclusive); None on a side is unbounded there.  Returns the pair as Python ints, or
+    None for no window (None, or (None, None))."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints >= 0 or None; got {window!r}")
+    pair = []
+    for side, value in zip(("left", "right"), window, strict=True):
+        if value is not None and not _is_int(value):
+            raise TypeError(
+                f"window must be None or a pair (left, right) of ints >= 0 or None; got {window!r}"
+            )
+        if value is not None and value.__index__() < 0:
+            raise ValueError(f"window {side} must be >= 0 or None; got {value}")
+        pair.append(None if value is None else value.__index__())
+    left, right = pair
+    return None if left is None and right is None else (left, right)
+
+
+def check_kv_heads(num_heads: Any, num_kv_heads: Any) -> int:
+    """``num_kv_heads`` (grouped-query attention): a positive int dividing ``num_heads``;
+    returns it (None -> ``num_heads``)."""
+    if num_kv_heads is None:
+        return int(num_heads)
+    check_positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads must be a multiple of num_kv_heads; got num_heads={num_heads}, "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    return int(num_kv_heads)
+
+
+def check_optional_width(name: str, value: Any) -> int | None:
+    """``kdim`` / ``vdim``: None (= d_in) or a positive int."""
+    return None if value is None else check_positive_int(name, value)
+
+
+def check_segment_ids(name: str, shape: Any, dtype: str, batch: int, length: int) -> None:
+    """``segment_ids`` (B, T) / ``kv_segment_ids`` (B, S): integers, one id per token;
+    tokens attend only to tokens of the same id."""
+    shape = _shape(shape)
+    if dtype == "bool" or not dtype.startswith(("int", "uint")):
+        raise TypeError(f"{name} must hold integers (one segment id per token); got dtype {dtype}")
+    if shape != (batch, length):
+        raise ValueError(f"{name} must have shape (batch, length) = ({batch}, {length}); got shape {shape}")
+
+
+def rank_message(name: str, q_shape: Any) -> str:
+    """An option that is given per example needs the (batch, heads, len, dim) layout."""
+    return f"{name} needs q, k and v of shape (batch, heads, len, dim); got q of shape {_shape(q_shape)}"
+
+
+def kv_segment_ids_message(q_len: int, kv_len: int) -> str:
+    return (
+        f"segment_ids for queries of length {q_len} and keys of length {kv_len} need "
+        "kv_segment_ids for the keys"
+    )
+
+
+def check_q_offset_array(shape: Any, dtype: str, batch: int) -> None:
+    """``q_offset``: the key position of query 0, an int or integers of shape (batch,)."""
+    shape = _shape(shape)
+    if dtype == "bool" or not dtype.startswith(("int", "uint")):
+        raise TypeError(f"q_offset must hold integers (the key position of query 0); got dtype {dtype}")
+    if shape not in ((), (batch,)):
+        raise ValueError(f"q_offset must be an int or have shape (batch,) = ({batch},); got shape {shape}")
+
+
+def check_context(x_shape: Any, context_shape: Any, name: str, width: int) -> None:
+    """Cross-attention input ``context`` (or one of its pair): (B, S, width) for a batched
+    x (B, T, d_in), (S, width) for an unbatched one."""
+    x, c = _shape(x_shape), _shape(context_shape)
+    if len(c) != len(x):
+        raise ValueError(f"{name} must have the rank of x ({len(x)}); got shape {c} for x of shape {x}")
+    if len(x) == 3 and c[0] != x[0]:
+        raise ValueError(f"{name} and x must have the same batch size; got {c[0]} and {x[0]}")
+    if c[-1] != width:
+        raise ValueError(f"{name} must have width {width} (its last dimension); got shape {c}")
+    if c[-2] == 0:
+        raise ValueError(f"{name} must not be empty; got shape {c}")
+
+
+CACHE_NEEDS_INIT_MESSAGE = "cache must come from module.init_cache(batch_size, max_len); got {got}"
+
+
+def check_cache_room(index_max: int, new: int, max_len: int) -> None:
+    """A decode step appends ``new`` positions to a cache that holds ``index_max`` (the
+    fullest example's) of ``max_len``."""
+    if index_max + new > max_len:
+        raise ValueError(
+            f"the KV cache holds {index_max} of max_len={max_len} positions and cannot take "
+            f"{new} more; init_cache with a larger max_len"
+        )
+
+

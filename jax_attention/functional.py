@@ -51,11 +51,17 @@ from attention_spec import (
 from attention_spec.validation import (
     FUSED_FLOAT64_BLOCKER,
     SOFTCAP_FUSED_BLOCKER,
+    check_alignment,
     check_bias,
     check_kv_lengths_array,
     check_kv_lengths_values,
+    check_q_offset_array,
+    check_segment_ids,
     check_softcap,
+    check_window,
     kv_lengths_rank_message,
+    kv_segment_ids_message,
+    rank_message,
 )
 from jax_attention.masks import _and_masks as combine_masks
 from jax_attention.masks import _raise_if, causal_mask
@@ -295,8 +301,13 @@ def dot_product_attention(
     precision: Precision = "highest",
     bias: Array | None = None,
     softcap: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    alignment: str = "top_left",
+    q_offset: Any = None,
+    segment_ids: Any = None,
+    kv_segment_ids: Any = None,
 ) -> Array | tuple[Array, Array]:
-    """Attention over q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv).
+    """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv).
 
     Args:
       mask: bool, True = may attend, broadcastable to (..., T, S); 0-d and 1-d included.
@@ -317,6 +328,20 @@ def dot_product_attention(
         the bias and the mask (Gemma 2's order).  The fused path refuses it
         (``jax.nn.dot_product_attention`` has no soft-capping on XLA); ``"auto"`` then
         takes a path that honours it.
+      window: ``(left, right)``, inclusive: the query at key position p attends to keys
+        p - left .. p + right; None on a side is unbounded (with ``causal`` the right
+        side is at most 0).  See ``check_window``.
+      alignment: where query 0 sits among the keys for ``causal`` and ``window``:
+        ``"top_left"`` (key 0) or ``"bottom_right"`` (key S - T: the last query sees
+        the last key, as when decoding after S - T cached keys).
+      q_offset: the key position of query 0, an int or integers of shape (B,) (a KV
+        cache's per-example fill); replaces ``alignment``.
+      segment_ids, kv_segment_ids: integers (B, T) and (B, S): packed sequences, a token
+        attends only to keys of its own segment id; ``kv_segment_ids`` defaults to
+        ``segment_ids`` when T == S.  Need q of shape (B, H, T, D).
+      Grouped-query attention: k and v may have Hkv heads where Hkv divides H; query
+        head h reads key/value head h // (H // Hkv).  The fused path hands the grouped
+        heads to the kernel; the others repeat them.
       implementation: ``"reference"`` (the explicit math), ``"fused"``
         (``jax.nn.dot_product_attention``: cuDNN for half precision on NVIDIA GPUs, XLA
         in float32 elsewhere; Pallas splash attention on TPU; refuses float64, which it
@@ -355,6 +380,9 @@ def dot_product_attention(
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
+    window = check_window(window)
+    offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2])
+    segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2])
     path = resolve_implementation(
         implementation,
         # On CPU, XLA's fused attention is slower than the explicit math; blockwise is faster.
@@ -368,17 +396,33 @@ def dot_product_attention(
         + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ()),
     )
     scale = resolve_scale(scale, q.shape[-1])
-    live_keys = _live_keys(mask, causal, kv_lengths, q.shape[-2], k.shape[-2], q.ndim)
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    # Segments, and positions that differ per example, are a dense mask on every path;
+    # a static offset and the window stay structural where a path can use them.
+    if segments is not None:
+        mask = combine_masks(mask, segments)
+    if not isinstance(offset, int) or (path != "blockwise" and (window is not None or (causal and offset))):
+        mask = combine_masks(mask, _band(q_len, kv_len, offset, causal, window, q.ndim))
+        offset, causal, window = 0, False, None
+    live_keys = _live_keys(mask, causal, kv_lengths, q_len, kv_len, q.ndim, offset=offset, window=window)
+    groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     if live_keys is not None:
+        if groups > 1 and live_keys.shape[-3] > 1:  # a key is live if any head of its group sees it
+            live_keys = live_keys.reshape(*live_keys.shape[:-3], -1, groups, kv_len, 1).any(axis=-3)
         k, v = jnp.where(live_keys, k, jnp.zeros((), k.dtype)), jnp.where(live_keys, v, jnp.zeros((), v.dtype))
     if path == "fused":
         return _fused(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
                       precision=precision, bias=bias)
+    if groups > 1:  # the explicit paths repeat each key/value head for its group of queries
+        k, v = jnp.repeat(k, groups, axis=-3), jnp.repeat(v, groups, axis=-3)
     if path == "blockwise":
         return _blockwise(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
-                          precision=precision, bias=bias, softcap=softcap)
+                          precision=precision, bias=bias, softcap=softcap, offset=offset, window=window)
 
-    mask = combine_masks(mask, None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.ndim))
+    mask = combine_masks(mask, None if kv_lengths is None else _length_mask(kv_lengths, kv_len, q.ndim))
+    if window is not None or (causal and offset):
+        mask = combine_masks(mask, _band(q_len, kv_len, offset, causal, window, q.ndim))
+        causal = False
     weights = attention_weights(
         q, k, mask=mask, causal=causal, scale=scale, mask_strategy=mask_strategy,
         normalization=normalization, precision=precision, bias=bias, softcap=softcap,
@@ -391,6 +435,84 @@ def dot_product_attention(
     return (out, weights.astype(v.dtype)) if return_weights else out
 
 
+def canonical_q_offset(q_offset: Any, alignment: str, q_shape: tuple[int, ...], kv_len: int) -> int | Array:
+    """The key position of query 0: a Python int (static), or int32 (B,) when it differs
+    per example.  None -> 0 (``"top_left"``) or kv_len - q_len (``"bottom_right"``)."""
+    if q_offset is None:
+        return 0 if alignment == "top_left" else kv_len - q_shape[-2]
+    if alignment != "top_left":
+        raise ValueError("give q_offset or alignment='bottom_right', not both")
+    if not isinstance(q_offset, (jax.Array, np.ndarray)) and not hasattr(q_offset, "__len__"):
+        if isinstance(q_offset, bool) or not hasattr(q_offset, "__index__"):
+            raise TypeError(f"q_offset must hold integers (the key position of query 0); got {q_offset!r}")
+        return int(q_offset)
+    array = q_offset if isinstance(q_offset, jax.Array) else np.asarray(q_offset)
+    if len(q_shape) != 4:
+        raise ValueError(rank_message("q_offset", q_shape))
+    check_q_offset_array(array.shape, dtype_name(array.dtype), q_shape[0])
+    return jnp.broadcast_to(jnp.asarray(array, jnp.int32).reshape(-1), (q_shape[0],))
+
+
+def canonical_segments(
+    segment_ids: Any, kv_segment_ids: Any, q_shape: tuple[int, ...], kv_len: int
+) -> Array | None:
+    """Segment ids (B, T) and (B, S) -> the bool mask (B, 1, T, S) of same-segment pairs."""
+    if segment_ids is None and kv_segment_ids is None:
+        return None
+    name = "segment_ids" if segment_ids is not None else "kv_segment_ids"
+    if len(q_shape) != 4:
+        raise ValueError(rank_message(name, q_shape))
+    batch, q_len = q_shape[0], q_shape[-2]
+    if segment_ids is None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries")
+    if kv_segment_ids is None:
+        if q_len != kv_len:
+            raise ValueError(kv_segment_ids_message(q_len, kv_len))
+        kv_segment_ids = segment_ids
+    seg_q, seg_k = jnp.asarray(segment_ids), jnp.asarray(kv_segment_ids)
+    check_segment_ids("segment_ids", seg_q.shape, dtype_name(seg_q.dtype), batch, q_len)
+    check_segment_ids("kv_segment_ids", seg_k.shape, dtype_name(seg_k.dtype), batch, kv_len)
+    return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
+
+
+def _band(
+    q_len: int, kv_len: int, offset: int | Array, causal: bool, window: tuple[int | None, int | None] | None,
+    ndim: int,
+) -> Array | None:
+    """bool, ``ndim`` dimensions: key j is visible from query i (at key position
+    i + offset) under ``causal`` and ``window``; None if every key is."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return None
+    if isinstance(offset, int):
+        position = jnp.arange(q_len)[:, None] + offset  # (T, 1)
+    else:  # (B,) -> (B, 1, T, 1)
+        position = (jnp.arange(q_len)[None, :] + offset[:, None])[:, None, :, None]
+    keys = jnp.arange(kv_len).reshape((1,) * (position.ndim - 1) + (kv_len,))
+    distance = keys - position  # key minus query position
+    band = jnp.ones(distance.shape, dtype=jnp.bool_)
+    if right is not None:
+        band = band & (distance <= right)
+    if left is not None:
+        band = band & (distance >= -left)
+    return _expand_to(band, ndim)
+
+
+def _key_range(
+    r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
+) -> tuple[int, int]:
+    """The keys [lo, hi) that queries r0..r1-1 (at key positions + offset) can see under
+    ``causal`` and ``window``: the blocks outside are never computed."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    lo = 0 if left is None else max(0, r0 + offset - left)
+    hi = kv_len if right is None else min(kv_len, r1 - 1 + offset + right + 1)
+    return lo, max(lo, hi)
+
+
 def _length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
     # (B,) -> (B, 1, ..., 1, S): key positions before each example's length
     valid = jnp.arange(kv_len)[None, :] < kv_lengths[:, None]
@@ -398,16 +520,21 @@ def _length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
 
 
 def _live_keys(
-    mask: Array | None, causal: bool, kv_lengths: Array | None, q_len: int, kv_len: int, ndim: int
+    mask: Array | None, causal: bool, kv_lengths: Array | None, q_len: int, kv_len: int, ndim: int,
+    *, offset: int = 0, window: tuple[int | None, int | None] | None = None,
 ) -> Array | None:
     """(..., S, 1) bool, ``ndim`` dimensions: key positions that some query may attend
     to; None if all may.  ``mask`` has ``ndim`` dimensions (``canonical_mask``)."""
     live = None
+    band = _band(q_len, kv_len, offset, causal, window, ndim)
     if mask is not None:
-        visible = mask if not causal else mask & _expand_to(causal_mask(q_len, kv_len), ndim)
+        visible = mask if band is None else mask & band
         live = visible.any(axis=-2)  # (..., S), size-1 dimensions kept
-    elif causal and kv_len > q_len:  # top-left aligned: the last keys are never visible
-        live = _expand_to(jnp.arange(kv_len) < q_len, ndim - 1)
+    elif band is not None:  # the keys within reach of the first to the last query
+        lo, hi = _key_range(0, q_len, kv_len, offset, causal, window)
+        if lo > 0 or hi < kv_len:
+            positions = jnp.arange(kv_len)
+            live = _expand_to((positions >= lo) & (positions < hi), ndim - 1)
     if kv_lengths is not None:
         valid = _length_mask(kv_lengths, kv_len, ndim)[..., 0, :]
         live = valid if live is None else live & valid
@@ -438,8 +565,8 @@ def _fused(
     heads = q.shape[-3] if q.ndim >= 3 else 1
     batch = math.prod(lead)
 
-    def bthd(t: Array) -> Array:  # (..., H, T, D) -> (B, T, H, D)
-        return jnp.swapaxes(t.reshape(batch, heads, *t.shape[-2:]), 1, 2)
+    def bthd(t: Array) -> Array:  # (..., H, T, D) -> (B, T, H, D); k and v may have fewer heads
+        return jnp.swapaxes(t.reshape(batch, t.shape[-3] if t.ndim >= 3 else 1, *t.shape[-2:]), 1, 2)
 
     live = None  # (B, H, T, 1): rows with something to attend to, when some may have none
     dense = None
@@ -462,7 +589,7 @@ def _fused(
         bias = jnp.broadcast_to(bias, (*q.shape[:-2], q.shape[-2], k.shape[-2]))
         bias = bias.reshape(batch, heads, q.shape[-2], k.shape[-2])
     if (jax.default_backend() == "tpu" and dense is None and bias is None and kv_lengths is None
-            and splash_supports(q, k, v)):
+            and k.shape[-3:-2] == q.shape[-3:-2] and splash_supports(q, k, v)):
         out = splash_attention(q, k, v, causal=causal, scale=scale)
         return out[..., :v_width]
     kernel: Literal["xla", "cudnn"] = "cudnn" if cudnn_supports(q, k, v) else "xla"
@@ -546,11 +673,13 @@ def default_block_size(q_len: int) -> int:
 def _blockwise(
     q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
     scale: float, precision: Precision, block_size: int | None = None, bias: Array | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, offset: int = 0, window: tuple[int | None, int | None] | None = None,
 ) -> Array:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
-    and at most (block, S) scores exist at once.
+    and at most (block, S) scores exist at once.  Likewise a ``window`` (and a causal
+    mask aligned at key ``offset``) restricts each block to the keys [lo, hi) within its
+    reach (``_key_range``); the blocks outside are skipped.
 
     The (batch, heads) slices go through ``lax.map`` one at a time, each a sequence of
     plain 2-d matrix products: on XLA's CPU backend these run about 1.6x faster than the
@@ -590,35 +719,35 @@ def _blockwise(
         outputs = []
         for r0 in range(0, q_len, block):
             r1 = min(r0 + block, q_len)
-            n = min(r1, kv_len) if causal else kv_len  # keys this block can see
-            scores = jnp.matmul(q_c[r0:r1], k_c[:n].T, precision=precision)  # (r1 - r0, n), unscaled
+            lo, hi = _key_range(r0, r1, kv_len, offset, causal, window)  # keys this block can see
+            if hi == lo:  # nothing within reach: zero rows
+                outputs.append(jnp.zeros((r1 - r0, v.shape[-1]), v.dtype))
+                continue
+            scores = jnp.matmul(q_c[r0:r1], k_c[lo:hi].T, precision=precision)  # (r1 - r0, hi - lo), unscaled
             block_scale = scale
             if bias is not None or softcap is not None:
                 part = shared_bias if shared_bias is not None else t.get("bias")
                 if part is not None:
-                    part = part[r0:r1, :n] if part.shape[0] > 1 else part[:, :n]
+                    part = part[r0:r1, lo:hi] if part.shape[0] > 1 else part[:, lo:hi]
                 scores, block_scale = _adjust(scores * scale, part, softcap), 1.0
             allowed = None
             for m in (shared_mask, t.get("mask")):
                 if m is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
-                    m = m[r0:r1, :n] if m.shape[0] > 1 else m[:, :n]
+                    m = m[r0:r1, lo:hi] if m.shape[0] > 1 else m[:, lo:hi]
                     allowed = m if allowed is None else allowed & m
             if "length" in t:
-                valid = (jnp.arange(n) < t["length"])[None, :]
+                valid = (jnp.arange(lo, hi) < t["length"])[None, :]
                 allowed = valid if allowed is None else allowed & valid
-            if causal:
-                tri = jnp.arange(n)[None, :] <= jnp.arange(r0, r1)[:, None]
-                if allowed is None:
-                    # every causal row sees its own key: no row is empty, no emptiness test
-                    scores = jnp.where(tri, scores, -jnp.inf)
-                    row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-                    unnormalized = jnp.exp((scores - row_max) * block_scale)
-                else:
-                    unnormalized = _unnormalized(scores, allowed & tri, block_scale)
+            band = _band(r1 - r0, hi - lo, r0 + offset - lo, causal, window, 2)
+            if band is not None and allowed is None and causal and window is None and offset >= 0:
+                # every such causal row sees its own key: no row is empty, no emptiness test
+                scores = jnp.where(band, scores, -jnp.inf)
+                row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+                unnormalized = jnp.exp((scores - row_max) * block_scale)
             else:
-                unnormalized = _unnormalized(scores, allowed, block_scale)
+                unnormalized = _unnormalized(scores, combine_masks(allowed, band), block_scale)
             row_sum = unnormalized.sum(axis=-1, keepdims=True)
-            mixed = jnp.matmul(unnormalized, v_c[:n], precision=precision)
+            mixed = jnp.matmul(unnormalized, v_c[lo:hi], precision=precision)
             outputs.append((mixed / jnp.where(row_sum == 0, 1.0, row_sum)).astype(v.dtype))
         return jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 

@@ -45,11 +45,17 @@ from attention_spec import (
 from attention_spec.validation import (
     FUSED_FLOAT64_BLOCKER,
     SOFTCAP_FUSED_BLOCKER,
+    check_alignment,
     check_bias,
     check_kv_lengths_array,
     check_kv_lengths_values,
+    check_q_offset_array,
+    check_segment_ids,
     check_softcap,
+    check_window,
     kv_lengths_rank_message,
+    kv_segment_ids_message,
+    rank_message,
 )
 from torch_attention.masks import _and_masks as combine_masks
 from torch_attention.masks import causal_mask
@@ -254,8 +260,13 @@ def dot_product_attention(
     implementation: str = "auto",
     bias: Tensor | None = None,
     softcap: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    alignment: str = "top_left",
+    q_offset: Any = None,
+    segment_ids: Any = None,
+    kv_segment_ids: Any = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention over q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv).
+    """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv).
 
     Args:
       mask: bool, True = may attend, broadcastable to (..., T, S); 0-d and 1-d included.
@@ -273,6 +284,20 @@ def dot_product_attention(
       softcap: None (off) or c > 0: the scaled scores become ``c * tanh(s / c)`` before
         the bias and the mask (Gemma 2's order).  The fused path refuses it (SDPA has no
         soft-capping); ``"auto"`` then takes a path that honours it.
+      window: ``(left, right)``, inclusive: the query at key position p attends to keys
+        p - left .. p + right; None on a side is unbounded (with ``causal`` the right
+        side is at most 0).  See ``check_window``.
+      alignment: where query 0 sits among the keys for ``causal`` and ``window``:
+        ``"top_left"`` (key 0) or ``"bottom_right"`` (key S - T: the last query sees
+        the last key, as when decoding after S - T cached keys).
+      q_offset: the key position of query 0, an int or integers of shape (B,) (a KV
+        cache's per-example fill); replaces ``alignment``.
+      segment_ids, kv_segment_ids: integers (B, T) and (B, S): packed sequences, a token
+        attends only to keys of its own segment id; ``kv_segment_ids`` defaults to
+        ``segment_ids`` when T == S.  Need q of shape (B, H, T, D).
+      Grouped-query attention: k and v may have Hkv heads where Hkv divides H; query
+        head h reads key/value head h // (H // Hkv).  The fused path hands the grouped
+        heads to SDPA (``enable_gqa=True``); the others repeat them.
       implementation: ``"reference"`` (the explicit math), ``"fused"``
         (``F.scaled_dot_product_attention``, which also draws dropout; refuses float64
         like its JAX twin, whose kernel computes in float32, although SDPA is exact in
@@ -312,6 +337,9 @@ def dot_product_attention(
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
+    window = check_window(window)
+    offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2], q.device)
+    segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2], q.device)
     path = resolve_implementation(
         implementation,
         # SDPA is PyTorch's fast path on every device (on CPU a fused blockwise kernel).
@@ -327,26 +355,126 @@ def dot_product_attention(
     if bias is not None:
         bias = bias.to(q.device)
     scale = resolve_scale(scale, q.shape[-1])
-    lengths = None if kv_lengths is None else _length_mask(kv_lengths, k.shape[-2], q.dim())
-    live_keys = _live_keys(mask, causal, lengths, q.shape[-2], k.shape[-2], q.device)
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    # Segments, and positions that differ per example, are a dense mask on every path;
+    # a static offset and the window stay structural where a path can use them.
+    if segments is not None:
+        mask = combine_masks(mask, segments)
+    if not isinstance(offset, int) or (path != "blockwise" and (window is not None or (causal and offset))):
+        mask = combine_masks(mask, _band(q_len, kv_len, offset, causal, window, q.dim(), q.device))
+        offset, causal, window = 0, False, None
+    lengths = None if kv_lengths is None else _length_mask(kv_lengths, kv_len, q.dim())
+    live_keys = _live_keys(mask, causal, lengths, q_len, kv_len, q.device, offset=offset, window=window)
+    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
     if live_keys is not None:
+        if groups > 1 and live_keys.dim() >= 3 and live_keys.shape[-3] > 1:
+            # a key is live if any head of its group sees it
+            live_keys = live_keys.unflatten(-3, (-1, groups)).any(dim=-3)
         zero = torch.zeros((), dtype=v.dtype, device=v.device)
         k, v = torch.where(live_keys, k, zero), torch.where(live_keys, v, zero)
     if path == "fused":
         return _fused(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
                       dropout_rate=dropout_rate if training else 0.0, bias=bias)
+    if groups > 1:  # the explicit paths repeat each key/value head for its group of queries
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     if path == "blockwise":
         return _blockwise(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
-                          bias=bias, softcap=softcap)
+                          bias=bias, softcap=softcap, offset=offset, window=window)
 
+    mask = combine_masks(mask, lengths)
+    if window is not None or (causal and offset):
+        mask = combine_masks(mask, _band(q_len, kv_len, offset, causal, window, q.dim(), q.device))
+        causal = False
     weights = attention_weights(
-        q, k, mask=combine_masks(mask, lengths), causal=causal, scale=scale,
+        q, k, mask=mask, causal=causal, scale=scale,
         mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap,
     )
     weights = dropout_weights(weights, dropout_rate, training=training, dropout_mask=dropout_mask)
     # mixed in the compute dtype: half-precision weights would add a rounding per weight
     out = torch.matmul(weights, v.to(weights.dtype)).to(v.dtype)  # (..., T, Dv)
     return (out, weights.to(v.dtype)) if return_weights else out
+
+
+def canonical_q_offset(
+    q_offset: Any, alignment: str, q_shape: tuple[int, ...], kv_len: int, device: Any = None
+) -> int | Tensor:
+    """The key position of query 0: a Python int, or int64 (B,) when it differs per
+    example.  None -> 0 (``"top_left"``) or kv_len - q_len (``"bottom_right"``)."""
+    if q_offset is None:
+        return 0 if alignment == "top_left" else kv_len - q_shape[-2]
+    if alignment != "top_left":
+        raise ValueError("give q_offset or alignment='bottom_right', not both")
+    if not isinstance(q_offset, (Tensor, np.ndarray)) and not hasattr(q_offset, "__len__"):
+        if isinstance(q_offset, bool) or not hasattr(q_offset, "__index__"):
+            raise TypeError(f"q_offset must hold integers (the key position of query 0); got {q_offset!r}")
+        return int(q_offset)
+    array = q_offset if isinstance(q_offset, Tensor) else torch.as_tensor(np.asarray(q_offset))
+    if len(q_shape) != 4:
+        raise ValueError(rank_message("q_offset", q_shape))
+    check_q_offset_array(tuple(array.shape), dtype_name(array.dtype), q_shape[0])
+    return array.to(device=device, dtype=torch.int64).reshape(-1).expand(q_shape[0])
+
+
+def canonical_segments(
+    segment_ids: Any, kv_segment_ids: Any, q_shape: tuple[int, ...], kv_len: int, device: Any = None
+) -> Tensor | None:
+    """Segment ids (B, T) and (B, S) -> the bool mask (B, 1, T, S) of same-segment pairs."""
+    if segment_ids is None and kv_segment_ids is None:
+        return None
+    name = "segment_ids" if segment_ids is not None else "kv_segment_ids"
+    if len(q_shape) != 4:
+        raise ValueError(rank_message(name, q_shape))
+    batch, q_len = q_shape[0], q_shape[-2]
+    if segment_ids is None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries")
+    if kv_segment_ids is None:
+        if q_len != kv_len:
+            raise ValueError(kv_segment_ids_message(q_len, kv_len))
+        kv_segment_ids = segment_ids
+    seg_q, seg_k = (t if isinstance(t, Tensor) else torch.as_tensor(np.asarray(t))
+                    for t in (segment_ids, kv_segment_ids))
+    check_segment_ids("segment_ids", tuple(seg_q.shape), dtype_name(seg_q.dtype), batch, q_len)
+    check_segment_ids("kv_segment_ids", tuple(seg_k.shape), dtype_name(seg_k.dtype), batch, kv_len)
+    seg_q, seg_k = seg_q.to(device), seg_k.to(device)
+    return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
+
+
+def _band(
+    q_len: int, kv_len: int, offset: int | Tensor, causal: bool,
+    window: tuple[int | None, int | None] | None, ndim: int, device: Any = None,
+) -> Tensor | None:
+    """bool, ``ndim`` dimensions: key j is visible from query i (at key position
+    i + offset) under ``causal`` and ``window``; None if every key is."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return None
+    rows = torch.arange(q_len, device=device)
+    if isinstance(offset, int):
+        position = rows[:, None] + offset  # (T, 1)
+    else:  # (B,) -> (B, 1, T, 1)
+        position = (rows[None, :] + offset[:, None])[:, None, :, None]
+    distance = torch.arange(kv_len, device=device) - position  # key minus query position
+    band = torch.ones(distance.shape, dtype=torch.bool, device=device)
+    if right is not None:
+        band = band & (distance <= right)
+    if left is not None:
+        band = band & (distance >= -left)
+    return band.reshape((1,) * (ndim - band.dim()) + tuple(band.shape))
+
+
+def _key_range(
+    r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
+) -> tuple[int, int]:
+    """The keys [lo, hi) that queries r0..r1-1 (at key positions + offset) can see under
+    ``causal`` and ``window``: the blocks outside are never computed."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    lo = 0 if left is None else max(0, r0 + offset - left)
+    hi = kv_len if right is None else min(kv_len, r1 - 1 + offset + right + 1)
+    return lo, max(lo, hi)
 
 
 def _length_mask(kv_lengths: Tensor, kv_len: int, ndim: int) -> Tensor:
@@ -356,15 +484,20 @@ def _length_mask(kv_lengths: Tensor, kv_len: int, ndim: int) -> Tensor:
 
 
 def _live_keys(
-    mask: Tensor | None, causal: bool, lengths: Tensor | None, q_len: int, kv_len: int, device
+    mask: Tensor | None, causal: bool, lengths: Tensor | None, q_len: int, kv_len: int, device, *,
+    offset: int = 0, window: tuple[int | None, int | None] | None = None,
 ) -> Tensor | None:
     """(..., S, 1) bool: key positions that some query may attend to; None if all may."""
     live = None
+    band = _band(q_len, kv_len, offset, causal, window, 2, device)
     if mask is not None:
-        visible = mask if not causal else mask & causal_mask(q_len, kv_len, device=device)
+        visible = mask if band is None else mask & band
         live = visible.any(dim=-2)  # (..., S), size-1 dimensions kept
-    elif causal and kv_len > q_len:  # top-left aligned: the last keys are never visible
-        live = torch.arange(kv_len, device=device) < q_len
+    elif band is not None:  # the keys within reach of the first to the last query
+        lo, hi = _key_range(0, q_len, kv_len, offset, causal, window)
+        if lo > 0 or hi < kv_len:
+            positions = torch.arange(kv_len, device=device)
+            live = (positions >= lo) & (positions < hi)
     if lengths is not None:
         live = lengths[..., 0, :] if live is None else live & lengths[..., 0, :]
     return None if live is None else live.unsqueeze(-1)
@@ -380,18 +513,20 @@ def _fused(
     runs in float32 and the output is rounded once (the CPU kernel rounds its
     intermediate results to bfloat16; the twin of JAX's fused path on CPU)."""
     out_dtype = v.dtype
+    gqa = q.dim() >= 3 and k.shape[-3] != q.shape[-3]  # grouped heads, read in place by SDPA
     if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     full = combine_masks(mask, lengths)
     if full is None and bias is None:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_rate, is_causal=causal, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_rate, is_causal=causal, scale=scale,
+                                             enable_gqa=gqa)
         return out.to(out_dtype)
     if causal:  # SDPA takes is_causal or attn_mask, not both
         full = combine_masks(full, causal_mask(q.shape[-2], k.shape[-2], device=q.device))
     if full is None:  # a bias alone: SDPA adds a float attn_mask to the scaled scores
         assert bias is not None
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_rate,
-                                             scale=scale)
+                                             scale=scale, enable_gqa=gqa)
         return out.to(out_dtype)
     live = full.any(dim=-1, keepdim=True)  # rows with something to attend to
     # A row with nothing to attend to attends to everything (finite, unlike SDPA's NaN),
@@ -400,7 +535,8 @@ def _fused(
     if bias is not None:  # the bias as an additive mask, -inf where blocked
         blocked = torch.tensor(-math.inf, dtype=q.dtype, device=q.device)
         attn_mask = torch.where(attn_mask, bias.to(q.dtype), blocked)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_rate, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_rate, scale=scale,
+                                         enable_gqa=gqa)
     return torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)
 
 
@@ -412,11 +548,13 @@ def default_block_size(q_len: int) -> int:
 def _blockwise(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, lengths: Tensor | None,
     scale: float, block_size: int | None = None, bias: Tensor | None = None, softcap: float | None = None,
+    offset: int = 0, window: tuple[int | None, int | None] | None = None,
 ) -> Tensor:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
-    and at most (block, S) scores exist at once.  Rows are normalised exactly as in the
-    reference path.  Twin of the JAX formulation (where it is the CPU fast path).
+    and at most (block, S) scores exist at once; a ``window`` (and a causal mask aligned
+    at key ``offset``) likewise restricts each block to the keys [lo, hi) within its
+    reach.  Rows are normalised exactly as in the reference path.  Twin of the JAX formulation (where it is the CPU fast path).
     ``mask`` has q's rank (``canonical_mask``); ``lengths`` is (B, 1, 1, S)."""
     q_len, kv_len = q.shape[-2], k.shape[-2]
     block = block_size or default_block_size(q_len)
@@ -427,20 +565,21 @@ def _blockwise(
     outputs = []
     for r0 in range(0, q_len, block):
         r1 = min(r0 + block, q_len)
-        n = min(r1, kv_len) if causal else kv_len  # keys this block can see
-        scores = torch.matmul(qc[..., r0:r1, :], kc[..., :n, :].transpose(-2, -1))  # unscaled
+        lo, hi = _key_range(r0, r1, kv_len, offset, causal, window)  # keys this block can see
+        if hi == lo:  # nothing within reach: zero rows
+            outputs.append(v.new_zeros((*q.shape[:-2], r1 - r0, v.shape[-1])))
+            continue
+        scores = torch.matmul(qc[..., r0:r1, :], kc[..., lo:hi, :].transpose(-2, -1))  # unscaled
         allowed = None
         if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
-            allowed = mask[..., r0:r1, :n] if mask.shape[-2] > 1 else mask[..., :n]
-        if causal:
-            tri = torch.arange(n, device=q.device)[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
-            allowed = combine_masks(allowed, tri)
+            allowed = mask[..., r0:r1, lo:hi] if mask.shape[-2] > 1 else mask[..., lo:hi]
+        allowed = combine_masks(allowed, _band(r1 - r0, hi - lo, r0 + offset - lo, causal, window, 2, q.device))
         if lengths is not None:
-            allowed = combine_masks(allowed, lengths[..., :n])
+            allowed = combine_masks(allowed, lengths[..., lo:hi])
         if bias is None and softcap is None:
             weights = _softmax(scores, allowed, scale)
         else:  # a broadcast (size-1) dimension of the bias stays size 1 under the slice
-            part = None if bias is None else (bias[..., r0:r1, :n] if bias.shape[-2] > 1 else bias[..., :n])
+            part = None if bias is None else (bias[..., r0:r1, lo:hi] if bias.shape[-2] > 1 else bias[..., lo:hi])
             weights = _softmax(_adjust(scores * scale, part, softcap), allowed)
-        outputs.append(torch.matmul(weights, vc[..., :n, :]).to(v.dtype))
+        outputs.append(torch.matmul(weights, vc[..., lo:hi, :]).to(v.dtype))
     return torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]
