@@ -96,11 +96,11 @@ def rules_for(
             for i in range(spec.num_heads)
             for rule in rules_for(head.variant, head, (*prefix, "heads", i))
         ]
-    d_in, width = spec.d_in, spec.width
     rules: list[ParamRule] = []
     for proj in spec.projections():
         path = (*prefix, proj.name)
-        fan_in = width if proj.role == "out" else d_in
+        # kdim / vdim widen the key / value inputs; grouped heads narrow their outputs
+        fan_in, width = spec.fan_in(proj.role), spec.fan_out(proj.role)
         assert fan_in is not None and width is not None  # a variant with projections has both
         if proj.layout == "matrix":
             rules.append(ParamRule(".".join(map(str, path)), path, (fan_in, width), False))

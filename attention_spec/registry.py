@@ -29,14 +29,18 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from attention_spec.validation import (
+    check_alignment,
     check_dropout_rate,
     check_heads,
     check_implementation,
+    check_kv_heads,
     check_mask_strategy,
     check_normalization,
+    check_optional_width,
     check_positive_int,
     check_scale,
     check_softcap,
+    check_window,
 )
 
 __all__ = [
@@ -161,6 +165,8 @@ def _common(causal: bool, scale: float | None = None) -> tuple[Option, ...]:
         Option("mask_strategy", "fill", True),
         Option("implementation", "auto", True),
         Option("softcap", None, True),
+        Option("window", None, True),
+        Option("alignment", "top_left", True),
     )
 
 
@@ -183,6 +189,8 @@ REGISTRY: dict[str, Variant] = {
                 Option("mask_strategy", "fill", True),
                 Option("implementation", "auto", True),
                 Option("softcap", None, True),
+                Option("window", None, True),
+                Option("alignment", "top_left", True),
             ),
             projections=(),
             has_dropout=False,
@@ -229,6 +237,7 @@ REGISTRY: dict[str, Variant] = {
             "MultiHeadAttention",
             (Option("d_in"), Option("d_out"), Option("context_length"), Option("dropout"),
              Option("num_heads"), Option("qkv_bias", False), Option("out_proj", True, True),
+             Option("num_kv_heads", None, True), Option("kdim", None, True), Option("vdim", None, True),
              *_common(causal=True)),
             projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "always", when="out_proj")),
             has_dropout=True,
@@ -278,6 +287,11 @@ class AttentionConfig:
     normalization: str = "softmax"
     implementation: str = "auto"
     softcap: float | None = None
+    window: tuple[int | None, int | None] | None = None
+    alignment: str = "top_left"
+    num_kv_heads: int | None = None
+    kdim: int | None = None
+    vdim: int | None = None
 
     def __post_init__(self) -> None:
         decl = variant(self.variant)
@@ -312,6 +326,12 @@ class AttentionConfig:
         check_normalization(self.normalization)
         check_implementation(self.implementation)
         set_(self, "softcap", check_softcap(self.softcap))
+        set_(self, "window", check_window(self.window))  # a tuple (hashable), or None
+        check_alignment(self.alignment)
+        if self.num_kv_heads is not None:
+            check_kv_heads(self.num_heads, self.num_kv_heads)
+        for name in ("kdim", "vdim"):
+            check_optional_width(name, getattr(self, name))
 
     # ------------------------------------------------------------------ reading it
 
@@ -336,6 +356,31 @@ class AttentionConfig:
         if width is None:
             return self.d_in
         return width // self.num_heads if self.declaration.heads == "split" else width
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, else ``num_heads`` (grouped-query attention
+        when fewer)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def fan_in(self, role: str) -> int | None:
+        """Input width of the projection of ``role``: ``kdim``/``vdim`` for key/value
+        (``d_in`` when None), the merged heads' width for ``out``, else ``d_in``."""
+        if role == "out":
+            return self.width
+        if role == "key" and self.kdim is not None:
+            return self.kdim
+        if role == "value" and self.vdim is not None:
+            return self.vdim
+        return self.d_in
+
+    def fan_out(self, role: str) -> int | None:
+        """Output width of the projection of ``role``: key/value projections are sized for
+        ``kv_heads`` heads of ``head_dim``."""
+        width = self.width
+        if role in ("key", "value") and width is not None and self.kv_heads != self.num_heads:
+            return width // self.num_heads * self.kv_heads
+        return width
 
     def options(self) -> dict[str, Any]:
         """The constructor keywords, in signature order: ``cls(**config.options())``

@@ -605,3 +605,28 @@ def check_cache_room(index_max: int, new: int, max_len: int) -> None:
         )
 
 
+
+
+def check_cache(fields: Any, batch: int, kv_heads: int, key_width: int, value_width: int) -> int:
+    """A KV cache ``(key, value, lengths)`` from ``init_cache``: key (B, Hkv, max_len, D),
+    value (B, Hkv, max_len, Dv), lengths (B,) integers; returns max_len.  ``fields`` holds
+    each field's (shape, dtype name), or is None for something that is not a cache."""
+    if fields is None:
+        raise TypeError(CACHE_NEEDS_INIT_MESSAGE.format(got="something else"))
+    (key, _), (value, _), (index, index_dtype) = ((_shape(s), d) for s, d in fields)
+    max_len = key[2] if len(key) == 4 else -1
+    want = (batch, kv_heads, max_len, key_width), (batch, kv_heads, max_len, value_width), (batch,)
+    if (key, value, index) != want or not index_dtype.startswith(("int", "uint")):
+        raise ValueError(
+            f"the cache does not fit this call: key {key}, value {value}, lengths {index} ({index_dtype}); "
+            f"expected key (batch, kv_heads, max_len, head_dim) = {want[0]}, value {want[1]} and "
+            f"lengths ({batch},) of integers (init_cache({batch}, max_len))"
+        )
+    return max_len
+
+
+def cache_unsupported_message(variant: str) -> str:
+    return (
+        f"{variant} has no KV cache: decoding needs one set of key/value projections "
+        "(MultiHeadAttention, CausalAttention, SelfAttention_v1/v2 or Head)"
+    )

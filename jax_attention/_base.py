@@ -25,7 +25,17 @@ from attention_spec import (
     dtype_name,
 )
 from attention_spec.registry import AttentionConfig, Projection, make_config
+from attention_spec.validation import (
+    cache_unsupported_message,
+    check_cache,
+    check_cache_room,
+    check_context,
+    check_positive_int,
+    check_segment_ids,
+    kv_segment_ids_message,
+)
 from jax_attention import functional
+from jax_attention.masks import _raise_if
 
 
 def torch_linear_init(fan_in: int) -> Any:
@@ -61,13 +71,53 @@ class _Call(NamedTuple):
     """One call's inputs after every check, batched and canonical."""
 
     x: Array  # (B, T, d_in)
-    mask: Array | None  # bool, rank 4, broadcastable to (B, H, T, T)
-    dropout_mask: Array | None  # bool, broadcastable to (B, H, T, T)
-    kv_lengths: Array | None  # int (B,)
+    mask: Array | None  # bool, rank 4, broadcastable to (B, H, T, S)
+    dropout_mask: Array | None  # bool, broadcastable to (B, H, T, S)
+    kv_lengths: Array | None  # int (B,): valid keys (with a cache: valid tokens of x)
     implementation: str
     batched: bool
     deterministic: bool
-    bias: Array | None = None  # float, rank 4, broadcastable to (B, H, T, T)
+    bias: Array | None = None  # float, rank 4, broadcastable to (B, H, T, S)
+    keys: Array | None = None  # (B, S, kdim): cross-attention's key input (None: x)
+    values: Array | None = None  # (B, S, vdim): its value input (None: x)
+    segment_ids: Array | None = None  # int (B, T)
+    kv_segment_ids: Array | None = None  # int (B, S)
+    cache: Any = None  # functional.KVCache
+
+
+def _context_pair(context: Any) -> tuple[Any, Any]:
+    """``context`` -> (key input, value input): None, one array for both, or a pair."""
+    if context is None:
+        return None, None
+    if isinstance(context, (tuple, list)):
+        if len(context) != 2:
+            raise TypeError(f"context must be an array or a pair (key_input, value_input); got {len(context)} items")
+        return context[0], context[1]
+    return context, context
+
+
+def _segments(
+    segment_ids: Any, kv_segment_ids: Any, batched: bool, batch: int, seq: int, kv_seq: int, cached: bool
+) -> tuple[Array | None, Array | None]:
+    """Segment ids as (B, T) / (B, S) integer arrays, checked (unbatched input: (T,))."""
+    if segment_ids is None and kv_segment_ids is None:
+        return None, None
+    if cached:
+        raise ValueError("segment_ids cannot be combined with a cache")
+    out: list[Any] = []
+    for name, ids, length in (("segment_ids", segment_ids, seq), ("kv_segment_ids", kv_segment_ids, kv_seq)):
+        if ids is None:
+            out.append(None)
+            continue
+        ids = jnp.asarray(ids)
+        shape = tuple(ids.shape) if batched else (1, *ids.shape)
+        check_segment_ids(name, shape, dtype_name(ids.dtype), batch, length)
+        out.append(ids.reshape(batch, length))
+    if out[0] is None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries")
+    if out[1] is None and seq != kv_seq:
+        raise ValueError(kv_segment_ids_message(seq, kv_seq))
+    return out[0], out[1]
 
 
 def _head_slice(m: Array | None, i: int) -> Array | None:
@@ -118,8 +168,7 @@ class AttentionModule(nnx.Module):
 
     def _projection(self, proj: Projection, rngs: nnx.Rngs) -> nnx.Module | nnx.Param:
         spec = self.spec
-        width = cast(int, spec.width)
-        fan_in = width if proj.role == "out" else cast(int, spec.d_in)
+        width, fan_in = cast(int, spec.fan_out(proj.role)), cast(int, spec.fan_in(proj.role))
         if proj.layout == "matrix":  # N(0, 1), as torch.randn in seed 004
             return nnx.Param(jax.random.normal(rngs.params(), (fan_in, width), self.param_dtype))
         return linear(
@@ -181,6 +230,7 @@ class AttentionModule(nnx.Module):
         x: Array,
         mask: Array | None = None,
         *,
+        context: Any = None,
         return_weights: bool = False,
         dropout_mask: Array | None = None,
         deterministic: bool | None = None,
@@ -188,22 +238,61 @@ class AttentionModule(nnx.Module):
         kv_lengths: Any = None,
         implementation: str | None = None,
         bias: Array | None = None,
-    ) -> Array | tuple[Array, Array]:
+        segment_ids: Any = None,
+        kv_segment_ids: Any = None,
+        cache: Any = None,
+    ) -> Any:
         """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out); with
-        ``return_weights`` also the attention weights (B, H, T, T) or (H, T, T).
+        ``return_weights`` also the attention weights (B, H, T, S) or (H, T, S).
 
-        ``mask``: bool, True = may attend, broadcastable to (B, H, T, T).
+        ``context``: cross-attention, keys and values from another sequence: one array
+        (B, S, kdim) (kdim = vdim), or a pair ``(key_input, value_input)`` of widths
+        ``kdim`` and ``vdim`` (both ``d_in`` unless the module was built with them); None
+        attends over x itself (S = T).
+        ``mask``: bool, True = may attend, broadcastable to (B, H, T, S).
         ``dropout_mask``: bool, True = keep, replaces the random dropout draw (training
         mode, dropout > 0 only).  ``deterministic``/``rngs``: ``nnx.Dropout``'s
         conventions (the call's flag and key, else the module's).  ``kv_lengths``: valid
-        keys per example (an int, a sequence or an integer array of shape () or (B,)).
-        ``implementation``: this call's path (None = the module's).  ``bias``: float,
-        broadcastable to (B, H, T, T), added to the scaled (soft-capped) scores before
-        masking.  Raises ValueError/TypeError before any work and before any random draw.
+        keys per example (an int, a sequence or an integer array of shape () or (B,));
+        with a ``cache``, the valid tokens of x (a padded prompt).  ``implementation``:
+        this call's path (None = the module's).  ``bias``: float, broadcastable to
+        (B, H, T, S), added to the scaled (soft-capped) scores before masking.
+        ``segment_ids`` (B, T) / ``kv_segment_ids`` (B, S): packed sequences, tokens
+        attend within their own segment.
+        ``cache``: a ``KVCache`` from ``init_cache``: returns ``(out, new_cache)``
+        (``(out, weights, new_cache)`` with ``return_weights``), x's keys and values
+        appended and x attending to every filled position, causally aligned at each
+        example's fill.  The cache has a fixed shape, so a jitted decode step compiles
+        once.  Raises ValueError/TypeError before any work and before any random draw
+        (under jit, running past ``max_len`` is a runtime error with the same text).
         """
-        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias)
+        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
+                             context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                             cache=cache)
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
+        if call.cache is not None:
+            return self._run_cached(call, return_weights, key)
         return self._unbatch(self._run(call, return_weights, key), call.batched)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> functional.KVCache:
+        """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
+        examples: zeros in ``dtype`` (None: the module's compute dtype)."""
+        spec = self.spec
+        self._check_cacheable()
+        check_positive_int("batch_size", batch_size)
+        check_positive_int("max_len", max_len)
+        dtype = jnp.dtype(self._compute_dtype() if dtype is None else dtype)
+        shape = (batch_size, spec.kv_heads, max_len)
+        return functional.KVCache(
+            jnp.zeros((*shape, cast(int, spec.head_dim)), dtype),
+            jnp.zeros((*shape, cast(int, spec.head_dim)), dtype),
+            jnp.zeros((batch_size,), jnp.int32),
+        )
+
+    def _check_cacheable(self) -> None:
+        spec = self.spec
+        if not spec.projections() or spec.declaration.heads == "wrapper":
+            raise TypeError(cache_unsupported_message(spec.variant))
 
     def _prepare(
         self,
@@ -214,6 +303,11 @@ class AttentionModule(nnx.Module):
         kv_lengths: Any,
         implementation: str | None,
         bias: Any = None,
+        *,
+        context: Any = None,
+        segment_ids: Any = None,
+        kv_segment_ids: Any = None,
+        cache: Any = None,
     ) -> _Call:
         """Every check of one call, before any work; the inputs batched and canonical."""
         spec = self.spec
@@ -222,7 +316,27 @@ class AttentionModule(nnx.Module):
         check_compute_dtype(dtype_name(x.dtype), self._compute_dtype())
         implementation = check_implementation(spec.implementation if implementation is None else implementation)
         batch, seq = (x.shape[0] if batched else 1), x.shape[-2]
-        weights_shape = (batch, spec.num_heads, seq, seq)
+        keys, values = _context_pair(context)
+        for name, t, role in (("context key input", keys, "key"), ("context value input", values, "value")):
+            if t is not None:
+                width = spec.fan_in(role) if spec.projections() else x.shape[-1]
+                check_context(tuple(x.shape), tuple(t.shape), name, cast(int, width))
+                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype))
+        if keys is not None and values is not None and keys.shape[-2] != values.shape[-2]:
+            raise ValueError(
+                f"context key and value inputs must have the same length; got {tuple(keys.shape)} and "
+                f"{tuple(values.shape)}"
+            )
+        kv_seq = seq if keys is None else keys.shape[-2]
+        if cache is not None:
+            self._check_cacheable()
+            if context is not None:
+                raise ValueError("a cache is for self-attention decoding; context must be None")
+            if not batched:
+                raise ValueError(f"a call with a cache needs batched x (batch, len, d_in); got shape {tuple(x.shape)}")
+            kv_seq = check_cache(functional.cache_fields(cache), batch, spec.kv_heads,
+                                 cast(int, spec.head_dim), cast(int, spec.head_dim))
+        weights_shape = (batch, spec.num_heads, seq, kv_seq)
         # Checked against the input's own rank (a 4-d mask for unbatched input is refused),
         # then given the batch dimension.
         mask = functional.canonical_mask(mask, weights_shape if batched else weights_shape[1:])
@@ -238,10 +352,23 @@ class AttentionModule(nnx.Module):
                 weights_shape if batched else weights_shape[1:],
                 training=not deterministic or not spec.has_dropout, rate=spec.dropout,
             )
-        kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq)
+        kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq if cache is not None else kv_seq)
+        segment_ids, kv_segment_ids = _segments(segment_ids, kv_segment_ids, batched, batch, seq, kv_seq,
+                                                cache is not None)
+        if cache is not None:
+            fullest = jnp.max(cache.lengths)
+            if isinstance(fullest, jax.core.Tracer):  # under jit: a runtime error, same text
+                message = (f"the KV cache cannot take {seq} more of max_len={kv_seq} positions; "
+                           "init_cache with a larger max_len")
+                _raise_if(fullest + seq > kv_seq, message)
+            else:
+                check_cache_room(int(fullest), seq, kv_seq)
         if not batched:
             x = x[None]  # (T, C) -> (1, T, C); masks broadcast from the right
-        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, deterministic, bias)
+            keys = None if keys is None else keys[None]
+            values = None if values is None else values[None]
+        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, deterministic, bias,
+                     keys, values, segment_ids, kv_segment_ids, cache)
 
     def _draws(self, call: _Call) -> bool:
         return not call.deterministic and self.spec.dropout > 0.0 and call.dropout_mask is None
@@ -252,19 +379,19 @@ class AttentionModule(nnx.Module):
         if call.implementation not in ("auto", "reference"):
             # An explicit path may refuse the options (functional's choice, e.g. a path that
             # cannot draw dropout): ask it on abstract values, before the stream advances.
-            jax.eval_shape(lambda x, key: self._run(call._replace(x=x), return_weights, key),
+            run = self._run_cached if call.cache is not None else self._run
+            jax.eval_shape(lambda x, key: run(call._replace(x=x), return_weights, key),
                            call.x, jax.random.key(0))
         return self._dropout_key(rngs)
 
-    def _run(self, call: _Call, return_weights: bool, key: Array | None) -> Array | tuple[Array, Array]:
-        """The work, on checked input: project, attend, merge.  Batched in and out."""
-        q, k, v = self._project(call.x)  # each (B, H, T, D)
+    def _attend(self, call: _Call, q: Array, k: Array, v: Array, return_weights: bool, key: Array | None,
+                **extra: Any) -> Any:
         spec = self.spec
-        result = functional.dot_product_attention(
+        return functional.dot_product_attention(
             q, k, v,
             mask=call.mask,
             causal=spec.causal,
-            kv_lengths=call.kv_lengths,
+            kv_lengths=extra.pop("kv_lengths", call.kv_lengths),
             scale=spec.scale,
             mask_strategy=spec.mask_strategy,
             normalization=spec.normalization,
@@ -277,11 +404,37 @@ class AttentionModule(nnx.Module):
             precision=self.precision,
             bias=call.bias,
             softcap=spec.softcap,
+            window=spec.window,
+            alignment=extra.pop("alignment", spec.alignment),
+            segment_ids=call.segment_ids,
+            kv_segment_ids=call.kv_segment_ids,
+            **extra,
         )
+
+    def _run(self, call: _Call, return_weights: bool, key: Array | None) -> Array | tuple[Array, Array]:
+        """The work, on checked input: project, attend, merge.  Batched in and out."""
+        q, k, v = self._project(call.x, call.keys, call.values)  # (B, H, T, D), (B, Hkv, S, D)
+        result = self._attend(call, q, k, v, return_weights, key)
         if return_weights:
             out, weights = cast(tuple[Array, Array], result)
             return self._merge(out), weights  # (B, H, T, Dv) -> (B, T, d_out)
         return self._merge(cast(Array, result))
+
+    def _run_cached(self, call: _Call, return_weights: bool, key: Array | None) -> Any:
+        """A decode step: x's keys and values appended to (a new) cache, then x attends to
+        every filled position, query t of example b at key position lengths[b] + t."""
+        q, k, v = self._project(call.x, None, None)
+        cache = call.cache
+        batch, seq = call.x.shape[0], call.x.shape[1]
+        lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((batch,), seq, jnp.int32)
+        start = cache.lengths
+        cache = functional.append_to_cache(cache, k, v, lengths)
+        result = self._attend(call, q, cache.key.astype(q.dtype), cache.value.astype(q.dtype), return_weights,
+                              key, kv_lengths=start + lengths, q_offset=start, alignment="top_left")
+        if return_weights:
+            out, weights = cast(tuple[Array, Array], result)
+            return self._merge(out), weights, cache
+        return self._merge(cast(Array, result)), cache
 
     @staticmethod
     def _unbatch(result: Array | tuple[Array, Array], batched: bool) -> Array | tuple[Array, Array]:
@@ -291,27 +444,33 @@ class AttentionModule(nnx.Module):
             return result[0][0], result[1][0]
         return result[0]
 
-    def _project(self, x: Array) -> tuple[Array, Array, Array]:
-        """(B, T, d_in) -> q, k, v, each (B, H, T, D), by the declared projections."""
+    def _project(
+        self, x: Array, keys: Array | None = None, values: Array | None = None
+    ) -> tuple[Array, Array, Array]:
+        """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
+        (cross-attention) or x, by the declared projections."""
         spec = self.spec
+        keys = x if keys is None else keys
+        values = x if values is None else values
         if not spec.projections():
-            x = x[:, None]  # (B, T, C) -> (B, 1, T, C): one head, the input itself
-            return x, x, x
+            # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
+            return x[:, None], keys[:, None], values[:, None]
 
-        def project(role: str) -> Array:
+        def project(role: str, inputs: Array, heads: int) -> Array:
             layer = getattr(self, cast(Projection, spec.projection(role)).name)
             if isinstance(layer, nnx.Param):  # (d_in, d_out) used as x @ W, in the compute dtype
-                y = jnp.matmul(x, layer[...].astype(x.dtype), precision=self.precision)
+                y = jnp.matmul(inputs, layer[...].astype(inputs.dtype), precision=self.precision)
             else:
-                y = layer(x)
-            return self._split_heads(y)  # (B, T, H * D) -> (B, H, T, D)
+                y = layer(inputs)
+            return self._split_heads(y, heads)  # (B, T, heads * D) -> (B, heads, T, D)
 
-        return project("query"), project("key"), project("value")
+        kv_heads = spec.kv_heads
+        return project("query", x, spec.num_heads), project("key", keys, kv_heads), project("value", values, kv_heads)
 
-    def _split_heads(self, t: Array) -> Array:
+    def _split_heads(self, t: Array, heads: int | None = None) -> Array:
         b, num_tokens, width = t.shape
-        heads = self.spec.num_heads
-        # (B, T, H * D) -> (B, T, H, D) -> (B, H, T, D)
+        heads = self.spec.num_heads if heads is None else heads
+        # (B, T, heads * D) -> (B, T, heads, D) -> (B, heads, T, D)
         return t.reshape(b, num_tokens, heads, width // heads).transpose(0, 2, 1, 3)
 
     def _merge(self, out: Array) -> Array:

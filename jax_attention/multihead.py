@@ -43,6 +43,8 @@ class MultiHeadAttentionWrapper(AttentionModule):
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = "highest",
@@ -72,8 +74,14 @@ class MultiHeadAttentionWrapper(AttentionModule):
         kv_lengths: Any = None,
         implementation: str | None = None,
         bias: Array | None = None,
+        context: Any = None,
+        segment_ids: Any = None,
+        kv_segment_ids: Any = None,
+        cache: Any = None,
     ) -> Array | tuple[Array, Array]:
-        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias)
+        call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
+                             context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                             cache=cache)
         results = []
         for i, head in enumerate(cast(list[CausalAttention], self.heads)):
             head_call = call._replace(
@@ -118,11 +126,16 @@ class MultiHeadAttention(AttentionModule):
         qkv_bias: bool = False,
         *,
         out_proj: bool = True,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = "highest",

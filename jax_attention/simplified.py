@@ -39,6 +39,8 @@ class SimplifiedAttention(AttentionModule):
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         precision: Any = "highest",
         rngs: nnx.Rngs | None = None,
     ) -> None:

@@ -136,7 +136,8 @@ def test_from_nnx_matches_native(use_bias: bool, mask: str) -> None:
     assert ours.config == {"d_in": D_IN, "d_out": D_OUT, "context_length": None, "dropout": 0.0,
                            "num_heads": HEADS, "qkv_bias": use_bias, "out_proj": True, "scale": None,
                            "causal": False, "mask_strategy": "fill", "implementation": "auto",
-                           "softcap": None}
+                           "softcap": None, "num_kv_heads": None, "kdim": None, "vdim": None,
+                           "window": None, "alignment": "top_left"}
     m = _masks()[mask]
     _compare_modules(native, lambda mod, x: mod(x, mask=m), ours, lambda mod, x: mod(x, m), use_bias, _x())
 

@@ -21,6 +21,15 @@ from attention_spec import (
     dtype_name,
 )
 from attention_spec.registry import AttentionConfig, Projection, make_config
+from attention_spec.validation import (
+    cache_unsupported_message,
+    check_cache,
+    check_cache_room,
+    check_context,
+    check_positive_int,
+    check_segment_ids,
+    kv_segment_ids_message,
+)
 from torch_attention import functional
 
 
@@ -28,12 +37,52 @@ class _Call(NamedTuple):
     """One call's inputs after every check, batched and canonical."""
 
     x: Tensor  # (B, T, d_in)
-    mask: Tensor | None  # bool, rank 4, broadcastable to (B, H, T, T)
-    dropout_mask: Tensor | None  # bool, broadcastable to (B, H, T, T)
-    kv_lengths: Tensor | None  # int64 (B,)
+    mask: Tensor | None  # bool, rank 4, broadcastable to (B, H, T, S)
+    dropout_mask: Tensor | None  # bool, broadcastable to (B, H, T, S)
+    kv_lengths: Tensor | None  # int64 (B,): valid keys (with a cache: valid tokens of x)
     implementation: str
     batched: bool
-    bias: Tensor | None = None  # float, rank 4, broadcastable to (B, H, T, T)
+    bias: Tensor | None = None  # float, rank 4, broadcastable to (B, H, T, S)
+    keys: Tensor | None = None  # (B, S, kdim): cross-attention's key input (None: x)
+    values: Tensor | None = None  # (B, S, vdim): its value input (None: x)
+    segment_ids: Tensor | None = None  # int (B, T)
+    kv_segment_ids: Tensor | None = None  # int (B, S)
+    cache: Any = None  # functional.KVCache
+
+
+def _context_pair(context: Any) -> tuple[Any, Any]:
+    """``context`` -> (key input, value input): None, one array for both, or a pair."""
+    if context is None:
+        return None, None
+    if isinstance(context, (tuple, list)):
+        if len(context) != 2:
+            raise TypeError(f"context must be an array or a pair (key_input, value_input); got {len(context)} items")
+        return context[0], context[1]
+    return context, context
+
+
+def _segments(
+    segment_ids: Any, kv_segment_ids: Any, batched: bool, batch: int, seq: int, kv_seq: int, cached: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Segment ids as (B, T) / (B, S) integer tensors, checked (unbatched input: (T,))."""
+    if segment_ids is None and kv_segment_ids is None:
+        return None, None
+    if cached:
+        raise ValueError("segment_ids cannot be combined with a cache")
+    out: list[Any] = []
+    for name, ids, length in (("segment_ids", segment_ids, seq), ("kv_segment_ids", kv_segment_ids, kv_seq)):
+        if ids is None:
+            out.append(None)
+            continue
+        ids = ids if isinstance(ids, Tensor) else torch.as_tensor(ids)
+        shape = tuple(ids.shape) if batched else (1, *ids.shape)
+        check_segment_ids(name, shape, dtype_name(ids.dtype), batch, length)
+        out.append(ids.reshape(batch, length))
+    if out[0] is None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries")
+    if out[1] is None and seq != kv_seq:
+        raise ValueError(kv_segment_ids_message(seq, kv_seq))
+    return out[0], out[1]
 
 
 def _head_slice(m: Tensor | None, i: int) -> Tensor | None:
@@ -75,8 +124,7 @@ class AttentionModule(nn.Module):
 
     def _projection(self, proj: Projection, factory: dict[str, Any]) -> nn.Module | nn.Parameter:
         spec = self.spec
-        width = cast(int, spec.width)
-        fan_in = width if proj.role == "out" else cast(int, spec.d_in)
+        width, fan_in = cast(int, spec.fan_out(proj.role)), cast(int, spec.fan_in(proj.role))
         if proj.layout == "matrix":  # N(0, 1) (d_in, d_out), drawn by torch.randn as in seed 004
             return nn.Parameter(torch.randn(fan_in, width, **factory))
         return nn.Linear(fan_in, width, bias=proj.has_bias(spec), **factory)
@@ -114,25 +162,68 @@ class AttentionModule(nn.Module):
         x: Tensor,
         mask: Tensor | None = None,
         *,
+        context: Any = None,
         return_weights: bool = False,
         dropout_mask: Tensor | None = None,
         kv_lengths: Any = None,
         implementation: str | None = None,
         bias: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        segment_ids: Any = None,
+        kv_segment_ids: Any = None,
+        cache: Any = None,
+    ) -> Any:
         """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out); with
-        ``return_weights`` also the attention weights (B, H, T, T) or (H, T, T).
+        ``return_weights`` also the attention weights (B, H, T, S) or (H, T, S).
 
-        ``mask``: bool, True = may attend, broadcastable to (B, H, T, T).
+        ``context``: cross-attention, keys and values from another sequence: one array
+        (B, S, kdim) (kdim = vdim), or a pair ``(key_input, value_input)`` of widths
+        ``kdim`` and ``vdim`` (both ``d_in`` unless the module was built with them); None
+        attends over x itself (S = T).
+        ``mask``: bool, True = may attend, broadcastable to (B, H, T, S).
         ``dropout_mask``: bool, True = keep, replaces the random dropout draw (training
         mode, dropout > 0 only).  ``kv_lengths``: valid keys per example (an int, a
-        sequence or an integer array of shape () or (B,)).  ``implementation``: this
-        call's path (None = the module's).  ``bias``: float, broadcastable to (B, H, T, T),
-        added to the scaled (soft-capped) scores before masking.  Raises ValueError/TypeError
-        before any work.
+        sequence or an integer array of shape () or (B,)); with a ``cache``, the valid
+        tokens of x (a padded prompt).  ``implementation``: this call's path (None = the
+        module's).  ``bias``: float, broadcastable to (B, H, T, S), added to the scaled
+        (soft-capped) scores before masking.  ``segment_ids`` (B, T) / ``kv_segment_ids``
+        (B, S): packed sequences, tokens attend within their own segment.
+        ``cache``: a ``KVCache`` from ``init_cache``: x's keys and values are appended to
+        it (in place) and x attends to every cached position, causally aligned at each
+        example's fill; returns ``(out, cache)`` (``(out, weights, cache)`` with
+        ``return_weights``).  Raises ValueError/TypeError before any work.
         """
-        call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias)
+        call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
+                             context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                             cache=cache)
+        if call.cache is not None:
+            return self._run_cached(call, return_weights)
         return self._unbatch(self._run(call, return_weights), call.batched)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> functional.KVCache:
+        """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
+        examples: zeros, in ``dtype`` (None: the module's compute dtype), on the module's
+        device."""
+        spec = self.spec
+        self._check_cacheable()
+        check_positive_int("batch_size", batch_size)
+        check_positive_int("max_len", max_len)
+        p = next(self.parameters())
+        dtype = p.dtype if dtype is None else dtype
+        shape = (batch_size, spec.kv_heads, max_len)
+        return functional.KVCache(
+            torch.zeros(*shape, cast(int, spec.head_dim), dtype=dtype, device=p.device),
+            torch.zeros(*shape, self._value_head_dim(), dtype=dtype, device=p.device),
+            torch.zeros(batch_size, dtype=torch.int64, device=p.device),
+        )
+
+    def _check_cacheable(self) -> None:
+        spec = self.spec
+        if not spec.projections() or spec.declaration.heads == "wrapper":
+            raise TypeError(cache_unsupported_message(spec.variant))
+
+    def _value_head_dim(self) -> int:
+        spec = self.spec
+        return cast(int, spec.head_dim)
 
     def _prepare(
         self,
@@ -142,6 +233,11 @@ class AttentionModule(nn.Module):
         kv_lengths: Any,
         implementation: str | None,
         bias: Any = None,
+        *,
+        context: Any = None,
+        segment_ids: Any = None,
+        kv_segment_ids: Any = None,
+        cache: Any = None,
     ) -> _Call:
         """Every check of one call, before any work; the inputs batched and canonical."""
         spec = self.spec
@@ -149,7 +245,28 @@ class AttentionModule(nn.Module):
         check_compute_dtype(dtype_name(x.dtype), self._compute_dtype())
         implementation = check_implementation(spec.implementation if implementation is None else implementation)
         batch, seq = (x.shape[0] if batched else 1), x.shape[-2]
-        weights_shape = (batch, spec.num_heads, seq, seq)
+        keys, values = _context_pair(context)
+        for name, t, role in (("context key input", keys, "key"), ("context value input", values, "value")):
+            if t is not None:
+                width = spec.fan_in(role) if spec.projections() else x.shape[-1]
+                check_context(tuple(x.shape), tuple(t.shape), name, cast(int, width))
+                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype))
+        if keys is not None and values is not None and keys.shape[-2] != values.shape[-2]:
+            raise ValueError(
+                f"context key and value inputs must have the same length; got {tuple(keys.shape)} and "
+                f"{tuple(values.shape)}"
+            )
+        kv_seq = seq if keys is None else keys.shape[-2]
+        if cache is not None:
+            self._check_cacheable()
+            if context is not None:
+                raise ValueError("a cache is for self-attention decoding; context must be None")
+            if not batched:
+                raise ValueError(f"a call with a cache needs batched x (batch, len, d_in); got shape {tuple(x.shape)}")
+            max_len = check_cache(functional.cache_fields(cache), batch, spec.kv_heads,
+                                  cast(int, spec.head_dim), self._value_head_dim())
+            kv_seq = max_len
+        weights_shape = (batch, spec.num_heads, seq, kv_seq)
         # Checked against the input's own rank (a 4-d mask for unbatched input is refused),
         # then given the batch dimension.
         mask = functional.canonical_mask(mask, weights_shape if batched else weights_shape[1:])
@@ -165,20 +282,26 @@ class AttentionModule(nn.Module):
                 weights_shape if batched else weights_shape[1:],
                 training=self.training or not spec.has_dropout, rate=spec.dropout,
             )
-        kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq)
+        kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq if cache is not None else kv_seq)
+        segment_ids, kv_segment_ids = _segments(segment_ids, kv_segment_ids, batched, batch, seq, kv_seq,
+                                                cache is not None)
+        if cache is not None:
+            index = cache.lengths
+            check_cache_room(int(index.max()), seq, kv_seq)
         if not batched:
             x = x.unsqueeze(0)  # (T, C) -> (1, T, C); masks broadcast from the right
-        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, bias)
+            keys = None if keys is None else keys.unsqueeze(0)
+            values = None if values is None else values.unsqueeze(0)
+        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, bias,
+                     keys, values, segment_ids, kv_segment_ids, cache)
 
-    def _run(self, call: _Call, return_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
-        """The work, on checked input: project, attend, merge.  Batched in and out."""
-        q, k, v = self._project(call.x)  # each (B, H, T, D)
+    def _attend(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool, **extra: Any) -> Any:
         spec = self.spec
-        result = functional.dot_product_attention(
+        return functional.dot_product_attention(
             q, k, v,
             mask=call.mask,
             causal=spec.causal,
-            kv_lengths=call.kv_lengths,
+            kv_lengths=extra.pop("kv_lengths", call.kv_lengths),
             scale=spec.scale,
             mask_strategy=spec.mask_strategy,
             normalization=spec.normalization,
@@ -189,11 +312,38 @@ class AttentionModule(nn.Module):
             implementation=call.implementation,
             bias=call.bias,
             softcap=spec.softcap,
+            window=spec.window,
+            alignment=extra.pop("alignment", spec.alignment),
+            segment_ids=call.segment_ids,
+            kv_segment_ids=call.kv_segment_ids,
+            **extra,
         )
+
+    def _run(self, call: _Call, return_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
+        """The work, on checked input: project, attend, merge.  Batched in and out."""
+        q, k, v = self._project(call.x, call.keys, call.values)  # (B, H, T, D), (B, Hkv, S, D)
+        result = self._attend(call, q, k, v, return_weights)
         if return_weights:
             out, weights = cast(tuple[Tensor, Tensor], result)
             return self._merge(out), weights  # (B, H, T, Dv) -> (B, T, d_out)
         return self._merge(cast(Tensor, result))
+
+    def _run_cached(self, call: _Call, return_weights: bool) -> Any:
+        """A decode step: x's keys and values appended to the cache, then x attends to
+        every filled position, query t of example b at key position lengths[b] + t."""
+        q, k, v = self._project(call.x, None, None)
+        cache = call.cache
+        batch, seq = call.x.shape[0], call.x.shape[1]
+        lengths = call.kv_lengths if call.kv_lengths is not None else torch.full(
+            (batch,), seq, dtype=torch.int64, device=q.device)
+        start = cache.lengths.clone()
+        cache = functional.append_to_cache(cache, k, v, lengths.to(q.device))
+        result = self._attend(call, q, cache.key.to(q.dtype), cache.value.to(q.dtype), return_weights,
+                              kv_lengths=start + lengths.to(q.device), q_offset=start, alignment="top_left")
+        if return_weights:
+            out, weights = cast(tuple[Tensor, Tensor], result)
+            return self._merge(out), weights, cache
+        return self._merge(cast(Tensor, result)), cache
 
     @staticmethod
     def _unbatch(result: Tensor | tuple[Tensor, Tensor], batched: bool) -> Tensor | tuple[Tensor, Tensor]:
@@ -203,24 +353,31 @@ class AttentionModule(nn.Module):
             return result[0][0], result[1][0]
         return result[0]
 
-    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, T, d_in) -> q, k, v, each (B, H, T, D), by the declared projections."""
+    def _project(
+        self, x: Tensor, keys: Tensor | None = None, values: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
+        (cross-attention) or x, by the declared projections."""
         spec = self.spec
+        keys = x if keys is None else keys
+        values = x if values is None else values
         if not spec.projections():
-            x = x.unsqueeze(1)  # (B, T, C) -> (B, 1, T, C): one head, the input itself
-            return x, x, x
+            # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
+            return x.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1)
 
-        def project(role: str) -> Tensor:
+        def project(role: str, inputs: Tensor, heads: int) -> Tensor:
             layer = getattr(self, cast(Projection, spec.projection(role)).name)
-            # (B, T, d_in) -> (B, T, H * D) -> (B, H, T, D)
-            return self._split_heads(x @ layer if isinstance(layer, nn.Parameter) else layer(x))
+            # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
+            return self._split_heads(inputs @ layer if isinstance(layer, nn.Parameter) else layer(inputs), heads)
 
-        return project("query"), project("key"), project("value")
+        kv_heads = spec.kv_heads
+        return project("query", x, spec.num_heads), project("key", keys, kv_heads), project("value", values, kv_heads)
 
-    def _split_heads(self, t: Tensor) -> Tensor:
+    def _split_heads(self, t: Tensor, heads: int | None = None) -> Tensor:
         b, num_tokens, width = t.shape
-        # (B, T, H * D) -> (B, T, H, D) -> (B, H, T, D)
-        return t.view(b, num_tokens, self.spec.num_heads, width // self.spec.num_heads).transpose(1, 2)
+        heads = self.spec.num_heads if heads is None else heads
+        # (B, T, heads * D) -> (B, T, heads, D) -> (B, heads, T, D)
+        return t.view(b, num_tokens, heads, width // heads).transpose(1, 2)
 
     def _merge(self, out: Tensor) -> Tensor:
         b, h, num_tokens, head_dim = out.shape

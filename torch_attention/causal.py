@@ -45,6 +45,8 @@ class CausalAttention(AttentionModule):
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -74,6 +76,8 @@ class Head(AttentionModule):
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:

@@ -23,7 +23,7 @@ a NaN or Inf stored there never reaches an output or a gradient.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -583,3 +583,34 @@ def _blockwise(
             weights = _softmax(_adjust(scores * scale, part, softcap), allowed)
         outputs.append(torch.matmul(weights, vc[..., lo:hi, :]).to(v.dtype))
     return torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of earlier positions for decoding: key (B, Hkv, max_len, D), value
+    (B, Hkv, max_len, Dv), and lengths (B,), how many positions of each example are
+    filled.  ``AttentionModule.init_cache`` makes one; ``append_to_cache`` fills it."""
+
+    key: Tensor
+    value: Tensor
+    lengths: Tensor
+
+
+def cache_fields(cache: Any) -> Any:
+    """(shape, dtype name) of each field, or None for something that is not a KVCache."""
+    if not isinstance(cache, KVCache) or not all(isinstance(t, Tensor) for t in cache):
+        return None
+    return tuple((tuple(t.shape), dtype_name(t.dtype)) for t in cache)
+
+
+def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KVCache:
+    """Writes k (B, Hkv, T, D) and v at positions lengths .. lengths + T - 1 of each example
+    and advances its fill by ``lengths`` (B,) (the valid tokens of this chunk; the rest,
+    padding, is overwritten by the next call).  Written in place: the same tensors, with
+    the index advanced, are returned.  The caller checks that T positions fit first
+    (``check_cache_room``), so a refused call leaves the cache as it was."""
+    positions = cache.lengths[:, None] + torch.arange(k.shape[-2], device=k.device)  # (B, T)
+    for store, new in ((cache.key, k), (cache.value, v)):
+        where = positions[:, None, :, None].expand(*new.shape[:-1], new.shape[-1])
+        store.scatter_(2, where, new.to(store.dtype))
+    cache.lengths.add_(lengths.to(cache.lengths.dtype))
+    return cache

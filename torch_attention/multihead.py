@@ -39,6 +39,8 @@ class MultiHeadAttentionWrapper(AttentionModule):
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -53,13 +55,18 @@ class MultiHeadAttentionWrapper(AttentionModule):
         x: Tensor,
         mask: Tensor | None = None,
         *,
+        context: Any = None,
         return_weights: bool = False,
         dropout_mask: Tensor | None = None,
         kv_lengths: Any = None,
         implementation: str | None = None,
         bias: Tensor | None = None,
+        segment_ids: Any = None,
+        kv_segment_ids: Any = None,
+        cache: Any = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias)
+        call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias, context=context,
+                             segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache)
         results = [
             cast(CausalAttention, head)._run(
                 call._replace(mask=_head_slice(call.mask, i), dropout_mask=_head_slice(call.dropout_mask, i),
@@ -73,7 +80,7 @@ class MultiHeadAttentionWrapper(AttentionModule):
             return self._unbatch(out, call.batched)
         pairs = cast(list[tuple[Tensor, Tensor]], results)
         out = torch.cat([o for o, _ in pairs], dim=-1)
-        weights = torch.cat([w for _, w in pairs], dim=-3)  # (B, num_heads, T, T)
+        weights = torch.cat([w for _, w in pairs], dim=-3)  # (B, num_heads, T, S)
         return self._unbatch((out, weights), call.batched)
 
 
@@ -100,11 +107,16 @@ class MultiHeadAttention(AttentionModule):
         qkv_bias: bool = False,
         *,
         out_proj: bool = True,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:

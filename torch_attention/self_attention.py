@@ -34,6 +34,8 @@ class SelfAttention_v1(AttentionModule):  # noqa: N801 (the tutorials' name)
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -58,6 +60,8 @@ class SelfAttention_v2(AttentionModule):  # noqa: N801 (the tutorials' name)
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:

@@ -33,5 +33,7 @@ class SimplifiedAttention(AttentionModule):
         mask_strategy: str = "fill",
         implementation: str = "auto",
         softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: str = "top_left",
     ) -> None:
         super().__init__(locals())
