@@ -618,7 +618,7 @@ def check_cache(fields: Any, batch: int, kv_heads: int, key_width: int, value_wi
     want = (batch, kv_heads, max_len, key_width), (batch, kv_heads, max_len, value_width), (batch,)
     if (key, value, index) != want or not index_dtype.startswith(("int", "uint")):
         raise ValueError(
-            f"the cache does not fit this call: key {key}, value {value}, lengths {index} ({index_dtype}); "
+            f"the cache does not fit this call: key {key}, value {value}, lengths {index}; "
             f"expected key (batch, kv_heads, max_len, head_dim) = {want[0]}, value {want[1]} and "
             f"lengths ({batch},) of integers (init_cache({batch}, max_len))"
         )

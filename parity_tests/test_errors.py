@@ -409,6 +409,100 @@ CASES = [
         lambda fw, m: m(fw.array([[[1.0, 2.0], [3.0, 1.0]], ORTHOGONAL_X])),
         before_work=False,
     ),
+    # ---- issue 9: cross-attention, grouped heads, KV cache, windows, packed sequences
+    ErrorCase(
+        "context-batch-differs", ValueError,
+        re.escape("context key input and x must have the same batch size; got 3 and 2"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), context=fw.randn(3, 4, 8)),
+    ),
+    ErrorCase(
+        "context-width-not-kdim", ValueError,
+        re.escape("context key input must have width 5 (its last dimension); got shape (2, 4, 6)"),
+        lambda fw: mha(fw, kdim=5, vdim=7),
+        lambda fw, m: m(fw.randn(2, 5, 8), context=(fw.randn(2, 4, 6), fw.randn(2, 4, 7))),
+    ),
+    ErrorCase(
+        "context-width-not-vdim", ValueError,
+        re.escape("context value input must have width 7 (its last dimension); got shape (2, 4, 5)"),
+        lambda fw: mha(fw, kdim=5, vdim=7),
+        lambda fw, m: m(fw.randn(2, 5, 8), context=(fw.randn(2, 4, 5), fw.randn(2, 4, 5))),
+    ),
+    ErrorCase(
+        "context-pair-lengths-differ", ValueError,
+        re.escape("context key and value inputs must have the same length; got (2, 4, 8) and (2, 3, 8)"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), context=(fw.randn(2, 4, 8), fw.randn(2, 3, 8))),
+    ),
+    ErrorCase(
+        "num_kv_heads-does-not-divide", ValueError,
+        re.escape("num_heads must be a multiple of num_kv_heads; got num_heads=4, num_kv_heads=3"),
+        lambda fw: fw.module("MultiHeadAttention", 8, 8, 6, 0.0, 4, num_kv_heads=3),
+    ),
+    ErrorCase(
+        "kdim-not-positive", ValueError, re.escape("kdim must be >= 1; got 0"),
+        lambda fw: mha(fw, kdim=0),
+    ),
+    ErrorCase(
+        "cache-not-from-init_cache", TypeError,
+        re.escape("cache must come from module.init_cache(batch_size, max_len); got something else"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), cache={"key": fw.randn(2, 2, 6, 4)}),
+    ),
+    ErrorCase(
+        "cache-past-max_len", ValueError,
+        re.escape(
+            "the KV cache holds 0 of max_len=4 positions and cannot take 5 more; init_cache with a larger max_len"
+        ),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), cache=m.init_cache(2, 4)),
+    ),
+    ErrorCase(
+        "cache-batch-differs", ValueError,
+        re.escape("the cache does not fit this call: key (3, 2, 6, 4)"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), cache=m.init_cache(3, 6)),
+    ),
+    ErrorCase(
+        "cache-with-context", ValueError,
+        re.escape("a cache is for self-attention decoding; context must be None"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), context=fw.randn(2, 4, 8), cache=m.init_cache(2, 6)),
+    ),
+    ErrorCase(
+        "cache-on-wrapper", TypeError,
+        re.escape("MultiHeadAttentionWrapper has no KV cache"),
+        mha_wrapper, lambda fw, m: m.init_cache(2, 6),
+    ),
+    ErrorCase(
+        "window-not-a-pair", TypeError,
+        re.escape("window must be None or a pair (left, right) of ints >= 0 or None; got 3"),
+        lambda fw: mha(fw, window=3),
+    ),
+    ErrorCase(
+        "window-negative", ValueError, re.escape("window left must be >= 0 or None; got -1"),
+        lambda fw: causal(fw, window=(-1, 0)),
+    ),
+    ErrorCase(
+        "alignment-unknown", ValueError,
+        re.escape("alignment must be one of 'top_left', 'bottom_right'; got 'center'"),
+        lambda fw: head(fw, alignment="center"),
+    ),
+    ErrorCase(
+        "segment_ids-wrong-shape", ValueError,
+        re.escape("segment_ids must have shape (batch, length) = (2, 5); got shape (2, 4)"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), segment_ids=fw.array(np.zeros((2, 4)), np.int32)),
+    ),
+    ErrorCase(
+        "segment_ids-float", TypeError,
+        re.escape("segment_ids must hold integers (one segment id per token); got dtype float32"),
+        causal, lambda fw, m: m(fw.randn(2, 5, 8), segment_ids=fw.array(np.zeros((2, 5)))),
+    ),
+    ErrorCase(
+        "kv_segment_ids-missing-for-cross", ValueError,
+        re.escape("segment_ids for queries of length 5 and keys of length 4 need kv_segment_ids for the keys"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), context=fw.randn(2, 4, 8),
+                             segment_ids=fw.array(np.zeros((2, 5)), np.int32)),
+    ),
+    ErrorCase(
+        "bias-wrong-shape-cross", ValueError,
+        re.escape("(2, 2, 5, 4)"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), context=fw.randn(2, 4, 8), bias=fw.randn(2, 2, 5, 5)),
+    ),
     # ---- mask adapters
     ErrorCase(
         "from_blocked_mask-float", TypeError,

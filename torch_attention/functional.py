@@ -606,7 +606,7 @@ def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KV
     """Writes k (B, Hkv, T, D) and v at positions lengths .. lengths + T - 1 of each example
     and advances its fill by ``lengths`` (B,) (the valid tokens of this chunk; the rest,
     padding, is overwritten by the next call).  Written in place: the same tensors, with
-    the index advanced, are returned.  The caller checks that T positions fit first
+    the fill advanced, are returned.  The caller checks that T positions fit first
     (``check_cache_room``), so a refused call leaves the cache as it was."""
     positions = cache.lengths[:, None] + torch.arange(k.shape[-2], device=k.device)  # (B, T)
     for store, new in ((cache.key, k), (cache.value, v)):
