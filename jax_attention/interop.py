@@ -194,9 +194,6 @@ def _native_problems(m: Any, default_fn: Any) -> list[str]:
     in_features = getattr(m, "in_features", None)
     if in_features is not None and not isinstance(in_features, int):
         problems.append(f"in_features={in_features!r} (a tuple of input axes)")
-    in_kv = getattr(m, "in_kv_features", None)
-    if in_kv is not None and in_kv != in_features:
-        problems.append(f"in_kv_features={in_kv} != in_features={in_features} (cross-attention)")
     qkv, out = getattr(m, "qkv_features", None), getattr(m, "out_features", None)
     if qkv is not None and out is not None and qkv != out:
         problems.append(f"out_features={out} != qkv_features={qkv} (our out_proj is (d_out, d_out))")
@@ -253,8 +250,13 @@ def _our_module_from_native(
     use_bias = "W_query.bias" in state
     if not use_bias:  # our out_proj always has a bias: a bias-free projection is a zero one
         state["out_proj.bias"] = np.zeros(d_out, param_dtype)
+    kv_in = state["W_key.weight"].shape[1]  # in_kv_features (cross-attention), else d_in
+    if state["W_value.weight"].shape[1] != kv_in:
+        raise ValueError(f"the key and value kernels take {kv_in} and {state['W_value.weight'].shape[1]} "
+                         "input features: Flax's attention has one in_kv_features")
+    width = None if kv_in == d_in else kv_in
     module = MultiHeadAttention(
-        d_in, d_out, None, dropout, num_heads, use_bias, causal=False,
+        d_in, d_out, None, dropout, num_heads, use_bias, causal=False, kdim=width, vdim=width,
         dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
     )
     return load_torch_state_dict(module, state)
@@ -262,7 +264,8 @@ def _our_module_from_native(
 
 def from_nnx_multihead(m: nnx.MultiHeadAttention, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
     """Our Flax ``MultiHeadAttention`` with the weights and behaviour of an
-    ``nnx.MultiHeadAttention`` used for self-attention: ``d_in=in_features``,
+    ``nnx.MultiHeadAttention``: ``d_in=in_features``, ``kdim=vdim=in_kv_features`` when it
+    differs (cross-attention: ``m(x, context)`` is ``ours(x, context=context)``),
     ``d_out=qkv_features``, ``num_heads``, ``qkv_bias=use_bias``, ``dropout=dropout_rate``,
     ``dtype``, ``param_dtype`` (the kernels' dtype), ``precision``, ``causal=False``,
     ``context_length=None``; ``deterministic`` when set.  ``use_bias=False`` gives a zero
@@ -277,8 +280,7 @@ def from_nnx_multihead(m: nnx.MultiHeadAttention, *, rngs: nnx.Rngs | None = Non
 
     ``rngs``: for the dropout stream, needed when ``dropout_rate > 0``.  Raises
     ValueError, naming each, for what our module cannot express (``normalize_qk``,
-    ``decode``/a cache, grouped-query heads, ``in_kv_features`` != ``in_features``,
-    ``out_features`` != ``qkv_features``, a custom ``attention_fn`` or matmul), before
+    ``decode``/a cache, grouped-query heads, ``out_features`` != ``qkv_features``, a custom ``attention_fn`` or matmul), before
     building anything; TypeError for another module type.
     """
     if not isinstance(m, nnx.MultiHeadAttention):
@@ -308,6 +310,11 @@ def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: s
     if spec.causal and not allow_causal:
         problems.append("causal=True (Flax's module takes causality per call: pass allow_causal=True and "
                         "call it with is_causal=True or a causal mask)")
+    if spec.kdim != spec.vdim:
+        problems.append(f"kdim={spec.kdim} != vdim={spec.vdim} (Flax's attention has one in_kv_features)")
+    if spec.kv_heads != spec.num_heads:
+        problems.append(f"num_kv_heads={spec.num_kv_heads} (grouped-query heads; Flax's "
+                        "MultiHeadAttention has one key/value head per query head)")
     head_dim = cast(int, spec.head_dim)
     if spec.scale is not None and abs(spec.scale * math.sqrt(head_dim) - 1.0) > 1e-12:
         problems.append(f"scale={spec.scale} (Flax's attention scales by 1/sqrt(head_dim) = "
@@ -357,6 +364,7 @@ def to_nnx_multihead(
     dropout = getattr(module, "dropout", None)
     m = nnx.MultiHeadAttention(
         num_heads=spec.num_heads, in_features=spec.d_in, qkv_features=spec.d_out, out_features=spec.d_out,
+        in_kv_features=spec.kdim,
         dtype=module.dtype, param_dtype=module.param_dtype, dropout_rate=spec.dropout,
         deterministic=None if dropout is None else dropout.deterministic,
         precision=module.precision, use_bias=bias, decode=False, rngs=rngs,

@@ -159,10 +159,12 @@ def load_packed_qkv(
 
 
 def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
-    """A ``torch.nn.MultiheadAttention`` (self-attention) -> our ``MultiHeadAttention`` with
-    the same weights (copied exactly), dropout rate, dtype, device and train/eval mode:
+    """A ``torch.nn.MultiheadAttention`` -> our ``MultiHeadAttention`` with the same
+    weights (copied exactly), dropout rate, dtype, device and train/eval mode:
     ``d_in = d_out = embed_dim``, ``causal=False``, ``context_length=None`` (no cap),
-    ``qkv_bias`` = whether ``in_proj_bias`` exists, scale ``1/sqrt(head_dim)`` as torch's.
+    ``qkv_bias`` = whether ``in_proj_bias`` exists, scale ``1/sqrt(head_dim)`` as torch's,
+    and its ``kdim``/``vdim`` (cross-attention: call ours as ``module(query,
+    context=(key, value))`` where torch's is ``mha(query, key, value)``).
 
     Inputs: ours is always batch-first, (batch, seq, embed_dim) or unbatched (seq,
     embed_dim).  For a ``batch_first=False`` module, transpose (seq, batch, embed_dim)
@@ -175,10 +177,9 @@ def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
     function; ``to_nn_multihead`` maps it back to ``bias=False``).
 
     Raises TypeError for another class; ValueError, naming the option, for
-    ``add_bias_kv=True``, ``add_zero_attn=True`` (no equivalent here) and ``kdim``/``vdim``
-    different from ``embed_dim`` (that is cross-attention, which this library does not
-    have yet).  Separate q/k/v weights (``q_proj_weight``, ...) of shape
-    (embed_dim, embed_dim) are read like ``in_proj_weight``'s three blocks.
+    ``add_bias_kv=True`` and ``add_zero_attn=True`` (no equivalent here).  Separate q/k/v
+    weights (``q_proj_weight``, ...; torch's layout when kdim/vdim differ from embed_dim)
+    are read like ``in_proj_weight``'s three blocks.
     The call draws no random numbers (the new module is built on the meta device).
     """
     if not isinstance(mha, nn.MultiheadAttention):
@@ -189,21 +190,15 @@ def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
         problems.append("add_bias_kv=True (learned bias key/value rows appended to the sequence)")
     if mha.add_zero_attn:
         problems.append("add_zero_attn=True (a zero key/value row appended to the sequence)")
-    if (mha.kdim, mha.vdim) != (embed_dim, embed_dim):
-        problems.append(
-            f"kdim={mha.kdim}, vdim={mha.vdim} different from embed_dim={embed_dim} (cross-attention, "
-            "which this library does not have yet)"
-        )
+    kdim, vdim = int(mha.kdim), int(mha.vdim)
     if mha.in_proj_weight is not None:
         weights = list(mha.in_proj_weight.detach().chunk(3, dim=0))
     else:
         weights = [w.detach() for w in (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)]
         shapes = [tuple(w.shape) for w in weights]
-        if not problems and any(shape != (embed_dim, embed_dim) for shape in shapes):
-            problems.append(
-                f"q/k/v projection weights of shapes {shapes}, not ({embed_dim}, {embed_dim}) "
-                "(cross-attention, which this library does not have yet)"
-            )
+        expected = [(embed_dim, embed_dim), (embed_dim, kdim), (embed_dim, vdim)]
+        if not problems and shapes != expected:
+            problems.append(f"q/k/v projection weights of shapes {shapes}, not {expected}")
     if problems:
         raise ValueError(
             "this nn.MultiheadAttention cannot be expressed as MultiHeadAttention: " + "; ".join(problems)
@@ -213,7 +208,8 @@ def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
     out_bias = mha.out_proj.bias
     module = MultiHeadAttention(
         embed_dim, embed_dim, None, float(mha.dropout), num_heads, qkv_bias=biases is not None,
-        causal=False, dtype=out_weight.dtype, device="meta",
+        causal=False, kdim=None if kdim == embed_dim else kdim, vdim=None if vdim == embed_dim else vdim,
+        dtype=out_weight.dtype, device="meta",
     ).to_empty(device=out_weight.device)
     qkv, out_proj = _linears(module)
     assert out_proj is not None
@@ -271,6 +267,11 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
         problems.append(
             f"scale={spec.scale!r} (nn.MultiheadAttention scales by 1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim)!r})"
         )
+    if spec.kv_heads != spec.num_heads:
+        problems.append(
+            f"num_kv_heads={spec.num_kv_heads} (grouped-query heads; nn.MultiheadAttention has one key/value "
+            "head per query head)"
+        )
     if not spec.qkv_bias and out_proj is not None and bool(out_proj.bias.detach().ne(0).any()):
         problems.append(
             "a nonzero out_proj bias with qkv_bias=False (nn.MultiheadAttention's one bias switch "
@@ -282,10 +283,14 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
     weight = qkv[0].weight
     mha = nn.MultiheadAttention(
         spec.d_out, spec.num_heads, dropout=float(spec.dropout), bias=bool(spec.qkv_bias),
-        batch_first=batch_first, dtype=weight.dtype, device="meta",
+        batch_first=batch_first, kdim=spec.kdim, vdim=spec.vdim, dtype=weight.dtype, device="meta",
     ).to_empty(device=weight.device)
     with torch.no_grad():
-        mha.in_proj_weight.copy_(torch.cat([p.weight.detach() for p in qkv], dim=0))
+        if mha.in_proj_weight is not None:
+            mha.in_proj_weight.copy_(torch.cat([p.weight.detach() for p in qkv], dim=0))
+        else:  # kdim / vdim: torch keeps three separate weights
+            for name, p in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), qkv, strict=True):
+                getattr(mha, name).copy_(p.weight.detach())
         if spec.qkv_bias:
             mha.in_proj_bias.copy_(torch.cat([p.bias.detach() for p in qkv], dim=0))
             mha.out_proj.bias.copy_(out_proj.bias.detach())
