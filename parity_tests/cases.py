@@ -291,13 +291,26 @@ FN_LENGTHS = ("none", "partial", "empty")
 # issue 9 items 4 and 7: an additive bias, soft-capping, both ("none" for the pairwise rows)
 FN_EXTRAS = ("bias", "softcap", "bias-softcap")
 FN_SOFTCAP = 2.0
+# issue 9's structure options (an extra block of cases, "structure" in the ids): key/value
+# heads (grouped-query attention: FN_HEADS query heads read 1 key/value head), a window
+# (left, right) (None = no window), where query 0 sits among the keys ("q_offset": a
+# per-example (B,) array; "top_left" and "bottom_right" by alignment=), and packed
+# segments (segment ids, on the shapes with q_len == kv_len).
+FN_KV_HEADS = (FN_HEADS, 1)
+FN_WINDOWS: tuple[tuple[int | None, int | None] | None, ...] = (None, (2, None), (1, 1), (None, 0))
+FN_POSITIONS = ("top_left", "bottom_right", "q_offset")
+FN_SEGMENTS = (False, True)
 
 
 @dataclass(frozen=True)
 class FunctionalCase:
     """``dot_product_attention(q, k, v, mask=, causal=, kv_lengths=, implementation=)``
-    of both frameworks, q (B, H, T, D), k and v (B, H, S, D); ``extra`` adds ``bias=``
-    and/or ``softcap=``."""
+    of both frameworks, q (B, H, T, D), k and v (B, Hkv, S, D); ``extra`` adds ``bias=``
+    and/or ``softcap=``.  The structure options (defaults: none, so the ids of the cases
+    without them stay as they were): ``kv_heads`` (Hkv, grouped-query attention when
+    below H), ``window=``, ``position`` (``alignment=`` "top_left" / "bottom_right", or
+    "q_offset": a per-example ``q_offset=`` array) and ``segments`` (packed sequences,
+    ``segment_ids=``; q_len == kv_len)."""
 
     q_len: int
     kv_len: int
@@ -307,6 +320,10 @@ class FunctionalCase:
     dtype: str
     implementation: str
     extra: str = "none"
+    kv_heads: int = FN_HEADS
+    window: tuple[int | None, int | None] | None = None
+    position: str = "top_left"
+    segments: bool = False
 
     variant = "fn"
     direction = "-"
@@ -317,7 +334,26 @@ class FunctionalCase:
     def id(self) -> str:
         return (f"fn-T{self.q_len}-S{self.kv_len}-{'causal' if self.causal else 'full'}-{self.mask}"
                 f"-len{self.lengths}-{DTYPE_IDS[self.dtype]}-{self.implementation}"
-                + ("" if self.extra == "none" else f"-{self.extra}"))
+                + ("" if self.extra == "none" else f"-{self.extra}") + self._structure_id)
+
+    @property
+    def _structure_id(self) -> str:
+        """The structure options in the id, e.g. ``-kv1-win2_inf-bottomright-seg``."""
+        parts = []
+        if self.kv_heads != FN_HEADS:
+            parts.append(f"kv{self.kv_heads}")
+        if self.window is not None:
+            parts.append("win" + "_".join("inf" if w is None else str(w) for w in self.window))
+        if self.position != "top_left":
+            parts.append(self.position.replace("_", ""))
+        if self.segments:
+            parts.append("seg")
+        return "".join(f"-{p}" for p in parts)
+
+    @property
+    def structured(self) -> bool:
+        """Uses a structure option (grouped heads, window, alignment, offsets, segments)."""
+        return bool(self._structure_id)
 
     @property
     def softcap(self) -> float | None:
@@ -340,8 +376,9 @@ class FunctionalCase:
         int (B,) or None)."""
         rng = np.random.default_rng(self.seed)
         q = rng.standard_normal((FN_BATCH, FN_HEADS, self.q_len, FN_DIM)).astype(np.float32)
-        k = rng.standard_normal((FN_BATCH, FN_HEADS, self.kv_len, FN_DIM)).astype(np.float32)
-        v = rng.standard_normal((FN_BATCH, FN_HEADS, self.kv_len, FN_DIM)).astype(np.float32)
+        k = rng.standard_normal((FN_BATCH, self.kv_heads, self.kv_len, FN_DIM)).astype(np.float32)
+        v = rng.standard_normal((FN_BATCH, self.kv_heads, self.kv_len, FN_DIM)).astype(np.float32)
+        mask: np.ndarray | None
         if self.mask == "shared":  # (T, S): one mask for every example and head
             mask = rng.random((self.q_len, self.kv_len)) < 0.7
         else:
@@ -352,6 +389,31 @@ class FunctionalCase:
             "empty": np.array([self.kv_len - 1, 0]),  # an example with no keys at all
         }[self.lengths]
         return q, k, v, mask, lengths
+
+    def structure(self) -> dict[str, Any]:
+        """The structure keywords of the call, the same for both frameworks: ``window``,
+        ``alignment`` (Python values), ``q_offset`` (int (B,) or None) and ``segment_ids``
+        (int (B, T) or None; the keys' ids default to them, q_len == kv_len)."""
+        rng = np.random.default_rng(self.seed + 2)
+        q_offset = segment_ids = None
+        if self.position == "q_offset":  # example 0 bottom-right aligned, example 1 anywhere
+            q_offset = np.array([self.kv_len - self.q_len, rng.integers(0, self.kv_len)], dtype=np.int32)
+        if self.segments:  # 3 packed segments in example 0, 2 in example 1
+            rows = []
+            for count in (3, 2):
+                cuts = np.sort(rng.choice(np.arange(1, self.q_len), size=count - 1, replace=False))
+                rows.append(np.searchsorted(cuts, np.arange(self.q_len), side="right"))
+            segment_ids = np.stack(rows).astype(np.int32)
+        alignment = "bottom_right" if self.position == "bottom_right" else "top_left"
+        return {"window": self.window, "alignment": alignment, "q_offset": q_offset, "segment_ids": segment_ids}
+
+    def oracle_structure(self) -> dict[str, Any]:
+        """``structure()`` in the oracle's keywords (``reference.attention``): the key
+        position of query 0 as ``offset`` (an int, or the (B,) array)."""
+        s = self.structure()
+        offset = s["q_offset"] if s["q_offset"] is not None else (
+            self.kv_len - self.q_len if s["alignment"] == "bottom_right" else 0)
+        return {"window": s["window"], "offset": offset, "segment_ids": s["segment_ids"]}
 
     def oracle_mask(self) -> np.ndarray | None:
         """The mask and the lengths as one bool (B, H, T, S) mask, for the oracle."""
@@ -387,13 +449,88 @@ def functional_matrix() -> tuple[FunctionalCase, ...]:
                 continue
             (t, s), mask, lengths = FN_SHAPES[(i + j) % 4], FN_MASKS[(i + 2 * j) % 5], FN_LENGTHS[(i + j) % 3]
             cases.append(FunctionalCase(t, s, (i + j) % 2 == 0, mask, lengths, DTYPES[(i + j) % 3], path, extra))
+    cases += structure_cases()
     return tuple(cases)
 
 
+def structure_cases() -> list[FunctionalCase]:
+    """The structure block: pairwise over window x position x kv heads x segments x
+    causal x path (the rows without a structure option are the table's other cases, and
+    left out); the shape follows (q_len == kv_len with segments, else q_len !=
+    kv_len, where the alignment matters), mask, lengths and dtype rotate.  Grouped heads
+    get a per-head mask ((B, H, T, S): "random" or "fully-masked") on every path.  Then,
+    for every path and every option value, a case whose output would change by far more
+    than its tolerance if a path ignored it (``ignored_options_visible``), where the
+    pairwise rows alone did not give one."""
+    rows = _pairwise([FN_WINDOWS, FN_POSITIONS, FN_KV_HEADS, FN_SEGMENTS, (True, False), IMPLEMENTATIONS])
+    unequal = [shape for shape in FN_SHAPES if shape[0] != shape[1]]
+    cases: list[FunctionalCase] = []
+    grouped = 0
+    # a row without any structure option is a case of the table above: left out
+    rows = [r for r in rows if r[:4] != (None, "top_left", FN_HEADS, False)]
+    for n, (window, position, kv_heads, segments, causal, path) in enumerate(rows):
+        t, s = (6, 6) if segments else unequal[n % len(unequal)]
+        if kv_heads < FN_HEADS:
+            mask = ("random", "fully-masked")[grouped % 2]
+            grouped += 1
+        else:
+            mask = FN_MASKS[n % len(FN_MASKS)]
+        cases.append(FunctionalCase(t, s, causal, mask, FN_LENGTHS[(n + n // 3) % 3], DTYPES[n % 3],
+                                    path, kv_heads=kv_heads, window=window, position=position, segments=segments))
+    for i, path in enumerate(IMPLEMENTATIONS):
+        (t, s), dtype, kv_heads = unequal[i % 2], DTYPES[i % 2], FN_KV_HEADS[i % 2]
+        wanted: dict[tuple[str, Any], FunctionalCase] = {
+            **{("position", p): FunctionalCase(t, s, True, "random", "partial", dtype, path, kv_heads=kv_heads,
+                                               window=FN_WINDOWS[1 + i % 3], position=p)
+               for p in FN_POSITIONS[1:]},
+            **{("window", w): FunctionalCase(t, s, False, "padding", "partial", dtype, path, kv_heads=kv_heads,
+                                             window=w) for w in FN_WINDOWS[1:]},
+            ("segments", True): FunctionalCase(6, 6, False, "none", "none", dtype, path, kv_heads=kv_heads,
+                                               segments=True),
+        }
+        for option, fallback in wanted.items():
+            if not any(c.implementation == path and option in ignored_options_visible(c) for c in cases):
+                cases.append(fallback)
+    return cases
+
+
+def ignored_options_visible(case: FunctionalCase) -> set[tuple[str, Any]]:
+    """The structure options of ``case`` that a path ignoring them would fail on: those
+    whose removal changes the float64 oracle's output by more than 10x the case's oracle
+    tolerance somewhere.  ("window", w): the window dropped; ("position", p): query 0 at
+    key 0 instead; ("segments", True): the segment ids dropped."""
+    import math
+
+    from parity_tests import reference
+    from parity_tests.tolerances import ORACLE
+
+    q, k, v, _, _ = case.inputs()
+
+    def oracle(**changes: Any) -> np.ndarray:
+        options = {**case.oracle_structure(), **changes}
+        return reference.attention(q, k, v, scale=1.0 / math.sqrt(FN_DIM), mask=case.oracle_mask(),
+                                   causal=case.causal, **options)[0]
+
+    want, tol = oracle(), ORACLE[case.dtype]
+    changes: dict[tuple[str, Any], dict[str, Any]] = {}
+    if case.window is not None:
+        changes[("window", case.window)] = {"window": None}
+    if case.position != "top_left":
+        changes[("position", case.position)] = {"offset": 0}
+    if case.segments:
+        changes[("segments", True)] = {"segment_ids": None}
+    return {option for option, change in changes.items()
+            if np.any(np.abs(oracle(**change) - want) > 10 * (tol.atol + tol.rtol * np.abs(want)))}
+
+
 def quick_functional() -> tuple[FunctionalCase, ...]:
-    """Every path once with a causal mask and q_len != kv_len, for ``--quick``."""
+    """Every path once with a causal mask and q_len != kv_len, and once with a window and
+    query 0 placed off key 0 (bottom-right or per-example offsets), for ``--quick``."""
     chosen: dict[str, FunctionalCase] = {}
+    structured: dict[str, FunctionalCase] = {}
     for case in functional_matrix():
-        if case.causal and case.mask != "none" and case.q_len != case.kv_len:
+        if case.causal and case.mask != "none" and case.q_len != case.kv_len and not case.structured:
             chosen.setdefault(case.implementation, case)
-    return tuple(chosen.values())
+        if case.window is not None and case.position != "top_left":
+            structured.setdefault(case.implementation, case)
+    return (*chosen.values(), *structured.values())

@@ -177,17 +177,22 @@ def functional_torch(case: FunctionalCase, q: np.ndarray, k: np.ndarray, v: np.n
 
     _, _, _, mask, lengths = case.inputs()
     bias = case.bias()
+    structure = case.structure()
     tensors = [torch.tensor(a.astype(np.float64), dtype=torch_dtype(dtype), requires_grad=grads)
                for a in (q, k, v) + (() if bias is None else (_in_dtype(bias, dtype),))]
-    out = dot_product_attention(
+    out: Any = dot_product_attention(
         *tensors[:3], mask=None if mask is None else torch.tensor(mask), causal=case.causal,
         kv_lengths=None if lengths is None else torch.tensor(lengths), implementation=implementation,
         bias=None if bias is None else tensors[3], softcap=case.softcap,
+        window=structure["window"], alignment=structure["alignment"],
+        q_offset=None if structure["q_offset"] is None else torch.tensor(structure["q_offset"]),
+        segment_ids=None if structure["segment_ids"] is None else torch.tensor(structure["segment_ids"]),
     )
     result = {"output": out.detach().float().numpy() if dtype != "float64" else out.detach().numpy()}
     if grads:
         (out.to(torch.float64) * torch.tensor(cot, dtype=torch.float64)).sum().backward()
         for name, t in zip(("q", "k", "v", "bias")[: len(tensors)], tensors, strict=True):
+            assert t.grad is not None
             result[f"grad {name}"] = t.grad.to(torch.float64).numpy()
     return result
 
@@ -205,10 +210,16 @@ def functional_jax(case: FunctionalCase, q: np.ndarray, k: np.ndarray, v: np.nda
     if bias is not None:
         arrays.append(jnp.asarray(np.asarray(_in_dtype(bias, dtype), np.float32)).astype(getattr(jnp, dtype)))
     wide = jnp.float64 if dtype == "float64" else jnp.float32
+    structure = case.structure()
+    # window and alignment are static (Python values, as causal); the per-example offsets
+    # and the segment ids are traced arrays, as the mask
     out, gradients = _jax_functional_run(
         arrays, None if mask is None else jnp.asarray(mask),
         None if lengths is None else jnp.asarray(lengths, jnp.int32), jnp.asarray(cot, wide),
         causal=case.causal, implementation=implementation, grads=grads, softcap=case.softcap,
+        window=structure["window"], alignment=structure["alignment"],
+        q_offset=None if structure["q_offset"] is None else jnp.asarray(structure["q_offset"]),
+        segment_ids=None if structure["segment_ids"] is None else jnp.asarray(structure["segment_ids"]),
     )
     result = {"output": np.asarray(out.astype(wide))}
     if grads:
@@ -217,9 +228,12 @@ def functional_jax(case: FunctionalCase, q: np.ndarray, k: np.ndarray, v: np.nda
     return result
 
 
-@functools.partial(jax_jit_lazy, static_argnames=("causal", "implementation", "grads", "softcap"))
+@functools.partial(jax_jit_lazy, static_argnames=("causal", "implementation", "grads", "softcap", "window",
+                                                  "alignment"))
 def _jax_functional_run(arrays: Any, mask: Any, lengths: Any, cot: Any, *,
-                        causal: bool, implementation: str, grads: bool, softcap: float | None = None) -> Any:
+                        causal: bool, implementation: str, grads: bool, softcap: float | None = None,
+                        window: tuple[int | None, int | None] | None = None, alignment: str = "top_left",
+                        q_offset: Any = None, segment_ids: Any = None) -> Any:
     """``arrays``: [q, k, v] or [q, k, v, bias]; gradients w.r.t. each."""
     import jax
 
@@ -227,7 +241,9 @@ def _jax_functional_run(arrays: Any, mask: Any, lengths: Any, cot: Any, *,
 
     def attend(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
         return dot_product_attention(q, k, v, mask=mask, causal=causal, kv_lengths=lengths,
-                                     implementation=implementation, bias=bias, softcap=softcap)
+                                     implementation=implementation, bias=bias, softcap=softcap,
+                                     window=window, alignment=alignment, q_offset=q_offset,
+                                     segment_ids=segment_ids)
 
     if not grads:
         return attend(*arrays), None
@@ -238,13 +254,14 @@ def _jax_functional_run(arrays: Any, mask: Any, lengths: Any, cot: Any, *,
 def run_functional_case(case: FunctionalCase, *, grads: bool = True) -> CaseResult:
     """Both functional cores on the case's path, in its dtype: twin against twin, each
     against the loop oracle (outputs) and against float64 reference-path autograd
-    (gradients w.r.t. q, k and v)."""
+    (gradients w.r.t. q, k and v).  The case's structure options (grouped heads, window,
+    alignment or per-example offsets, segment ids) go to every call and to the oracle."""
     result = CaseResult(case)
     q, k, v, _, _ = case.inputs()
     q, k, v = (_in_dtype(a, case.dtype).astype(np.float64) for a in (q, k, v))  # as the twins see them
     out_shape = (*q.shape[:-1], v.shape[-1])
     cot = _cotangent(None, out_shape).astype(np.float64)
-    common = {"dtype": case.dtype, "implementation": case.implementation, "grads": grads}
+    common: dict[str, Any] = {"dtype": case.dtype, "implementation": case.implementation, "grads": grads}
     with full_precision():
         t = functional_torch(case, q, k, v, cot, **common)
         f = functional_jax(case, q, k, v, cot, **common)
@@ -255,7 +272,8 @@ def run_functional_case(case: FunctionalCase, *, grads: bool = True) -> CaseResu
     bias = case.bias()
     bias64 = None if bias is None else _in_dtype(bias, case.dtype).astype(np.float64)
     out64, _ = reference.attention(q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), mask=case.oracle_mask(),
-                                   causal=case.causal, bias=bias64, softcap=case.softcap)
+                                   causal=case.causal, bias=bias64, softcap=case.softcap,
+                                   **case.oracle_structure())
     for side, got in (("torch", t), ("flax", f)):
         result.oracle.append(compare(f"{side} output vs oracle", got["output"], out64, ORACLE[case.dtype],
                                      (side, "oracle")))

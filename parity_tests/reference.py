@@ -30,6 +30,10 @@ def attention(
     rate: float = 0.0,
     bias: np.ndarray | None = None,
     softcap: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    offset: int | np.ndarray = 0,
+    segment_ids: np.ndarray | None = None,
+    kv_segment_ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """q (..., T, D), k (..., S, D), v (..., S, Dv) -> out (..., T, Dv), weights (..., T, S).
 
@@ -38,10 +42,29 @@ def attention(
 
     ``keep`` (bool, broadcastable to the weights) applies dropout: kept weights are
     scaled by 1/(1 - rate), the others become 0.
+
+    Structure (issue 9): query i sits at key position ``p = i + offset`` (``offset`` an
+    int, or one int per example, shape (B,)); ``causal`` blocks keys j > p and
+    ``window=(left, right)`` (inclusive, None = unbounded on that side) blocks keys
+    outside p - left .. p + right.  ``segment_ids`` (B, T) and ``kv_segment_ids`` (B, S)
+    (default: ``segment_ids``) block keys of another segment.  Grouped-query attention:
+    k and v (..., Hkv, S, D) with Hkv dividing q's H; query head h reads kv head
+    h // (H // Hkv).  Per-example options index the first axis (B).
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     lead = q.shape[:-2]
     t_len, s_len = q.shape[-2], k.shape[-2]
+    groups = 1  # query heads per key/value head
+    if q.ndim >= 3 and k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        if q.shape[-3] % k.shape[-3]:
+            raise ValueError(f"q has {q.shape[-3]} heads, not a multiple of k's {k.shape[-3]}")
+        groups = q.shape[-3] // k.shape[-3]
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    offsets = np.asarray(offset)
+    seg_q = None if segment_ids is None else np.asarray(segment_ids)
+    seg_k = seg_q if kv_segment_ids is None else np.asarray(kv_segment_ids)
     allowed = np.ones((*lead, t_len, s_len), dtype=bool)
     if mask is not None:
         allowed = allowed & np.broadcast_to(mask, allowed.shape)
@@ -50,13 +73,21 @@ def attention(
     out = np.zeros((*lead, t_len, v.shape[-1]))
     weights = np.zeros((*lead, t_len, s_len))
     for idx in np.ndindex(*lead):
+        kv_idx = idx if groups == 1 else idx[:-1] + (idx[-1] // groups,)  # its key/value head
+        shift = int(offsets) if offsets.ndim == 0 else int(offsets[idx[0]])  # key position of query 0
         for i in range(t_len):  # each query
-            scores = []
+            p = i + shift  # its key position
+            scores: list[float | None] = []
             for j in range(s_len):  # each key
-                if (causal and j > i) or not allowed[idx + (i, j)]:
+                blocked = (
+                    (right is not None and j - p > right)
+                    or (left is not None and p - j > left)
+                    or (seg_q is not None and seg_k is not None and seg_q[idx[0], i] != seg_k[idx[0], j])
+                )
+                if blocked or not allowed[idx + (i, j)]:
                     scores.append(None)  # blocked
                 else:
-                    s = float(np.dot(q[idx + (i,)], k[idx + (j,)])) * scale
+                    s = float(np.dot(q[idx + (i,)], k[kv_idx + (j,)])) * scale
                     if softcap is not None:
                         s = softcap * math.tanh(s / softcap)
                     if bias_b is not None:
@@ -79,7 +110,7 @@ def attention(
                 row = [w / (1.0 - rate) if keep_b[idx + (i, j)] else 0.0 for j, w in enumerate(row)]
             acc = np.zeros(v.shape[-1])
             for j, w in enumerate(row):  # each value, weighted
-                acc += w * v[idx + (j,)]
+                acc += w * v[kv_idx + (j,)]
             out[idx + (i,)] = acc
             weights[idx + (i,)] = row
     return out, weights

@@ -79,7 +79,8 @@ from typing import Any
 import numpy as np
 
 from attention_spec.conversion import VARIANTS, as_numpy, module_rules
-from parity_tests.harness import Finding, compare, full_precision, module_dtype
+from attention_spec.specs import Rule, Transpose, apply_specs, path_text, spec_shapes
+from parity_tests.harness import Finding, _as_rules, compare, full_precision, module_dtype
 from parity_tests.tolerances import TRAINING_PARITY, Tolerance
 
 __all__ = [
@@ -238,32 +239,20 @@ def _flat_params(tree: Any) -> dict[tuple[Any, ...], Any]:
     return out
 
 
-def _parse_map(param_map: Mapping[str, Any]) -> tuple[dict[str, tuple[Any, ...]], dict[str, bool]]:
-    paths, transposed = {}, {}
-    for name, target in param_map.items():
-        is_pair = isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], bool)
-        path, transpose = target if is_pair else (target, False)
-        if isinstance(path, str):
-            path = tuple(int(p) if p.isdigit() else p for p in path.split("/"))
-        paths[name], transposed[name] = tuple(path), transpose
-    return paths, transposed
-
-
-def _resolve_map(
-    torch_module: Any, flax_params: Mapping[tuple[Any, ...], Any], param_map: Mapping[str, Any] | None
-) -> tuple[dict[str, tuple[Any, ...]], dict[str, bool]]:
-    """{torch name: flax path}, {torch name: transposed?}; every trainable parameter of
-    both sides mapped exactly once with matching shapes, else one ValueError."""
+def _resolve_map(torch_module: Any, flax_params: Mapping[tuple[Any, ...], Any], param_map: Any) -> list[Rule]:
+    """The conversion rules between the two parameter sets: every trainable parameter of
+    both sides in exactly one rule, every shape carried through the rule's steps to the
+    other side's shape, else one ValueError listing every problem."""
     torch_params = {n: p for n, p in torch_module.named_parameters() if p.requires_grad}
     if param_map is None:
         if not _is_ours(torch_module):
             raise ValueError(
                 f"{type(torch_module).__name__} is not one of this library's modules: "
-                "pass param_map={torch name: flax path or (flax path, transpose)}"
+                "pass param_map={torch name: flax path or (flax path, transpose)} or a list of "
+                "attention_spec.specs.Rule"
             )
-        rules = module_rules(torch_module)
-        paths = {r.torch_name: r.flax_path for r in rules}
-        transposed = {r.torch_name: r.transpose for r in rules}
+        declared = module_rules(torch_module)
+        paths = {r.torch_name: r.flax_path for r in declared}
         # A Linen model that holds the module (nnx.bridge.to_linen) keeps its parameters
         # under the submodule's name: find the one prefix under which all of them are.
         if paths and not all(p in flax_params for p in paths.values()):
@@ -272,24 +261,33 @@ def _resolve_map(
             found = [q for q in prefixes if all((*q, *p) in flax_params for p in paths.values())]
             if len(found) == 1:
                 paths = {n: (*found[0], *p) for n, p in paths.items()}
+        rules = [Rule(r.torch_name, paths[r.torch_name], (Transpose(),) if r.transpose else ()) for r in declared]
     else:
-        paths, transposed = _parse_map(param_map)
-    problems = [f"  PyTorch has no trainable parameter {n!r}" for n in paths if n not in torch_params]
-    problems += [f"  Flax has no parameter {'/'.join(map(str, p))!r}" for p in paths.values() if p not in flax_params]
-    problems += [f"  PyTorch parameter {n!r} is not in the map" for n in torch_params if n not in paths]
-    mapped = set(paths.values())
-    problems += [f"  Flax parameter {'/'.join(map(str, p))!r} is not in the map"
-                 for p in flax_params if p not in mapped]
-    for name, path in paths.items():
-        if name in torch_params and path in flax_params:
-            t_shape = tuple(torch_params[name].shape)
-            f_shape = tuple(np.shape(flax_params[path]))
-            if (f_shape[::-1] if transposed[name] else f_shape) != t_shape:
-                problems.append(f"  {name!r} {t_shape} does not match {'/'.join(map(str, path))!r} {f_shape}"
-                                + (" (transposed)" if transposed[name] else ""))
+        rules = _as_rules(param_map)
+    names = [n for r in rules for n in r.torch_names]
+    mapped = [p for r in rules for p in r.flax_paths]
+    problems = [f"  PyTorch has no trainable parameter {n!r}" for n in names if n not in torch_params]
+    problems += [f"  Flax has no parameter {path_text(p)!r}" for p in mapped if p not in flax_params]
+    problems += [f"  PyTorch parameter {n!r} is not in the map" for n in torch_params if n not in set(names)]
+    problems += [f"  Flax parameter {path_text(p)!r} is not in the map" for p in flax_params if p not in set(mapped)]
+    for rule in rules:
+        if not all(n in torch_params for n in rule.torch_names) or not all(p in flax_params for p in rule.flax_paths):
+            continue
+        t_shapes = {n: tuple(torch_params[n].shape) for n in rule.torch_names}
+        f_shapes = {p: tuple(np.shape(flax_params[p])) for p in rule.flax_paths}
+        try:
+            got = spec_shapes(t_shapes, [rule], "to_flax")
+        except ValueError as err:
+            problems += err.args[0].splitlines()[1:]
+            continue
+        if got != f_shapes:
+            source = ", ".join(f"{n!r} {sh}" for n, sh in t_shapes.items())
+            target = ", ".join(f"{path_text(p)!r} {sh}" for p, sh in f_shapes.items())
+            transposed = rule.steps == (Transpose(),)
+            problems.append(f"  {source} does not match {target}" + (" (transposed)" if transposed else ""))
     if problems:
         raise ValueError("the parameter map does not match the two modules:\n" + "\n".join(problems))
-    return paths, transposed
+    return rules
 
 
 def _optimizers(
@@ -365,7 +363,7 @@ def check_training_parity(
     rtol: float | None = None,
     atol: float | None = None,
     mask: Any = None,
-    param_map: Mapping[str, Any] | None = None,
+    param_map: Any = None,
     flax_variables: Any = None,
     training: bool = False,
     dropout_masks: Sequence[Any] | None = None,
@@ -391,8 +389,11 @@ def check_training_parity(
       rtol, atol: override ``tolerances.TRAINING_PARITY`` for the dtype; a parameter
         passes when ``|torch - flax| <= atol + rtol * max|flax|`` (normwise).
       mask: bool, True = may attend, passed as ``mask=`` to both modules at every step.
-      param_map: {torch name: flax path or (flax path, transpose)}, as for
+      param_map: {torch name: flax path or (flax path, transpose)}, or a list of
+        ``attention_spec.specs.Rule`` (packed q/k/v, reshapes, any transposition), as for
         ``check_parity``; default: the declared weight map of this library's modules.
+        Each Flax parameter is carried through the rules into PyTorch's names and
+        layouts after every step and compared there.
       flax_variables: the variables of a Linen ``flax_module`` (``model.init(...)``).
       training: run in training mode (eval by default); dropout > 0 then needs
         ``dropout_masks``: one bool keep-mask per step (True = keep), shaped like the
@@ -471,7 +472,7 @@ def check_training_parity(
             return nnx.merge(graphdef, params, rest)(x, **kwargs)
 
         flat0 = {tuple(p): v[...] for p, v in nnx.to_flat_state(params0)}
-    paths, transposed = _resolve_map(torch_module, flat0, param_map)
+    rules = _resolve_map(torch_module, flat0, param_map)
     dtype = module_dtype(torch_module)
     flax_dtype = str(np.asarray(next(iter(flat0.values()))).dtype) if flat0 else dtype
     if flax_dtype != dtype:
@@ -541,11 +542,10 @@ def check_training_parity(
             flat = _flat_params(params) if linen else {tuple(p): v[...] for p, v in nnx.to_flat_state(params)}
             t_params = dict(pt.named_parameters())
             findings = [compare("loss", float(t_value.detach()), float(f_value), loss_tol)]
-            for t_name, path in paths.items():
-                f_value_np = np.asarray(flat[path])
-                if transposed[t_name]:
-                    f_value_np = f_value_np.T
-                findings.append(compare(t_name, t_params[t_name].detach(), f_value_np, tol))
+            # the Flax parameters carried through the rules into PyTorch's names and layouts
+            as_torch = apply_specs({p: np.asarray(flat[p]) for r in rules for p in r.flax_paths}, rules, "to_torch")
+            for t_name in (n for r in rules for n in r.torch_names):
+                findings.append(compare(t_name, t_params[t_name].detach(), as_torch[t_name], tol))
             report.steps.append(StepRecord(k + 1, float(t_value.detach()), float(f_value), findings))
 
     report.torch_module = pt
