@@ -141,10 +141,11 @@ def _git_state() -> dict[str, Any] | None:
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", *args], cwd=root, capture_output=True, text=True, timeout=30, check=True
-        ).stdout.strip()
+        ).stdout
 
     try:
-        commit = git("rev-parse", "HEAD")
+        commit = git("rev-parse", "HEAD").strip()
+        # "XY path" per line: stripping the whole output would eat the first line's " M"
         changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -170,7 +170,7 @@ def forward(
     rate = float(options.get("dropout", 0.0))
     common = {"mask": mask, "causal": bool(options.get("causal", False)), "keep": keep, "rate": rate,
               "normalization": options.get("normalization", "softmax"), "bias": bias,
-              "softcap": options.get("softcap")}
+              "softcap": options.get("softcap"), "window": options.get("window")}
     projections = [p for p in decl.projections if p.exists(options)]
     by_role: dict[str, np.ndarray] = {}
     for p in projections:
@@ -183,7 +183,9 @@ def forward(
     if not by_role:  # no projections: queries, keys and values are x itself
         by_role = {"query": x, "key": x, "value": x}
     num_heads = int(options.get("num_heads", 1)) if decl.heads == "split" else 1
-    q, k, v = (_heads(by_role[r], num_heads) for r in ("query", "key", "value"))  # (B, H, T, D)
+    kv_heads = int(options.get("num_kv_heads") or num_heads)  # grouped-query: fewer k/v heads
+    q = _heads(by_role["query"], num_heads)  # (B, H, T, D)
+    k, v = (_heads(by_role[r], kv_heads) for r in ("key", "value"))  # (B, Hkv, T, D)
     scale = options.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, weights = attention(q, k, v, scale=scale, **common)
