@@ -1,0 +1,25 @@
+"""Every Python example in README.md runs as written (in a fresh namespace each, from an
+empty working directory): the first thing a user tries must work."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from parity_tests.conftest import needs_both
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_the_readme_has_examples() -> None:
+    assert len(BLOCKS) >= 8
+
+
+@needs_both
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(BLOCKS[index], f"README.md example {index}", "exec"), {"__name__": "__readme__"})
