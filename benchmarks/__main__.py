@@ -30,6 +30,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-target", action="store_true",
         help="the issue's CPU target: B=4, H=8, S=1024, head_dim 64, float32, causal, forward, 20 runs",
     )
+    which.add_argument(
+        "--cpu-sweep", action="store_true",
+        help="issue 10's CPU sweep: S 128..32768 (float32, causal, head_dim 64), forward and forward+backward, "
+             "both twins, flax.nnx.MultiHeadAttention and torch.nn.MultiheadAttention, a process per case",
+    )
     parser.add_argument("--with-compile", action="store_true", help="add ours-torch-compile to --quick")
     parser.add_argument("--systems", type=_names, help=f"comma-separated subset of: {', '.join(SYSTEMS)}")
     parser.add_argument("--runs", type=int, help="timed runs per measurement (the mode's default otherwise)")
@@ -47,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    name = "quick" if args.quick else "cpu-target" if args.cpu_target else "full"
+    name = ("quick" if args.quick else "cpu-target" if args.cpu_target
+            else "cpu-sweep" if args.cpu_sweep else "full")
     chosen = mode(name, with_compile=args.with_compile)
     changes: dict = {}
     if args.systems:

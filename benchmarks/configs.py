@@ -1,5 +1,5 @@
 """What the benchmark measures: the attention shapes (``Config``), the systems, the
-FLOP count, and the three modes (full, quick, cpu-target).
+FLOP count, and the modes (full, quick, cpu-target, cpu-sweep).
 
 Framework-free: nothing here imports JAX or PyTorch.
 """
@@ -135,6 +135,22 @@ def cpu_target_configs() -> list[Config]:
     return [Config(4, 1024, 8, 64, True, "float32")]
 
 
+# The CPU sweep (issue 10): float32, causal, head_dim 64.  The S x S systems (Flax's and
+# torch's own multi-head attention, which materialise the weights) stop at S = 4096: at
+# S = 16384 one head's float32 weights alone are 1 GiB, and B1 H4 needs 4 of them at once.
+CPU_SWEEP_SHAPES = ((32, 128, 4), (4, 1024, 8), (1, 4096, 8), (1, 16384, 4), (1, 32768, 4))
+CPU_SWEEP_SYSTEMS = ("ours-jax-auto", "ours-torch-sdpa", "flax-nnx-mha", "torch-nn-mha")
+QUADRATIC_SYSTEMS = ("flax-nnx-mha", "torch-nn-mha")
+
+
+def cpu_sweep_configs() -> list[Config]:
+    return [
+        Config(b, s, h, 64, True, "float32",
+               systems=None if s <= 4096 else tuple(x for x in CPU_SWEEP_SYSTEMS if x not in QUADRATIC_SYSTEMS))
+        for b, s, h in CPU_SWEEP_SHAPES
+    ]
+
+
 @dataclass(frozen=True)
 class Mode:
     """A named benchmark run: its shapes, systems, timed runs and whether to time the
@@ -146,10 +162,13 @@ class Mode:
     runs: int
     backward: bool
     warmup: int = 2  # untimed calls after the first (compiling) call
+    # One worker process per (config, system), systems interleaved per config: each
+    # case's resident high-water mark is its own, and a slow moment hits every system.
+    process_per_case: bool = False
 
 
 def mode(name: str, *, with_compile: bool = False) -> Mode:
-    """The mode ``"full"``, ``"quick"`` or ``"cpu-target"``.
+    """The mode ``"full"``, ``"quick"``, ``"cpu-target"`` or ``"cpu-sweep"``.
 
     ``with_compile`` adds ours-torch-compile to quick mode (the others decide themselves:
     the full run has it, the CPU target does not)."""
@@ -164,4 +183,7 @@ def mode(name: str, *, with_compile: bool = False) -> Mode:
             "ours-torch-sdpa", "ours-torch-reference", "flax-nnx-mha", "torch-nn-mha",
         )
         return Mode(name, tuple(cpu_target_configs()), systems, runs=20, backward=False)
-    raise ValueError(f"unknown mode {name!r}; expected 'full', 'quick' or 'cpu-target'")
+    if name == "cpu-sweep":
+        return Mode(name, tuple(cpu_sweep_configs()), CPU_SWEEP_SYSTEMS, runs=5, backward=True, warmup=1,
+                    process_per_case=True)
+    raise ValueError(f"unknown mode {name!r}; expected 'full', 'quick', 'cpu-target' or 'cpu-sweep'")

@@ -83,6 +83,7 @@ def runtime_environment(framework: str) -> dict[str, Any]:
 
         device = jax.devices()[0]
         return {
+            "matmul_gflops": _matmul_gflops("jax"),
             "jax": jax.__version__,
             "jaxlib": jaxlib.__version__,
             "backend": jax.default_backend(),
@@ -96,6 +97,7 @@ def runtime_environment(framework: str) -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     return {
+        "matmul_gflops": _matmul_gflops("torch"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
@@ -105,6 +107,41 @@ def runtime_environment(framework: str) -> dict[str, Any]:
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
+
+
+def _matmul_gflops(framework: str, n: int = 1024, runs: int = 10) -> float:
+    """The rate of a plain float32 (n x n) @ (n x n) product, GFLOP/s, median of ``runs``
+    after a warm-up: the ceiling the attention modules are measured against."""
+    import statistics
+    import time
+
+    if framework == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        product = jax.jit(lambda x: jnp.matmul(x, x, precision="highest"))
+
+        def call() -> None:
+            product(a).block_until_ready()
+    else:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        t = torch.randn(n, n, device=device)
+
+        def call() -> None:
+            torch.matmul(t, t)
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+    call()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
 
 
 def _cpu_model() -> str:

@@ -71,15 +71,25 @@ def table(results: dict[str, Any]) -> str:
     """One row per (config, system): median times with their spread, TFLOP/s of the
     attention core, peak memory, first-call (compile) time, error."""
     backward = results["settings"]["backward"] or any(m["fwd_bwd"] for m in results["measurements"])
+    per_case = results["mode"] == "cpu-sweep"
+    rates = {fw: (rt or {}).get("matmul_gflops") for fw, rt in results["env"].get("runtime", {}).items()}
     header = ["config", "system", "fwd ms (IQR)", "fwd TFLOP/s"]
     if backward:
         header += ["fwd+bwd ms (IQR)", "fwd+bwd TFLOP/s"]
+    if per_case:
+        header += ["fwd of matmul rate", "resident peak MiB"]
     header += ["peak MiB", "compile s (fwd / fwd+bwd)" if backward else "compile s", "error"]
     rows = []
     for m in sorted_measurements(results):
         row = [m["label"], m["system"], *_phase_cells(m["fwd"])]
         if backward:
             row += _phase_cells(m["fwd_bwd"])
+        if per_case:
+            rate = rates.get("jax" if m["system"].startswith(("ours-jax", "flax")) else "torch")
+            achieved = m["fwd"]["tflops_incl_projections"] * 1e3 if m["fwd"] else None
+            row.append("-" if rate is None or achieved is None else f"{achieved / rate:.0%}")
+            growth = m.get("max_rss_growth_bytes")
+            row.append("-" if growth is None else f"{growth / 2**20:,.0f}")
         compile_s = " / ".join(f"{m[p]['compile_s']:.2f}" for p, _ in PHASES if m[p])
         peak = "n/a" if m["peak_mem_bytes"] is None else f"{m['peak_mem_bytes'] / 2**20:,.0f}"
         row += [peak, compile_s or "-", m["error"] or ""]

@@ -54,8 +54,11 @@ def run(
         echo("Note: the full sweep is meant for a GPU; on a CPU it takes hours (try --quick or --cpu-target).")
     env["runtime"] = {}
     measurements = []
-    for system in mode.systems:
-        configs = [c for c in mode.configs if c.runs_system(system)]
+    if mode.process_per_case:
+        jobs = [(system, [c]) for c in mode.configs for system in mode.systems if c.runs_system(system)]
+    else:
+        jobs = [(system, [c for c in mode.configs if c.runs_system(system)]) for system in mode.systems]
+    for system, configs in jobs:
         if configs:
             runtime, done = _run_system(system, configs, mode, echo)
             if runtime:
@@ -114,7 +117,13 @@ def notes(mode: Mode, env: dict[str, Any]) -> list[str]:
         "within a process. On CPU not measured (n/a); the JSON's max_rss_growth_bytes is how "
         "much the worker process's high-water resident set grew during the case (0 when an "
         "earlier case of the same system had used more).",
-        "Each system runs in a worker process of its own, one system after another.",
+        ("Each (config, system) runs in a worker process of its own, the systems interleaved per config; "
+         "the 'resident peak MiB' column is how much that process's high-water resident set grew during "
+         "the case (its memory above the imported frameworks), and 'fwd of matmul rate' is the forward's "
+         "FLOP rate, projections included, over a plain float32 1024^3 matmul's rate in the same "
+         "framework measured at the worker's start."
+         if mode.process_per_case else
+         "Each system runs in a worker process of its own, one system after another."),
         *_busy_machine_warning(env),
     ]
 
