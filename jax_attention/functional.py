@@ -28,6 +28,7 @@ Everything here is jit-compatible; options are Python values (static under jit).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal, NamedTuple
 
@@ -526,11 +527,11 @@ def _live_keys(
     """(..., S, 1) bool, ``ndim`` dimensions: key positions that some query may attend
     to; None if all may.  ``mask`` has ``ndim`` dimensions (``canonical_mask``)."""
     live = None
-    band = _band(q_len, kv_len, offset, causal, window, ndim)
     if mask is not None:
+        band = _band(q_len, kv_len, offset, causal, window, ndim)
         visible = mask if band is None else mask & band
         live = visible.any(axis=-2)  # (..., S), size-1 dimensions kept
-    elif band is not None:  # the keys within reach of the first to the last query
+    elif causal or window is not None:  # the keys within reach of the first to the last query
         lo, hi = _key_range(0, q_len, kv_len, offset, causal, window)
         if lo > 0 or hi < kv_len:
             positions = jnp.arange(kv_len)
@@ -670,6 +671,164 @@ def default_block_size(q_len: int) -> int:
     return max(128, -(-q_len // 16))
 
 
+class _FlashStatic(NamedTuple):
+    """The static (hashable) structure of one blockwise slice."""
+
+    block: int
+    causal: bool
+    offset: int
+    window: tuple[int | None, int | None] | None
+    scale: float
+    softcap: float | None
+    precision: Any
+    q_len: int
+    kv_len: int
+
+
+def _part(a: Array | None, r0: int, r1: int, lo: int, hi: int) -> Array | None:
+    """Rows [r0, r1) and keys [lo, hi) of a (T or 1, S or 1) mask or bias; a size-1
+    (broadcast) dimension stays size 1."""
+    if a is None:
+        return None
+    rows = slice(r0, r1) if a.shape[0] > 1 else slice(None)
+    cols = slice(lo, hi) if a.shape[1] > 1 else slice(None)
+    return a[rows, cols]
+
+
+def _flash_blocks(st: _FlashStatic):  # type: ignore[no-untyped-def]
+    """(r0, r1, lo, hi) of every query block with keys in reach, and the empty ones."""
+    for r0 in range(0, st.q_len, st.block):
+        r1 = min(r0 + st.block, st.q_len)
+        lo, hi = _key_range(r0, r1, st.kv_len, st.offset, st.causal, st.window)
+        yield r0, r1, lo, hi
+
+
+def _flash_logits(st: _FlashStatic, q_c: Array, k_c: Array, bias: Array | None, mask: Array | None,
+                  length: Array | None, r0: int, r1: int, lo: int, hi: int) -> tuple[Array, Array, float, Array | None]:
+    """One block: (unscaled scores s, logits z, z's scale, allowed keys or None); the
+    softmax is over ``z * z_scale``, the library's stable form (see ``_unnormalized``)."""
+    raw = jnp.matmul(q_c[r0:r1], k_c[lo:hi].T, precision=st.precision)  # (r1 - r0, hi - lo)
+    if bias is not None or st.softcap is not None:
+        part = _part(bias, r0, r1, lo, hi)
+        z, z_scale = _adjust(raw * st.scale, part, st.softcap), 1.0
+    else:
+        z, z_scale = raw, st.scale
+    allowed = _part(mask, r0, r1, lo, hi)
+    if length is not None:
+        allowed = combine_masks(allowed, (jnp.arange(lo, hi) < length)[None, :])
+    allowed = combine_masks(allowed, _band(r1 - r0, hi - lo, r0 + st.offset - lo, st.causal, st.window, 2))
+    if allowed is not None:
+        allowed = jnp.broadcast_to(allowed, z.shape)
+    return raw, z, z_scale, allowed
+
+
+def _flash_forward(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                   length: Array | None) -> tuple[Array, tuple[Array, Array, Array]]:
+    """(out in v's dtype, (out, row max, row sum) in the compute dtype) of one slice."""
+    ct = _compute_dtype(q.dtype)
+    q_c, k_c, v_c = q.astype(ct), k.astype(ct), v.astype(ct)
+    outs, maxes, sums = [], [], []
+    for r0, r1, lo, hi in _flash_blocks(st):
+        if hi == lo:  # nothing within reach: zero rows
+            outs.append(jnp.zeros((r1 - r0, v.shape[-1]), ct))
+            maxes.append(jnp.zeros((r1 - r0, 1), ct))
+            sums.append(jnp.zeros((r1 - r0, 1), ct))
+            continue
+        _, z, z_scale, allowed = _flash_logits(st, q_c, k_c, bias, mask, length, r0, r1, lo, hi)
+        if allowed is not None:
+            z = jnp.where(allowed, z, -jnp.inf)
+        row_max = z.max(axis=-1, keepdims=True)
+        if allowed is not None:  # a row with nothing to attend to subtracts 0: exp(-inf) = 0
+            row_max = jnp.where(allowed.any(axis=-1, keepdims=True), row_max, 0.0)
+        unnormalized = jnp.exp((z - row_max) * z_scale)
+        row_sum = unnormalized.sum(axis=-1, keepdims=True)
+        mixed = jnp.matmul(unnormalized, v_c[lo:hi], precision=st.precision)
+        outs.append(mixed / jnp.where(row_sum == 0, 1.0, row_sum))
+        maxes.append(row_max)
+        sums.append(row_sum)
+    out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+    row_max = jnp.concatenate(maxes, axis=0) if len(maxes) > 1 else maxes[0]
+    row_sum = jnp.concatenate(sums, axis=0) if len(sums) > 1 else sums[0]
+    return out.astype(v.dtype), (out, row_max, row_sum)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+           length: Array | None) -> Array:
+    """One (T, D) x (S, D) x (S, Dv) slice of the blockwise path, with FlashAttention's
+    backward: ``bias`` (T or 1, S or 1) float, differentiable; ``mask`` bool of the same
+    kind; ``length`` a scalar key count; the structure (causal, window, offset, blocks)
+    in ``st``."""
+    return _flash_forward(st, q, k, v, bias, mask, length)[0]
+
+
+def _flash_fwd(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+               length: Array | None) -> tuple[Array, Any]:
+    out, (out_c, row_max, row_sum) = _flash_forward(st, q, k, v, bias, mask, length)
+    return out, (q, k, v, bias, mask, length, out_c, row_max, row_sum)
+
+
+def _float0(a: Array | None) -> Any:
+    return None if a is None else np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+def _flash_bwd(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
+    """Recomputes each block's weights from the saved row maximum and sum:
+    p = exp((z - max) * z_scale) / sum, then the softmax's backward
+    g = p * (d_out @ v^T - rowsum(d_out * out)) on the logits, carried back through
+    the soft-cap and the scale to q and k; the bias gets g itself."""
+    q, k, v, bias, mask, length, out_c, row_max, row_sum = residuals
+    ct = _compute_dtype(q.dtype)
+    q_c, k_c, v_c = q.astype(ct), k.astype(ct), v.astype(ct)
+    do = d_out.astype(ct)
+    delta = (do * out_c).sum(axis=-1, keepdims=True)  # (T, 1)
+    dq = [jnp.zeros((0, q.shape[-1]), ct)]
+    dk = jnp.zeros(k_c.shape, ct)
+    dv = jnp.zeros(v_c.shape, ct)
+    d_bias = None if bias is None else jnp.zeros(bias.shape, ct)
+    for r0, r1, lo, hi in _flash_blocks(st):
+        if hi == lo:
+            dq.append(jnp.zeros((r1 - r0, q.shape[-1]), ct))
+            continue
+        raw, z, z_scale, allowed = _flash_logits(st, q_c, k_c, bias, mask, length, r0, r1, lo, hi)
+        if allowed is not None:
+            z = jnp.where(allowed, z, -jnp.inf)
+        m, total = row_max[r0:r1], row_sum[r0:r1]
+        p = jnp.exp((z - m) * z_scale) / jnp.where(total == 0, 1.0, total)  # the forward's weights
+        do_b = do[r0:r1]
+        dv = dv.at[lo:hi].add(jnp.matmul(p.T, do_b, precision=st.precision))
+        dp = jnp.matmul(do_b, v_c[lo:hi].T, precision=st.precision)
+        g = p * (dp - delta[r0:r1])  # gradient of the loss w.r.t. the logits z * z_scale
+        if bias is not None or st.softcap is not None:  # z = cap(s * scale) + bias, z_scale = 1
+            if d_bias is not None:
+                d_bias = _add_part(d_bias, g, r0, r1, lo, hi)
+            if st.softcap is not None:
+                g = g * (1.0 - jnp.tanh(raw * st.scale / st.softcap) ** 2)
+            ds = g * st.scale
+        else:  # z = s, z_scale = scale
+            ds = g * st.scale
+        dq.append(jnp.matmul(ds, k_c[lo:hi], precision=st.precision))
+        dk = dk.at[lo:hi].add(jnp.matmul(ds.T, q_c[r0:r1], precision=st.precision))
+    dq_all = jnp.concatenate(dq, axis=0)
+    return (dq_all.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            None if d_bias is None else d_bias.astype(bias.dtype), _float0(mask), _float0(length))
+
+
+def _add_part(total: Array, g: Array, r0: int, r1: int, lo: int, hi: int) -> Array:
+    """Adds a block's (r1 - r0, hi - lo) gradient into a (T or 1, S or 1) bias gradient,
+    summing over the bias's broadcast (size-1) dimensions."""
+    if total.shape[0] == 1:
+        g = g.sum(axis=0, keepdims=True)
+    if total.shape[1] == 1:
+        g = g.sum(axis=1, keepdims=True)
+    rows = slice(r0, r1) if total.shape[0] > 1 else slice(None)
+    cols = slice(lo, hi) if total.shape[1] > 1 else slice(None)
+    return total.at[rows, cols].add(g)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
 def _blockwise(
     q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
     scale: float, precision: Precision, block_size: int | None = None, bias: Array | None = None,
@@ -684,10 +843,13 @@ def _blockwise(
     The (batch, heads) slices go through ``lax.map`` one at a time, each a sequence of
     plain 2-d matrix products: on XLA's CPU backend these run about 1.6x faster than the
     same products batched over (batch x heads) (measured in benchmarks/profile_cpu.py).
-    Within a slice the loop over query blocks is unrolled (static shapes; everything is
-    differentiable).  Rows are normalised as in the reference path, except that the
-    division by the row sum is applied to the (block, Dv) output instead of the
-    (block, S) weights: one pass less over the scores, the same value up to rounding.
+    Within a slice the loop over query blocks is unrolled (static shapes).  Rows are
+    normalised as in the reference path, except that the division by the row sum is
+    applied to the (block, Dv) output instead of the (block, S) weights: one pass less
+    over the scores, the same value up to rounding.  The gradient is FlashAttention's
+    (``_flash``, a ``jax.custom_vjp``): the forward keeps only each row's maximum and sum,
+    and the backward recomputes each block's scores from them, skipping the same blocks;
+    training memory is O(T * D) per slice, never a (T, S) array.
     ``mask`` has q's rank (``canonical_mask``)."""
     lead, q_len, kv_len = q.shape[:-2], q.shape[-2], k.shape[-2]
     batch = math.prod(lead)
@@ -712,44 +874,12 @@ def _blockwise(
         per_slice = kv_lengths.reshape((-1,) + (1,) * (len(lead) - 1))
         slices["length"] = jnp.broadcast_to(per_slice, lead).reshape(batch)
 
+    static = _FlashStatic(block, causal, offset, window, scale, softcap, precision, q_len, kv_len)
+
     def one_slice(t: dict[str, Array]) -> Array:
-        # half-precision scores would overflow or lose digits, and half-precision weights
-        # would add a rounding each: everything in the compute dtype, the output rounded once
-        q_c, k_c, v_c = t["q"].astype(ct), t["k"].astype(ct), t["v"].astype(ct)
-        outputs = []
-        for r0 in range(0, q_len, block):
-            r1 = min(r0 + block, q_len)
-            lo, hi = _key_range(r0, r1, kv_len, offset, causal, window)  # keys this block can see
-            if hi == lo:  # nothing within reach: zero rows
-                outputs.append(jnp.zeros((r1 - r0, v.shape[-1]), v.dtype))
-                continue
-            scores = jnp.matmul(q_c[r0:r1], k_c[lo:hi].T, precision=precision)  # (r1 - r0, hi - lo), unscaled
-            block_scale = scale
-            if bias is not None or softcap is not None:
-                part = shared_bias if shared_bias is not None else t.get("bias")
-                if part is not None:
-                    part = part[r0:r1, lo:hi] if part.shape[0] > 1 else part[:, lo:hi]
-                scores, block_scale = _adjust(scores * scale, part, softcap), 1.0
-            allowed = None
-            for m in (shared_mask, t.get("mask")):
-                if m is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
-                    m = m[r0:r1, lo:hi] if m.shape[0] > 1 else m[:, lo:hi]
-                    allowed = m if allowed is None else allowed & m
-            if "length" in t:
-                valid = (jnp.arange(lo, hi) < t["length"])[None, :]
-                allowed = valid if allowed is None else allowed & valid
-            band = _band(r1 - r0, hi - lo, r0 + offset - lo, causal, window, 2)
-            if band is not None and allowed is None and causal and window is None and offset >= 0:
-                # every such causal row sees its own key: no row is empty, no emptiness test
-                scores = jnp.where(band, scores, -jnp.inf)
-                row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-                unnormalized = jnp.exp((scores - row_max) * block_scale)
-            else:
-                unnormalized = _unnormalized(scores, combine_masks(allowed, band), block_scale)
-            row_sum = unnormalized.sum(axis=-1, keepdims=True)
-            mixed = jnp.matmul(unnormalized, v_c[lo:hi], precision=precision)
-            outputs.append((mixed / jnp.where(row_sum == 0, 1.0, row_sum)).astype(v.dtype))
-        return jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+        part_bias = shared_bias if shared_bias is not None else t.get("bias")
+        part_mask = combine_masks(shared_mask, t.get("mask"))
+        return _flash(static, t["q"], t["k"], t["v"], part_bias, part_mask, t.get("length"))
 
     out = jax.lax.map(one_slice, slices)  # (BH, T, Dv)
     return out.reshape(*lead, q_len, v.shape[-1])

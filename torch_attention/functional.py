@@ -489,11 +489,11 @@ def _live_keys(
 ) -> Tensor | None:
     """(..., S, 1) bool: key positions that some query may attend to; None if all may."""
     live = None
-    band = _band(q_len, kv_len, offset, causal, window, 2, device)
     if mask is not None:
+        band = _band(q_len, kv_len, offset, causal, window, 2, device)
         visible = mask if band is None else mask & band
         live = visible.any(dim=-2)  # (..., S), size-1 dimensions kept
-    elif band is not None:  # the keys within reach of the first to the last query
+    elif causal or window is not None:  # the keys within reach of the first to the last query
         lo, hi = _key_range(0, q_len, kv_len, offset, causal, window)
         if lo > 0 or hi < kv_len:
             positions = torch.arange(kv_len, device=device)
