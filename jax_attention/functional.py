@@ -854,7 +854,6 @@ def _blockwise(
     lead, q_len, kv_len = q.shape[:-2], q.shape[-2], k.shape[-2]
     batch = math.prod(lead)
     block = block_size or default_block_size(q_len)
-    ct = _compute_dtype(q.dtype)
     slices: dict[str, Array] = {
         name: t.reshape(batch, *t.shape[-2:]) for name, t in (("q", q), ("k", k), ("v", v))
     }
