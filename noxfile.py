@@ -9,7 +9,8 @@ the multi-GB CUDA build.  The pin comes from the environment variable ``TORCH_SP
 supplies the CPU wheel for it), e.g. ``TORCH_SPEC="torch==2.13.0" nox -s tests``.
 
 Plain ``nox`` runs the CPU sessions (tests, tests-torch, tests-jax, x64, lint);
-tests-cuda, tests-tpu and bench run only when named with ``-s``.
+tests-distributed (CPU, also part of ``tests``), tests-cuda, tests-tpu and bench run only
+when named with ``-s``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ def lint(session: nox.Session) -> None:
     session.install(TORCH_SPEC, "-e", ".[lint,torch,jax]")
     session.run("ruff", "check", ".")
     session.run("mypy", *session.posargs)
+
+
+@nox.session(name="tests-distributed", python=PYTHON)
+def tests_distributed(session: nox.Session) -> None:
+    """CPU scale-out: ring attention and sharded training on 8 simulated JAX devices,
+    ring attention and DDP on 2 and 4 PyTorch gloo processes (``parity_tests/test_distributed.py``;
+    the tests start those processes themselves)."""
+    _install_all(session)
+    session.run("pytest", "parity_tests/test_distributed.py", *session.posargs)
 
 
 @nox.session(name="tests-cuda", python=PYTHON)

@@ -4,9 +4,9 @@ Twin of ``torch_attention``: same class names, constructor keywords, parameter n
 the same numbers out for the same weights.  Masks are bool, ``True`` = may attend.
 """
 
-from jax_attention import functional, interop, masks
+from jax_attention import functional, interop, masks, parallel
 from jax_attention.causal import CausalAttention, Head
-from jax_attention.functional import attention_weights, dot_product_attention
+from jax_attention.functional import KVCache, attention_weights, dot_product_attention
 from jax_attention.masks import (
     alibi_bias,
     causal_mask,
@@ -23,6 +23,7 @@ from jax_attention.simplified import SimplifiedAttention
 
 __all__ = [
     "CausalAttention",
+    "KVCache",
     "Head",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
@@ -42,4 +43,5 @@ __all__ = [
     "interop",
     "masks",
     "padding_mask",
+    "parallel",
 ]

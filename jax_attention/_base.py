@@ -57,12 +57,23 @@ def linear(
     param_dtype: Any = jnp.float32,
     precision: Any,
     rngs: nnx.Rngs,
+    partitioning: tuple[str | None, str | None] | None = None,
 ) -> nnx.Linear:
     """An ``nnx.Linear`` initialised as PyTorch's ``nn.Linear`` (kernel (in, out)),
-    parameters stored in ``param_dtype``, computing in ``dtype`` (None: the parameters')."""
+    parameters stored in ``param_dtype``, computing in ``dtype`` (None: the parameters').
+
+    ``partitioning``: mesh axis names for the kernel's (in, out) dimensions, attached with
+    ``nnx.with_partitioning`` (the bias takes the out name).  Metadata only: the values
+    are unchanged and nothing is sharded at creation (``eager_sharding=False``: a module
+    is built the same with or without a mesh in context, whatever its axes); a user's
+    mesh shards the parameters by ``nnx.get_partition_spec`` under ``jax.jit``."""
     init = torch_linear_init(d_in)
+    kernel_init, bias_init = init, init
+    if partitioning is not None:
+        kernel_init = nnx.with_partitioning(init, partitioning, eager_sharding=False)
+        bias_init = nnx.with_partitioning(init, (partitioning[1],), eager_sharding=False)
     return nnx.Linear(
-        d_in, d_out, use_bias=use_bias, kernel_init=init, bias_init=init,
+        d_in, d_out, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init,
         dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
     )
 
@@ -171,9 +182,12 @@ class AttentionModule(nnx.Module):
         width, fan_in = cast(int, spec.fan_out(proj.role)), cast(int, spec.fan_in(proj.role))
         if proj.layout == "matrix":  # N(0, 1), as torch.randn in seed 004
             return nnx.Param(jax.random.normal(rngs.params(), (fan_in, width), self.param_dtype))
+        # Tensor parallelism (Megatron): q/k/v split their output features (the heads) over
+        # the "model" mesh axis, out_proj splits its input features and reduces over it.
+        partitioning = ("model", None) if proj.role == "out" else (None, "model")
         return linear(
             fan_in, width, use_bias=proj.has_bias(spec), dtype=self.dtype, param_dtype=self.param_dtype,
-            precision=self.precision, rngs=rngs,
+            precision=self.precision, rngs=rngs, partitioning=partitioning,
         )
 
     # ------------------------------------------------------------------ the options

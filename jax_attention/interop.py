@@ -65,9 +65,18 @@ __all__ = [
 def state_from_torch(
     state_dict: Mapping[str, Any], variant: str, config: Mapping[str, Any]
 ) -> nnx.State:
-    """A PyTorch ``state_dict`` (tensors or NumPy arrays) -> an ``nnx.State`` of params."""
+    """A PyTorch ``state_dict`` (tensors or NumPy arrays) -> an ``nnx.State`` of params,
+    each ``nnx.Param`` with the metadata the module's own has (its partitioning), so the
+    state has the module's tree structure."""
     flat = torch_to_flax({k: as_numpy(v) for k, v in state_dict.items()}, rules_for(variant, config))
-    return nnx.from_flat_state({p: nnx.Param(jnp.array(a)) for p, a in flat.items()})  # a copy
+    import jax_attention
+
+    cls = getattr(jax_attention, variant)
+    abstract = nnx.eval_shape(lambda: cls(**config, rngs=nnx.Rngs(0)))  # shapes and metadata, no values
+    template = dict(nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
+    return nnx.from_flat_state({  # a copy
+        p: template[p].replace(jnp.array(a)) if p in template else nnx.Param(jnp.array(a)) for p, a in flat.items()
+    })
 
 
 def state_to_torch(

@@ -4,9 +4,9 @@ Twin of ``jax_attention``: same class names, constructor keywords, parameter nam
 the same numbers out for the same weights.  Masks are bool, ``True`` = may attend.
 """
 
-from torch_attention import functional, interop, masks
+from torch_attention import functional, interop, masks, parallel
 from torch_attention.causal import CausalAttention, Head
-from torch_attention.functional import attention_weights, dot_product_attention
+from torch_attention.functional import KVCache, attention_weights, dot_product_attention
 from torch_attention.masks import (
     alibi_bias,
     causal_mask,
@@ -23,6 +23,7 @@ from torch_attention.simplified import SimplifiedAttention
 
 __all__ = [
     "CausalAttention",
+    "KVCache",
     "Head",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
@@ -42,4 +43,5 @@ __all__ = [
     "interop",
     "masks",
     "padding_mask",
+    "parallel",
 ]

@@ -1,0 +1,77 @@
+"""What the two ring attentions share: the layouts, the zigzag order, the checks and their
+texts.  Framework-free (plain ints, shape tuples, dtype names, NumPy index arrays).
+
+A ring of N members (JAX devices along a mesh axis, or the ranks of a
+``torch.distributed`` group) splits one sequence of S positions:
+
+- ``layout="contiguous"``: member i holds positions [i * S/N, (i + 1) * S/N).
+- ``layout="zigzag"``: the sequence is cut into 2N chunks of S/(2N) and member i holds
+  chunks i and 2N-1-i, in that order.  Under a causal mask every member then does the
+  same work at every step of the ring (a contiguous split leaves member 0 idle for
+  most of it).  ``zigzag_order`` gives the permutation that lays a sequence out so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attention_spec.validation import check_qkv
+
+LAYOUTS = ("contiguous", "zigzag")
+
+Shape = tuple[int, ...]
+
+
+def check_layout(layout: Any) -> str:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        options = ", ".join(repr(a) for a in LAYOUTS)
+        raise ValueError(f"layout must be one of {options}; got {layout!r}")
+    return layout
+
+
+def check_ring_sequence(seq_len: int, ring_size: int, layout: str) -> int:
+    """Checks that a sequence of ``seq_len`` splits over a ring of ``ring_size`` in
+    ``layout``; returns the length of one piece (S/N contiguous, S/(2N) zigzag)."""
+    parts = ring_size if layout == "contiguous" else 2 * ring_size
+    what = "the ring size" if layout == "contiguous" else "twice the ring size"
+    if seq_len % parts:
+        raise ValueError(
+            f"ring attention with layout={layout!r} needs a sequence length divisible by {parts} "
+            f"({what}); got sequence length {seq_len} over a ring of {ring_size}"
+        )
+    return seq_len // parts
+
+
+def check_mesh_axis(axis_name: Any, mesh_axes: tuple[Any, ...]) -> None:
+    if axis_name not in mesh_axes:
+        raise ValueError(f"the mesh has no axis {axis_name!r} to run the ring over; its axes are {tuple(mesh_axes)}")
+
+
+def check_ring_qkv(q: Shape, k: Shape, v: Shape, dtypes: tuple[str, str, str]) -> None:
+    """q, k (B, H, S, D) and v (B, H, S, Dv): self-attention over one sharded sequence, so
+    one B, H and S for all three (no grouped heads, no cross-attention)."""
+    check_qkv(q, k, v, dtypes)
+    if len(q) != 4 or q[:-1] != k[:-1]:
+        raise ValueError(
+            "ring attention needs q, k of shape (B, H, S, D) and v of shape (B, H, S, Dv), "
+            f"one B, H and S; got q {tuple(q)}, k {tuple(k)}, v {tuple(v)}"
+        )
+
+
+def zigzag_order(seq_len: int, ring_size: int) -> np.ndarray:
+    """The positions of a sequence in zigzag order (int64, (S,)): ``x[..., order, :]`` lays
+    it out so that member i's contiguous slice holds chunks i and 2N-1-i; ``np.argsort``
+    of it undoes that.  Raises ``ValueError`` unless 2N divides S."""
+    chunk = check_ring_sequence(seq_len, ring_size, "zigzag")
+    chunks = np.arange(seq_len).reshape(2 * ring_size, chunk)
+    members = [c for i in range(ring_size) for c in (i, 2 * ring_size - 1 - i)]
+    return chunks[members].reshape(-1)
+
+
+def piece_chunks(member: Any, ring_size: int, layout: str) -> tuple[Any, ...]:
+    """The chunk indices that member ``member`` holds, in order: (i,) contiguous (chunks
+    of S/N), (i, 2N-1-i) zigzag (chunks of S/(2N)).  ``member`` may be a traced integer
+    (JAX's ``axis_index``)."""
+    return (member,) if layout == "contiguous" else (member, 2 * ring_size - 1 - member)

@@ -1,0 +1,344 @@
+"""Sequence parallelism for JAX: ring attention over one axis of a device mesh.
+
+Twin of ``torch_attention/parallel.py``; the layouts, the zigzag order and the error
+texts are shared (``attention_spec.parallel``).
+
+Dimension legend as ``functional``: B batch, H heads, S the whole sequence, D head_dim,
+Dv value width; L = S / N is what one of the N devices of the ring holds.
+
+How the ring works.  Each device keeps its L queries and starts with its own L keys and
+values, packed as one (B, H, L, D + Dv) array.  At each of N steps it attends its queries
+to the chunk it holds, folding the scores into an online softmax (running row maximum
+``m``, running sum ``l`` and accumulator, in float32, float64 for float64 inputs), then
+passes the chunk to the next device with one ``jax.lax.ppermute``: N - 1 permutes in the
+forward, and every device holds one foreign chunk at a time.  Causal masking and
+``kv_lengths`` use the chunks' global positions (top-left aligned, as everywhere in this
+library); a pair of chunks that the causal mask hides entirely is skipped with
+``lax.cond``.  A query that may attend to nothing gets a zero row.
+
+The backward (``jax.custom_vjp``, flash-attention-2 style) keeps only the inputs, the
+output and the row log-sum-exp: it runs the ring again, recomputing each block's
+probabilities, adding to dq locally and to dk/dv that travel with their chunk (k, v, dk and
+dv side by side, one permute a step), and a last permute brings every dk/dv home: N
+permutes in the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.sharding import Mesh, PartitionSpec
+
+from attention_spec import dtype_name
+from attention_spec.parallel import (
+    check_layout,
+    check_mesh_axis,
+    check_ring_qkv,
+    check_ring_sequence,
+    piece_chunks,
+    zigzag_order,
+)
+from jax_attention import functional
+
+__all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
+
+#: Keys per inner block: a chunk longer than this is folded in a ``lax.scan`` over blocks
+#: of at most this many keys, so one step holds (L, 1024) scores, not (L, L).
+KEY_BLOCK = 1024
+
+
+def to_zigzag(x: Array, ring_size: int, axis: int = -2) -> Array:
+    """Lays ``x``'s sequence ``axis`` (S) out in zigzag order for a ring of ``ring_size``:
+    device i's contiguous slice then holds chunks i and 2N-1-i of S/(2N).  Raises
+    ``ValueError`` unless 2N divides S."""
+    return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], ring_size)), axis=axis)
+
+
+def from_zigzag(x: Array, ring_size: int, axis: int = -2) -> Array:
+    """Undoes ``to_zigzag``: the sequence ``axis`` back in order."""
+    order = zigzag_order(x.shape[axis], ring_size)
+    return jnp.take(x, jnp.asarray(order.argsort()), axis=axis)
+
+
+def ring_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    causal: bool = False,
+    kv_lengths: Any = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+) -> Array:
+    """Self-attention over a sequence sharded along ``mesh``'s ``axis_name``:
+    q, k (B, H, S, D), v (B, H, S, Dv) -> (B, H, S, Dv), sharded like q.
+
+    Equals ``functional.dot_product_attention`` on the whole sequence (its reference
+    math, up to rounding), forward and gradients, with S split over the N devices of
+    the axis: each holds S/N positions, and keys and values go around the ring.  The
+    arrays may come in any sharding (``shard_map`` reshards them to
+    ``PartitionSpec(None, None, axis_name, None)``); other mesh axes see them replicated.
+
+    Args:
+      causal: block the keys after each query (top-left aligned, by global position).
+      kv_lengths: valid keys per example (an int, ints or an integer array of shape () or
+        (B,), each in [0, S]); keys at global positions >= the length are ignored.
+        A query that may attend to nothing gets zeros, with zero gradients.
+      scale: None = 1/sqrt(D); a float as given.
+      layout: ``"contiguous"`` (device i holds positions [iS/N, (i+1)S/N)) or
+        ``"zigzag"``: q, k and v (and the output) are in ``to_zigzag`` order, device i
+        holding chunks i and 2N-1-i of S/(2N), which balances the causal work;
+        ``kv_lengths`` still counts positions of the original order.
+
+    Raises ``ValueError`` (the same texts as the PyTorch twin where they overlap) for a
+    layout that is not one of the two, a mesh without ``axis_name``, q/k/v that are not
+    (B, H, S, D) with one B, H and S, a sequence that N (zigzag: 2N) does not divide, or
+    bad ``kv_lengths``; ``TypeError`` for mixed or non-float dtypes.
+    """
+    check_layout(layout)
+    check_mesh_axis(axis_name, tuple(mesh.axis_names))
+    check_ring_qkv(tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                   (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
+    batch, _, seq, head_dim = q.shape
+    ring_size = int(mesh.shape[axis_name])
+    piece = check_ring_sequence(seq, ring_size, layout)
+    lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq)
+    ring = _Ring(axis_name, ring_size, layout, piece, causal, lengths is not None,
+                 functional.resolve_scale(scale, head_dim))
+    sharded = PartitionSpec(None, None, axis_name, None)
+    local = _shard_map(
+        _ring_function(ring), mesh=mesh, in_specs=(sharded, sharded, sharded, PartitionSpec()), out_specs=sharded,
+    )
+    return local(q, k, v, jnp.zeros((batch,), jnp.int32) if lengths is None else lengths)
+
+
+def _shard_map(f: Any, *, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
+    # The per-device code branches on the device's ring position (lax.cond), which the
+    # replication checker cannot follow: it is off.
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # jax < 0.7
+
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+class _Ring(NamedTuple):
+    """The static description of one ring call (hashable: one ``custom_vjp`` per ring)."""
+
+    axis_name: str
+    size: int  # N
+    layout: str
+    piece: int  # positions per piece: S/N contiguous, S/(2N) zigzag
+    causal: bool
+    padded: bool  # kv_lengths given
+    scale: float
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_function(ring: _Ring) -> Any:
+    """The per-device function (q, k, v, lengths) -> out of one ring, with its backward."""
+
+    @jax.custom_vjp
+    def attend(q: Array, k: Array, v: Array, lengths: Array) -> Array:
+        return _forward(ring, q, k, v, lengths)[0]
+
+    def forward(q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, tuple[Array, ...]]:
+        out, lse = _forward(ring, q, k, v, lengths)
+        return out, (q, k, v, lengths, out, lse)
+
+    def backward(residuals: tuple[Array, ...], d_out: Array) -> tuple[Any, ...]:
+        q, k, v, lengths, out, lse = residuals
+        dq, dk, dv = _backward(ring, q, k, v, lengths, out, lse, d_out)
+        return dq, dk, dv, None  # lengths: integers, no cotangent
+
+    attend.defvjp(forward, backward)
+    return attend
+
+
+def _next(ring: _Ring) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % ring.size) for i in range(ring.size)]
+
+
+def _positions(ring: _Ring, chunk: Any) -> Array:
+    return chunk * ring.piece + jnp.arange(ring.piece)  # (piece,), global positions
+
+
+def _pieces(ring: _Ring, t: Array) -> list[Array]:
+    """(B, H, L, ...) -> the device's pieces along the sequence (one, or two for zigzag)."""
+    return [t[:, :, i * ring.piece : (i + 1) * ring.piece] for i in range(t.shape[2] // ring.piece)]
+
+
+def _key_blocks(n: int) -> int:
+    """The largest number of keys <= KEY_BLOCK that divides a piece of n keys."""
+    return next(b for b in range(min(n, KEY_BLOCK), 0, -1) if n % b == 0)
+
+
+def _allowed(ring: _Ring, q_pos: Array, k_pos: Array, lengths: Array) -> Array | None:
+    """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
+    allowed = None
+    if ring.causal:
+        allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if ring.padded:
+        valid = (k_pos[None, :] < lengths[:, None])[:, None, None, :]
+        allowed = valid if allowed is None else allowed & valid
+    return allowed
+
+
+def _unless_hidden(ring: _Ring, q_chunk: Any, k_chunk: Any, update: Any, carry: Any) -> Any:
+    """``update(carry)``, or ``carry`` as it is where the causal mask hides key chunk
+    ``k_chunk`` from query chunk ``q_chunk`` entirely: a device-dependent branch, not a mask."""
+    if not ring.causal:
+        return update(carry)
+    return jax.lax.cond(k_chunk <= q_chunk, update, lambda unchanged: unchanged, carry)
+
+
+def _without_padding(ring: _Ring, kv: Array, me: Array, lengths: Array) -> Array:
+    """kv (B, H, L, D + Dv) with the keys and values past ``lengths`` set to 0: padding that
+    holds NaN or Inf never reaches an output or a gradient (as in ``functional``)."""
+    if not ring.padded:
+        return kv
+    chunks = piece_chunks(me, ring.size, ring.layout)
+    positions = jnp.concatenate([_positions(ring, c) for c in chunks])  # (L,)
+    valid = (positions[None, :] < lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
+    return jnp.where(valid, kv, jnp.zeros((), kv.dtype))
+
+
+def _split_blocks(t: Array, block: int) -> Array:
+    """(B, H, n, X) -> (n / block, B, H, block, X), for a scan over key blocks."""
+    b, h, n, x = t.shape
+    return t.reshape(b, h, n // block, block, x).transpose(2, 0, 1, 3, 4)
+
+
+def _scores(ring: _Ring, q: Array, k: Array) -> Array:
+    return jnp.matmul(q, jnp.swapaxes(k, -2, -1), precision="highest") * ring.scale  # (B, H, Tq, Tk)
+
+
+def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, Array]:
+    """One device's forward: out (B, H, L, Dv) in v's dtype, and the row log-sum-exp
+    (B, H, L) in the compute dtype (0 for a row with nothing to attend to)."""
+    ct = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    width = k.shape[-1]
+    me = jax.lax.axis_index(ring.axis_name)
+    q_chunks = piece_chunks(me, ring.size, ring.layout)
+    queries = _pieces(ring, q.astype(ct))
+    batch, heads = q.shape[:2]
+    states = [
+        (jnp.full((batch, heads, ring.piece), -jnp.inf, ct), jnp.zeros((batch, heads, ring.piece), ct),
+         jnp.zeros((batch, heads, ring.piece, v.shape[-1]), ct))
+        for _ in queries
+    ]
+    kv = _without_padding(ring, jnp.concatenate([k, v], axis=-1), me, lengths)  # one permute per step
+    for step in range(ring.size):
+        k_chunks = piece_chunks((me - step) % ring.size, ring.size, ring.layout)
+        for a, (q_a, q_chunk) in enumerate(zip(queries, q_chunks, strict=True)):
+            for kv_b, k_chunk in zip(_pieces(ring, kv.astype(ct)), k_chunks, strict=True):
+                update = functools.partial(_fold, ring, q=q_a, kv=kv_b, width=width, q_pos=_positions(ring, q_chunk),
+                                           k_pos=_positions(ring, k_chunk), lengths=lengths)
+                states[a] = _unless_hidden(ring, q_chunk, k_chunk, update, states[a])
+        if step < ring.size - 1:
+            kv = jax.lax.ppermute(kv, ring.axis_name, _next(ring))
+    outs, lses = [], []
+    for m, row_sum, acc in states:
+        live = row_sum > 0
+        outs.append(acc / jnp.where(live, row_sum, 1.0)[..., None])
+        lses.append(jnp.where(live, m + jnp.log(jnp.where(live, row_sum, 1.0)), 0.0))
+    return jnp.concatenate(outs, axis=2).astype(v.dtype), jnp.concatenate(lses, axis=2)
+
+
+def _fold(
+    ring: _Ring, state: tuple[Array, Array, Array], *, q: Array, kv: Array, width: int, q_pos: Array,
+    k_pos: Array, lengths: Array,
+) -> tuple[Array, Array, Array]:
+    """Online softmax: the state (m, l, acc) of queries q (B, H, Tq, D) after also seeing
+    the keys and values kv (B, H, Tk, D + Dv) at global positions ``k_pos``."""
+    block = _key_blocks(kv.shape[2])
+
+    def one_block(carry: tuple[Array, Array, Array], xs: tuple[Array, Array]) -> Any:
+        m, row_sum, acc = carry
+        kv_blk, pos = xs
+        scores = _scores(ring, q, kv_blk[..., :width])
+        allowed = _allowed(ring, q_pos, pos, lengths)
+        if allowed is not None:
+            scores = jnp.where(allowed, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing yet stays at 0
+        p = jnp.exp(scores - shift[..., None])
+        correction = jnp.exp(m - shift)
+        row_sum = row_sum * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.matmul(p, kv_blk[..., width:], precision="highest")
+        return (m_new, row_sum, acc), None
+
+    state, _ = jax.lax.scan(one_block, state, (_split_blocks(kv, block), k_pos.reshape(-1, block)))
+    return state
+
+
+def _backward(
+    ring: _Ring, q: Array, k: Array, v: Array, lengths: Array, out: Array, lse: Array, d_out: Array
+) -> tuple[Array, Array, Array]:
+    """One device's backward: dq, dk, dv for its own q, k, v (in their dtypes)."""
+    ct = lse.dtype
+    width = k.shape[-1]
+    me = jax.lax.axis_index(ring.axis_name)
+    q_chunks = piece_chunks(me, ring.size, ring.layout)
+    d_out = d_out.astype(ct)
+    delta = (d_out * out.astype(ct)).sum(axis=-1)  # (B, H, L): rowsum(dO * O)
+    rows = list(zip(_pieces(ring, q.astype(ct)), _pieces(ring, d_out), _pieces(ring, lse[..., None]),
+                    _pieces(ring, delta[..., None]), strict=True))
+    d_queries = [jnp.zeros_like(r[0]) for r in rows]
+    kv = _without_padding(ring, jnp.concatenate([k, v], axis=-1), me, lengths).astype(ct)
+    d_kv = jnp.zeros_like(kv)  # travels with its chunk
+    for step in range(ring.size):
+        k_chunks = piece_chunks((me - step) % ring.size, ring.size, ring.layout)
+        kv_pieces, dkv_pieces = _pieces(ring, kv), _pieces(ring, d_kv)
+        for a, (row, q_chunk) in enumerate(zip(rows, q_chunks, strict=True)):
+            for b, k_chunk in enumerate(k_chunks):
+                update = functools.partial(_grads, ring, row=row, kv=kv_pieces[b], width=width,
+                                           q_pos=_positions(ring, q_chunk), k_pos=_positions(ring, k_chunk),
+                                           lengths=lengths)
+                d_queries[a], dkv_pieces[b] = _unless_hidden(
+                    ring, q_chunk, k_chunk, update, (d_queries[a], dkv_pieces[b])
+                )
+        d_kv = jnp.concatenate(dkv_pieces, axis=2)
+        if step < ring.size - 1:  # one permute: k, v, dk and dv side by side
+            moved = jax.lax.ppermute(jnp.concatenate([kv, d_kv], axis=-1), ring.axis_name, _next(ring))
+            kv, d_kv = jnp.split(moved, 2, axis=-1)
+    # After N - 1 moves this device holds the dk/dv of the next device's chunk: send it home.
+    d_kv = jax.lax.ppermute(d_kv, ring.axis_name, _next(ring))
+    dq = jnp.concatenate(d_queries, axis=2)
+    return dq.astype(q.dtype), d_kv[..., :width].astype(k.dtype), d_kv[..., width:].astype(v.dtype)
+
+
+def _grads(
+    ring: _Ring, grads: tuple[Array, Array], *, row: tuple[Array, Array, Array, Array], kv: Array, width: int,
+    q_pos: Array, k_pos: Array, lengths: Array,
+) -> tuple[Array, Array]:
+    """``grads`` = (dq (B, H, Tq, D), d_kv (B, H, Tk, D + Dv)), each plus the part from
+    queries ``row`` (q, dO, lse, delta) attending to kv (B, H, Tk, D + Dv), the
+    probabilities recomputed."""
+    dq, d_kv = grads
+    q, d_out, lse, delta = row
+    block = _key_blocks(kv.shape[2])
+
+    def one_block(dq: Array, xs: tuple[Array, Array]) -> tuple[Array, Array]:
+        kv_blk, pos = xs
+        k_blk, v_blk = kv_blk[..., :width], kv_blk[..., width:]
+        p = jnp.exp(_scores(ring, q, k_blk) - lse)  # (B, H, Tq, block)
+        allowed = _allowed(ring, q_pos, pos, lengths)
+        if allowed is not None:
+            p = jnp.where(allowed, p, 0.0)
+        dv = jnp.matmul(jnp.swapaxes(p, -2, -1), d_out, precision="highest")
+        ds = p * (jnp.matmul(d_out, jnp.swapaxes(v_blk, -2, -1), precision="highest") - delta) * ring.scale
+        dq = dq + jnp.matmul(ds, k_blk, precision="highest")
+        dk = jnp.matmul(jnp.swapaxes(ds, -2, -1), q, precision="highest")
+        return dq, jnp.concatenate([dk, dv], axis=-1)
+
+    dq, d_blocks = jax.lax.scan(one_block, dq, (_split_blocks(kv, block), k_pos.reshape(-1, block)))
+    b, h, n, x = d_kv.shape
+    return dq, d_kv + d_blocks.transpose(1, 2, 0, 3, 4).reshape(b, h, n, x)
+

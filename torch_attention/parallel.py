@@ -1,0 +1,306 @@
+"""Sequence parallelism for PyTorch: ring attention over a ``torch.distributed`` group.
+
+Twin of ``jax_attention/parallel.py``; the layouts, the zigzag order and the error texts
+are shared (``attention_spec.parallel``).
+
+Dimension legend as ``functional``: B batch, H heads, S the whole sequence, D head_dim,
+Dv value width; L = S / N is what each of the N ranks of the group holds.
+
+How the ring works.  Each rank keeps its L queries and starts with its own L keys and
+values, packed as one (B, H, L, D + Dv) tensor.  At each of N steps it attends its
+queries to the chunk it holds, folding the scores into an online softmax (running row
+maximum, running sum and accumulator, in float32, float64 for float64 inputs), then
+sends the chunk to the next rank and receives the previous rank's (point-to-point,
+``batch_isend_irecv``; gloo on CPU): N - 1 exchanges in the forward, one foreign chunk
+held at a time.  Causal masking and ``kv_lengths`` use the chunks' global positions
+(top-left aligned); a pair of chunks that the causal mask hides entirely is skipped.
+A query that may attend to nothing gets a zero row.
+
+The backward (an ``autograd.Function``, flash-attention-2 style) keeps the inputs, the
+output and the row log-sum-exp, runs the ring again recomputing each block's
+probabilities, adds to dq locally and to dk/dv that travel with their chunk (one exchange a
+step), and a last exchange brings every dk/dv home: N exchanges in the backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attention_spec import dtype_name
+from attention_spec.parallel import (
+    check_layout,
+    check_ring_qkv,
+    check_ring_sequence,
+    piece_chunks,
+    zigzag_order,
+)
+from torch_attention import functional
+
+__all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
+
+#: Keys per inner block (as the JAX twin): one step holds (L, 1024) scores, not (L, L).
+KEY_BLOCK = 1024
+
+
+def to_zigzag(x: Tensor, ring_size: int, dim: int = -2) -> Tensor:
+    """Lays ``x``'s sequence ``dim`` (S) out in zigzag order for a ring of ``ring_size``:
+    rank i's contiguous slice (``chunk(ring_size, dim)[i]``) then holds chunks i and
+    2N-1-i of S/(2N).  Raises ``ValueError`` unless 2N divides S."""
+    order = torch.from_numpy(zigzag_order(x.shape[dim], ring_size)).to(x.device)
+    return x.index_select(dim, order)
+
+
+def from_zigzag(x: Tensor, ring_size: int, dim: int = -2) -> Tensor:
+    """Undoes ``to_zigzag``: the sequence ``dim`` back in order."""
+    order = zigzag_order(x.shape[dim], ring_size)
+    return x.index_select(dim, torch.from_numpy(order.argsort()).to(x.device))
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: Any = None,
+    causal: bool = False,
+    kv_lengths: Any = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+) -> Tensor:
+    """Self-attention over a sequence split across the ranks of ``group`` (None: the
+    default group): this rank's q, k (B, H, L, D), v (B, H, L, Dv) -> its output
+    (B, H, L, Dv), with S = N * L in all.
+
+    Equals ``functional.dot_product_attention`` on the whole sequence (its reference
+    math, up to rounding), forward and backward.  Every rank of the group must call it
+    with the same options and shapes.
+
+    Args:
+      causal: block the keys after each query (top-left aligned, by global position).
+      kv_lengths: valid keys per example over the whole sequence (an int, ints or an
+        integer tensor of shape () or (B,), each in [0, S]), the same on every rank.
+        A query that may attend to nothing gets zeros, with zero gradients.
+      scale: None = 1/sqrt(D); a float as given.
+      layout: ``"contiguous"`` (rank i holds positions [iL, (i+1)L)) or ``"zigzag"``
+        (rank i holds chunks i and 2N-1-i of S/(2N), in that order:
+        ``to_zigzag(x, N).chunk(N, dim=-2)[i]``), which balances the causal work.
+
+    Raises ``ValueError`` (the same texts as the JAX twin where they overlap) for a
+    layout that is not one of the two, q/k/v that are not (B, H, L, D) with one B, H and
+    L, a zigzag L that is odd (2N must divide S), or bad ``kv_lengths``; ``TypeError``
+    for mixed or non-float dtypes.
+    """
+    check_layout(layout)
+    check_ring_qkv(tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                   (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
+    group = dist.group.WORLD if group is None else group
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch, _, local, head_dim = q.shape
+    piece = check_ring_sequence(local * size, size, layout)
+    lengths = functional.canonical_kv_lengths(kv_lengths, batch, local * size)
+    lengths = None if lengths is None else lengths.to(q.device)
+    ring = _Ring(
+        group, size, rank, dist.get_global_rank(group, (rank + 1) % size),
+        dist.get_global_rank(group, (rank - 1) % size), layout, piece, causal,
+        functional.resolve_scale(scale, head_dim),
+    )
+    return _RingAttention.apply(q, k, v, lengths, ring)
+
+
+class _Ring(NamedTuple):
+    """The static description of one ring call, as seen from this rank."""
+
+    group: Any
+    size: int  # N
+    rank: int  # this rank's place in the group
+    next: int  # global rank to send to
+    prev: int  # global rank to receive from
+    layout: str
+    piece: int  # positions per piece: S/N contiguous, S/(2N) zigzag
+    causal: bool
+    scale: float
+
+
+class _RingAttention(torch.autograd.Function):
+    """(q, k, v, lengths, ring) -> out; the backward runs the ring again."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, ring: _Ring) -> Tensor:
+        with torch.no_grad():
+            out, lse = _forward(ring, q, k, v, lengths)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.lengths = ring, lengths
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.no_grad():
+            dq, dk, dv = _backward(ctx.ring, q, k, v, ctx.lengths, out, lse, d_out)
+        return dq, dk, dv, None, None
+
+
+def _exchange(ring: _Ring, t: Tensor) -> Tensor:
+    """Sends ``t`` to the next rank and returns what the previous rank sent."""
+    t = t.contiguous()
+    received = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, ring.next, ring.group), dist.P2POp(dist.irecv, received, ring.prev, ring.group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def _positions(ring: _Ring, chunk: int, device: Any) -> Tensor:
+    return chunk * ring.piece + torch.arange(ring.piece, device=device)  # (piece,), global positions
+
+
+def _pieces(ring: _Ring, t: Tensor) -> list[Tensor]:
+    """(B, H, L, ...) -> this rank's pieces along the sequence (one, or two for zigzag)."""
+    return list(t.split(ring.piece, dim=2))
+
+
+def _key_blocks(n: int) -> int:
+    """The largest number of keys <= KEY_BLOCK that divides a piece of n keys."""
+    return next(b for b in range(min(n, KEY_BLOCK), 0, -1) if n % b == 0)
+
+
+def _allowed(ring: _Ring, q_pos: Tensor, k_pos: Tensor, lengths: Tensor | None) -> Tensor | None:
+    """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
+    allowed = None
+    if ring.causal:
+        allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if lengths is not None:
+        valid = (k_pos[None, :] < lengths[:, None])[:, None, None, :]
+        allowed = valid if allowed is None else allowed & valid
+    return allowed
+
+
+def _without_padding(ring: _Ring, kv: Tensor, lengths: Tensor | None) -> Tensor:
+    """kv (B, H, L, D + Dv) with the keys and values past ``lengths`` set to 0: padding that
+    holds NaN or Inf never reaches an output or a gradient (as in ``functional``)."""
+    if lengths is None:
+        return kv
+    chunks = piece_chunks(ring.rank, ring.size, ring.layout)
+    positions = torch.cat([_positions(ring, c, kv.device) for c in chunks])  # (L,)
+    valid = (positions[None, :] < lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
+    return kv.masked_fill(~valid, 0.0)
+
+
+def _hidden(ring: _Ring, q_chunk: int, k_chunk: int) -> bool:
+    """Whether the causal mask hides key chunk ``k_chunk`` from query chunk ``q_chunk``."""
+    return ring.causal and k_chunk > q_chunk
+
+
+def _forward(
+    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """This rank's forward: out (B, H, L, Dv) in v's dtype, and the row log-sum-exp
+    (B, H, L) in the compute dtype (0 for a row with nothing to attend to)."""
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    width = k.shape[-1]
+    q_chunks = piece_chunks(ring.rank, ring.size, ring.layout)
+    queries = _pieces(ring, q.to(ct))
+    batch, heads = q.shape[:2]
+    states = [
+        (q.new_full((batch, heads, ring.piece), -torch.inf, dtype=ct), q.new_zeros((batch, heads, ring.piece), dtype=ct),
+         q.new_zeros((batch, heads, ring.piece, v.shape[-1]), dtype=ct))
+        for _ in queries
+    ]
+    kv = _without_padding(ring, torch.cat([k, v], dim=-1), lengths)  # (B, H, L, D + Dv): one exchange per step
+    for step in range(ring.size):
+        k_chunks = piece_chunks((ring.rank - step) % ring.size, ring.size, ring.layout)
+        for a, (q_a, q_chunk) in enumerate(zip(queries, q_chunks, strict=True)):
+            for kv_b, k_chunk in zip(_pieces(ring, kv.to(ct)), k_chunks, strict=True):
+                if not _hidden(ring, q_chunk, k_chunk):
+                    states[a] = _fold(ring, states[a], q_a, kv_b, width, _positions(ring, q_chunk, q.device),
+                                      _positions(ring, k_chunk, q.device), lengths)
+        if step < ring.size - 1:
+            kv = _exchange(ring, kv)
+    outs, lses = [], []
+    for m, row_sum, acc in states:
+        live = row_sum > 0
+        safe_sum = torch.where(live, row_sum, torch.ones_like(row_sum))
+        outs.append(acc / safe_sum[..., None])
+        lses.append(torch.where(live, m + safe_sum.log(), torch.zeros_like(m)))
+    return torch.cat(outs, dim=2).to(v.dtype), torch.cat(lses, dim=2)
+
+
+def _fold(
+    ring: _Ring, state: tuple[Tensor, Tensor, Tensor], q: Tensor, kv: Tensor, width: int, q_pos: Tensor,
+    k_pos: Tensor, lengths: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Online softmax: the state (m, l, acc) of queries q (B, H, Tq, D) after also seeing
+    the keys and values kv (B, H, Tk, D + Dv) at global positions ``k_pos``."""
+    m, row_sum, acc = state
+    block = _key_blocks(kv.shape[2])
+    for start in range(0, kv.shape[2], block):
+        kv_blk, pos = kv[:, :, start : start + block], k_pos[start : start + block]
+        scores = torch.matmul(q, kv_blk[..., :width].transpose(-2, -1)) * ring.scale
+        allowed = _allowed(ring, q_pos, pos, lengths)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, -torch.inf)
+        m_new = torch.maximum(m, scores.amax(dim=-1))
+        shift = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # nothing yet: 0
+        p = torch.exp(scores - shift[..., None])
+        correction = torch.exp(m - shift)
+        row_sum = row_sum * correction + p.sum(dim=-1)
+        acc = acc * correction[..., None] + torch.matmul(p, kv_blk[..., width:])
+        m = m_new
+    return m, row_sum, acc
+
+
+def _backward(
+    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, out: Tensor, lse: Tensor,
+    d_out: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's backward: dq, dk, dv for its own q, k, v (in their dtypes)."""
+    ct = lse.dtype
+    width = k.shape[-1]
+    q_chunks = piece_chunks(ring.rank, ring.size, ring.layout)
+    d_out = d_out.to(ct)
+    delta = (d_out * out.to(ct)).sum(dim=-1)  # (B, H, L): rowsum(dO * O)
+    rows = list(zip(_pieces(ring, q.to(ct)), _pieces(ring, d_out), _pieces(ring, lse[..., None]),
+                    _pieces(ring, delta[..., None]), strict=True))
+    d_queries = [torch.zeros_like(r[0]) for r in rows]
+    kv = _without_padding(ring, torch.cat([k, v], dim=-1), lengths).to(ct)
+    d_kv = torch.zeros_like(kv)  # travels with its chunk
+    for step in range(ring.size):
+        k_chunks = piece_chunks((ring.rank - step) % ring.size, ring.size, ring.layout)
+        kv_pieces, dkv_pieces = _pieces(ring, kv), _pieces(ring, d_kv)
+        for a, (row, q_chunk) in enumerate(zip(rows, q_chunks, strict=True)):
+            for b, k_chunk in enumerate(k_chunks):
+                if not _hidden(ring, q_chunk, k_chunk):
+                    _grads(ring, row, kv_pieces[b], width, _positions(ring, q_chunk, q.device),
+                           _positions(ring, k_chunk, q.device), lengths, d_queries[a], dkv_pieces[b])
+        if step < ring.size - 1:  # one exchange: k, v, dk and dv side by side
+            kv, d_kv = _exchange(ring, torch.cat([kv, d_kv], dim=-1)).split(kv.shape[-1], dim=-1)
+    # After N - 1 moves this rank holds the dk/dv of the next rank's chunk: send it home.
+    d_kv = _exchange(ring, d_kv)
+    dq = torch.cat(d_queries, dim=2)
+    return dq.to(q.dtype), d_kv[..., :width].to(k.dtype), d_kv[..., width:].to(v.dtype)
+
+
+def _grads(
+    ring: _Ring, row: tuple[Tensor, Tensor, Tensor, Tensor], kv: Tensor, width: int, q_pos: Tensor,
+    k_pos: Tensor, lengths: Tensor | None, dq: Tensor, d_kv: Tensor,
+) -> None:
+    """Adds, in place, to dq (B, H, Tq, D) and d_kv (B, H, Tk, D + Dv) the parts from
+    queries ``row`` (q, dO, lse, delta) attending to kv (B, H, Tk, D + Dv), the
+    probabilities recomputed.  ``d_kv`` is a view of the travelling dk/dv."""
+    q, d_out, lse, delta = row
+    block = _key_blocks(kv.shape[2])
+    for start in range(0, kv.shape[2], block):
+        kv_blk, pos = kv[:, :, start : start + block], k_pos[start : start + block]
+        k_blk, v_blk = kv_blk[..., :width], kv_blk[..., width:]
+        p = torch.exp(torch.matmul(q, k_blk.transpose(-2, -1)) * ring.scale - lse)  # (B, H, Tq, block)
+        allowed = _allowed(ring, q_pos, pos, lengths)
+        if allowed is not None:
+            p = p.masked_fill(~allowed, 0.0)
+        ds = p * (torch.matmul(d_out, v_blk.transpose(-2, -1)) - delta) * ring.scale
+        dq += torch.matmul(ds, k_blk)
+        d_kv[:, :, start : start + block, :width] += torch.matmul(ds.transpose(-2, -1), q)
+        d_kv[:, :, start : start + block, width:] += torch.matmul(p.transpose(-2, -1), d_out)
