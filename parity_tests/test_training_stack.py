@@ -314,3 +314,43 @@ def test_gqa_projections_are_sized_for_kv_heads_and_convert() -> None:
     back = to_torch(fm)
     for name, p in tm.state_dict().items():
         assert torch.equal(p, back.state_dict()[name]), name
+
+
+@needs_both
+@pytest.mark.parametrize("path", PATHS)
+def test_cached_step_with_mask_bias_and_weights_matches_the_twin(path: str) -> None:
+    """A decode step with a mask and a bias over the cache's positions and
+    return_weights: the same output and (B, H, T, max_len) weights in both frameworks
+    (PyTorch attends over the filled prefix, Flax over max_len: zeros beyond)."""
+    import jax.numpy as jnp
+    import torch
+
+    from parity_tests.harness import to_flax
+
+    tm = _torch_module(dict(causal=True, num_kv_heads=2))
+    fm = to_flax(tm)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 6, D_IN)).astype(np.float32)
+    token = rng.standard_normal((2, 1, D_IN)).astype(np.float32)
+    mask = rng.random((2, 1, 1, 10)) < 0.8
+    mask[:, :, :, 6] = True  # the new token sees itself
+    bias = rng.standard_normal((1, HEADS, 1, 10)).astype(np.float32)
+    impl = "reference" if path in ("fused", "blockwise") else path  # weights need a path that has them
+    with torch.no_grad():
+        cache = tm.init_cache(2, 10)
+        _, cache = tm(torch.from_numpy(x), cache=cache)
+        t_out, t_w, cache = tm(torch.from_numpy(token), torch.from_numpy(mask), cache=cache,
+                               bias=torch.from_numpy(bias), return_weights=True, implementation=impl)
+        t_plain, _ = tm(torch.from_numpy(token), torch.from_numpy(mask), cache=tm.init_cache(2, 10),
+                        implementation=path)
+    fcache = fm.init_cache(2, 10)
+    _, fcache = fm(jnp.asarray(x), cache=fcache)
+    f_out, f_w, fcache = fm(jnp.asarray(token), jnp.asarray(mask), cache=fcache, bias=jnp.asarray(bias),
+                            return_weights=True, implementation=impl)
+    f_plain, _ = fm(jnp.asarray(token), jnp.asarray(mask), cache=fm.init_cache(2, 10), implementation=path)
+    tol = PARITY["float32"]
+    assert t_w.shape == f_w.shape == (2, HEADS, 1, 10)
+    np.testing.assert_allclose(t_out.numpy(), np.asarray(f_out), rtol=tol.rtol, atol=tol.atol)
+    np.testing.assert_allclose(t_w.numpy(), np.asarray(f_w), rtol=tol.rtol, atol=tol.atol)
+    assert np.all(t_w.numpy()[..., 7:] == 0)
+    np.testing.assert_allclose(t_plain.numpy(), np.asarray(f_plain), rtol=tol.rtol, atol=tol.atol)

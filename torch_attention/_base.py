@@ -85,6 +85,12 @@ def _segments(
     return out[0], out[1]
 
 
+def _prefix(t: Tensor | None, n: int) -> Tensor | None:
+    """The first ``n`` key positions of a mask or bias broadcastable to (B, H, T, S); a
+    broadcast (size-1) key dimension stays."""
+    return t if t is None or t.shape[-1] == 1 else t[..., :n]
+
+
 def _head_slice(m: Tensor | None, i: int) -> Tensor | None:
     """Head ``i`` of a mask broadcastable to (B, H, T, S); a head dimension of 1 is shared."""
     if m is None or m.dim() < 3 or m.shape[-3] == 1:
@@ -338,10 +344,23 @@ class AttentionModule(nn.Module):
             (batch,), seq, dtype=torch.int64, device=q.device)
         start = cache.lengths.clone()
         cache = functional.append_to_cache(cache, k, v, lengths.to(q.device))
-        result = self._attend(call, q, cache.key.to(q.dtype), cache.value.to(q.dtype), return_weights,
-                              kv_lengths=start + lengths.to(q.device), q_offset=start, alignment="top_left")
-        if return_weights:
+        # Eager shapes may change per step: attend over the filled prefix only (the twin
+        # keeps max_len, the fixed shape that lets one compilation serve every step).
+        filled = int(cache.lengths.max())
+        keys, values = cache.key[:, :, :filled].to(q.dtype), cache.value[:, :, :filled].to(q.dtype)
+        call = call._replace(mask=_prefix(call.mask, filled), bias=_prefix(call.bias, filled),
+                             dropout_mask=_prefix(call.dropout_mask, filled))
+        kv_lengths: Tensor | None = start + lengths.to(q.device)
+        q_offset: Tensor | int = start
+        if bool((start == start[0]).all()) and bool((lengths == seq).all()):
+            # one fill for every example: a static offset, and no lengths (every key of
+            # the prefix is filled), so SDPA gets no mask for a single decoded token
+            q_offset, kv_lengths = int(start[0]), None
+        result = self._attend(call, q, keys, values, return_weights,
+                              kv_lengths=kv_lengths, q_offset=q_offset, alignment="top_left")
+        if return_weights:  # zero weights on the unfilled positions: (B, H, T, max_len), as the twin's
             out, weights = cast(tuple[Tensor, Tensor], result)
+            weights = torch.nn.functional.pad(weights, (0, cache.key.shape[2] - filled))
             return self._merge(out), weights, cache
         return self._merge(cast(Tensor, result)), cache
 

@@ -448,6 +448,11 @@ def _band(
     left, right = window if window is not None else (None, None)
     if causal:
         right = 0 if right is None else min(right, 0)
+    if isinstance(offset, int):  # a band that hides nothing (one decoded query at the end, say)
+        if right is not None and offset + right >= kv_len - 1:
+            right = None
+        if left is not None and q_len - 1 + offset - left <= 0:
+            left = None
     if left is None and right is None:
         return None
     rows = torch.arange(q_len, device=device)
