@@ -22,6 +22,9 @@ case "$phase" in
     # The GPU table (both frameworks on the GPU against float64), then the whole suite
     # with JAX on the GPU (the module matrix's "auto" and "fused" cases take cuDNN there).
     export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several pytest workers share the GPU
+    # Correctness only: XLA's GEMM autotuning took 10-20 s per compile on an H100 (about
+    # 2 s without it) and changes no result beyond rounding; the bench phases keep it.
+    export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" OMP_NUM_THREADS=2
     log=${OUT:-/tmp}
     python -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 parity_tests/test_gpu.py \
       --junitxml="$log/gpu-table.xml" 2>&1 | tee "$log/gpu-table.log" | tail -40
