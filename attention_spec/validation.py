@@ -630,3 +630,17 @@ def cache_unsupported_message(variant: str) -> str:
         f"{variant} has no KV cache: decoding needs one set of key/value projections "
         "(MultiHeadAttention, CausalAttention, SelfAttention_v1/v2 or Head)"
     )
+
+
+def key_range(
+    r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
+) -> tuple[int, int]:
+    """The keys [lo, hi) that queries r0..r1-1 (at key positions + offset) can see under
+    ``causal`` and ``window``: the blockwise paths of both twins never compute the
+    blocks outside (index arithmetic only, so it lives here once)."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    lo = 0 if left is None else max(0, r0 + offset - left)
+    hi = kv_len if right is None else min(kv_len, r1 - 1 + offset + right + 1)
+    return lo, max(lo, hi)

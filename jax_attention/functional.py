@@ -64,6 +64,9 @@ from attention_spec.validation import (
     kv_segment_ids_message,
     rank_message,
 )
+from attention_spec.validation import (
+    key_range as _key_range,
+)
 from jax_attention.masks import _and_masks as combine_masks
 from jax_attention.masks import _raise_if, causal_mask
 
@@ -506,19 +509,6 @@ def _band(
     return _expand_to(band, ndim)
 
 
-def _key_range(
-    r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
-) -> tuple[int, int]:
-    """The keys [lo, hi) that queries r0..r1-1 (at key positions + offset) can see under
-    ``causal`` and ``window``: the blocks outside are never computed."""
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    lo = 0 if left is None else max(0, r0 + offset - left)
-    hi = kv_len if right is None else min(kv_len, r1 - 1 + offset + right + 1)
-    return lo, max(lo, hi)
-
-
 def _length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
     # (B,) -> (B, 1, ..., 1, S): key positions before each example's length
     valid = jnp.arange(kv_len)[None, :] < kv_lengths[:, None]
@@ -843,7 +833,7 @@ def _blockwise(
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once.  Likewise a ``window`` (and a causal
     mask aligned at key ``offset``) restricts each block to the keys [lo, hi) within its
-    reach (``_key_range``); the blocks outside are skipped.
+    reach (``key_range``); the blocks outside are skipped.
 
     The (batch, heads) slices go through ``lax.map`` one at a time, each a sequence of
     plain 2-d matrix products: on XLA's CPU backend these run about 1.6x faster than the

@@ -57,6 +57,9 @@ from attention_spec.validation import (
     kv_segment_ids_message,
     rank_message,
 )
+from attention_spec.validation import (
+    key_range as _key_range,
+)
 from torch_attention.masks import _and_masks as combine_masks
 from torch_attention.masks import causal_mask
 
@@ -467,19 +470,6 @@ def _band(
     if left is not None:
         band = band & (distance >= -left)
     return band.reshape((1,) * (ndim - band.dim()) + tuple(band.shape))
-
-
-def _key_range(
-    r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
-) -> tuple[int, int]:
-    """The keys [lo, hi) that queries r0..r1-1 (at key positions + offset) can see under
-    ``causal`` and ``window``: the blocks outside are never computed."""
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    lo = 0 if left is None else max(0, r0 + offset - left)
-    hi = kv_len if right is None else min(kv_len, r1 - 1 + offset + right + 1)
-    return lo, max(lo, hi)
 
 
 def _length_mask(kv_lengths: Tensor, kv_len: int, ndim: int) -> Tensor:
