@@ -233,11 +233,35 @@ def _expected(name: str) -> dict[str, np.ndarray]:
     return {"output": out, **oracle_gradients(q, k, v, weights, cot, scale)}
 
 
+@contextlib.contextmanager
+def small_tiles(tile: tuple[int, int] = (4, 8), backward_tile: tuple[int, int] = (8, 4)) -> Iterator[None]:
+    """JAX's blockwise path in its long-sequence form (key tiles in loops, online
+    softmax) at any length, with tiles of (rows, keys) = ``tile`` forward and
+    ``backward_tile`` backward: small enough that the scenarios here span many tiles,
+    edges and interiors, and different in the two directions, as at full size."""
+    from jax_attention import functional
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(functional, "_LONG_SEQUENCE", 1)
+        mp.setattr(functional, "_LONG_TILE", tile)
+        mp.setattr(functional, "_LONG_BACKWARD_TILE", backward_tile)
+        yield
+
+
+def run_path(fw: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray | None, path: str,
+             **options: Any) -> dict[str, np.ndarray]:
+    """``run`` on a path; ``"blockwise-tiles"`` is JAX's blockwise path in ``small_tiles``."""
+    if path == "blockwise-tiles":
+        with small_tiles():
+            return run(fw, q, k, v, cot, implementation="blockwise", **options)
+    return run(fw, q, k, v, cot, implementation=path, **options)
+
+
 @functools.cache
 def _got(fw: str, name: str, path: str) -> dict[str, np.ndarray]:
     s = SCENARIOS[name]
     q, k, v, cot = s.inputs()
-    return run(fw, q, k, v, cot, implementation=path, **s.call)
+    return run_path(fw, q, k, v, cot, path, **s.call)
 
 
 def test_the_oracle_gradients_match_finite_differences():
@@ -275,6 +299,15 @@ def test_against_the_oracle(fw: str, name: str, path: str):
     findings += [compare(f"{fw} {g}", got[g], want[g], GRAD_ORACLE["float32"], (fw, "oracle"))
                  for g in ("grad q", "grad k", "grad v")]
     assert all(f.ok for f in findings), "\n".join(f.describe() for f in findings if not f.ok)
+
+
+@needs_jax
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_blockwise_tiles_against_the_oracle(name: str):
+    """The long-sequence form of JAX's blockwise path (loops over key tiles), which
+    ``auto`` takes from 8192 keys on, in tiles of 4 x 8 so that every scenario crosses
+    tile edges: output and gradients against the oracle."""
+    test_against_the_oracle("jax", name, "blockwise-tiles")
 
 
 @needs_both
@@ -605,6 +638,13 @@ def test_blockwise_never_touches_a_value_outside_a_blocks_reach(fw: str):
     blockwise = run(fw, q, k, v, implementation="blockwise", window=(32, 0))["output"]
     assert np.isnan(blockwise[..., 0, :]).all()  # query 0 attends to the NaN
     assert np.isfinite(blockwise[..., 128:, :]).all()
+    if fw == "jax":  # the long-sequence form, in tiles of 64 rows x 128 keys: the NaN stays in its tile
+        cot = np.ones((1, 2, 384, 8))
+        with small_tiles((64, 128), (64, 128)):
+            tiles = run(fw, q, k, v, cot, implementation="blockwise", window=(32, 0))
+        assert np.isnan(tiles["output"][..., 0, :]).all()
+        assert np.isfinite(tiles["output"][..., 64:, :]).all() and np.isfinite(tiles["grad q"][..., 64:, :]).all()
+        assert np.isfinite(tiles["grad k"][..., 128:, :]).all() and np.isfinite(tiles["grad v"][..., 128:, :]).all()
     reference_path = run(fw, q, k, v, implementation="reference", window=(32, 0))["output"]
     assert np.isnan(reference_path[..., 128:, :]).any()
 
@@ -638,10 +678,16 @@ def test_keys_outside_every_window_get_no_gradient(fw: str, path: str):
     last one's) hold NaN: the output and every gradient stay finite, and their own
     gradients are exactly zero."""
     q, k, v, cot, dead = _dead_keys_case()
-    got = run(fw, q, k, v, cot, implementation=path, window=(10, 3), q_offset=20)
+    got = run_path(fw, q, k, v, cot, path, window=(10, 3), q_offset=20)
     for name, value in got.items():
         assert np.isfinite(value).all(), name
     assert (got["grad k"][..., dead, :] == 0).all() and (got["grad v"][..., dead, :] == 0).all()
     want = _dead_keys_expected()
     finding = compare("output", got["output"], want, ORACLE["float32"], (fw, "oracle"))
     assert finding.ok, finding.describe()
+
+
+@needs_jax
+def test_blockwise_tiles_give_keys_outside_every_window_no_gradient():
+    """As above, on the long-sequence form of JAX's blockwise path (tiles of 4 x 8)."""
+    test_keys_outside_every_window_get_no_gradient("jax", "blockwise-tiles")

@@ -1,0 +1,91 @@
+"""Long sequences on JAX's CPU path (issue 10): what ``auto`` runs from 8192 keys on.
+
+From ``_LONG_SEQUENCE`` keys, the blockwise path walks (rows, keys) tiles in loops with
+an online softmax, forward and backward.  Its memory then does not grow with S x S: the
+buffers XLA plans for a causal forward + backward at S = 32768 are checked against the
+size of one S x S score matrix.  Its numbers are checked at the real tile size against
+the reference path, with windows and tile edges that do not fall on tile boundaries;
+``test_structure_options`` runs every structure option through the same form in tiny
+tiles against the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parity_tests.conftest import needs_jax
+from parity_tests.harness import compare
+from parity_tests.tolerances import GRAD_PARITY, PARITY
+
+pytestmark = needs_jax
+
+
+def _loss(implementation: str, **options):  # type: ignore[no-untyped-def]
+    import jax.numpy as jnp
+
+    from jax_attention.functional import dot_product_attention
+
+    def loss(q, k, v):  # type: ignore[no-untyped-def]
+        out = dot_product_attention(q, k, v, implementation=implementation, **options)
+        return (out * jnp.cos(jnp.arange(out.shape[-2], dtype=out.dtype))[None, None, :, None]).sum()
+
+    return loss
+
+
+def test_auto_takes_the_tiles_from_8192_keys():
+    from jax_attention import functional
+
+    assert functional._blockwise_plan(8191, 8191)[1] is None
+    assert functional._blockwise_plan(1, 8192)[1] == functional._LONG_TILE
+    assert functional._blockwise_plan(32768, 32768)[1] == functional._LONG_TILE
+
+
+def test_training_memory_at_32768_keys_is_not_quadratic():
+    """Causal forward + backward, one head of width 64, S = 32768 on ``auto``: the
+    temporaries XLA plans stay below 1/64 of one S x S float32 score matrix (4 GiB)."""
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the blockwise path is auto's choice on CPU only")
+    s = 32768
+    x = jax.ShapeDtypeStruct((1, 1, s, 64), jnp.float32)
+    grad = jax.jit(jax.grad(_loss("auto", causal=True), argnums=(0, 1, 2)))
+    stats = grad.lower(x, x, x).compile().memory_analysis()
+    assert stats is not None
+    square = s * s * 4
+    assert stats.temp_size_in_bytes < square / 64, (stats.temp_size_in_bytes, square)
+
+
+@pytest.mark.parametrize("options", [
+    {"causal": True},
+    {"window": (700, 300)},
+    {"causal": True, "window": (1000, None), "alignment": "bottom_right"},
+    {"kv_lengths": [8300, 5000], "causal": True},
+], ids=["causal", "window", "causal-window-bottomright", "lengths-causal"])
+def test_real_tiles_against_the_reference_path(options):
+    """T = 8200, S = 8500 (neither a multiple of a tile), B 2, H 1, head width 16, float32:
+    output and gradients of the tiled form (what ``auto`` runs) against the reference
+    path at float32 twin tolerance."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention import functional
+
+    rng = np.random.default_rng(7)
+    t, s = 8200, 8500
+    assert functional._blockwise_plan(t, s)[1] is not None
+    q = jnp.asarray(rng.standard_normal((2, 1, t, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 1, s, 16)), jnp.float32) for _ in range(2))
+    results = {}
+    for path in ("blockwise", "reference"):
+        value, grads = jax.jit(jax.value_and_grad(_loss(path, **options), argnums=(0, 1, 2)))(q, k, v)
+        out = jax.jit(lambda q, k, v, p=path: functional.dot_product_attention(q, k, v, implementation=p,
+                                                                               **options))(q, k, v)
+        results[path] = {"output": np.asarray(out), "loss": np.asarray(value),
+                         **{f"grad {n}": np.asarray(g) for n, g in zip("qkv", grads, strict=True)}}
+    got, want = results["blockwise"], results["reference"]
+    findings = [compare(name, got[name], want[name], (GRAD_PARITY if name.startswith("grad") else PARITY)["float32"])
+                for name in ("output", "grad q", "grad k", "grad v")]
+    assert all(f.ok for f in findings), "\n".join(f.describe() for f in findings if not f.ok)
