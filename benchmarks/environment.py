@@ -47,6 +47,33 @@ def load_average() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
+def cpu_ticks() -> dict[str, int] | None:
+    """The machine's CPU time so far, all cores, in clock ticks (from /proc/stat; None
+    elsewhere): ``total``, ``idle`` (idle + iowait), ``steal`` (time the hypervisor gave
+    this virtual machine's cores to someone else)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]  # the "cpu" line: all cores
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 8:
+        return None
+    return {"total": sum(ticks[:8]), "idle": ticks[3] + ticks[4], "steal": ticks[7]}
+
+
+def host_share(before: dict[str, int] | None, after: dict[str, int] | None, own_cpu_s: float) -> dict[str, float] | None:
+    """Over an interval of this process's work: the fraction of the machine's CPU time
+    stolen by the hypervisor, and the fraction busy with other processes (busy time less
+    the ``own_cpu_s`` seconds this process used).  Either above a few percent means the
+    interval's timings were shared with other work."""
+    if before is None or after is None or after["total"] <= before["total"]:
+        return None
+    total = after["total"] - before["total"]
+    busy = total - (after["idle"] - before["idle"]) - (after["steal"] - before["steal"])
+    own = own_cpu_s * os.sysconf("SC_CLK_TCK")
+    return {"steal": (after["steal"] - before["steal"]) / total, "others": max(0.0, busy - own) / total}
+
+
 def cpu_busy(seconds: float = 1.0) -> float | None:
     """The fraction of the machine's CPU time that was busy over the next ``seconds``
     (from /proc/stat; None elsewhere): taken while the benchmark itself is idle, it is

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.configs import Config
+from benchmarks.environment import cpu_ticks, host_share
 from benchmarks.systems import Case, build, framework_of
 
 
@@ -26,6 +27,7 @@ def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bo
     (``configs.flops``); ``tflops_incl_projections`` adds the four projections."""
     result = empty_result(system, config)
     rss_before = _max_rss_bytes()
+    ticks_before, own_before = cpu_ticks(), time.process_time()
     phase = "build"
     case: Case | None = None
     try:
@@ -45,6 +47,7 @@ def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bo
         case = None  # what the case holds is freed before the next one is built
         _release(framework_of(system))
     result["max_rss_growth_bytes"] = _max_rss_bytes() - rss_before
+    result["host_share"] = host_share(ticks_before, cpu_ticks(), time.process_time() - own_before)
     return result
 
 
@@ -53,7 +56,7 @@ def empty_result(system: str, config: Config, error: str | None = None) -> dict[
     return {
         "system": system, "label": config.label, "config": config.to_json(),
         "fwd": None, "fwd_bwd": None, "peak_mem_bytes": None, "peak_mem_source": None,
-        "max_rss_growth_bytes": None, "error": error,
+        "max_rss_growth_bytes": None, "host_share": None, "error": error,
     }
 
 

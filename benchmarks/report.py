@@ -77,7 +77,7 @@ def table(results: dict[str, Any]) -> str:
     if backward:
         header += ["fwd+bwd ms (IQR)", "fwd+bwd TFLOP/s"]
     if per_case:
-        header += ["fwd of matmul rate", "resident peak MiB"]
+        header += ["fwd of matmul rate", "resident peak MiB", "host: others / steal"]
     header += ["peak MiB", "compile s (fwd / fwd+bwd)" if backward else "compile s", "error"]
     rows = []
     for m in sorted_measurements(results):
@@ -90,6 +90,8 @@ def table(results: dict[str, Any]) -> str:
             row.append("-" if rate is None or achieved is None else f"{achieved / rate:.0%}")
             growth = m.get("max_rss_growth_bytes")
             row.append("-" if growth is None else f"{growth / 2**20:,.0f}")
+            share = m.get("host_share")
+            row.append("-" if share is None else f"{share['others']:.0%} / {share['steal']:.0%}")
         compile_s = " / ".join(f"{m[p]['compile_s']:.2f}" for p, _ in PHASES if m[p])
         peak = "n/a" if m["peak_mem_bytes"] is None else f"{m['peak_mem_bytes'] / 2**20:,.0f}"
         row += [peak, compile_s or "-", m["error"] or ""]

@@ -121,7 +121,9 @@ def notes(mode: Mode, env: dict[str, Any]) -> list[str]:
          "the 'resident peak MiB' column is how much that process's high-water resident set grew during "
          "the case (its memory above the imported frameworks), and 'fwd of matmul rate' is the forward's "
          "FLOP rate, projections included, over a plain float32 1024^3 matmul's rate in the same "
-         "framework measured at the worker's start."
+         "framework measured at the worker's start; 'host: others / steal' is the share of the machine's "
+         "CPU time, over the case, that other processes used and that the hypervisor stole (from "
+         "/proc/stat; above a few percent, the case shared the machine)."
          if mode.process_per_case else
          "Each system runs in a worker process of its own, one system after another."),
         *_busy_machine_warning(env),
