@@ -668,7 +668,7 @@ def default_block_size(q_len: int) -> int:
 
 # From this many keys on, the blockwise path walks key tiles in loops (``_tiled_forward``)
 # instead of unrolling one (block, S) score block per query block.
-_LONG_SEQUENCE = 8192
+_LONG_SEQUENCE = 4096
 # (query rows, keys) of one tile of the loops: a (256, 512) float32 score tile is 512 KiB.
 _LONG_TILE = (256, 512)
 _LONG_BACKWARD_TILE = (512, 256)
@@ -682,11 +682,12 @@ def _blockwise_plan(q_len: int, kv_len: int) -> tuple[int, tuple[int, int] | Non
     ``_LONG_BACKWARD_TILE`` backward (the backward keeps no per-tile state, so its tiles
     may differ), and the largest buffer is one tile, whatever S.
 
-    Measured on the 2-core CPU (causal, head width 64, float32, the core alone; one
-    process each, medians of 5): B4 H8 S1024, unrolled 46 ms forward / 220 ms forward +
-    backward, the loops 95 / 360; B1 H4 S16384, unrolled 1665 / 5837 ms, the loops
-    1085-1195 / 4060-4200 (backward tiles 256 x 512: 6084).  At S=32768 the unrolled
-    form's resident peak was 6 GiB (the (block, S) score blocks), the loops' 0.5 GiB."""
+    Measured on the 2-core CPU (causal, head width 64, float32, the core alone, one
+    process each, medians of 5; forward / forward + backward): B2 H8 S2048, unrolled
+    69 / 320 ms, the loops 92 / 321; B1 H8 S4096, unrolled 174 / 677, the loops
+    148 / 550; B1 H4 S16384, unrolled 1665 / 5837, the loops 1054-1195 / 4057-4200
+    (backward tiles of 256 x 512 instead: 6084).  At S=32768 the unrolled form's
+    resident peak was 6 GiB (its (block, S) score blocks), the loops' 0.5 GiB."""
     if kv_len < _LONG_SEQUENCE:
         return default_block_size(q_len), None, None
     return _LONG_TILE[0], _LONG_TILE, _LONG_BACKWARD_TILE

@@ -305,7 +305,7 @@ def test_against_the_oracle(fw: str, name: str, path: str):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_blockwise_tiles_against_the_oracle(name: str):
     """The long-sequence form of JAX's blockwise path (loops over key tiles), which
-    ``auto`` takes from 8192 keys on, in tiles of 4 x 8 so that every scenario crosses
+    ``auto`` takes from 4096 keys on, in tiles of 4 x 8 so that every scenario crosses
     tile edges: output and gradients against the oracle."""
     test_against_the_oracle("jax", name, "blockwise-tiles")
 
