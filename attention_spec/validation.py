@@ -632,15 +632,22 @@ def cache_unsupported_message(variant: str) -> str:
     )
 
 
+def reach(causal: bool, window: tuple[int | None, int | None] | None) -> tuple[int | None, int | None]:
+    """(left, right): a query at key position p sees keys p - left .. p + right (None:
+    unbounded on that side); ``causal`` caps ``right`` at 0."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
 def key_range(
     r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
 ) -> tuple[int, int]:
     """The keys [lo, hi) that queries r0..r1-1 (at key positions + offset) can see under
     ``causal`` and ``window``: the blockwise paths of both twins never compute the
     blocks outside (index arithmetic only, so it lives here once)."""
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = reach(causal, window)
     lo = 0 if left is None else max(0, r0 + offset - left)
     hi = kv_len if right is None else min(kv_len, r1 - 1 + offset + right + 1)
     return lo, max(lo, hi)

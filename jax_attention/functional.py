@@ -67,6 +67,9 @@ from attention_spec.validation import (
 from attention_spec.validation import (
     key_range as _key_range,
 )
+from attention_spec.validation import (
+    reach as _reach,
+)
 from jax_attention.masks import _and_masks as combine_masks
 from jax_attention.masks import _raise_if, causal_mask
 
@@ -485,9 +488,7 @@ def _band(
 ) -> Array | None:
     """bool, ``ndim`` dimensions: key j is visible from query i (at key position
     i + offset) under ``causal`` and ``window``; None if every key is."""
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = _reach(causal, window)
     if isinstance(offset, int):  # a band that hides nothing (one decoded query at the end, say)
         if right is not None and offset + right >= kv_len - 1:
             right = None
@@ -908,9 +909,7 @@ def _tile_ranges(st: _FlashStatic, r0: Array) -> tuple[Array, Array, Array, Arra
     (``key_range``'s arithmetic on a traced r0), and within them [inner_first,
     inner_last), the tiles that every row of the block sees whole, which need no band."""
     rows, keys = st.tile  # type: ignore[misc]
-    left, right = st.window if st.window is not None else (None, None)
-    if st.causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = _reach(st.causal, st.window)
     r1 = jnp.minimum(r0 + rows, st.q_len)
     lo = jnp.int32(0) if left is None else jnp.clip(r0 + st.offset - left, 0, st.kv_len)
     hi = jnp.int32(st.kv_len) if right is None else jnp.clip(r1 + st.offset + right, 0, st.kv_len)
@@ -948,9 +947,7 @@ def _tile_logits(st: _FlashStatic, q_b: Array, k_t: Array, v_t: Array, bias: Arr
     if length is not None:
         allowed = combine_masks(allowed, cols < length)
     if edge:
-        left, right = st.window if st.window is not None else (None, None)
-        if st.causal:
-            right = 0 if right is None else min(right, 0)
+        left, right = _reach(st.causal, st.window)
         lag = cols - (r0 + st.offset + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0))  # key - query position
         band = jnp.broadcast_to(cols < st.kv_len, (rows, keys))
         if left is not None:

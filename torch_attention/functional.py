@@ -60,6 +60,9 @@ from attention_spec.validation import (
 from attention_spec.validation import (
     key_range as _key_range,
 )
+from attention_spec.validation import (
+    reach as _reach,
+)
 from torch_attention.masks import _and_masks as combine_masks
 from torch_attention.masks import causal_mask
 
@@ -448,9 +451,7 @@ def _band(
 ) -> Tensor | None:
     """bool, ``ndim`` dimensions: key j is visible from query i (at key position
     i + offset) under ``causal`` and ``window``; None if every key is."""
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = _reach(causal, window)
     if isinstance(offset, int):  # a band that hides nothing (one decoded query at the end, say)
         if right is not None and offset + right >= kv_len - 1:
             right = None
