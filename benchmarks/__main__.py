@@ -44,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--append", action="store_true",
         help="keep the measurements of an earlier run of this mode in the output folder that this run does not repeat",
     )
+    parser.add_argument(
+        "--budget-s", type=float,
+        help="start no case after this many seconds; the cases left are recorded as not run",
+    )
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         changes["runs"] = args.runs
     if args.seq:
         changes["configs"] = tuple(c for c in chosen.configs if c.seq in args.seq)
-    run(dataclasses.replace(chosen, **changes), out_dir=args.out, append=args.append)
+    run(dataclasses.replace(chosen, **changes), out_dir=args.out, append=args.append, budget_s=args.budget_s)
 
 
 def _names(text: str) -> tuple[str, ...]:

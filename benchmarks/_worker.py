@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from benchmarks import report
 from benchmarks.configs import Config
 from benchmarks.environment import runtime_environment
-from benchmarks.measure import measure
+from benchmarks.measure import OUT_OF_TIME, empty_result, measure
 from benchmarks.systems import configure_jax, configure_torch, framework_of
 
 
@@ -34,11 +35,15 @@ def main(job_path: str, results_path: str) -> None:
             out.flush()
 
         emit({"runtime": runtime_environment(framework)})
+        deadline = job.get("deadline")
         for config in job["configs"]:
-            result = measure(
-                system, Config.from_json(config),
-                runs=job["runs"], warmup=job["warmup"], backward=job["backward"],
-            )
+            if deadline is not None and time.time() > deadline:
+                result = empty_result(system, Config.from_json(config), OUT_OF_TIME)
+            else:
+                result = measure(
+                    system, Config.from_json(config),
+                    runs=job["runs"], warmup=job["warmup"], backward=job["backward"],
+                )
             emit({"measurement": result})
             print(report.progress_line(result), flush=True)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# The systems, in the order of every table and plot.  Each is a module-level
-# multi-head self-attention with d_in = d_out = heads * head_dim (projections included).
-SYSTEMS = (
+# The systems, in the order of every table and plot.  The module systems are multi-head
+# self-attention with d_in = d_out = heads * head_dim (projections included).
+MODULE_SYSTEMS = (
     "ours-jax-reference",  # jax_attention.MultiHeadAttention(implementation="reference")
     "ours-jax-fused",  # ... implementation="fused" (jax.nn.dot_product_attention)
     "ours-jax-blockwise",  # ... implementation="blockwise"
@@ -21,6 +21,18 @@ SYSTEMS = (
     "torch-nn-mha",  # torch.nn.MultiheadAttention(batch_first=True)
     "ours-torch-compile",  # torch.compile of ours-torch-sdpa
 )
+# The core systems time the attention function alone on q, k, v of shape (B, H, S, D)
+# (or the kernel's own layout): no projections, so their TFLOP/s are the kernel's.
+CORE_SYSTEMS = (
+    "core-jax-fused",  # jax_attention.functional.dot_product_attention(implementation="fused")
+    "core-jax-cudnn",  # jax.nn.dot_product_attention(implementation="cudnn") on (B, S, H, D): what "fused" wraps
+    "core-flax",  # flax.nnx.dot_product_attention, flax.nnx.MultiHeadAttention's default
+    "core-torch-fused",  # torch_attention.functional.dot_product_attention(implementation="fused")
+    "core-torch-sdpa-flash",  # F.scaled_dot_product_attention restricted to one backend each
+    "core-torch-sdpa-cudnn",
+    "core-torch-sdpa-efficient",
+)
+SYSTEMS = MODULE_SYSTEMS + CORE_SYSTEMS
 COMPILE_SYSTEM = "ours-torch-compile"
 
 # Timed-run ratios printed under every table (when both systems were measured):
@@ -42,6 +54,11 @@ def fwd_bwd_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool)
     return int(flops(batch, heads, seq, head_dim, causal) * (1 + BACKWARD_FACTOR))
 
 
+def is_core(system: str) -> bool:
+    """Whether ``system`` times the attention function alone (no projections)."""
+    return system.startswith("core-")
+
+
 def projection_flops(batch: int, seq: int, d_model: int) -> int:
     """Forward FLOPs of the four d_model x d_model projections (query, key, value, out)
     that a module-level measurement includes but the attention-core count leaves out."""
@@ -57,7 +74,7 @@ class Config:
     heads: int
     head_dim: int
     causal: bool
-    dtype: str  # "float32" or "bfloat16"
+    dtype: str  # "float32", "bfloat16" or "float16"
     systems: tuple[str, ...] | None = None
 
     @property
@@ -103,24 +120,42 @@ class Config:
 FULL_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 FULL_TOKENS = 16384  # batch * seq
 FULL_WIDTH = 2048  # heads * head_dim
-LONG_SEQ_SYSTEMS = ("ours-jax-fused", "ours-jax-reference")
+# The systems measured at S = 65536 (B1 H16 D128, bfloat16): the kernels, and the
+# modules that might fit (the reference and Flax's module, S x S, are expected to run out
+# of memory; the record says so).
+LONG_SEQ_SYSTEMS = (
+    "ours-jax-fused", "ours-jax-reference", "flax-nnx-mha", "ours-torch-sdpa", *CORE_SYSTEMS,
+)
+# Systems that the sweep runs in bfloat16 only (float16 repeats what they show) and
+# torch.compile, whose first call compiles for tens of seconds, only at head_dim 128.
+BFLOAT16_ONLY = ("ours-jax-reference", "ours-jax-blockwise", "ours-jax-auto", "ours-torch-reference")
+
+
+def _full_systems(dtype: str, head_dim: int) -> tuple[str, ...]:
+    return tuple(
+        s for s in SYSTEMS
+        if (dtype == "bfloat16" or s not in BFLOAT16_ONLY + (COMPILE_SYSTEM,))
+        and (head_dim == 128 or s != COMPILE_SYSTEM)
+    )
 
 
 def full_configs() -> list[Config]:
-    """The GPU sweep: S in 512..16k with B·S = 16k tokens and H·D = 2048, head_dim 64 and
-    128, causal and not, float32 and bfloat16; then S = 64k (B=1, H=16, head_dim 128,
-    bfloat16, causal and not) for ours-jax-fused, with the reference expected to run out
-    of memory."""
+    """The GPU sweep (issue 12): S in 512..16k with B·S = 16k tokens and H·D = 2048,
+    head_dim 128 and 64, bfloat16 and float16, causal and not; then S = 64k (B=1, H=16,
+    head_dim 128, bfloat16, causal and not) for ``LONG_SEQ_SYSTEMS``.  The issue's
+    target group (bfloat16, head_dim 128) comes first, so that a run cut short by its
+    time budget has measured it."""
     configs = [
-        Config(FULL_TOKENS // seq, seq, FULL_WIDTH // head_dim, head_dim, causal, dtype)
-        for dtype in ("float32", "bfloat16")
-        for head_dim in (64, 128)
-        for causal in (False, True)
+        Config(FULL_TOKENS // seq, seq, FULL_WIDTH // head_dim, head_dim, causal, dtype,
+               systems=_full_systems(dtype, head_dim))
+        for dtype in ("bfloat16", "float16")
+        for head_dim in (128, 64)
+        for causal in (True, False)
         for seq in FULL_SEQS
     ]
     configs += [
         Config(1, 65536, 16, 128, causal, "bfloat16", systems=LONG_SEQ_SYSTEMS)
-        for causal in (False, True)
+        for causal in (True, False)
     ]
     return configs
 
@@ -173,9 +208,11 @@ def mode(name: str, *, with_compile: bool = False) -> Mode:
     ``with_compile`` adds ours-torch-compile to quick mode (the others decide themselves:
     the full run has it, the CPU target does not)."""
     if name == "full":
-        return Mode(name, tuple(full_configs()), SYSTEMS, runs=20, backward=True)
+        # 10 samples, each at least measure.SAMPLE_S of back-to-back calls: a lent GPU's
+        # time is short, and a sample of many calls is steadier than a single call.
+        return Mode(name, tuple(full_configs()), SYSTEMS, runs=10, backward=True)
     if name == "quick":
-        systems = tuple(s for s in SYSTEMS if with_compile or s != COMPILE_SYSTEM)
+        systems = tuple(s for s in MODULE_SYSTEMS if with_compile or s != COMPILE_SYSTEM)
         return Mode(name, tuple(quick_configs()), systems, runs=5, backward=False, warmup=1)
     if name == "cpu-target":
         systems = (

@@ -13,7 +13,10 @@ import subprocess
 import time
 from typing import Any
 
-PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax", "torch", "numpy")
+PACKAGES = (
+    "jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt",
+    "flax", "torch", "triton", "numpy",
+)
 
 
 def host_environment() -> dict[str, Any]:
@@ -111,6 +114,7 @@ def runtime_environment(framework: str) -> dict[str, Any]:
         device = jax.devices()[0]
         return {
             "matmul_gflops": _matmul_gflops("jax"),
+            "matmul_bf16_tflops": _matmul_bf16_tflops("jax"),
             "jax": jax.__version__,
             "jaxlib": jaxlib.__version__,
             "backend": jax.default_backend(),
@@ -119,12 +123,14 @@ def runtime_environment(framework: str) -> dict[str, Any]:
             "device_count": jax.device_count(),
             "default_matmul_precision": jax.config.jax_default_matmul_precision,  # type: ignore[attr-defined]
             "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+            "xla_flags": os.environ.get("XLA_FLAGS"),
         }
     import torch
 
     cuda = torch.cuda.is_available()
     return {
         "matmul_gflops": _matmul_gflops("torch"),
+        "matmul_bf16_tflops": _matmul_bf16_tflops("torch"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
@@ -136,9 +142,26 @@ def runtime_environment(framework: str) -> dict[str, Any]:
     }
 
 
-def _matmul_gflops(framework: str, n: int = 1024, runs: int = 10) -> float:
-    """The rate of a plain float32 (n x n) @ (n x n) product, GFLOP/s, median of ``runs``
-    after a warm-up: the ceiling the attention modules are measured against."""
+def _matmul_bf16_tflops(framework: str) -> float | None:
+    """On a GPU, the rate of a bfloat16 8192^3 product, TFLOP/s: the matrix units'
+    ceiling that the attention kernels are measured against.  None on CPU."""
+    if framework == "jax":
+        import jax
+
+        if jax.default_backend() != "gpu":
+            return None
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+    return _matmul_gflops(framework, n=8192, dtype="bfloat16") / 1e3
+
+
+def _matmul_gflops(framework: str, n: int = 1024, runs: int = 10, dtype: str = "float32") -> float:
+    """The rate of a plain (n x n) @ (n x n) product (float32 by default, full
+    precision), GFLOP/s, median of ``runs`` after a warm-up: the ceiling the attention
+    modules are measured against."""
     import statistics
     import time
 
@@ -146,7 +169,7 @@ def _matmul_gflops(framework: str, n: int = 1024, runs: int = 10) -> float:
         import jax
         import jax.numpy as jnp
 
-        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
         product = jax.jit(lambda x: jnp.matmul(x, x, precision="highest"))
 
         def call() -> None:
@@ -155,7 +178,7 @@ def _matmul_gflops(framework: str, n: int = 1024, runs: int = 10) -> float:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        t = torch.randn(n, n, device=device)
+        t = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
 
         def call() -> None:
             torch.matmul(t, t)

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Everything a GPU session does, in phases that each fit one 10-minute command:
 #
-#   bash benchmarks/gpu_session.sh check     # GPU paths against the reference (pytest)
-#   bash benchmarks/gpu_session.sh bench-1   # full sweep, S 512..2048
-#   bash benchmarks/gpu_session.sh bench-2   # full sweep, S 4096 and 8192
-#   bash benchmarks/gpu_session.sh bench-3   # full sweep, S 16384 and the 64k check
+#   bash benchmarks/gpu_session.sh check                # GPU paths against the reference (pytest)
+#   bash benchmarks/gpu_session.sh core [BUDGET_S]      # the sweep: every kernel alone (CORE_SYSTEMS)
+#   bash benchmarks/gpu_session.sh modules [BUDGET_S]   # the sweep: ours, Flax's and torch's modules
+#   bash benchmarks/gpu_session.sh extra [BUDGET_S]     # the sweep: the other paths, torch.compile
 #
-# The bench phases append to one result (benchmarks/results/<gpu>/full.*); with $OUT set
-# (the device tool's output folder) a copy of the results lands there too.  Assumes jax
-# with CUDA, flax and torch are installed (as on this project's lent GPU machines).
+# The bench phases append to one result, benchmarks/results/<gpu>/full.{json,md,png}; with
+# $OUT set (the device tool's output folder) they write to $OUT/full/ instead, starting
+# from the repository's result, so that what a killed command measured comes back.  No
+# case starts after BUDGET_S seconds (default 270); those left are recorded as not run.
+# Assumes jax with CUDA, flax and torch are installed (as on this project's lent GPU machines).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -36,13 +38,25 @@ case "$phase" in
     echo "gpu table exit $table, suite exit $suite"
     [ "$table" = 0 ] && [ "$suite" = 0 ]
     ;;
-  bench-1) python -m benchmarks --seq 512,1024,2048 ;;
-  bench-2) python -m benchmarks --seq 4096,8192 --append ;;
-  bench-3) python -m benchmarks --seq 16384,65536 --append ;;
+  core|modules|extra)
+    results=benchmarks/results/$(python -c "from benchmarks.environment import host_environment, device_slug; print(device_slug(host_environment()))")
+    out=$results
+    if [ -n "${OUT:-}" ]; then
+      out=$OUT/full; mkdir -p "$out"
+      [ -e "$out"/full.json ] || cp "$results"/full.json "$out"/ 2>/dev/null || true
+    fi
+    # Each system runs all its configs (the issue's target group first) before the next
+    # starts: the quick ones and those the targets compare go first, in case the budget ends.
+    core=core-jax-fused,core-torch-sdpa-flash,core-torch-sdpa-cudnn,core-torch-sdpa-efficient,core-torch-fused,core-jax-cudnn,core-flax
+    modules=ours-torch-sdpa,torch-nn-mha,ours-jax-fused,flax-nnx-mha
+    extra=ours-torch-reference,ours-jax-auto,ours-torch-compile,ours-jax-reference,ours-jax-blockwise
+    # JAX's modules compile with GEMM autotuning off (one compile took 10-20 s with it):
+    # XLA then takes its default GEMM kernels for the projections, as PyTorch takes
+    # cuBLAS's heuristics.  The kernels alone have no GEMM to tune.
+    [ "$phase" = core ] || export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
+    python -m benchmarks --systems "${!phase}" --append --out "$out" --budget-s "${2:-270}" 2>&1 \
+      | tee -a "${OUT:-/tmp}/bench-$phase.log" | grep -v "^ours\|^core\|^flax\|^torch\|^| B"
+    exit "${PIPESTATUS[0]}"
+    ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
-status=$?
-if [ -n "${OUT:-}" ]; then
-  cp benchmarks/results/*/full.* "$OUT"/ 2>/dev/null || true
-fi
-exit $status

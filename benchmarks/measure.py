@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.configs import Config
+from benchmarks.configs import Config, is_core
 from benchmarks.environment import cpu_ticks, host_share
 from benchmarks.systems import Case, build, framework_of
 
@@ -22,9 +22,12 @@ def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bo
     device memory, and ``error`` (None, or the failure of a phase: ``"fwd+bwd: ..."``).
 
     Timings: the first call is timed alone as ``compile_s``, ``warmup`` more calls are
-    not timed, then ``runs`` calls each timed with a host clock around a call that
-    returns only when the device is done.  TFLOP/s count the attention core only
-    (``configs.flops``); ``tflops_incl_projections`` adds the four projections."""
+    not timed, then ``runs`` samples each timed with a host clock around calls that
+    return only when the device is done.  A sample is one call, or as many back-to-back
+    calls as fill ``SAMPLE_S`` when one call is shorter (GPU kernels of a millisecond:
+    the launch and synchronisation are then not counted per call); the times are per
+    call.  TFLOP/s count the attention core only (``configs.flops``);
+    ``tflops_incl_projections`` adds the four projections of a module system."""
     result = empty_result(system, config)
     rss_before = _max_rss_bytes()
     ticks_before, own_before = cpu_ticks(), time.process_time()
@@ -33,12 +36,13 @@ def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bo
     try:
         case = build(system, config)
         phase = "fwd"
-        result["fwd"] = _time(case.forward, runs, warmup, config.flops(), config.projection_flops())
+        projections = 0 if is_core(system) else config.projection_flops()
+        result["fwd"] = _time(case.forward, runs, warmup, config.flops(), projections)
         if backward:
             phase = "fwd+bwd"
             # A projection's backward is 2x its forward: the input and the weight gradients.
             result["fwd_bwd"] = _time(
-                case.forward_backward, runs, warmup, config.fwd_bwd_flops(), 3 * config.projection_flops()
+                case.forward_backward, runs, warmup, config.fwd_bwd_flops(), 3 * projections
             )
         result.update(case.memory())
     except Exception as error:  # any failure of one case is a result, not a crash
@@ -49,6 +53,9 @@ def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bo
     result["max_rss_growth_bytes"] = _max_rss_bytes() - rss_before
     result["host_share"] = host_share(ticks_before, cpu_ticks(), time.process_time() - own_before)
     return result
+
+
+OUT_OF_TIME = "not run: the run's time budget (--budget-s) was spent"
 
 
 def empty_result(system: str, config: Config, error: str | None = None) -> dict[str, Any]:
@@ -68,16 +75,22 @@ def describe(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+SAMPLE_S = 0.02  # a timed sample lasts at least this long where single calls are shorter
+MAX_REPEAT = 100
+
+
 def _time(
-    call: Callable[[], None], runs: int, warmup: int, flops: int, projection_flops: int
+    call: Callable[[int], None], runs: int, warmup: int, flops: int, projection_flops: int
 ) -> dict[str, Any]:
-    compile_s = _clock(call)
+    compile_s = _clock(call, 1)
+    one = compile_s
     for _ in range(warmup):
-        call()
+        one = _clock(call, 1)
+    repeat = max(1, min(MAX_REPEAT, int(SAMPLE_S / max(one, 1e-9))))
     gc.collect()
     gc.disable()  # no collector pauses inside the timed runs (as timeit does)
     try:
-        times = [_clock(call) for _ in range(runs)]
+        times = [_clock(call, repeat) / repeat for _ in range(runs)]
     finally:
         gc.enable()
     median = statistics.median(times)
@@ -89,13 +102,14 @@ def _time(
         "tflops": flops / median / 1e12,
         "tflops_incl_projections": (flops + projection_flops) / median / 1e12,
         "runs": runs,
+        "calls_per_run": repeat,
         "times_ms": [t * 1e3 for t in times],
     }
 
 
-def _clock(call: Callable[[], None]) -> float:
+def _clock(call: Callable[[int], None], repeat: int) -> float:
     start = time.perf_counter()
-    call()
+    call(repeat)
     return time.perf_counter() - start
 
 

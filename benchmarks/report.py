@@ -8,17 +8,23 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.configs import RATIOS, SYSTEMS, Config
+from benchmarks.configs import BACKWARD_FACTOR, RATIOS, SYSTEMS, Config
 
 PHASES = (("fwd", "forward"), ("fwd_bwd", "forward+backward"))
 
 
+def write_json(results: dict[str, Any], out_dir: Path) -> Path:
+    """``<mode>.json`` alone (written as a run goes, so that a killed run keeps what it measured)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = (out_dir / results["mode"]).with_suffix(".json")
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return path
+
+
 def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """Writes the JSON, markdown and (with matplotlib installed) PNG of ``results``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / results["mode"]
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
-    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    paths = [write_json(results, out_dir), stem.with_suffix(".md")]
     paths[1].write_text(markdown(results))
     if importlib.util.find_spec("matplotlib") is None:  # optional: the test extra has it
         print("matplotlib is not installed: no plot")
@@ -56,6 +62,7 @@ def markdown(results: dict[str, Any]) -> str:
     parts = [
         f"# Attention benchmark: {results['mode']}\n",
         environment_text(results["env"]),
+        targets_text(results),
         table(results),
         ratios_text(results),
         notes_text(results),
@@ -120,6 +127,68 @@ def ratios_text(results: dict[str, Any]) -> str:
     if not lines:
         return ""
     return "Time ratios (median time, below 1.0 = the first is faster):\n\n" + "\n".join(lines) + "\n"
+
+
+SDPA_BACKENDS = ("core-torch-sdpa-flash", "core-torch-sdpa-cudnn", "core-torch-sdpa-efficient")
+# Issue 12's targets (H100, bfloat16, head_dim 128, S >= 4096, attention-core FLOPs).
+TARGET_FWD_TFLOPS, TARGET_BWD_TFLOPS, TARGET_OVER_FLAX = 550.0, 450.0, 3.0
+
+
+def backward_tflops(m: dict[str, Any]) -> float | None:
+    """The backward pass's own rate: its FLOPs (2.5x the forward's) over the
+    forward+backward time less the forward time, as FlashAttention's papers count it."""
+    if not (m and m["fwd"] and m["fwd_bwd"]):
+        return None
+    seconds = (m["fwd_bwd"]["median_ms"] - m["fwd"]["median_ms"]) / 1e3
+    config = Config.from_json(m["config"])
+    return BACKWARD_FACTOR * config.flops() / seconds / 1e12 if seconds > 0 else None
+
+
+def targets_text(results: dict[str, Any]) -> str:
+    """Issue 12's targets, per config of bfloat16 at head_dim 128 and S >= 4096: the rate
+    of ours-JAX's fused core forward and backward, its speed over the fastest SDPA
+    backend on its own (core against core, above 1.0 = ours faster) and the speed of
+    ours-JAX's fused module over flax.nnx.MultiHeadAttention's (module against module)."""
+    by_key = {(m["system"], m["label"]): m for m in results["measurements"]}
+    rows = []
+    for label in dict.fromkeys(m["label"] for m in sorted_measurements(results)):
+        ours = by_key.get(("core-jax-fused", label))
+        if ours is None:
+            continue
+        config = Config.from_json(ours["config"])
+        if not (config.dtype == "bfloat16" and config.head_dim == 128 and config.seq >= 4096):
+            continue
+        cells = [label]
+        cells.append(f"{ours['fwd']['tflops']:.0f}" if ours["fwd"] else f"- ({ours['error']})")
+        bwd = backward_tflops(ours)
+        cells.append("-" if bwd is None else f"{bwd:.0f}")
+        for phase in ("fwd", "fwd_bwd"):
+            sdpa = [(by_key[(s, label)][phase]["median_ms"], s) for s in SDPA_BACKENDS
+                    if (s, label) in by_key and by_key[(s, label)][phase]]
+            if sdpa and ours[phase]:
+                best_ms, best = min(sdpa)
+                cells.append(f"{best_ms / ours[phase]['median_ms']:.2f} ({best.removeprefix('core-torch-sdpa-')})")
+            else:
+                cells.append("-")
+        module, flax = by_key.get(("ours-jax-fused", label)), by_key.get(("flax-nnx-mha", label))
+        if module and flax and module["fwd"] and flax["fwd"]:
+            cells.append(f"{flax['fwd']['median_ms'] / module['fwd']['median_ms']:.2f}")
+        else:
+            cells.append("-" if not flax or not flax["error"] else f"- (flax: {flax['error'][:60]})")
+        rows.append(cells)
+    if not rows:
+        return ""
+    header = ["config", "core-jax-fused fwd TFLOP/s", "bwd TFLOP/s", "fwd speed / best SDPA",
+              "fwd+bwd speed / best SDPA", "module fwd speed / flax-nnx-mha"]
+    lines = [
+        f"Issue 12's targets (bfloat16, head_dim 128, S >= 4096): forward >= {TARGET_FWD_TFLOPS:.0f} and "
+        f"backward >= {TARGET_BWD_TFLOPS:.0f} TFLOP/s (attention-core FLOPs; the backward's time is "
+        "forward+backward less forward), at least 1.0x the fastest SDPA backend (its time over ours) and "
+        f"at least {TARGET_OVER_FLAX:.0f}x flax.nnx.MultiHeadAttention:\n",
+        "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+    ]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
 
 
 def progress_line(m: dict[str, Any]) -> str:

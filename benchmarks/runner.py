@@ -14,14 +14,15 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.configs import Config, Mode
+from benchmarks.configs import Config, Mode, is_core
 from benchmarks.environment import cpu_busy, device_slug, host_environment, load_average
-from benchmarks.measure import empty_result
+from benchmarks.measure import OUT_OF_TIME, empty_result
 from benchmarks.systems import framework_of
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: benchmarks and the twins
@@ -39,6 +40,7 @@ def run(
     *,
     out_dir: Path | None = None,
     append: bool = False,
+    budget_s: float | None = None,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measures every (system, config) of ``mode``, writes the results and prints the
@@ -46,36 +48,46 @@ def run(
 
     ``out_dir`` defaults to ``benchmarks/results/<device-slug>``.  ``append`` keeps the
     measurements of an earlier ``<mode>.json`` there that this run did not repeat (to
-    split a long run into several calls)."""
+    split a long run into several calls).  ``budget_s``: no case starts after that many
+    seconds; the cases left are recorded as not run (a lent machine's command limit).
+    ``<mode>.json`` is rewritten after each system, so that what was measured survives
+    the run being killed."""
     env = host_environment()
     out_dir = out_dir or RESULTS / device_slug(env)
     echo(f"Benchmark '{mode.name}' on {env['device']}; results to {out_dir}")
     if mode.name == "full" and not env["gpus"]:
         echo("Note: the full sweep is meant for a GPU; on a CPU it takes hours (try --quick or --cpu-target).")
     env["runtime"] = {}
-    measurements = []
+    deadline = None if budget_s is None else time.time() + budget_s
+    measurements: list[dict[str, Any]] = []
     if mode.process_per_case:
         jobs = [(system, [c]) for c in mode.configs for system in mode.systems if c.runs_system(system)]
     else:
         jobs = [(system, [c for c in mode.configs if c.runs_system(system)]) for system in mode.systems]
+    earlier = out_dir / f"{mode.name}.json"
+    earlier_results = json.loads(earlier.read_text()) if append and earlier.exists() else None
+
+    def results_so_far() -> dict[str, Any]:
+        results = {
+            "mode": mode.name,
+            "env": env,
+            "settings": {"runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward},
+            "notes": notes(mode, env),
+            "systems": list(mode.systems),
+            "measurements": measurements,
+        }
+        return results if earlier_results is None else _merge(earlier_results, results)
+
     for system, configs in jobs:
         if configs:
-            runtime, done = _run_system(system, configs, mode, echo)
+            runtime, done = _run_system(system, configs, mode, echo, deadline)
             if runtime:
                 env["runtime"].setdefault(framework_of(system), runtime)
             measurements += done
+            report.write_json(results_so_far(), out_dir)
     env["load_average_at_end"] = load_average()  # this run's own work included
     env["cpu_busy_at_end"] = cpu_busy()
-    results = {
-        "mode": mode.name,
-        "env": env,
-        "settings": {"runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward},
-        "notes": notes(mode, env),
-        "systems": list(mode.systems),
-        "measurements": measurements,
-    }
-    if append:
-        results = _merge(out_dir / f"{mode.name}.json", results)
+    results = results_so_far()
     paths = report.write(results, out_dir)
     echo("\n" + report.environment_text(env))
     echo(report.table(results))
@@ -96,6 +108,8 @@ def notes(mode: Mode, env: dict[str, Any]) -> list[str]:
         f"Times: {runs}, after one first call (timed apart as 'compile s': JAX compiles, "
         f"PyTorch allocates, torch.compile compiles; forward / forward+backward) and "
         f"{mode.warmup} untimed warm-up call(s); the clock stops when the device is done. "
+        "A timed run is one call or, where one call is shorter than 20 ms, as many back-to-back "
+        "calls as fill 20 ms, its time divided by their number ('calls_per_run' in the JSON). "
         "IQR = interquartile range / median. Inputs are random normal.",
         "What is timed: the whole module, multi-head self-attention with d_in = d_out = "
         "H*D, so the four projections are included; forward in eval mode without "
@@ -106,6 +120,7 @@ def notes(mode: Mode, env: dict[str, Any]) -> list[str]:
         "since the time includes the projections (8*B*S*(H*D)^2 more FLOPs forward, as many "
         "as a non-causal core at S = 2*H*D), this understates the core's own rate. The JSON "
         "also gives 'tflops_incl_projections'.",
+        *([CORE_NOTE] if any(is_core(s) for s in mode.systems) else []),
         "Precision: float32 matmuls at full precision on both sides (PyTorch TF32 off for "
         "matmul and cuDNN, float32 matmul precision 'highest'; JAX default matmul "
         "precision 'highest'), so that every system computes the same thing. Parameters "
@@ -130,6 +145,16 @@ def notes(mode: Mode, env: dict[str, Any]) -> list[str]:
     ]
 
 
+CORE_NOTE = (
+    "The core-* systems time the attention function alone on random q, k, v of shape (B, H, S, D) "
+    "((B, S, H, D) for jax.nn.dot_product_attention and Flax's, their own layout): no projections, so "
+    "their TFLOP/s are the kernel's own; forward+backward = gradient of sum(out) with respect to q, k "
+    "and v. core-torch-sdpa-* hold F.scaled_dot_product_attention to one backend (sdpa_kernel); "
+    "core-torch-fused is ours, SDPA with its own choice of backend. JAX's compile flags (XLA_FLAGS) "
+    "are in each runtime entry of the JSON."
+)
+
+
 def _busy_machine_warning(env: dict[str, Any]) -> list[str]:
     """A warning when other work kept the CPU busy before or after the run: the numbers
     are then not a fair comparison (PyTorch's OpenMP threads, one per core, stall badly
@@ -147,14 +172,17 @@ def _busy_machine_warning(env: dict[str, Any]) -> list[str]:
 
 
 def _run_system(
-    system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None]
+    system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None], deadline: float | None,
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The worker's runtime description and one measurement per config, in order."""
     runtime = None
     done: list[dict[str, Any]] = []
     while len(done) < len(configs):
         todo = configs[len(done):]
-        status, lines = _worker(system, todo, mode, echo)
+        if deadline is not None and time.time() > deadline:
+            done += [empty_result(system, c, OUT_OF_TIME) for c in todo]
+            break
+        status, lines = _worker(system, todo, mode, echo, deadline)
         runtime = runtime or next((line["runtime"] for line in lines if "runtime" in line), None)
         done += [line["measurement"] for line in lines if "measurement" in line]
         if status != 0 and len(done) < len(configs):
@@ -166,13 +194,13 @@ def _run_system(
 
 
 def _worker(
-    system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None]
+    system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None], deadline: float | None,
 ) -> tuple[int, list[dict[str, Any]]]:
     """Runs ``python -m benchmarks._worker``, passing on what it prints (one line per
     measurement), and reads back the results it wrote."""
     job = {
         "system": system, "configs": [c.to_json() for c in configs],
-        "runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward,
+        "runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward, "deadline": deadline,
     }
     env = {**WORKER_ENV, **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -189,12 +217,9 @@ def _worker(
     return status, [json.loads(line) for line in lines]
 
 
-def _merge(path: Path, results: dict[str, Any]) -> dict[str, Any]:
-    """``results`` plus the measurements of ``path`` (an earlier run of the same mode)
+def _merge(earlier: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` plus the measurements of ``earlier`` (an earlier run of the same mode)
     that it does not repeat; the earlier environments are kept in ``earlier_envs``."""
-    if not path.exists():
-        return results
-    earlier = json.loads(path.read_text())
     new = {(m["system"], m["label"]) for m in results["measurements"]}
     kept = [m for m in earlier["measurements"] if (m["system"], m["label"]) not in new]
     systems = list(dict.fromkeys(earlier["systems"] + results["systems"]))

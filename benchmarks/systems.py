@@ -15,6 +15,7 @@ configs run bfloat16 throughout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -24,9 +25,13 @@ SEED = 0
 
 
 class Case(Protocol):
-    def forward(self) -> None: ...
+    """``forward(repeat)`` / ``forward_backward(repeat)`` make ``repeat`` calls back to
+    back and return when the device has finished the last (one host clock around several
+    short GPU calls, so that launch and synchronisation costs are not counted per call)."""
 
-    def forward_backward(self) -> None: ...
+    def forward(self, repeat: int = 1) -> None: ...
+
+    def forward_backward(self, repeat: int = 1) -> None: ...
 
     def memory(self) -> dict[str, Any]:
         """``peak_mem_bytes`` and ``peak_mem_source`` of the calls made so far (None on CPU)."""
@@ -90,8 +95,7 @@ def _flax_mha(config: Config) -> Case:
 
 class JaxCase:
     """A Flax NNX module as pure jitted functions of (params, rest, x): the forward, and
-    the gradient of sum(out) with respect to params and x.  Each is compiled ahead of
-    time on its first call (which the caller times as the compile time)."""
+    the gradient of sum(out) with respect to params and x."""
 
     def __init__(self, config: Config, make: Callable[[Any, Any], Any], call: Callable[[Any, Any], Any]):
         import jax
@@ -106,26 +110,91 @@ class JaxCase:
         def apply(params: Any, rest: Any, x: Any) -> Any:
             return call(nnx.merge(graphdef, params, rest), x)
 
-        def loss(params: Any, rest: Any, x: Any) -> Any:
-            return jnp.sum(apply(params, rest, x), dtype=jnp.float32)
-
-        self._functions = {"forward": jax.jit(apply), "forward_backward": jax.jit(jax.grad(loss, argnums=(0, 2)))}
-        self._compiled: dict[str, Any] = {}
         x = jax.random.normal(jax.random.key(SEED), (config.batch, config.seq, config.d_model), dtype)
-        self._args = (params, rest, x)
+        self._compiled = CompiledPair(apply, (params, rest, x), argnums=(0, 2))
 
-    def _run(self, name: str) -> None:
+    def forward(self, repeat: int = 1) -> None:
+        self._compiled.run("forward", repeat)
+
+    def forward_backward(self, repeat: int = 1) -> None:
+        self._compiled.run("forward_backward", repeat)
+
+    def memory(self) -> dict[str, Any]:
+        return self._compiled.memory()
+
+
+def _jax_core(config: Config, system: str) -> Case:
+    """An attention function alone on random q, k, v: (B, H, S, D) for ours, (B, S, H, D)
+    for ``jax.nn.dot_product_attention`` and Flax's, which take that layout."""
+    import jax
+    import jax.numpy as jnp
+
+    if system == "core-jax-fused":
+        import jax_attention as ja
+
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            return ja.functional.dot_product_attention(q, k, v, causal=config.causal, implementation="fused")
+
+        shape = (config.batch, config.heads, config.seq, config.head_dim)
+    elif system == "core-jax-cudnn":
+
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=config.causal, implementation="cudnn")
+
+        shape = (config.batch, config.seq, config.heads, config.head_dim)
+    else:  # core-flax
+        from flax import nnx
+
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            mask = None
+            if config.causal:
+                mask = nnx.make_causal_mask(jnp.ones(q.shape[:2]), dtype=jnp.bool_)  # (B, 1, S, S)
+            return nnx.dot_product_attention(q, k, v, mask=mask)
+
+        shape = (config.batch, config.seq, config.heads, config.head_dim)
+    keys = jax.random.split(jax.random.key(SEED), 3)
+    q, k, v = (jax.random.normal(key, shape, jnp.dtype(config.dtype)) for key in keys)
+    return CoreJaxCase(CompiledPair(attend, (q, k, v), argnums=(0, 1, 2)))
+
+
+class CoreJaxCase:
+    def __init__(self, compiled: CompiledPair):
+        self._compiled = compiled
+
+    def forward(self, repeat: int = 1) -> None:
+        self._compiled.run("forward", repeat)
+
+    def forward_backward(self, repeat: int = 1) -> None:
+        self._compiled.run("forward_backward", repeat)
+
+    def memory(self) -> dict[str, Any]:
+        return self._compiled.memory()
+
+
+class CompiledPair:
+    """``apply(*args)`` jitted, and the gradient of sum(apply(*args)) (accumulated in
+    float32) with respect to ``argnums``.  Each is compiled ahead of time on its first
+    call (which the caller times as the compile time)."""
+
+    def __init__(self, apply: Callable[..., Any], args: tuple[Any, ...], argnums: tuple[int, ...]):
+        import jax
+        import jax.numpy as jnp
+
+        def loss(*args: Any) -> Any:
+            return jnp.sum(apply(*args), dtype=jnp.float32)
+
+        self._functions = {"forward": jax.jit(apply), "forward_backward": jax.jit(jax.grad(loss, argnums=argnums))}
+        self._compiled: dict[str, Any] = {}
+        self._args = args
+
+    def run(self, name: str, repeat: int) -> None:
         import jax
 
         if name not in self._compiled:
             self._compiled[name] = self._functions[name].lower(*self._args).compile()
-        jax.block_until_ready(self._compiled[name](*self._args))
-
-    def forward(self) -> None:
-        self._run("forward")
-
-    def forward_backward(self) -> None:
-        self._run("forward_backward")
+        for _ in range(repeat):
+            out = self._compiled[name](*self._args)
+        jax.block_until_ready(out)
 
     def memory(self) -> dict[str, Any]:
         """On GPU/TPU, the peak that XLA's buffer assignment plans for the largest of the
@@ -231,34 +300,115 @@ class TorchCase:
             torch.cuda.reset_peak_memory_stats()
 
     def _sync(self) -> None:
-        import torch
+        _sync(self._device)
 
-        if self._device == "cuda":
-            torch.cuda.synchronize()
-
-    def forward(self) -> None:
+    def forward(self, repeat: int = 1) -> None:
         import torch
 
         with torch.no_grad():
-            self._call(self._run_module, self._x)
+            for _ in range(repeat):
+                self._call(self._run_module, self._x)
         self._sync()
 
-    def forward_backward(self) -> None:
-        self._module.zero_grad(set_to_none=True)
-        self._x_grad.grad = None
-        out = self._call(self._run_module, self._x_grad)
-        out.float().sum().backward()
+    def forward_backward(self, repeat: int = 1) -> None:
+        for _ in range(repeat):
+            self._module.zero_grad(set_to_none=True)
+            self._x_grad.grad = None
+            out = self._call(self._run_module, self._x_grad)
+            out.float().sum().backward()
         self._sync()
 
     def memory(self) -> dict[str, Any]:
+        return _torch_memory(self._device)
+
+
+_SDPA_BACKENDS = {"core-torch-sdpa-flash": "FLASH_ATTENTION", "core-torch-sdpa-cudnn": "CUDNN_ATTENTION",
+                  "core-torch-sdpa-efficient": "EFFICIENT_ATTENTION"}
+
+
+def _torch_core(config: Config, system: str) -> Case:
+    """An attention function alone on random q, k, v of shape (B, H, S, D): ours, or
+    ``F.scaled_dot_product_attention`` held to one backend (``sdpa_kernel``; a backend
+    that cannot run the case raises, and the case records the error)."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    if system == "core-torch-fused":
+        import torch_attention as ta
+
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            return ta.functional.dot_product_attention(q, k, v, causal=config.causal, implementation="fused")
+
+        backend: Callable[[], Any] = contextlib.nullcontext
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        chosen = getattr(SDPBackend, _SDPA_BACKENDS[system])
+
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=config.causal)
+
+        def backend() -> Any:
+            return sdpa_kernel(chosen)
+
+    return TorchCoreCase(config, attend, backend)
+
+
+class TorchCoreCase:
+    """q, k, v on the GPU if there is one; the backward is the gradient of sum(out)
+    with respect to all three."""
+
+    def __init__(self, config: Config, attend: Callable[..., Any], backend: Callable[[], Any]):
         import torch
 
-        if self._device != "cuda":
-            return {"peak_mem_bytes": None, "peak_mem_source": None}
-        return {
-            "peak_mem_bytes": int(torch.cuda.max_memory_allocated()),
-            "peak_mem_source": "torch.cuda.max_memory_allocated",
-        }
+        self._device = torch_device()
+        dtype = getattr(torch, config.dtype)
+        generator = torch.Generator(device=self._device).manual_seed(SEED)
+        shape = (config.batch, config.heads, config.seq, config.head_dim)
+        self._qkv = [torch.randn(shape, dtype=dtype, device=self._device, generator=generator) for _ in range(3)]
+        self._qkv_grad = [t.detach().requires_grad_(True) for t in self._qkv]
+        self._attend, self._backend = attend, backend
+        if self._device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def forward(self, repeat: int = 1) -> None:
+        import torch
+
+        with torch.no_grad(), self._backend():
+            for _ in range(repeat):
+                self._attend(*self._qkv)
+        _sync(self._device)
+
+    def forward_backward(self, repeat: int = 1) -> None:
+        with self._backend():
+            for _ in range(repeat):
+                for t in self._qkv_grad:
+                    t.grad = None
+                self._attend(*self._qkv_grad).float().sum().backward()
+        _sync(self._device)
+
+    def memory(self) -> dict[str, Any]:
+        return _torch_memory(self._device)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _torch_memory(device: str) -> dict[str, Any]:
+    import torch
+
+    if device != "cuda":
+        return {"peak_mem_bytes": None, "peak_mem_source": None}
+    return {
+        "peak_mem_bytes": int(torch.cuda.max_memory_allocated()),
+        "peak_mem_source": "torch.cuda.max_memory_allocated",
+    }
 
 
 _BUILDERS: dict[str, Callable[[Config], Case]] = {
@@ -271,4 +421,9 @@ _BUILDERS: dict[str, Callable[[Config], Case]] = {
     "ours-torch-sdpa": lambda c: _ours_torch(c, "fused"),
     "torch-nn-mha": _torch_mha,
     "ours-torch-compile": lambda c: _ours_torch(c, "fused", compiled=True),
+    "core-jax-fused": lambda c: _jax_core(c, "core-jax-fused"),
+    "core-jax-cudnn": lambda c: _jax_core(c, "core-jax-cudnn"),
+    "core-flax": lambda c: _jax_core(c, "core-flax"),
+    "core-torch-fused": lambda c: _torch_core(c, "core-torch-fused"),
+    **{name: functools.partial(_torch_core, system=name) for name in _SDPA_BACKENDS},
 }

@@ -9,7 +9,11 @@ import math
 
 import pytest
 
+from benchmarks import SYSTEMS as ALL_SYSTEMS
 from benchmarks import Config, Mode, flops, fwd_bwd_flops, run
+from benchmarks.configs import CORE_SYSTEMS
+from benchmarks.measure import OUT_OF_TIME
+from benchmarks.report import backward_tflops, targets_text
 from parity_tests.conftest import needs_both
 
 SYSTEMS = ("ours-jax-fused", "flax-nnx-mha", "ours-torch-sdpa")
@@ -29,12 +33,19 @@ def test_modes_follow_the_issue() -> None:
     from benchmarks import mode
 
     full = mode("full")
-    sweep = [c for c in full.configs if c.systems is None]
+    sweep = [c for c in full.configs if c.seq <= 16384]
     assert len(sweep) == 6 * 2 * 2 * 2  # seq x head_dim x causal x dtype
+    assert {c.dtype for c in sweep} == {"bfloat16", "float16"}
     assert all(c.batch * c.seq == 16384 and c.heads * c.head_dim == 2048 for c in sweep)
-    long = [c for c in full.configs if c.systems is not None]
+    assert sweep[0].group == (128, True, "bfloat16")  # the target group first
+    # every config runs our fused module, flax's, SDPA through ours, and every kernel alone
+    must = {"ours-jax-fused", "flax-nnx-mha", "ours-torch-sdpa", "torch-nn-mha", *CORE_SYSTEMS}
+    assert all(must <= set(c.systems) for c in sweep)
+    assert all("ours-torch-compile" in c.systems for c in sweep if c.dtype == "bfloat16" and c.head_dim == 128)
+    long = [c for c in full.configs if c.seq > 16384]
     assert {(c.batch, c.seq, c.heads, c.head_dim, c.dtype) for c in long} == {(1, 65536, 16, 128, "bfloat16")}
-    assert full.runs >= 20 and full.backward and "ours-torch-compile" in full.systems
+    assert all("core-jax-fused" in c.systems for c in long)
+    assert full.runs >= 10 and full.backward and set(full.systems) == set(ALL_SYSTEMS)
 
     target = mode("cpu-target")
     assert [c.label for c in target.configs] == ["B4-S1024-H8-D64-causal-float32"]
@@ -76,3 +87,52 @@ def test_tiny_run_writes_json_table_and_plot(tmp_path) -> None:
         assert f"| B2-S32-H2-D16-causal-float32 | {system} |" in table
     png = (tmp_path / "tiny.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+@needs_both
+def test_core_systems_time_the_function_alone(tmp_path) -> None:
+    # The kernels alone: no projection FLOPs; a backend that cannot run (SDPA's cuDNN
+    # and memory-efficient kernels on CPU) is a recorded error, not a crash.
+    config = Config(batch=1, seq=32, heads=2, head_dim=16, causal=False, dtype="float32")
+    systems = ("core-jax-fused", "core-flax", "core-torch-fused", "core-torch-sdpa-flash", "core-torch-sdpa-cudnn")
+    results = run(Mode("full", (config,), systems, runs=2, backward=True, warmup=1), out_dir=tmp_path,
+                  echo=lambda _: None)
+    by_system = {m["system"]: m for m in results["measurements"]}
+    for system in systems[:4]:
+        m = by_system[system]
+        assert m["error"] is None, m
+        assert m["fwd"]["tflops_incl_projections"] == m["fwd"]["tflops"]
+        assert m["fwd_bwd"]["calls_per_run"] >= 1
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "No viable backend" in by_system["core-torch-sdpa-cudnn"]["error"]
+
+
+def test_a_spent_budget_records_every_case_as_not_run(tmp_path) -> None:
+    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
+    results = run(Mode("tiny", (config,), ("ours-jax-fused", "core-torch-fused"), runs=1, backward=False),
+                  out_dir=tmp_path, echo=lambda _: None, budget_s=-1.0)
+    assert [m["error"] for m in results["measurements"]] == [OUT_OF_TIME, OUT_OF_TIME]
+    assert json.loads((tmp_path / "tiny.json").read_text())["measurements"] == results["measurements"]
+
+
+def test_backward_rate_and_target_table() -> None:
+    # B1 H16 S4096 D128, not causal: forward 4*16*4096^2*128 = 1.374e11 FLOPs.  A forward of
+    # 0.25 ms and a forward+backward of 1.0 ms: backward 2.5 * 1.374e11 / 0.75e-3 = 458 TFLOP/s.
+    config = Config(1, 4096, 16, 128, False, "bfloat16")
+
+    def measurement(system: str, fwd_ms: float, fwd_bwd_ms: float) -> dict:
+        return {"system": system, "label": config.label, "config": config.to_json(), "error": None,
+                "fwd": {"median_ms": fwd_ms, "tflops": config.flops() / fwd_ms / 1e9},
+                "fwd_bwd": {"median_ms": fwd_bwd_ms, "tflops": config.fwd_bwd_flops() / fwd_bwd_ms / 1e9}}
+
+    ours = measurement("core-jax-fused", 0.25, 1.0)
+    assert backward_tflops(ours) == pytest.approx(2.5 * config.flops() / 0.75e-3 / 1e12)
+    results = {"systems": ["core-jax-fused", "core-torch-sdpa-flash", "core-torch-sdpa-cudnn", "ours-jax-fused",
+                           "flax-nnx-mha"],
+               "measurements": [ours, measurement("core-torch-sdpa-flash", 0.30, 1.1),
+                                measurement("core-torch-sdpa-cudnn", 0.26, 1.2),
+                                measurement("ours-jax-fused", 1.0, 3.0), measurement("flax-nnx-mha", 3.5, 9.0)]}
+    row = next(line for line in targets_text(results).splitlines() if line.startswith(f"| {config.label}"))
+    assert row == f"| {config.label} | 550 | 458 | 1.04 (cudnn) | 1.10 (flash) | 3.50 |"
