@@ -37,7 +37,11 @@ COMPILE_SYSTEM = "ours-torch-compile"
 
 # Timed-run ratios printed under every table (when both systems were measured):
 # numerator / denominator of the median forward time, below 1.0 = the numerator is faster.
-RATIOS = (("ours-jax-auto", "ours-torch-sdpa"), ("ours-jax-auto", "flax-nnx-mha"))
+RATIOS = (
+    ("ours-jax-auto", "ours-torch-sdpa"), ("ours-jax-auto", "flax-nnx-mha"),
+    ("ours-jax-fused", "ours-torch-sdpa"), ("ours-jax-fused", "flax-nnx-mha"),
+    ("core-jax-fused", "core-torch-fused"), ("core-jax-fused", "core-jax-cudnn"),
+)
 
 BACKWARD_FACTOR = 2.5  # backward FLOPs per forward FLOP (the usual FlashAttention count)
 

@@ -219,12 +219,15 @@ def _worker(
 
 def _merge(earlier: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
     """``results`` plus the measurements of ``earlier`` (an earlier run of the same mode)
-    that it does not repeat; the earlier environments are kept in ``earlier_envs``."""
-    new = {(m["system"], m["label"]) for m in results["measurements"]}
-    kept = [m for m in earlier["measurements"] if (m["system"], m["label"]) not in new]
+    that it does not repeat; a case this run left out of time does not replace an earlier
+    one.  The earlier environments are kept in ``earlier_envs``."""
+    def key(m: dict[str, Any]) -> tuple[str, str]:
+        return m["system"], m["label"]
+
+    before = {key(m) for m in earlier["measurements"]}
+    fresh = [m for m in results["measurements"] if not (m["error"] == OUT_OF_TIME and key(m) in before)]
+    new = {key(m) for m in fresh}
+    kept = [m for m in earlier["measurements"] if key(m) not in new]
     systems = list(dict.fromkeys(earlier["systems"] + results["systems"]))
     earlier_envs = earlier.get("earlier_envs", []) + [earlier["env"]]
-    return {
-        **results, "systems": systems, "measurements": kept + results["measurements"],
-        "earlier_envs": earlier_envs,
-    }
+    return {**results, "systems": systems, "measurements": kept + fresh, "earlier_envs": earlier_envs}

@@ -135,4 +135,13 @@ def test_backward_rate_and_target_table() -> None:
                                 measurement("core-torch-sdpa-cudnn", 0.26, 1.2),
                                 measurement("ours-jax-fused", 1.0, 3.0), measurement("flax-nnx-mha", 3.5, 9.0)]}
     row = next(line for line in targets_text(results).splitlines() if line.startswith(f"| {config.label}"))
-    assert row == f"| {config.label} | 550 | 458 | 1.04 (cudnn) | 1.10 (flash) | 3.50 |"
+    assert row == f"| {config.label} | 550 | 458 | - | 1.04 (cudnn) | 1.10 (flash) | 3.50 |"
+
+
+def test_appending_keeps_what_a_later_run_left_out_of_time(tmp_path) -> None:
+    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
+    mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
+    measured = run(mode, out_dir=tmp_path, echo=lambda _: None)["measurements"]
+    assert measured[0]["error"] is None
+    again = run(mode, out_dir=tmp_path, echo=lambda _: None, append=True, budget_s=-1.0)
+    assert again["measurements"] == measured  # the measurement, not the "not run" entry
