@@ -7,6 +7,9 @@ size of one S x S score matrix.  Its numbers are checked at the real tile size a
 the reference path, with windows and tile edges that do not fall on tile boundaries;
 ``test_structure_options`` runs every structure option through the same form in tiny
 tiles against the float64 oracle.
+
+PyTorch's blockwise path (not its ``auto``, which is SDPA) bounds its training memory by
+checkpointing each query block; that is checked here on what autograd saves.
 """
 
 from __future__ import annotations
@@ -14,11 +17,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parity_tests.conftest import needs_jax
+from parity_tests.conftest import needs_jax, needs_torch
 from parity_tests.harness import compare
 from parity_tests.tolerances import GRAD_PARITY, PARITY
-
-pytestmark = needs_jax
 
 
 def _loss(implementation: str, **options):  # type: ignore[no-untyped-def]
@@ -33,6 +34,7 @@ def _loss(implementation: str, **options):  # type: ignore[no-untyped-def]
     return loss
 
 
+@needs_jax
 def test_auto_takes_the_tiles_from_4096_keys():
     from jax_attention import functional
 
@@ -41,6 +43,7 @@ def test_auto_takes_the_tiles_from_4096_keys():
     assert functional._blockwise_plan(32768, 32768)[1] == functional._LONG_TILE
 
 
+@needs_jax
 def test_training_memory_at_32768_keys_is_not_quadratic():
     """Causal forward + backward, one head of width 64, S = 32768 on ``auto``: the
     temporaries XLA plans stay below 1/64 of one S x S float32 score matrix (4 GiB)."""
@@ -58,6 +61,7 @@ def test_training_memory_at_32768_keys_is_not_quadratic():
     assert stats.temp_size_in_bytes < square / 64, (stats.temp_size_in_bytes, square)
 
 
+@needs_jax
 @pytest.mark.parametrize("options", [
     {"causal": True},
     {"window": (700, 300)},
@@ -88,4 +92,43 @@ def test_real_tiles_against_the_reference_path(options):
     got, want = results["blockwise"], results["reference"]
     findings = [compare(name, got[name], want[name], (GRAD_PARITY if name.startswith("grad") else PARITY)["float32"])
                 for name in ("output", "grad q", "grad k", "grad v")]
+    assert all(f.ok for f in findings), "\n".join(f.describe() for f in findings if not f.ok)
+
+
+@needs_torch
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (100, 50)}, {"bias": True, "softcap": 30.0}],
+                         ids=["causal", "window", "bias-softcap"])
+def test_torch_blockwise_training_keeps_no_weights(options):
+    """What autograd keeps for the backward of PyTorch's blockwise path (B1 H2, T = S =
+    1024, blocks of 128) is the inputs, not the weights: the distinct storages saved stay
+    below one head's T x S float32 matrix, where the weights of all blocks would be 2 of
+    them (8 MiB).  The gradients are those of the reference path."""
+    import torch
+
+    from torch_attention.functional import dot_product_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 1024, 32, generator=generator, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 2, 1024, 1024, generator=generator, requires_grad=True) if options.get("bias") else None
+    kwargs = {**options, "bias": bias}
+    storages: dict[int, int] = {}
+
+    def pack(t):  # type: ignore[no-untyped-def]
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = dot_product_attention(q, k, v, implementation="blockwise", **kwargs)
+    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v, bias) if t is not None}
+    kept = sum(n for ptr, n in storages.items() if ptr not in inputs)
+    assert kept < 1024 * 1024 * 4, kept
+
+    weights = torch.cos(torch.arange(1024.0))[None, None, :, None]
+    wrt = [t for t in (q, k, v, bias) if t is not None]
+    grads = torch.autograd.grad((out * weights).sum(), wrt)
+    reference = dot_product_attention(q, k, v, implementation="reference", **kwargs)
+    expected = torch.autograd.grad((reference * weights).sum(), wrt)
+    findings = [compare("output", out.detach().numpy(), reference.detach().numpy(), PARITY["float32"])]
+    findings += [compare(f"grad {name}", got.numpy(), want.numpy(), GRAD_PARITY["float32"])
+                 for name, got, want in zip("qkvb", grads, expected, strict=False)]
     assert all(f.ok for f in findings), "\n".join(f.describe() for f in findings if not f.ok)

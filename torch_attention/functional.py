@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 from attention_spec import (
@@ -550,7 +551,12 @@ def _blockwise(
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once; a ``window`` (and a causal mask aligned
     at key ``offset``) likewise restricts each block to the keys [lo, hi) within its
-    reach.  Rows are normalised exactly as in the reference path.  Twin of the JAX formulation (where it is the CPU fast path).
+    reach.  Rows are normalised exactly as in the reference path.  Twin of the JAX
+    formulation (where it is the CPU fast path).
+
+    Under autograd each block is checkpointed: the backward keeps only the inputs and
+    recomputes one block's weights at a time, so training holds O(block x S) scores,
+    not all T x S weights (the JAX twin gets the same bound from its flash backward).
     ``mask`` has q's rank (``canonical_mask``); ``lengths`` is (B, 1, 1, S)."""
     q_len, kv_len = q.shape[-2], k.shape[-2]
     block = block_size or default_block_size(q_len)
@@ -558,6 +564,9 @@ def _blockwise(
     # half-precision scores would overflow or lose digits, and half-precision weights
     # would add a rounding each: everything in the compute dtype, the output rounded once
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
+    recompute = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, bias)
+    )
     outputs = []
     for r0 in range(0, q_len, block):
         r1 = min(r0 + block, q_len)
@@ -565,20 +574,34 @@ def _blockwise(
         if hi == lo:  # nothing within reach: zero rows
             outputs.append(v.new_zeros((*q.shape[:-2], r1 - r0, v.shape[-1])))
             continue
-        scores = torch.matmul(qc[..., r0:r1, :], kc[..., lo:hi, :].transpose(-2, -1))  # unscaled
         allowed = None
         if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
             allowed = mask[..., r0:r1, lo:hi] if mask.shape[-2] > 1 else mask[..., lo:hi]
         allowed = combine_masks(allowed, _band(r1 - r0, hi - lo, r0 + offset - lo, causal, window, 2, q.device))
         if lengths is not None:
             allowed = combine_masks(allowed, lengths[..., lo:hi])
-        if bias is None and softcap is None:
-            weights = _softmax(scores, allowed, scale)
-        else:  # a broadcast (size-1) dimension of the bias stays size 1 under the slice
-            part = None if bias is None else (bias[..., r0:r1, lo:hi] if bias.shape[-2] > 1 else bias[..., lo:hi])
-            weights = _softmax(_adjust(scores * scale, part, softcap), allowed)
-        outputs.append(torch.matmul(weights, vc[..., lo:hi, :]).to(v.dtype))
+        # a broadcast (size-1) dimension of the bias stays size 1 under the slice
+        part = None if bias is None else (bias[..., r0:r1, lo:hi] if bias.shape[-2] > 1 else bias[..., lo:hi])
+        args = (qc[..., r0:r1, :], kc[..., lo:hi, :], vc[..., lo:hi, :], allowed, part, scale, softcap)
+        if recompute:
+            out = torch.utils.checkpoint.checkpoint(_query_block, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = _query_block(*args)
+        outputs.append(out.to(v.dtype))
     return torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]
+
+
+def _query_block(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, bias: Tensor | None, scale: float,
+    softcap: float | None,
+) -> Tensor:
+    """One block of ``_blockwise``: the reference math on the keys within its reach."""
+    scores = torch.matmul(q, k.transpose(-2, -1))  # unscaled
+    if bias is None and softcap is None:
+        weights = _softmax(scores, allowed, scale)
+    else:
+        weights = _softmax(_adjust(scores * scale, bias, softcap), allowed)
+    return torch.matmul(weights, v)
 
 
 class KVCache(NamedTuple):
