@@ -541,13 +541,26 @@ def _as_rules(param_map: Any) -> list[Rule]:
 
 
 def _resolve_param_map(torch_module: Any, flax_module: Any, param_map: Any) -> list[Rule]:
-    """The conversion rules between the two modules, checked against both: every
-    parameter of each side in exactly one rule, every shape carried through the steps to
-    the other side's shape.  Raises one ValueError listing every problem."""
+    """The conversion rules between the two modules, checked against both (see
+    ``resolve_rules``)."""
     from flax import nnx
 
-    torch_params = dict(torch_module.named_parameters())
-    flax_params = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(flax_module, nnx.Param))}
+    flax_shapes = {tuple(p): tuple(v[...].shape) for p, v in nnx.to_flat_state(nnx.state(flax_module, nnx.Param))}
+    return resolve_rules(torch_module, flax_shapes, param_map)
+
+
+def resolve_rules(
+    torch_module: Any, flax_shapes: Mapping[tuple[Any, ...], tuple[int, ...]], param_map: Any, *,
+    trainable_only: bool = False,
+) -> list[Rule]:
+    """The conversion rules between a PyTorch module's parameters (its trainable ones with
+    ``trainable_only``) and Flax parameters of the given shapes: every parameter of each
+    side in exactly one rule, every shape carried through the rule's steps to the other
+    side's shape.  ``param_map`` None means this library's declared rules; a Linen model
+    that holds the module (``nnx.bridge.to_linen``) keeps them under one prefix, which is
+    found.  Raises one ValueError listing every problem."""
+    torch_params = {n: p for n, p in torch_module.named_parameters() if p.requires_grad or not trainable_only}
+    kind = "trainable parameter" if trainable_only else "parameter"
     if param_map is None:
         if not _is_ours(torch_module):
             raise ValueError(
@@ -555,21 +568,28 @@ def _resolve_param_map(torch_module: Any, flax_module: Any, param_map: Any) -> l
                 "pass param_map={torch name: flax path or (flax path, transpose)} or a list of "
                 "attention_spec.specs.Rule"
             )
-        rules = [Rule(r.torch_name, r.flax_path, (Transpose(),) if r.transpose else ())
-                 for r in module_rules(torch_module)]
+        declared = module_rules(torch_module)
+        paths = {r.torch_name: r.flax_path for r in declared}
+        if paths and not all(p in flax_shapes for p in paths.values()):
+            prefixes = {fp[: len(fp) - len(p)] for fp in flax_shapes for p in paths.values()
+                        if len(fp) >= len(p) and fp[len(fp) - len(p):] == p}
+            found = [q for q in prefixes if all((*q, *p) in flax_shapes for p in paths.values())]
+            if len(found) == 1:
+                paths = {n: (*found[0], *p) for n, p in paths.items()}
+        rules = [Rule(r.torch_name, paths[r.torch_name], (Transpose(),) if r.transpose else ()) for r in declared]
     else:
         rules = _as_rules(param_map)
     names = [n for r in rules for n in r.torch_names]
-    paths = [p for r in rules for p in r.flax_paths]
-    problems = [f"  PyTorch has no parameter {n!r}" for n in names if n not in torch_params]
-    problems += [f"  Flax has no parameter {path_text(p)!r}" for p in paths if p not in flax_params]
+    mapped = [p for r in rules for p in r.flax_paths]
+    problems = [f"  PyTorch has no {kind} {n!r}" for n in names if n not in torch_params]
+    problems += [f"  Flax has no parameter {path_text(p)!r}" for p in mapped if p not in flax_shapes]
     problems += [f"  PyTorch parameter {n!r} is not in the map" for n in torch_params if n not in set(names)]
-    problems += [f"  Flax parameter {path_text(p)!r} is not in the map" for p in flax_params if p not in set(paths)]
+    problems += [f"  Flax parameter {path_text(p)!r} is not in the map" for p in flax_shapes if p not in set(mapped)]
     for rule in rules:
-        if not all(n in torch_params for n in rule.torch_names) or not all(p in flax_params for p in rule.flax_paths):
+        if not all(n in torch_params for n in rule.torch_names) or not all(p in flax_shapes for p in rule.flax_paths):
             continue
         t_shapes = {n: tuple(torch_params[n].shape) for n in rule.torch_names}
-        f_shapes = {p: tuple(flax_params[p][...].shape) for p in rule.flax_paths}
+        f_shapes = {p: tuple(flax_shapes[p]) for p in rule.flax_paths}
         try:
             got = spec_shapes(t_shapes, [rule], "to_flax")
         except ValueError as err:
@@ -582,7 +602,7 @@ def _resolve_param_map(torch_module: Any, flax_module: Any, param_map: Any) -> l
             steps = f" (through {', '.join(map(repr, rule.steps))}, which gives {gives})" if rule.steps else ""
             problems.append(f"  {source} does not match {target}{steps}")
     if problems:
-        raise ValueError("param_map does not match the two modules:\n" + "\n".join(problems))
+        raise ValueError("the parameter map (param_map) does not match the two modules:\n" + "\n".join(problems))
     return rules
 
 

@@ -354,7 +354,7 @@ def test_bad_specs_are_refused_before_anything_runs() -> None:
     before = _flax_arrays(fm)
     wrong_layout = [*packed_qkv_rules("qkv.weight", QKV, layout="in_out", bias="qkv.bias", biases=QKV_BIAS),
                     *PACKED_RULES[2:]]  # (24, 8) read as (d_in, 3*d_out): 8 is not divisible by 3
-    with pytest.raises(ValueError, match=r"param_map does not match[\s\S]*'qkv\.weight'[\s\S]*not divisible by 3"):
+    with pytest.raises(ValueError, match=r"\(param_map\) does not match[\s\S]*'qkv\.weight'[\s\S]*not divisible by 3"):
         copy_params(tm, fm, wrong_layout)
     no_bias = PACKED_RULES[:1] + PACKED_RULES[2:]
     with pytest.raises(ValueError, match=r"PyTorch parameter 'qkv\.bias' is not in the map[\s\S]*"
@@ -444,5 +444,5 @@ def test_training_parity_rules_that_do_not_fit_are_listed() -> None:
 
     tm, fm = _torch_modules()["packed"], _ours()
     bad = PACKED_RULES[:-1]  # out.bias left out
-    with pytest.raises(ValueError, match=r"(?s)the parameter map does not match.*PyTorch parameter 'out.bias' is not"):
+    with pytest.raises(ValueError, match=r"(?s)the parameter map \(param_map\) does not match.*PyTorch parameter 'out.bias' is not"):
         assert_training_parity(tm, fm, [_x()], param_map=bad)

@@ -78,9 +78,9 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.conversion import VARIANTS, as_numpy, module_rules
-from attention_spec.specs import Rule, Transpose, apply_specs, path_text, spec_shapes
-from parity_tests.harness import Finding, _as_rules, compare, full_precision, module_dtype
+from attention_spec.conversion import as_numpy
+from attention_spec.specs import apply_specs
+from parity_tests.harness import Finding, _is_ours, compare, full_precision, module_dtype, resolve_rules
 from parity_tests.tolerances import TRAINING_PARITY, Tolerance
 
 __all__ = [
@@ -194,10 +194,6 @@ class TrainingParityError(AssertionError):
 
 # --------------------------------------------------------------------------- helpers
 
-def _is_ours(module: Any) -> bool:
-    return type(module).__name__ in VARIANTS and hasattr(module, "config")
-
-
 def _is_linen(module: Any) -> bool:
     try:
         from flax import linen
@@ -237,57 +233,6 @@ def _flat_params(tree: Any) -> dict[tuple[Any, ...], Any]:
 
     walk(tree, ())
     return out
-
-
-def _resolve_map(torch_module: Any, flax_params: Mapping[tuple[Any, ...], Any], param_map: Any) -> list[Rule]:
-    """The conversion rules between the two parameter sets: every trainable parameter of
-    both sides in exactly one rule, every shape carried through the rule's steps to the
-    other side's shape, else one ValueError listing every problem."""
-    torch_params = {n: p for n, p in torch_module.named_parameters() if p.requires_grad}
-    if param_map is None:
-        if not _is_ours(torch_module):
-            raise ValueError(
-                f"{type(torch_module).__name__} is not one of this library's modules: "
-                "pass param_map={torch name: flax path or (flax path, transpose)} or a list of "
-                "attention_spec.specs.Rule"
-            )
-        declared = module_rules(torch_module)
-        paths = {r.torch_name: r.flax_path for r in declared}
-        # A Linen model that holds the module (nnx.bridge.to_linen) keeps its parameters
-        # under the submodule's name: find the one prefix under which all of them are.
-        if paths and not all(p in flax_params for p in paths.values()):
-            prefixes = {fp[: len(fp) - len(p)] for fp in flax_params for p in paths.values()
-                        if len(fp) >= len(p) and fp[len(fp) - len(p):] == p}
-            found = [q for q in prefixes if all((*q, *p) in flax_params for p in paths.values())]
-            if len(found) == 1:
-                paths = {n: (*found[0], *p) for n, p in paths.items()}
-        rules = [Rule(r.torch_name, paths[r.torch_name], (Transpose(),) if r.transpose else ()) for r in declared]
-    else:
-        rules = _as_rules(param_map)
-    names = [n for r in rules for n in r.torch_names]
-    mapped = [p for r in rules for p in r.flax_paths]
-    problems = [f"  PyTorch has no trainable parameter {n!r}" for n in names if n not in torch_params]
-    problems += [f"  Flax has no parameter {path_text(p)!r}" for p in mapped if p not in flax_params]
-    problems += [f"  PyTorch parameter {n!r} is not in the map" for n in torch_params if n not in set(names)]
-    problems += [f"  Flax parameter {path_text(p)!r} is not in the map" for p in flax_params if p not in set(mapped)]
-    for rule in rules:
-        if not all(n in torch_params for n in rule.torch_names) or not all(p in flax_params for p in rule.flax_paths):
-            continue
-        t_shapes = {n: tuple(torch_params[n].shape) for n in rule.torch_names}
-        f_shapes = {p: tuple(np.shape(flax_params[p])) for p in rule.flax_paths}
-        try:
-            got = spec_shapes(t_shapes, [rule], "to_flax")
-        except ValueError as err:
-            problems += err.args[0].splitlines()[1:]
-            continue
-        if got != f_shapes:
-            source = ", ".join(f"{n!r} {sh}" for n, sh in t_shapes.items())
-            target = ", ".join(f"{path_text(p)!r} {sh}" for p, sh in f_shapes.items())
-            transposed = rule.steps == (Transpose(),)
-            problems.append(f"  {source} does not match {target}" + (" (transposed)" if transposed else ""))
-    if problems:
-        raise ValueError("the parameter map does not match the two modules:\n" + "\n".join(problems))
-    return rules
 
 
 def _optimizers(
@@ -472,7 +417,8 @@ def check_training_parity(
             return nnx.merge(graphdef, params, rest)(x, **kwargs)
 
         flat0 = {tuple(p): v[...] for p, v in nnx.to_flat_state(params0)}
-    rules = _resolve_map(torch_module, flat0, param_map)
+    rules = resolve_rules(torch_module, {p: tuple(np.shape(v)) for p, v in flat0.items()}, param_map,
+                          trainable_only=True)
     dtype = module_dtype(torch_module)
     flax_dtype = str(np.asarray(next(iter(flat0.values()))).dtype) if flat0 else dtype
     if flax_dtype != dtype:
