@@ -557,6 +557,43 @@ def check_segment_ids(name: str, shape: Any, dtype: str, batch: int, length: int
         raise ValueError(f"{name} must have shape (batch, length) = ({batch}, {length}); got shape {shape}")
 
 
+def context_pair(context: Any) -> tuple[Any, Any]:
+    """A module's ``context`` -> (key input, value input): None, one array for both, or a pair."""
+    if context is None:
+        return None, None
+    if isinstance(context, (tuple, list)):
+        if len(context) != 2:
+            raise TypeError(f"context must be an array or a pair (key_input, value_input); got {len(context)} items")
+        return context[0], context[1]
+    return context, context
+
+
+def segment_ids_pair(
+    segment_ids: Any, kv_segment_ids: Any, *, batched: bool, batch: int, seq: int, kv_seq: int, cached: bool,
+    as_array: Any,
+) -> tuple[Any, Any]:
+    """A module's segment ids as (B, T) / (B, S) integer arrays (``as_array`` converts to
+    the framework's; an unbatched input gives (T,)), checked, or (None, None)."""
+    if segment_ids is None and kv_segment_ids is None:
+        return None, None
+    if cached:
+        raise ValueError("segment_ids cannot be combined with a cache")
+    out: list[Any] = []
+    for name, ids, length in (("segment_ids", segment_ids, seq), ("kv_segment_ids", kv_segment_ids, kv_seq)):
+        if ids is None:
+            out.append(None)
+            continue
+        ids = as_array(ids)
+        shape = tuple(ids.shape) if batched else (1, *ids.shape)
+        check_segment_ids(name, shape, dtype_name(ids.dtype), batch, length)
+        out.append(ids.reshape(batch, length))
+    if out[0] is None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries")
+    if out[1] is None and seq != kv_seq:
+        raise ValueError(kv_segment_ids_message(seq, kv_seq))
+    return out[0], out[1]
+
+
 def rank_message(name: str, q_shape: Any) -> str:
     """An option that is given per example needs the (batch, heads, len, dim) layout."""
     return f"{name} needs q, k and v of shape (batch, heads, len, dim); got q of shape {_shape(q_shape)}"

@@ -31,8 +31,8 @@ from attention_spec.validation import (
     check_cache_room,
     check_context,
     check_positive_int,
-    check_segment_ids,
-    kv_segment_ids_message,
+    context_pair,
+    segment_ids_pair,
 )
 from jax_attention import functional
 from jax_attention.masks import _raise_if
@@ -94,41 +94,6 @@ class _Call(NamedTuple):
     segment_ids: Array | None = None  # int (B, T)
     kv_segment_ids: Array | None = None  # int (B, S)
     cache: Any = None  # functional.KVCache
-
-
-def _context_pair(context: Any) -> tuple[Any, Any]:
-    """``context`` -> (key input, value input): None, one array for both, or a pair."""
-    if context is None:
-        return None, None
-    if isinstance(context, (tuple, list)):
-        if len(context) != 2:
-            raise TypeError(f"context must be an array or a pair (key_input, value_input); got {len(context)} items")
-        return context[0], context[1]
-    return context, context
-
-
-def _segments(
-    segment_ids: Any, kv_segment_ids: Any, batched: bool, batch: int, seq: int, kv_seq: int, cached: bool
-) -> tuple[Array | None, Array | None]:
-    """Segment ids as (B, T) / (B, S) integer arrays, checked (unbatched input: (T,))."""
-    if segment_ids is None and kv_segment_ids is None:
-        return None, None
-    if cached:
-        raise ValueError("segment_ids cannot be combined with a cache")
-    out: list[Any] = []
-    for name, ids, length in (("segment_ids", segment_ids, seq), ("kv_segment_ids", kv_segment_ids, kv_seq)):
-        if ids is None:
-            out.append(None)
-            continue
-        ids = jnp.asarray(ids)
-        shape = tuple(ids.shape) if batched else (1, *ids.shape)
-        check_segment_ids(name, shape, dtype_name(ids.dtype), batch, length)
-        out.append(ids.reshape(batch, length))
-    if out[0] is None:
-        raise ValueError("kv_segment_ids needs segment_ids for the queries")
-    if out[1] is None and seq != kv_seq:
-        raise ValueError(kv_segment_ids_message(seq, kv_seq))
-    return out[0], out[1]
 
 
 def _head_slice(m: Array | None, i: int) -> Array | None:
@@ -330,7 +295,7 @@ class AttentionModule(nnx.Module):
         check_compute_dtype(dtype_name(x.dtype), self._compute_dtype())
         implementation = check_implementation(spec.implementation if implementation is None else implementation)
         batch, seq = (x.shape[0] if batched else 1), x.shape[-2]
-        keys, values = _context_pair(context)
+        keys, values = context_pair(context)
         for name, t, role in (("context key input", keys, "key"), ("context value input", values, "value")):
             if t is not None:
                 width = spec.fan_in(role) if spec.projections() else x.shape[-1]
@@ -367,8 +332,10 @@ class AttentionModule(nnx.Module):
                 training=not deterministic or not spec.has_dropout, rate=spec.dropout,
             )
         kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq if cache is not None else kv_seq)
-        segment_ids, kv_segment_ids = _segments(segment_ids, kv_segment_ids, batched, batch, seq, kv_seq,
-                                                cache is not None)
+        segment_ids, kv_segment_ids = segment_ids_pair(
+            segment_ids, kv_segment_ids, batched=batched, batch=batch, seq=seq, kv_seq=kv_seq,
+            cached=cache is not None, as_array=jnp.asarray,
+        )
         if cache is not None:
             fullest = jnp.max(cache.lengths)
             if isinstance(fullest, jax.core.Tracer):  # under jit: a runtime error, same text
