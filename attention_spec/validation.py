@@ -678,6 +678,21 @@ def reach(causal: bool, window: tuple[int | None, int | None] | None) -> tuple[i
     return left, right
 
 
+def band_reach(
+    q_len: int, kv_len: int, offset: int | None, causal: bool, window: tuple[int | None, int | None] | None
+) -> tuple[int | None, int | None]:
+    """``reach``, with a side that hides no key of this (q_len x kv_len) block dropped
+    (None): one decoded query at the end, say, needs no band at all.  ``offset`` None
+    (it differs per example) keeps both sides."""
+    left, right = reach(causal, window)
+    if offset is not None:
+        if right is not None and offset + right >= kv_len - 1:
+            right = None
+        if left is not None and q_len - 1 + offset - left <= 0:
+            left = None
+    return left, right
+
+
 def key_range(
     r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
 ) -> tuple[int, int]:

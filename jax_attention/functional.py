@@ -52,6 +52,7 @@ from attention_spec import (
 from attention_spec.validation import (
     FUSED_FLOAT64_BLOCKER,
     SOFTCAP_FUSED_BLOCKER,
+    band_reach,
     check_alignment,
     check_bias,
     check_kv_lengths_array,
@@ -488,12 +489,7 @@ def _band(
 ) -> Array | None:
     """bool, ``ndim`` dimensions: key j is visible from query i (at key position
     i + offset) under ``causal`` and ``window``; None if every key is."""
-    left, right = _reach(causal, window)
-    if isinstance(offset, int):  # a band that hides nothing (one decoded query at the end, say)
-        if right is not None and offset + right >= kv_len - 1:
-            right = None
-        if left is not None and q_len - 1 + offset - left <= 0:
-            left = None
+    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, causal, window)
     if left is None and right is None:
         return None
     if isinstance(offset, int):

@@ -46,6 +46,7 @@ from attention_spec import (
 from attention_spec.validation import (
     FUSED_FLOAT64_BLOCKER,
     SOFTCAP_FUSED_BLOCKER,
+    band_reach,
     check_alignment,
     check_bias,
     check_kv_lengths_array,
@@ -60,9 +61,6 @@ from attention_spec.validation import (
 )
 from attention_spec.validation import (
     key_range as _key_range,
-)
-from attention_spec.validation import (
-    reach as _reach,
 )
 from torch_attention.masks import _and_masks as combine_masks
 from torch_attention.masks import causal_mask
@@ -452,12 +450,7 @@ def _band(
 ) -> Tensor | None:
     """bool, ``ndim`` dimensions: key j is visible from query i (at key position
     i + offset) under ``causal`` and ``window``; None if every key is."""
-    left, right = _reach(causal, window)
-    if isinstance(offset, int):  # a band that hides nothing (one decoded query at the end, say)
-        if right is not None and offset + right >= kv_len - 1:
-            right = None
-        if left is not None and q_len - 1 + offset - left <= 0:
-            left = None
+    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, causal, window)
     if left is None and right is None:
         return None
     rows = torch.arange(q_len, device=device)
