@@ -50,13 +50,15 @@ def check_mesh_axis(axis_name: Any, mesh_axes: tuple[Any, ...]) -> None:
 
 
 def check_ring_qkv(q: Shape, k: Shape, v: Shape, dtypes: tuple[str, str, str]) -> None:
-    """q, k (B, H, S, D) and v (B, H, S, Dv): self-attention over one sharded sequence, so
-    one B, H and S for all three (no grouped heads, no cross-attention)."""
+    """q (B, H, S, D), k (B, Hkv, S, D) and v (B, Hkv, S, Dv): self-attention over one
+    sharded sequence, so one B and S for all three (no cross-attention); k and v may have
+    fewer heads than q (grouped-query attention, Hkv dividing H), and then travel the
+    ring with Hkv heads."""
     check_qkv(q, k, v, dtypes)
-    if len(q) != 4 or q[:-1] != k[:-1]:
+    if len(q) != 4 or (q[0], q[2]) != (k[0], k[2]) or q[1] % k[1] != 0:
         raise ValueError(
-            "ring attention needs q, k of shape (B, H, S, D) and v of shape (B, H, S, Dv), "
-            f"one B, H and S; got q {tuple(q)}, k {tuple(k)}, v {tuple(v)}"
+            "ring attention needs q of shape (B, H, S, D), k of shape (B, Hkv, S, D) and v of shape "
+            f"(B, Hkv, S, Dv), one B and S, Hkv dividing H; got q {tuple(q)}, k {tuple(k)}, v {tuple(v)}"
         )
 
 

@@ -7,7 +7,7 @@ Dimension legend as ``functional``: B batch, H heads, S the whole sequence, D he
 Dv value width; L = S / N is what one of the N devices of the ring holds.
 
 How the ring works.  Each device keeps its L queries and starts with its own L keys and
-values, packed as one (B, H, L, D + Dv) array.  At each of N steps it attends its queries
+values, packed as one (B, Hkv, L, D + Dv) array.  At each of N steps it attends its queries
 to the chunk it holds, folding the scores into an online softmax (running row maximum
 ``m``, running sum ``l`` and accumulator, in float32, float64 for float64 inputs), then
 passes the chunk to the next device with one ``jax.lax.ppermute``: N - 1 permutes in the
@@ -77,7 +77,9 @@ def ring_attention(
     layout: str = "contiguous",
 ) -> Array:
     """Self-attention over a sequence sharded along ``mesh``'s ``axis_name``:
-    q, k (B, H, S, D), v (B, H, S, Dv) -> (B, H, S, Dv), sharded like q.
+    q (B, H, S, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, S, Dv), sharded like q.
+    With grouped heads (Hkv < H, dividing it; query head h reads key/value head
+    h // (H / Hkv)) the keys and values travel with their Hkv heads.
 
     Equals ``functional.dot_product_attention`` on the whole sequence (its reference
     math, up to rounding), forward and gradients, with S split over the N devices of
@@ -98,7 +100,7 @@ def ring_attention(
 
     Raises ``ValueError`` (the same texts as the PyTorch twin where they overlap) for a
     layout that is not one of the two, a mesh without ``axis_name``, q/k/v that are not
-    (B, H, S, D) with one B, H and S, a sequence that N (zigzag: 2N) does not divide, or
+    (B, H or Hkv, S, D) with one B and S and Hkv dividing H, a sequence that N (zigzag: 2N) does not divide, or
     bad ``kv_lengths``; ``TypeError`` for mixed or non-float dtypes.
     """
     check_layout(layout)
@@ -199,7 +201,7 @@ def _unless_hidden(ring: _Ring, q_chunk: Any, k_chunk: Any, update: Any, carry: 
 
 
 def _without_padding(ring: _Ring, kv: Array, me: Array, lengths: Array) -> Array:
-    """kv (B, H, L, D + Dv) with the keys and values past ``lengths`` set to 0: padding that
+    """kv (B, Hkv, L, D + Dv) with the keys and values past ``lengths`` set to 0: padding that
     holds NaN or Inf never reaches an output or a gradient (as in ``functional``)."""
     if not ring.padded:
         return kv
@@ -215,8 +217,26 @@ def _split_blocks(t: Array, block: int) -> Array:
     return t.reshape(b, h, n // block, block, x).transpose(2, 0, 1, 3, 4)
 
 
+def _rows(t: Array, kv_heads: int) -> Array:
+    """(B, H, T, X) -> (B, Hkv, G*T, X): the G = H / Hkv query heads that read one key/value
+    head (head h reads h // G, as in ``functional``) stacked as rows, so that one matmul
+    per key/value head serves its whole group (G = 1: a reshape that changes nothing)."""
+    b, h, t_len, x = t.shape
+    return t.reshape(b, kv_heads, (h // kv_heads) * t_len, x)
+
+
+def _heads(t: Array, heads: int) -> Array:
+    """(B, Hkv, G*T, X) -> (B, H, T, X): undoes ``_rows``."""
+    return t.reshape(t.shape[0], heads, -1, t.shape[-1])
+
+
+def _mm(a: Array, b: Array) -> Array:
+    return jnp.matmul(a, b, precision="highest")
+
+
 def _scores(ring: _Ring, q: Array, k: Array) -> Array:
-    return jnp.matmul(q, jnp.swapaxes(k, -2, -1), precision="highest") * ring.scale  # (B, H, Tq, Tk)
+    """(B, H, Tq, Tk) scaled scores of q (B, H, Tq, D) against k (B, Hkv, Tk, D)."""
+    return _heads(_mm(_rows(q, k.shape[1]), jnp.swapaxes(k, -2, -1)), q.shape[1]) * ring.scale
 
 
 def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, Array]:
@@ -256,7 +276,7 @@ def _fold(
     k_pos: Array, lengths: Array,
 ) -> tuple[Array, Array, Array]:
     """Online softmax: the state (m, l, acc) of queries q (B, H, Tq, D) after also seeing
-    the keys and values kv (B, H, Tk, D + Dv) at global positions ``k_pos``."""
+    the keys and values kv (B, Hkv, Tk, D + Dv) at global positions ``k_pos``."""
     block = _key_blocks(kv.shape[2])
 
     def one_block(carry: tuple[Array, Array, Array], xs: tuple[Array, Array]) -> Any:
@@ -271,7 +291,7 @@ def _fold(
         p = jnp.exp(scores - shift[..., None])
         correction = jnp.exp(m - shift)
         row_sum = row_sum * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.matmul(p, kv_blk[..., width:], precision="highest")
+        acc = acc * correction[..., None] + _heads(_mm(_rows(p, kv_blk.shape[1]), kv_blk[..., width:]), p.shape[1])
         return (m_new, row_sum, acc), None
 
     state, _ = jax.lax.scan(one_block, state, (_split_blocks(kv, block), k_pos.reshape(-1, block)))
@@ -318,8 +338,8 @@ def _grads(
     ring: _Ring, grads: tuple[Array, Array], *, row: tuple[Array, Array, Array, Array], kv: Array, width: int,
     q_pos: Array, k_pos: Array, lengths: Array,
 ) -> tuple[Array, Array]:
-    """``grads`` = (dq (B, H, Tq, D), d_kv (B, H, Tk, D + Dv)), each plus the part from
-    queries ``row`` (q, dO, lse, delta) attending to kv (B, H, Tk, D + Dv), the
+    """``grads`` = (dq (B, H, Tq, D), d_kv (B, Hkv, Tk, D + Dv)), each plus the part from
+    queries ``row`` (q, dO, lse, delta) attending to kv (B, Hkv, Tk, D + Dv), the
     probabilities recomputed."""
     dq, d_kv = grads
     q, d_out, lse, delta = row
@@ -332,10 +352,11 @@ def _grads(
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             p = jnp.where(allowed, p, 0.0)
-        dv = jnp.matmul(jnp.swapaxes(p, -2, -1), d_out, precision="highest")
-        ds = p * (jnp.matmul(d_out, jnp.swapaxes(v_blk, -2, -1), precision="highest") - delta) * ring.scale
-        dq = dq + jnp.matmul(ds, k_blk, precision="highest")
-        dk = jnp.matmul(jnp.swapaxes(ds, -2, -1), q, precision="highest")
+        kv_heads, heads = kv_blk.shape[1], q.shape[1]  # a group's rows sum into its key/value head
+        dv = _mm(jnp.swapaxes(_rows(p, kv_heads), -2, -1), _rows(d_out, kv_heads))
+        ds = p * (_heads(_mm(_rows(d_out, kv_heads), jnp.swapaxes(v_blk, -2, -1)), heads) - delta) * ring.scale
+        dq = dq + _heads(_mm(_rows(ds, kv_heads), k_blk), heads)
+        dk = _mm(jnp.swapaxes(_rows(ds, kv_heads), -2, -1), _rows(q, kv_heads))
         return dq, jnp.concatenate([dk, dv], axis=-1)
 
     dq, d_blocks = jax.lax.scan(one_block, dq, (_split_blocks(kv, block), k_pos.reshape(-1, block)))

@@ -266,6 +266,7 @@ def test_rings_are_twins(jax_parity: dict[str, Any], torch_world4: list[dict[str
             key = f"{case.id}/{name}"
             np.testing.assert_allclose(jax_out[key], torch_out[key], atol=RING_TOL, rtol=0, err_msg=key)
         q, k, v = (np.nan_to_num(inputs[f"{case.id}/{n}"]) for n in ("q", "k", "v"))
+        k, v = (np.repeat(t, q.shape[1] // t.shape[1], axis=1) for t in (k, v))  # query head h reads h // G
         mask = None
         if case.lengths is not None:
             mask = (np.arange(q.shape[-2])[None, :] < np.asarray(case.lengths)[:, None])[:, None, None, :]
@@ -276,7 +277,7 @@ def test_rings_are_twins(jax_parity: dict[str, Any], torch_world4: list[dict[str
 @needs_both
 def test_rings_raise_the_same_errors(jax_parity: dict[str, Any], torch_world4: list[dict[str, Any]]) -> None:
     jax_texts, torch_texts = jax_parity["errors"], torch_world4[0]["errors"]
-    assert set(torch_texts) == {"layout", "zigzag_length", "to_zigzag", "shapes"}
+    assert set(torch_texts) == {"layout", "zigzag_length", "to_zigzag", "shapes", "heads"}
     for name, text in torch_texts.items():
         assert text == jax_texts[name], name
     assert jax_texts["zigzag_length"] == (
@@ -287,3 +288,7 @@ def test_rings_raise_the_same_errors(jax_parity: dict[str, Any], torch_world4: l
         "ValueError: the mesh has no axis 'sequence' to run the ring over; its axes are ('seq',)"
     )
     assert "divisible by 4 (the ring size); got sequence length 10" in jax_texts["contiguous_length"]
+    assert jax_texts["heads"] == (  # the functional call's text: grouped heads must divide q's
+        "ValueError: q, k and v must have the same leading (batch, heads) dimensions, or k and v fewer heads "
+        "that divide q's (grouped-query attention); got q (1, 2, 12, 8), k (1, 3, 12, 8), v (1, 3, 12, 8)"
+    )

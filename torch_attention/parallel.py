@@ -7,7 +7,7 @@ Dimension legend as ``functional``: B batch, H heads, S the whole sequence, D he
 Dv value width; L = S / N is what each of the N ranks of the group holds.
 
 How the ring works.  Each rank keeps its L queries and starts with its own L keys and
-values, packed as one (B, H, L, D + Dv) tensor.  At each of N steps it attends its
+values, packed as one (B, Hkv, L, D + Dv) tensor.  At each of N steps it attends its
 queries to the chunk it holds, folding the scores into an online softmax (running row
 maximum, running sum and accumulator, in float32, float64 for float64 inputs), then
 sends the chunk to the next rank and receives the previous rank's (point-to-point,
@@ -72,8 +72,10 @@ def ring_attention(
     layout: str = "contiguous",
 ) -> Tensor:
     """Self-attention over a sequence split across the ranks of ``group`` (None: the
-    default group): this rank's q, k (B, H, L, D), v (B, H, L, Dv) -> its output
-    (B, H, L, Dv), with S = N * L in all.
+    default group): this rank's q (B, H, L, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) -> its
+    output (B, H, L, Dv), with S = N * L in all.  With grouped heads (Hkv < H, dividing it;
+    query head h reads key/value head h // (H / Hkv)) the keys and values travel with
+    their Hkv heads.
 
     Equals ``functional.dot_product_attention`` on the whole sequence (its reference
     math, up to rounding), forward and backward.  Every rank of the group must call it
@@ -90,8 +92,8 @@ def ring_attention(
         ``to_zigzag(x, N).chunk(N, dim=-2)[i]``), which balances the causal work.
 
     Raises ``ValueError`` (the same texts as the JAX twin where they overlap) for a
-    layout that is not one of the two, q/k/v that are not (B, H, L, D) with one B, H and
-    L, a zigzag L that is odd (2N must divide S), or bad ``kv_lengths``; ``TypeError``
+    layout that is not one of the two, q/k/v that are not (B, H or Hkv, L, D) with one B
+    and L and Hkv dividing H, a zigzag L that is odd (2N must divide S), or bad ``kv_lengths``; ``TypeError``
     for mixed or non-float dtypes.
     """
     check_layout(layout)
@@ -180,7 +182,7 @@ def _allowed(ring: _Ring, q_pos: Tensor, k_pos: Tensor, lengths: Tensor | None) 
 
 
 def _without_padding(ring: _Ring, kv: Tensor, lengths: Tensor | None) -> Tensor:
-    """kv (B, H, L, D + Dv) with the keys and values past ``lengths`` set to 0: padding that
+    """kv (B, Hkv, L, D + Dv) with the keys and values past ``lengths`` set to 0: padding that
     holds NaN or Inf never reaches an output or a gradient (as in ``functional``)."""
     if lengths is None:
         return kv
@@ -188,6 +190,19 @@ def _without_padding(ring: _Ring, kv: Tensor, lengths: Tensor | None) -> Tensor:
     positions = torch.cat([_positions(ring, c, kv.device) for c in chunks])  # (L,)
     valid = (positions[None, :] < lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
     return kv.masked_fill(~valid, 0.0)
+
+
+def _rows(t: Tensor, kv_heads: int) -> Tensor:
+    """(B, H, T, X) -> (B, Hkv, G*T, X): the G = H / Hkv query heads that read one key/value
+    head (head h reads h // G, as in ``functional``) stacked as rows, so that one matmul
+    per key/value head serves its whole group (G = 1: a reshape that changes nothing)."""
+    b, h, t_len, x = t.shape
+    return t.reshape(b, kv_heads, (h // kv_heads) * t_len, x)
+
+
+def _heads(t: Tensor, heads: int) -> Tensor:
+    """(B, Hkv, G*T, X) -> (B, H, T, X): undoes ``_rows``."""
+    return t.reshape(t.shape[0], heads, -1, t.shape[-1])
 
 
 def _hidden(ring: _Ring, q_chunk: int, k_chunk: int) -> bool:
@@ -210,7 +225,7 @@ def _forward(
          q.new_zeros((batch, heads, ring.piece, v.shape[-1]), dtype=ct))
         for _ in queries
     ]
-    kv = _without_padding(ring, torch.cat([k, v], dim=-1), lengths)  # (B, H, L, D + Dv): one exchange per step
+    kv = _without_padding(ring, torch.cat([k, v], dim=-1), lengths)  # (B, Hkv, L, D + Dv): one exchange per step
     for step in range(ring.size):
         k_chunks = piece_chunks((ring.rank - step) % ring.size, ring.size, ring.layout)
         for a, (q_a, q_chunk) in enumerate(zip(queries, q_chunks, strict=True)):
@@ -234,12 +249,13 @@ def _fold(
     k_pos: Tensor, lengths: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Online softmax: the state (m, l, acc) of queries q (B, H, Tq, D) after also seeing
-    the keys and values kv (B, H, Tk, D + Dv) at global positions ``k_pos``."""
+    the keys and values kv (B, Hkv, Tk, D + Dv) at global positions ``k_pos``."""
     m, row_sum, acc = state
     block = _key_blocks(kv.shape[2])
     for start in range(0, kv.shape[2], block):
         kv_blk, pos = kv[:, :, start : start + block], k_pos[start : start + block]
-        scores = torch.matmul(q, kv_blk[..., :width].transpose(-2, -1)) * ring.scale
+        kv_heads = kv_blk.shape[1]
+        scores = _heads(torch.matmul(_rows(q, kv_heads), kv_blk[..., :width].transpose(-2, -1)), q.shape[1]) * ring.scale
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, -torch.inf)
@@ -248,7 +264,7 @@ def _fold(
         p = torch.exp(scores - shift[..., None])
         correction = torch.exp(m - shift)
         row_sum = row_sum * correction + p.sum(dim=-1)
-        acc = acc * correction[..., None] + torch.matmul(p, kv_blk[..., width:])
+        acc = acc * correction[..., None] + _heads(torch.matmul(_rows(p, kv_heads), kv_blk[..., width:]), p.shape[1])
         m = m_new
     return m, row_sum, acc
 
@@ -288,19 +304,22 @@ def _grads(
     ring: _Ring, row: tuple[Tensor, Tensor, Tensor, Tensor], kv: Tensor, width: int, q_pos: Tensor,
     k_pos: Tensor, lengths: Tensor | None, dq: Tensor, d_kv: Tensor,
 ) -> None:
-    """Adds, in place, to dq (B, H, Tq, D) and d_kv (B, H, Tk, D + Dv) the parts from
-    queries ``row`` (q, dO, lse, delta) attending to kv (B, H, Tk, D + Dv), the
+    """Adds, in place, to dq (B, H, Tq, D) and d_kv (B, Hkv, Tk, D + Dv) the parts from
+    queries ``row`` (q, dO, lse, delta) attending to kv (B, Hkv, Tk, D + Dv), the
     probabilities recomputed.  ``d_kv`` is a view of the travelling dk/dv."""
     q, d_out, lse, delta = row
     block = _key_blocks(kv.shape[2])
     for start in range(0, kv.shape[2], block):
         kv_blk, pos = kv[:, :, start : start + block], k_pos[start : start + block]
         k_blk, v_blk = kv_blk[..., :width], kv_blk[..., width:]
-        p = torch.exp(torch.matmul(q, k_blk.transpose(-2, -1)) * ring.scale - lse)  # (B, H, Tq, block)
+        kv_heads, heads = kv_blk.shape[1], q.shape[1]  # a group's rows sum into its key/value head
+        p = torch.exp(_heads(torch.matmul(_rows(q, kv_heads), k_blk.transpose(-2, -1)), heads) * ring.scale - lse)
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             p = p.masked_fill(~allowed, 0.0)
-        ds = p * (torch.matmul(d_out, v_blk.transpose(-2, -1)) - delta) * ring.scale
-        dq += torch.matmul(ds, k_blk)
-        d_kv[:, :, start : start + block, :width] += torch.matmul(ds.transpose(-2, -1), q)
-        d_kv[:, :, start : start + block, width:] += torch.matmul(p.transpose(-2, -1), d_out)
+        ds = p * (_heads(torch.matmul(_rows(d_out, kv_heads), v_blk.transpose(-2, -1)), heads) - delta) * ring.scale
+        dq += _heads(torch.matmul(_rows(ds, kv_heads), k_blk), heads)
+        d_kv[:, :, start : start + block, :width] += torch.matmul(_rows(ds, kv_heads).transpose(-2, -1),
+                                                                  _rows(q, kv_heads))
+        d_kv[:, :, start : start + block, width:] += torch.matmul(_rows(p, kv_heads).transpose(-2, -1),
+                                                                  _rows(d_out, kv_heads))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BATCH, HEADS, SEQ, WIDTH = 2, 2, 48, 8  # 2N divides SEQ for N = 2, 4, 8
+BATCH, HEADS, SEQ, WIDTH = 2, 4, 48, 8  # 2N divides SEQ for N = 2, 4, 8
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class Case:
     layout: str
     lengths: tuple[int, ...] | None = None  # kv_lengths (B,); padded keys hold NaN
     v_width: int = WIDTH
+    kv_heads: int = HEADS  # fewer than HEADS: grouped-query attention
 
     @property
     def id(self) -> str:
@@ -31,6 +32,8 @@ class Case:
             parts.append("pad" + "-".join(map(str, self.lengths)))
         if self.v_width != WIDTH:
             parts.append(f"dv{self.v_width}")
+        if self.kv_heads != HEADS:
+            parts.append(f"kvheads{self.kv_heads}")
         return "-".join(parts)
 
 
@@ -42,20 +45,30 @@ CASES = tuple(
         Case(n, causal=True, layout="contiguous"),
         Case(n, causal=True, layout="zigzag", lengths=(29, 0)),  # example 1: every row fully masked
     )
-) + (Case(4, causal=False, layout="zigzag", v_width=12), Case(4, causal=True, layout="zigzag", lengths=(SEQ, 9)))
+) + (
+    Case(4, causal=False, layout="zigzag", v_width=12),
+    Case(4, causal=True, layout="zigzag", lengths=(SEQ, 9)),
+    Case(2, causal=False, layout="contiguous", kv_heads=2),
+    Case(4, causal=True, layout="zigzag", lengths=(33, 0), kv_heads=1),
+    Case(8, causal=True, layout="contiguous", kv_heads=2, v_width=12),
+)
 
 
 def twin_cases() -> tuple[Case, ...]:
     """The cases that the JAX ring and the PyTorch ring both run on 4 members."""
-    return (Case(4, causal=True, layout="zigzag", lengths=(41, 6)), Case(4, causal=False, layout="contiguous"))
+    return (Case(4, causal=True, layout="zigzag", lengths=(41, 6)), Case(4, causal=False, layout="contiguous"),
+            Case(4, causal=True, layout="zigzag", kv_heads=2))
 
 
 def case_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
-    """float32 q, k (B, H, S, D), v, d_out (B, H, S, Dv); keys and values past the case's
-    lengths are NaN (padding must never reach an output or a gradient)."""
+    """float32 q (B, H, S, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), d_out (B, H, S, Dv); keys
+    and values past the case's lengths are NaN (padding must never reach an output or a
+    gradient)."""
     rng = np.random.default_rng(seed)
-    q, k = (rng.standard_normal((BATCH, HEADS, SEQ, WIDTH)).astype(np.float32) for _ in range(2))
-    v, d_out = (rng.standard_normal((BATCH, HEADS, SEQ, case.v_width)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((BATCH, HEADS, SEQ, WIDTH)).astype(np.float32)
+    k = rng.standard_normal((BATCH, case.kv_heads, SEQ, WIDTH)).astype(np.float32)
+    v = rng.standard_normal((BATCH, case.kv_heads, SEQ, case.v_width)).astype(np.float32)
+    d_out = rng.standard_normal((BATCH, HEADS, SEQ, case.v_width)).astype(np.float32)
     if case.lengths is not None:
         for b, length in enumerate(case.lengths):
             k[b, :, length:] = np.nan
