@@ -70,7 +70,7 @@ def _ours_jax(config: Config, implementation: str) -> Case:
             causal=config.causal, implementation=implementation, param_dtype=dtype, rngs=rngs,
         )
 
-    return JaxCase(config, make, lambda module, x: module(x))
+    return jax_module_case(config, make, lambda module, x: module(x))
 
 
 def _flax_mha(config: Config) -> Case:
@@ -90,37 +90,26 @@ def _flax_mha(config: Config) -> Case:
         mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]), dtype=jnp.bool_)  # (B, 1, S, S)
         return module(x, mask=mask)
 
-    return JaxCase(config, make, call)
+    return jax_module_case(config, make, call)
 
 
-class JaxCase:
+def jax_module_case(config: Config, make: Callable[[Any, Any], Any], call: Callable[[Any, Any], Any]) -> Case:
     """A Flax NNX module as pure jitted functions of (params, rest, x): the forward, and
     the gradient of sum(out) with respect to params and x."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
-    def __init__(self, config: Config, make: Callable[[Any, Any], Any], call: Callable[[Any, Any], Any]):
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
+    dtype = jnp.dtype(config.dtype)
+    module = make(nnx.Rngs(SEED), dtype)
+    module.eval()
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
 
-        dtype = jnp.dtype(config.dtype)
-        module = make(nnx.Rngs(SEED), dtype)
-        module.eval()
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
+    def apply(params: Any, rest: Any, x: Any) -> Any:
+        return call(nnx.merge(graphdef, params, rest), x)
 
-        def apply(params: Any, rest: Any, x: Any) -> Any:
-            return call(nnx.merge(graphdef, params, rest), x)
-
-        x = jax.random.normal(jax.random.key(SEED), (config.batch, config.seq, config.d_model), dtype)
-        self._compiled = CompiledPair(apply, (params, rest, x), argnums=(0, 2))
-
-    def forward(self, repeat: int = 1) -> None:
-        self._compiled.run("forward", repeat)
-
-    def forward_backward(self, repeat: int = 1) -> None:
-        self._compiled.run("forward_backward", repeat)
-
-    def memory(self) -> dict[str, Any]:
-        return self._compiled.memory()
+    x = jax.random.normal(jax.random.key(SEED), (config.batch, config.seq, config.d_model), dtype)
+    return CompiledPair(apply, (params, rest, x), argnums=(0, 2))
 
 
 def _jax_core(config: Config, system: str) -> Case:
@@ -154,27 +143,13 @@ def _jax_core(config: Config, system: str) -> Case:
         shape = (config.batch, config.seq, config.heads, config.head_dim)
     keys = jax.random.split(jax.random.key(SEED), 3)
     q, k, v = (jax.random.normal(key, shape, jnp.dtype(config.dtype)) for key in keys)
-    return CoreJaxCase(CompiledPair(attend, (q, k, v), argnums=(0, 1, 2)))
-
-
-class CoreJaxCase:
-    def __init__(self, compiled: CompiledPair):
-        self._compiled = compiled
-
-    def forward(self, repeat: int = 1) -> None:
-        self._compiled.run("forward", repeat)
-
-    def forward_backward(self, repeat: int = 1) -> None:
-        self._compiled.run("forward_backward", repeat)
-
-    def memory(self) -> dict[str, Any]:
-        return self._compiled.memory()
+    return CompiledPair(attend, (q, k, v), argnums=(0, 1, 2))
 
 
 class CompiledPair:
-    """``apply(*args)`` jitted, and the gradient of sum(apply(*args)) (accumulated in
-    float32) with respect to ``argnums``.  Each is compiled ahead of time on its first
-    call (which the caller times as the compile time)."""
+    """A JAX case: ``apply(*args)`` jitted, and the gradient of sum(apply(*args))
+    (accumulated in float32) with respect to ``argnums``.  Each is compiled ahead of time
+    on its first call (which the caller times as the compile time)."""
 
     def __init__(self, apply: Callable[..., Any], args: tuple[Any, ...], argnums: tuple[int, ...]):
         import jax
@@ -187,7 +162,13 @@ class CompiledPair:
         self._compiled: dict[str, Any] = {}
         self._args = args
 
-    def run(self, name: str, repeat: int) -> None:
+    def forward(self, repeat: int = 1) -> None:
+        self._run("forward", repeat)
+
+    def forward_backward(self, repeat: int = 1) -> None:
+        self._run("forward_backward", repeat)
+
+    def _run(self, name: str, repeat: int) -> None:
         import jax
 
         if name not in self._compiled:
