@@ -50,15 +50,15 @@ def check_mesh_axis(axis_name: Any, mesh_axes: tuple[Any, ...]) -> None:
 
 
 def check_ring_qkv(q: Shape, k: Shape, v: Shape, dtypes: tuple[str, str, str]) -> None:
-    """q (B, H, S, D), k (B, Hkv, S, D) and v (B, Hkv, S, Dv): self-attention over one
-    sharded sequence, so one B and S for all three (no cross-attention); k and v may have
-    fewer heads than q (grouped-query attention, Hkv dividing H), and then travel the
-    ring with Hkv heads."""
+    """q (B, H, T, D), k (B, Hkv, S, D) and v (B, Hkv, S, Dv), each sharded along its
+    sequence: one B for all three; k and v may have fewer heads than q (grouped-query
+    attention, Hkv dividing H; they travel the ring with Hkv heads) and another length
+    than q (cross-attention, T != S)."""
     check_qkv(q, k, v, dtypes)
-    if len(q) != 4 or (q[0], q[2]) != (k[0], k[2]) or q[1] % k[1] != 0:
+    if len(q) != 4:
         raise ValueError(
-            "ring attention needs q of shape (B, H, S, D), k of shape (B, Hkv, S, D) and v of shape "
-            f"(B, Hkv, S, Dv), one B and S, Hkv dividing H; got q {tuple(q)}, k {tuple(k)}, v {tuple(v)}"
+            "ring attention needs q of shape (B, H, T, D), k of shape (B, Hkv, S, D) and v of shape "
+            f"(B, Hkv, S, Dv); got q {tuple(q)}, k {tuple(k)}, v {tuple(v)}"
         )
 
 

@@ -3,8 +3,9 @@
 Twin of ``torch_attention/parallel.py``; the layouts, the zigzag order and the error
 texts are shared (``attention_spec.parallel``).
 
-Dimension legend as ``functional``: B batch, H heads, S the whole sequence, D head_dim,
-Dv value width; L = S / N is what one of the N devices of the ring holds.
+Dimension legend as ``functional``: B batch, H heads (Hkv key/value heads), T the whole
+query sequence, S the whole key sequence (T = S for self-attention), D head_dim, Dv value
+width; L = S / N (and T / N) is what one of the N devices of the ring holds.
 
 How the ring works.  Each device keeps its L queries and starts with its own L keys and
 values, packed as one (B, Hkv, L, D + Dv) array.  At each of N steps it attends its queries
@@ -76,14 +77,16 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "contiguous",
 ) -> Array:
-    """Self-attention over a sequence sharded along ``mesh``'s ``axis_name``:
-    q (B, H, S, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, S, Dv), sharded like q.
-    With grouped heads (Hkv < H, dividing it; query head h reads key/value head
+    """Attention over sequences sharded along ``mesh``'s ``axis_name``:
+    q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, T, Dv), sharded like q.
+    Self-attention has T = S; cross-attention another key length (S is then split as T
+    is).  With grouped heads (Hkv < H, dividing it; query head h reads key/value head
     h // (H / Hkv)) the keys and values travel with their Hkv heads.
 
-    Equals ``functional.dot_product_attention`` on the whole sequence (its reference
-    math, up to rounding), forward and gradients, with S split over the N devices of
-    the axis: each holds S/N positions, and keys and values go around the ring.  The
+    Equals ``functional.dot_product_attention`` on the whole sequences (its reference
+    math, up to rounding), forward and gradients, with T and S split over the N devices
+    of the axis: each holds T/N queries and S/N keys, and keys and values go around the
+    ring.  The
     arrays may come in any sharding (``shard_map`` reshards them to
     ``PartitionSpec(None, None, axis_name, None)``); other mesh axes see them replicated.
 
@@ -100,18 +103,21 @@ def ring_attention(
 
     Raises ``ValueError`` (the same texts as the PyTorch twin where they overlap) for a
     layout that is not one of the two, a mesh without ``axis_name``, q/k/v that are not
-    (B, H or Hkv, S, D) with one B and S and Hkv dividing H, a sequence that N (zigzag: 2N) does not divide, or
-    bad ``kv_lengths``; ``TypeError`` for mixed or non-float dtypes.
+    (B, H or Hkv, T or S, D) with one B and Hkv dividing H, a sequence that N (zigzag:
+    2N) does not divide, or bad ``kv_lengths``; ``TypeError`` for mixed or non-float
+    dtypes.
     """
     check_layout(layout)
     check_mesh_axis(axis_name, tuple(mesh.axis_names))
     check_ring_qkv(tuple(q.shape), tuple(k.shape), tuple(v.shape),
                    (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
-    batch, _, seq, head_dim = q.shape
+    batch, _, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
     ring_size = int(mesh.shape[axis_name])
-    piece = check_ring_sequence(seq, ring_size, layout)
-    lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq)
-    ring = _Ring(axis_name, ring_size, layout, piece, causal, lengths is not None,
+    q_piece = check_ring_sequence(q_len, ring_size, layout)
+    kv_piece = check_ring_sequence(kv_len, ring_size, layout)
+    lengths = functional.canonical_kv_lengths(kv_lengths, batch, kv_len)
+    ring = _Ring(axis_name, ring_size, layout, q_piece, kv_piece, causal, lengths is not None,
                  functional.resolve_scale(scale, head_dim))
     sharded = PartitionSpec(None, None, axis_name, None)
     local = _shard_map(
@@ -136,7 +142,8 @@ class _Ring(NamedTuple):
     axis_name: str
     size: int  # N
     layout: str
-    piece: int  # positions per piece: S/N contiguous, S/(2N) zigzag
+    q_piece: int  # query positions per piece: T/N contiguous, T/(2N) zigzag
+    kv_piece: int  # key positions per piece: S/N contiguous, S/(2N) zigzag
     causal: bool
     padded: bool  # kv_lengths given
     scale: float
@@ -167,13 +174,13 @@ def _next(ring: _Ring) -> list[tuple[int, int]]:
     return [(i, (i + 1) % ring.size) for i in range(ring.size)]
 
 
-def _positions(ring: _Ring, chunk: Any) -> Array:
-    return chunk * ring.piece + jnp.arange(ring.piece)  # (piece,), global positions
+def _positions(chunk: Any, piece: int) -> Array:
+    return chunk * piece + jnp.arange(piece)  # (piece,), global positions
 
 
-def _pieces(ring: _Ring, t: Array) -> list[Array]:
+def _pieces(t: Array, piece: int) -> list[Array]:
     """(B, H, L, ...) -> the device's pieces along the sequence (one, or two for zigzag)."""
-    return [t[:, :, i * ring.piece : (i + 1) * ring.piece] for i in range(t.shape[2] // ring.piece)]
+    return [t[:, :, i * piece : (i + 1) * piece] for i in range(t.shape[2] // piece)]
 
 
 def _key_blocks(n: int) -> int:
@@ -194,10 +201,12 @@ def _allowed(ring: _Ring, q_pos: Array, k_pos: Array, lengths: Array) -> Array |
 
 def _unless_hidden(ring: _Ring, q_chunk: Any, k_chunk: Any, update: Any, carry: Any) -> Any:
     """``update(carry)``, or ``carry`` as it is where the causal mask hides key chunk
-    ``k_chunk`` from query chunk ``q_chunk`` entirely: a device-dependent branch, not a mask."""
+    ``k_chunk`` from query chunk ``q_chunk`` entirely (its first key comes after the
+    chunk's last query): a device-dependent branch, not a mask."""
     if not ring.causal:
         return update(carry)
-    return jax.lax.cond(k_chunk <= q_chunk, update, lambda unchanged: unchanged, carry)
+    seen = k_chunk * ring.kv_piece <= q_chunk * ring.q_piece + ring.q_piece - 1
+    return jax.lax.cond(seen, update, lambda unchanged: unchanged, carry)
 
 
 def _without_padding(ring: _Ring, kv: Array, me: Array, lengths: Array) -> Array:
@@ -206,7 +215,7 @@ def _without_padding(ring: _Ring, kv: Array, me: Array, lengths: Array) -> Array
     if not ring.padded:
         return kv
     chunks = piece_chunks(me, ring.size, ring.layout)
-    positions = jnp.concatenate([_positions(ring, c) for c in chunks])  # (L,)
+    positions = jnp.concatenate([_positions(c, ring.kv_piece) for c in chunks])  # (L,)
     valid = (positions[None, :] < lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
     return jnp.where(valid, kv, jnp.zeros((), kv.dtype))
 
@@ -246,20 +255,21 @@ def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple
     width = k.shape[-1]
     me = jax.lax.axis_index(ring.axis_name)
     q_chunks = piece_chunks(me, ring.size, ring.layout)
-    queries = _pieces(ring, q.astype(ct))
+    queries = _pieces(q.astype(ct), ring.q_piece)
     batch, heads = q.shape[:2]
     states = [
-        (jnp.full((batch, heads, ring.piece), -jnp.inf, ct), jnp.zeros((batch, heads, ring.piece), ct),
-         jnp.zeros((batch, heads, ring.piece, v.shape[-1]), ct))
+        (jnp.full((batch, heads, ring.q_piece), -jnp.inf, ct), jnp.zeros((batch, heads, ring.q_piece), ct),
+         jnp.zeros((batch, heads, ring.q_piece, v.shape[-1]), ct))
         for _ in queries
     ]
     kv = _without_padding(ring, jnp.concatenate([k, v], axis=-1), me, lengths)  # one permute per step
     for step in range(ring.size):
         k_chunks = piece_chunks((me - step) % ring.size, ring.size, ring.layout)
         for a, (q_a, q_chunk) in enumerate(zip(queries, q_chunks, strict=True)):
-            for kv_b, k_chunk in zip(_pieces(ring, kv.astype(ct)), k_chunks, strict=True):
-                update = functools.partial(_fold, ring, q=q_a, kv=kv_b, width=width, q_pos=_positions(ring, q_chunk),
-                                           k_pos=_positions(ring, k_chunk), lengths=lengths)
+            for kv_b, k_chunk in zip(_pieces(kv.astype(ct), ring.kv_piece), k_chunks, strict=True):
+                update = functools.partial(_fold, ring, q=q_a, kv=kv_b, width=width,
+                                           q_pos=_positions(q_chunk, ring.q_piece),
+                                           k_pos=_positions(k_chunk, ring.kv_piece), lengths=lengths)
                 states[a] = _unless_hidden(ring, q_chunk, k_chunk, update, states[a])
         if step < ring.size - 1:
             kv = jax.lax.ppermute(kv, ring.axis_name, _next(ring))
@@ -308,19 +318,19 @@ def _backward(
     q_chunks = piece_chunks(me, ring.size, ring.layout)
     d_out = d_out.astype(ct)
     delta = (d_out * out.astype(ct)).sum(axis=-1)  # (B, H, L): rowsum(dO * O)
-    rows = list(zip(_pieces(ring, q.astype(ct)), _pieces(ring, d_out), _pieces(ring, lse[..., None]),
-                    _pieces(ring, delta[..., None]), strict=True))
+    rows = list(zip(*(_pieces(t, ring.q_piece) for t in (q.astype(ct), d_out, lse[..., None], delta[..., None])),
+                    strict=True))
     d_queries = [jnp.zeros_like(r[0]) for r in rows]
     kv = _without_padding(ring, jnp.concatenate([k, v], axis=-1), me, lengths).astype(ct)
     d_kv = jnp.zeros_like(kv)  # travels with its chunk
     for step in range(ring.size):
         k_chunks = piece_chunks((me - step) % ring.size, ring.size, ring.layout)
-        kv_pieces, dkv_pieces = _pieces(ring, kv), _pieces(ring, d_kv)
+        kv_pieces, dkv_pieces = _pieces(kv, ring.kv_piece), _pieces(d_kv, ring.kv_piece)
         for a, (row, q_chunk) in enumerate(zip(rows, q_chunks, strict=True)):
             for b, k_chunk in enumerate(k_chunks):
                 update = functools.partial(_grads, ring, row=row, kv=kv_pieces[b], width=width,
-                                           q_pos=_positions(ring, q_chunk), k_pos=_positions(ring, k_chunk),
-                                           lengths=lengths)
+                                           q_pos=_positions(q_chunk, ring.q_piece),
+                                           k_pos=_positions(k_chunk, ring.kv_piece), lengths=lengths)
                 d_queries[a], dkv_pieces[b] = _unless_hidden(
                     ring, q_chunk, k_chunk, update, (d_queries[a], dkv_pieces[b])
                 )

@@ -269,7 +269,7 @@ def test_rings_are_twins(jax_parity: dict[str, Any], torch_world4: list[dict[str
         k, v = (np.repeat(t, q.shape[1] // t.shape[1], axis=1) for t in (k, v))  # query head h reads h // G
         mask = None
         if case.lengths is not None:
-            mask = (np.arange(q.shape[-2])[None, :] < np.asarray(case.lengths)[:, None])[:, None, None, :]
+            mask = (np.arange(k.shape[-2])[None, :] < np.asarray(case.lengths)[:, None])[:, None, None, :]
         expected, _ = oracle(q, k, v, scale=1 / np.sqrt(q.shape[-1]), mask=mask, causal=case.causal)
         np.testing.assert_allclose(jax_out[f"{case.id}/out"], expected, atol=RING_TOL, rtol=0)
 
@@ -288,6 +288,10 @@ def test_rings_raise_the_same_errors(jax_parity: dict[str, Any], torch_world4: l
         "ValueError: the mesh has no axis 'sequence' to run the ring over; its axes are ('seq',)"
     )
     assert "divisible by 4 (the ring size); got sequence length 10" in jax_texts["contiguous_length"]
+    assert jax_texts["shapes"] == (
+        "ValueError: ring attention needs q of shape (B, H, T, D), k of shape (B, Hkv, S, D) and v of shape "
+        "(B, Hkv, S, Dv); got q (2, 12, 8), k (2, 12, 8), v (2, 12, 8)"
+    )
     assert jax_texts["heads"] == (  # the functional call's text: grouped heads must divide q's
         "ValueError: q, k and v must have the same leading (batch, heads) dimensions, or k and v fewer heads "
         "that divide q's (grouped-query attention); got q (1, 2, 12, 8), k (1, 3, 12, 8), v (1, 3, 12, 8)"

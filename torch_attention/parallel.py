@@ -3,8 +3,9 @@
 Twin of ``jax_attention/parallel.py``; the layouts, the zigzag order and the error texts
 are shared (``attention_spec.parallel``).
 
-Dimension legend as ``functional``: B batch, H heads, S the whole sequence, D head_dim,
-Dv value width; L = S / N is what each of the N ranks of the group holds.
+Dimension legend as ``functional``: B batch, H heads (Hkv key/value heads), T the whole
+query sequence, S the whole key sequence (T = S for self-attention), D head_dim, Dv value
+width; L = S / N (and T / N) is what each of the N ranks of the group holds.
 
 How the ring works.  Each rank keeps its L queries and starts with its own L keys and
 values, packed as one (B, Hkv, L, D + Dv) tensor.  At each of N steps it attends its
@@ -71,13 +72,13 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "contiguous",
 ) -> Tensor:
-    """Self-attention over a sequence split across the ranks of ``group`` (None: the
-    default group): this rank's q (B, H, L, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) -> its
-    output (B, H, L, Dv), with S = N * L in all.  With grouped heads (Hkv < H, dividing it;
-    query head h reads key/value head h // (H / Hkv)) the keys and values travel with
-    their Hkv heads.
+    """Attention over sequences split across the ranks of ``group`` (None: the default
+    group): this rank's q (B, H, T/N, D), k (B, Hkv, S/N, D), v (B, Hkv, S/N, Dv) -> its
+    output (B, H, T/N, Dv).  Self-attention has T = S; cross-attention another key
+    length.  With grouped heads (Hkv < H, dividing it; query head h reads key/value head
+    h // (H / Hkv)) the keys and values travel with their Hkv heads.
 
-    Equals ``functional.dot_product_attention`` on the whole sequence (its reference
+    Equals ``functional.dot_product_attention`` on the whole sequences (its reference
     math, up to rounding), forward and backward.  Every rank of the group must call it
     with the same options and shapes.
 
@@ -92,22 +93,24 @@ def ring_attention(
         ``to_zigzag(x, N).chunk(N, dim=-2)[i]``), which balances the causal work.
 
     Raises ``ValueError`` (the same texts as the JAX twin where they overlap) for a
-    layout that is not one of the two, q/k/v that are not (B, H or Hkv, L, D) with one B
-    and L and Hkv dividing H, a zigzag L that is odd (2N must divide S), or bad ``kv_lengths``; ``TypeError``
-    for mixed or non-float dtypes.
+    layout that is not one of the two, q/k/v that are not (B, H or Hkv, T/N or S/N, D)
+    with one B and Hkv dividing H, a zigzag T/N or S/N that is odd (2N must divide T and
+    S), or bad ``kv_lengths``; ``TypeError`` for mixed or non-float dtypes.
     """
     check_layout(layout)
     check_ring_qkv(tuple(q.shape), tuple(k.shape), tuple(v.shape),
                    (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
     group = dist.group.WORLD if group is None else group
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    batch, _, local, head_dim = q.shape
-    piece = check_ring_sequence(local * size, size, layout)
-    lengths = functional.canonical_kv_lengths(kv_lengths, batch, local * size)
+    batch, _, q_local, head_dim = q.shape
+    kv_local = k.shape[2]
+    q_piece = check_ring_sequence(q_local * size, size, layout)
+    kv_piece = check_ring_sequence(kv_local * size, size, layout)
+    lengths = functional.canonical_kv_lengths(kv_lengths, batch, kv_local * size)
     lengths = None if lengths is None else lengths.to(q.device)
     ring = _Ring(
         group, size, rank, dist.get_global_rank(group, (rank + 1) % size),
-        dist.get_global_rank(group, (rank - 1) % size), layout, piece, causal,
+        dist.get_global_rank(group, (rank - 1) % size), layout, q_piece, kv_piece, causal,
         functional.resolve_scale(scale, head_dim),
     )
     return _RingAttention.apply(q, k, v, lengths, ring)
@@ -122,7 +125,8 @@ class _Ring(NamedTuple):
     next: int  # global rank to send to
     prev: int  # global rank to receive from
     layout: str
-    piece: int  # positions per piece: S/N contiguous, S/(2N) zigzag
+    q_piece: int  # query positions per piece: T/N contiguous, T/(2N) zigzag
+    kv_piece: int  # key positions per piece: S/N contiguous, S/(2N) zigzag
     causal: bool
     scale: float
 
@@ -156,13 +160,13 @@ def _exchange(ring: _Ring, t: Tensor) -> Tensor:
     return received
 
 
-def _positions(ring: _Ring, chunk: int, device: Any) -> Tensor:
-    return chunk * ring.piece + torch.arange(ring.piece, device=device)  # (piece,), global positions
+def _positions(chunk: int, piece: int, device: Any) -> Tensor:
+    return chunk * piece + torch.arange(piece, device=device)  # (piece,), global positions
 
 
-def _pieces(ring: _Ring, t: Tensor) -> list[Tensor]:
+def _pieces(t: Tensor, piece: int) -> list[Tensor]:
     """(B, H, L, ...) -> this rank's pieces along the sequence (one, or two for zigzag)."""
-    return list(t.split(ring.piece, dim=2))
+    return list(t.split(piece, dim=2))
 
 
 def _key_blocks(n: int) -> int:
@@ -187,7 +191,7 @@ def _without_padding(ring: _Ring, kv: Tensor, lengths: Tensor | None) -> Tensor:
     if lengths is None:
         return kv
     chunks = piece_chunks(ring.rank, ring.size, ring.layout)
-    positions = torch.cat([_positions(ring, c, kv.device) for c in chunks])  # (L,)
+    positions = torch.cat([_positions(c, ring.kv_piece, kv.device) for c in chunks])  # (L,)
     valid = (positions[None, :] < lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
     return kv.masked_fill(~valid, 0.0)
 
@@ -206,8 +210,9 @@ def _heads(t: Tensor, heads: int) -> Tensor:
 
 
 def _hidden(ring: _Ring, q_chunk: int, k_chunk: int) -> bool:
-    """Whether the causal mask hides key chunk ``k_chunk`` from query chunk ``q_chunk``."""
-    return ring.causal and k_chunk > q_chunk
+    """Whether the causal mask hides key chunk ``k_chunk`` from query chunk ``q_chunk``
+    entirely: its first key comes after the chunk's last query."""
+    return ring.causal and k_chunk * ring.kv_piece > q_chunk * ring.q_piece + ring.q_piece - 1
 
 
 def _forward(
@@ -218,21 +223,21 @@ def _forward(
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     width = k.shape[-1]
     q_chunks = piece_chunks(ring.rank, ring.size, ring.layout)
-    queries = _pieces(ring, q.to(ct))
-    batch, heads = q.shape[:2]
+    queries = _pieces(q.to(ct), ring.q_piece)
+    batch, heads, piece = *q.shape[:2], ring.q_piece
     states = [
-        (q.new_full((batch, heads, ring.piece), -torch.inf, dtype=ct), q.new_zeros((batch, heads, ring.piece), dtype=ct),
-         q.new_zeros((batch, heads, ring.piece, v.shape[-1]), dtype=ct))
+        (q.new_full((batch, heads, piece), -torch.inf, dtype=ct), q.new_zeros((batch, heads, piece), dtype=ct),
+         q.new_zeros((batch, heads, piece, v.shape[-1]), dtype=ct))
         for _ in queries
     ]
     kv = _without_padding(ring, torch.cat([k, v], dim=-1), lengths)  # (B, Hkv, L, D + Dv): one exchange per step
     for step in range(ring.size):
         k_chunks = piece_chunks((ring.rank - step) % ring.size, ring.size, ring.layout)
         for a, (q_a, q_chunk) in enumerate(zip(queries, q_chunks, strict=True)):
-            for kv_b, k_chunk in zip(_pieces(ring, kv.to(ct)), k_chunks, strict=True):
+            for kv_b, k_chunk in zip(_pieces(kv.to(ct), ring.kv_piece), k_chunks, strict=True):
                 if not _hidden(ring, q_chunk, k_chunk):
-                    states[a] = _fold(ring, states[a], q_a, kv_b, width, _positions(ring, q_chunk, q.device),
-                                      _positions(ring, k_chunk, q.device), lengths)
+                    states[a] = _fold(ring, states[a], q_a, kv_b, width, _positions(q_chunk, ring.q_piece, q.device),
+                                      _positions(k_chunk, ring.kv_piece, q.device), lengths)
         if step < ring.size - 1:
             kv = _exchange(ring, kv)
     outs, lses = [], []
@@ -279,19 +284,19 @@ def _backward(
     q_chunks = piece_chunks(ring.rank, ring.size, ring.layout)
     d_out = d_out.to(ct)
     delta = (d_out * out.to(ct)).sum(dim=-1)  # (B, H, L): rowsum(dO * O)
-    rows = list(zip(_pieces(ring, q.to(ct)), _pieces(ring, d_out), _pieces(ring, lse[..., None]),
-                    _pieces(ring, delta[..., None]), strict=True))
+    rows = list(zip(*(_pieces(t, ring.q_piece) for t in (q.to(ct), d_out, lse[..., None], delta[..., None])),
+                    strict=True))
     d_queries = [torch.zeros_like(r[0]) for r in rows]
     kv = _without_padding(ring, torch.cat([k, v], dim=-1), lengths).to(ct)
     d_kv = torch.zeros_like(kv)  # travels with its chunk
     for step in range(ring.size):
         k_chunks = piece_chunks((ring.rank - step) % ring.size, ring.size, ring.layout)
-        kv_pieces, dkv_pieces = _pieces(ring, kv), _pieces(ring, d_kv)
+        kv_pieces, dkv_pieces = _pieces(kv, ring.kv_piece), _pieces(d_kv, ring.kv_piece)
         for a, (row, q_chunk) in enumerate(zip(rows, q_chunks, strict=True)):
             for b, k_chunk in enumerate(k_chunks):
                 if not _hidden(ring, q_chunk, k_chunk):
-                    _grads(ring, row, kv_pieces[b], width, _positions(ring, q_chunk, q.device),
-                           _positions(ring, k_chunk, q.device), lengths, d_queries[a], dkv_pieces[b])
+                    _grads(ring, row, kv_pieces[b], width, _positions(q_chunk, ring.q_piece, q.device),
+                           _positions(k_chunk, ring.kv_piece, q.device), lengths, d_queries[a], dkv_pieces[b])
         if step < ring.size - 1:  # one exchange: k, v, dk and dv side by side
             kv, d_kv = _exchange(ring, torch.cat([kv, d_kv], dim=-1)).split(kv.shape[-1], dim=-1)
     # After N - 1 moves this rank holds the dk/dv of the next rank's chunk: send it home.
