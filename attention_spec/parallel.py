@@ -77,3 +77,24 @@ def piece_chunks(member: Any, ring_size: int, layout: str) -> tuple[Any, ...]:
     of S/N), (i, 2N-1-i) zigzag (chunks of S/(2N)).  ``member`` may be a traced integer
     (JAX's ``axis_index``)."""
     return (member,) if layout == "contiguous" else (member, 2 * ring_size - 1 - member)
+
+
+def chunk_seen(q_chunk: Any, k_chunk: Any, q_piece: int, kv_piece: int) -> Any:
+    """Whether a causal (top-left) mask lets query chunk ``q_chunk`` (of ``q_piece``
+    positions) see anything of key chunk ``k_chunk`` (of ``kv_piece``): the chunk's first
+    key comes no later than its last query.  The chunks may be traced integers (JAX)."""
+    return k_chunk * kv_piece <= q_chunk * q_piece + q_piece - 1
+
+
+def group_rows(t: Any, kv_heads: int) -> Any:
+    """(B, H, T, X) -> (B, Hkv, G*T, X), any array with ``reshape``: the G = H / Hkv query
+    heads that read one key/value head (head h reads h // G, as in ``functional``) stacked
+    as rows, so that one matmul per key/value head serves its whole group (G = 1: a
+    reshape that changes nothing)."""
+    b, h, t_len, x = t.shape
+    return t.reshape(b, kv_heads, (h // kv_heads) * t_len, x)
+
+
+def ungroup_rows(t: Any, heads: int) -> Any:
+    """(B, Hkv, G*T, X) -> (B, H, T, X): undoes ``group_rows``."""
+    return t.reshape(t.shape[0], heads, -1, t.shape[-1])

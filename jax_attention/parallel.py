@@ -40,7 +40,10 @@ from attention_spec.parallel import (
     check_mesh_axis,
     check_ring_qkv,
     check_ring_sequence,
+    chunk_seen,
+    group_rows,
     piece_chunks,
+    ungroup_rows,
     zigzag_order,
 )
 from jax_attention import functional
@@ -205,7 +208,7 @@ def _unless_hidden(ring: _Ring, q_chunk: Any, k_chunk: Any, update: Any, carry: 
     chunk's last query): a device-dependent branch, not a mask."""
     if not ring.causal:
         return update(carry)
-    seen = k_chunk * ring.kv_piece <= q_chunk * ring.q_piece + ring.q_piece - 1
+    seen = chunk_seen(q_chunk, k_chunk, ring.q_piece, ring.kv_piece)
     return jax.lax.cond(seen, update, lambda unchanged: unchanged, carry)
 
 
@@ -226,26 +229,13 @@ def _split_blocks(t: Array, block: int) -> Array:
     return t.reshape(b, h, n // block, block, x).transpose(2, 0, 1, 3, 4)
 
 
-def _rows(t: Array, kv_heads: int) -> Array:
-    """(B, H, T, X) -> (B, Hkv, G*T, X): the G = H / Hkv query heads that read one key/value
-    head (head h reads h // G, as in ``functional``) stacked as rows, so that one matmul
-    per key/value head serves its whole group (G = 1: a reshape that changes nothing)."""
-    b, h, t_len, x = t.shape
-    return t.reshape(b, kv_heads, (h // kv_heads) * t_len, x)
-
-
-def _heads(t: Array, heads: int) -> Array:
-    """(B, Hkv, G*T, X) -> (B, H, T, X): undoes ``_rows``."""
-    return t.reshape(t.shape[0], heads, -1, t.shape[-1])
-
-
 def _mm(a: Array, b: Array) -> Array:
     return jnp.matmul(a, b, precision="highest")
 
 
 def _scores(ring: _Ring, q: Array, k: Array) -> Array:
     """(B, H, Tq, Tk) scaled scores of q (B, H, Tq, D) against k (B, Hkv, Tk, D)."""
-    return _heads(_mm(_rows(q, k.shape[1]), jnp.swapaxes(k, -2, -1)), q.shape[1]) * ring.scale
+    return ungroup_rows(_mm(group_rows(q, k.shape[1]), jnp.swapaxes(k, -2, -1)), q.shape[1]) * ring.scale
 
 
 def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, Array]:
@@ -301,7 +291,8 @@ def _fold(
         p = jnp.exp(scores - shift[..., None])
         correction = jnp.exp(m - shift)
         row_sum = row_sum * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + _heads(_mm(_rows(p, kv_blk.shape[1]), kv_blk[..., width:]), p.shape[1])
+        mixed = ungroup_rows(_mm(group_rows(p, kv_blk.shape[1]), kv_blk[..., width:]), p.shape[1])
+        acc = acc * correction[..., None] + mixed
         return (m_new, row_sum, acc), None
 
     state, _ = jax.lax.scan(one_block, state, (_split_blocks(kv, block), k_pos.reshape(-1, block)))
@@ -363,10 +354,11 @@ def _grads(
         if allowed is not None:
             p = jnp.where(allowed, p, 0.0)
         kv_heads, heads = kv_blk.shape[1], q.shape[1]  # a group's rows sum into its key/value head
-        dv = _mm(jnp.swapaxes(_rows(p, kv_heads), -2, -1), _rows(d_out, kv_heads))
-        ds = p * (_heads(_mm(_rows(d_out, kv_heads), jnp.swapaxes(v_blk, -2, -1)), heads) - delta) * ring.scale
-        dq = dq + _heads(_mm(_rows(ds, kv_heads), k_blk), heads)
-        dk = _mm(jnp.swapaxes(_rows(ds, kv_heads), -2, -1), _rows(q, kv_heads))
+        dv = _mm(jnp.swapaxes(group_rows(p, kv_heads), -2, -1), group_rows(d_out, kv_heads))
+        d_p = ungroup_rows(_mm(group_rows(d_out, kv_heads), jnp.swapaxes(v_blk, -2, -1)), heads)
+        ds = p * (d_p - delta) * ring.scale
+        dq = dq + ungroup_rows(_mm(group_rows(ds, kv_heads), k_blk), heads)
+        dk = _mm(jnp.swapaxes(group_rows(ds, kv_heads), -2, -1), group_rows(q, kv_heads))
         return dq, jnp.concatenate([dk, dv], axis=-1)
 
     dq, d_blocks = jax.lax.scan(one_block, dq, (_split_blocks(kv, block), k_pos.reshape(-1, block)))

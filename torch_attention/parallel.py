@@ -36,7 +36,10 @@ from attention_spec.parallel import (
     check_layout,
     check_ring_qkv,
     check_ring_sequence,
+    chunk_seen,
+    group_rows,
     piece_chunks,
+    ungroup_rows,
     zigzag_order,
 )
 from torch_attention import functional
@@ -196,23 +199,10 @@ def _without_padding(ring: _Ring, kv: Tensor, lengths: Tensor | None) -> Tensor:
     return kv.masked_fill(~valid, 0.0)
 
 
-def _rows(t: Tensor, kv_heads: int) -> Tensor:
-    """(B, H, T, X) -> (B, Hkv, G*T, X): the G = H / Hkv query heads that read one key/value
-    head (head h reads h // G, as in ``functional``) stacked as rows, so that one matmul
-    per key/value head serves its whole group (G = 1: a reshape that changes nothing)."""
-    b, h, t_len, x = t.shape
-    return t.reshape(b, kv_heads, (h // kv_heads) * t_len, x)
-
-
-def _heads(t: Tensor, heads: int) -> Tensor:
-    """(B, Hkv, G*T, X) -> (B, H, T, X): undoes ``_rows``."""
-    return t.reshape(t.shape[0], heads, -1, t.shape[-1])
-
-
 def _hidden(ring: _Ring, q_chunk: int, k_chunk: int) -> bool:
     """Whether the causal mask hides key chunk ``k_chunk`` from query chunk ``q_chunk``
     entirely: its first key comes after the chunk's last query."""
-    return ring.causal and k_chunk * ring.kv_piece > q_chunk * ring.q_piece + ring.q_piece - 1
+    return ring.causal and not chunk_seen(q_chunk, k_chunk, ring.q_piece, ring.kv_piece)
 
 
 def _forward(
@@ -260,7 +250,8 @@ def _fold(
     for start in range(0, kv.shape[2], block):
         kv_blk, pos = kv[:, :, start : start + block], k_pos[start : start + block]
         kv_heads = kv_blk.shape[1]
-        scores = _heads(torch.matmul(_rows(q, kv_heads), kv_blk[..., :width].transpose(-2, -1)), q.shape[1]) * ring.scale
+        scores = torch.matmul(group_rows(q, kv_heads), kv_blk[..., :width].transpose(-2, -1))
+        scores = ungroup_rows(scores, q.shape[1]) * ring.scale
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, -torch.inf)
@@ -269,7 +260,8 @@ def _fold(
         p = torch.exp(scores - shift[..., None])
         correction = torch.exp(m - shift)
         row_sum = row_sum * correction + p.sum(dim=-1)
-        acc = acc * correction[..., None] + _heads(torch.matmul(_rows(p, kv_heads), kv_blk[..., width:]), p.shape[1])
+        mixed = ungroup_rows(torch.matmul(group_rows(p, kv_heads), kv_blk[..., width:]), p.shape[1])
+        acc = acc * correction[..., None] + mixed
         m = m_new
     return m, row_sum, acc
 
@@ -318,13 +310,15 @@ def _grads(
         kv_blk, pos = kv[:, :, start : start + block], k_pos[start : start + block]
         k_blk, v_blk = kv_blk[..., :width], kv_blk[..., width:]
         kv_heads, heads = kv_blk.shape[1], q.shape[1]  # a group's rows sum into its key/value head
-        p = torch.exp(_heads(torch.matmul(_rows(q, kv_heads), k_blk.transpose(-2, -1)), heads) * ring.scale - lse)
+        scores = ungroup_rows(torch.matmul(group_rows(q, kv_heads), k_blk.transpose(-2, -1)), heads)
+        p = torch.exp(scores * ring.scale - lse)
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             p = p.masked_fill(~allowed, 0.0)
-        ds = p * (_heads(torch.matmul(_rows(d_out, kv_heads), v_blk.transpose(-2, -1)), heads) - delta) * ring.scale
-        dq += _heads(torch.matmul(_rows(ds, kv_heads), k_blk), heads)
-        d_kv[:, :, start : start + block, :width] += torch.matmul(_rows(ds, kv_heads).transpose(-2, -1),
-                                                                  _rows(q, kv_heads))
-        d_kv[:, :, start : start + block, width:] += torch.matmul(_rows(p, kv_heads).transpose(-2, -1),
-                                                                  _rows(d_out, kv_heads))
+        d_p = ungroup_rows(torch.matmul(group_rows(d_out, kv_heads), v_blk.transpose(-2, -1)), heads)
+        ds = p * (d_p - delta) * ring.scale
+        dq += ungroup_rows(torch.matmul(group_rows(ds, kv_heads), k_blk), heads)
+        d_kv[:, :, start : start + block, :width] += torch.matmul(group_rows(ds, kv_heads).transpose(-2, -1),
+                                                                  group_rows(q, kv_heads))
+        d_kv[:, :, start : start + block, width:] += torch.matmul(group_rows(p, kv_heads).transpose(-2, -1),
+                                                                  group_rows(d_out, kv_heads))
