@@ -82,7 +82,9 @@ def tests_cuda(session: nox.Session) -> None:
     """NVIDIA GPU: jax[cuda12], Flax and the CUDA build of torch, then the suite.
 
     Needs a machine with an NVIDIA GPU and its driver; it cannot run on a CPU-only
-    machine (and installs several GB of CUDA libraries).
+    machine (and installs several GB of CUDA libraries).  On a machine whose Python already
+    has jax with CUDA, Flax and the CUDA build of torch, ``nox -s tests-cuda --no-venv
+    --no-install`` runs the suite in that Python without installing anything.
     """
     session.install("jax[cuda12]", "flax")
     session.install("torch")  # the default index's build, which is the CUDA one

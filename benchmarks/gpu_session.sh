@@ -2,6 +2,7 @@
 # Everything a GPU session does, in phases that each fit one 10-minute command:
 #
 #   bash benchmarks/gpu_session.sh check                # GPU paths against the reference, fused/auto tests
+#   bash benchmarks/gpu_session.sh suite                # the rest of the suite, through nox -s tests-cuda
 #   bash benchmarks/gpu_session.sh core [BUDGET_S]      # the sweep: every kernel alone (CORE_SYSTEMS)
 #   bash benchmarks/gpu_session.sh modules [BUDGET_S]   # the sweep: ours, Flax's and torch's modules
 #   bash benchmarks/gpu_session.sh extra [BUDGET_S]     # the sweep: the other paths, torch.compile
@@ -11,6 +12,8 @@
 # from the repository's result, so that what a killed command measured comes back.  No
 # case starts after BUDGET_S seconds (default 270); those left are recorded as not run.
 # Assumes jax with CUDA, flax and torch are installed (as on this project's lent GPU machines).
+# check and suite together run the whole suite with JAX on the GPU; suite needs nox, which
+# it installs from the wheels in .whl/nox (carried to the machine) when it is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -41,6 +44,21 @@ case "$phase" in
     echo "gpu table exit $table, fused/auto tests exit $suite"
     [ "$table" = 0 ] && [ "$suite" = 0 ]
     exit $?
+    ;;
+  suite)
+    # Every test that check leaves out (about 2200), with JAX on the GPU, through the noxfile's
+    # tests-cuda session in this interpreter (--no-venv --no-install: nothing to install from).
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" OMP_NUM_THREADS=2
+    log=${OUT:-/tmp}
+    python -m nox --version >/dev/null 2>&1 \
+      || python -m pip install -q --no-index --find-links .whl/nox nox || exit 1
+    timeout 570 python -m nox -s tests-cuda --no-venv --no-install -- -q -p no:cacheprovider \
+      -p no:benchmark -n 12 parity_tests -k "not (fused or auto)" --deselect parity_tests/test_gpu.py \
+      --junitxml="$log/gpu-rest.xml" 2>&1 | tee "$log/gpu-rest.log" | tail -60
+    rest=${PIPESTATUS[0]}
+    echo "rest of the suite exit $rest"
+    exit "$rest"
     ;;
   core|modules|extra)
     results=benchmarks/results/$(python -c "from benchmarks.environment import host_environment, device_slug; print(device_slug(host_environment()))")
