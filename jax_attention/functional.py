@@ -783,7 +783,7 @@ def _flash(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, m
     backward: ``bias`` (N or 1, T or 1, S or 1) float, differentiable; ``mask`` bool of
     the same kind (a leading 1: one for every slice); ``length`` (N,) key counts; the
     structure (causal, window, offset, blocks) in ``st``."""
-    return _flash_fwd(st, q, k, v, bias, mask, length)[0]
+    return _slices_forward(st, q, k, v, bias, mask, length, vectorised=st.tile is not None)[0]
 
 
 def _per_slice(bias: Array | None, mask: Array | None, length: Array | None,
@@ -797,42 +797,68 @@ def _per_slice(bias: Array | None, mask: Array | None, length: Array | None,
     return batched, shared_bias, shared_mask
 
 
-def _flash_fwd(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-               length: Array | None) -> tuple[Array, Any]:
-    """The loops (``st.tile``) run vectorised over the slices (``vmap``: measured 1.2x
-    faster than one slice at a time at S=16384, B1 H4); the unrolled blocks one slice at a time
-    (``lax.map``: plain 2-d products, about 1.6x faster on XLA's CPU backend than the
-    same products batched, benchmarks/profile_cpu.py)."""
+def _trained_vectorised(st: _FlashStatic) -> bool:
+    """Whether the slices run vectorised (``vmap``) rather than one at a time
+    (``lax.map`` / ``lax.scan``) in a differentiated call, forward and backward.
+
+    Measured on the 2-core CPU (causal, head width 64, float32): the loops (``st.tile``)
+    vectorised took 1/1.2 the time of one slice at a time at S=16384, B1 H4, forward
+    (their backward the other way round: see ``_flash_bwd``).  Unrolled blocks one slice
+    at a time are plain 2-d products, which XLA's CPU backend ran about 1.6x faster than
+    the same products batched at B4 H8 S1024 (benchmarks/profile_cpu.py); but a slice of
+    a single block (S <= 128) has too little work for a loop step: vectorised, the core's
+    forward + backward took 0.77-0.89x the time at B32 H4 S128 and B64 H4 S64, and
+    MultiHeadAttention's 0.95-0.97x at B32 H4 S128, while its forward alone took
+    1.05-1.08x (so the forward of an undifferentiated call stays one slice at a time)."""
+    return st.tile is not None or st.q_len <= st.block
+
+
+def _slices_forward(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+                    length: Array | None, *, vectorised: bool) -> tuple[Array, Any]:
+    """``_flash_forward`` over the slices, vectorised (``vmap``) or one at a time (``lax.map``)."""
     xs, shared_bias, shared_mask = _per_slice(bias, mask, length, q=q, k=k, v=v)
 
     def one(t: dict[str, Array]) -> tuple[Array, tuple[Array, Array, Array]]:
         return _flash_forward(st, t["q"], t["k"], t["v"], t.get("bias", shared_bias), t.get("mask", shared_mask),
                               t.get("length"))
 
-    out, (out_c, row_max, row_sum) = jax.vmap(one)(xs) if st.tile is not None else jax.lax.map(one, xs)
+    out, (out_c, row_max, row_sum) = jax.vmap(one)(xs) if vectorised else jax.lax.map(one, xs)
     return out, (q, k, v, bias, mask, length, out_c, row_max, row_sum)
 
 
+def _flash_fwd(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
+               length: Array | None) -> tuple[Array, Any]:
+    return _slices_forward(st, q, k, v, bias, mask, length, vectorised=_trained_vectorised(st))
+
+
 def _flash_bwd(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
-    """One slice at a time (a ``lax.scan``; for the loops too: vectorised, their
-    backward took 1.2x longer at S=16384, B1 H4), the gradient of a shared bias summed
-    in the scan's carry."""
+    """One slice at a time (a ``lax.scan``, the gradient of a shared bias summed in its
+    carry; for the loops too: vectorised, their backward took 1.2x longer at S=16384,
+    B1 H4), except a slice of one block, which runs vectorised (``_trained_vectorised``)."""
     q, k, v, bias, mask, length, out_c, row_max, row_sum = residuals
     xs, shared_bias, shared_mask = _per_slice(bias, mask, length, q=q, k=k, v=v, out_c=out_c, row_max=row_max,
                                               row_sum=row_sum, d_out=d_out)
 
-    def one(d_shared_bias: Array | None, t: dict[str, Array]) -> tuple[Array | None, tuple[Any, ...]]:
+    def one(t: dict[str, Array]) -> tuple[Any, ...]:
         part = (t["q"], t["k"], t["v"], t.get("bias", shared_bias), t.get("mask", shared_mask), t.get("length"),
                 t["out_c"], t["row_max"], t["row_sum"])
-        dq, dk, dv, d_bias = _slice_backward(st, part, t["d_out"])
-        if d_shared_bias is not None:
-            d_shared_bias, d_bias = d_shared_bias + d_bias, None
-        return d_shared_bias, (dq, dk, dv, d_bias)
+        return _slice_backward(st, part, t["d_out"])
 
-    start = None if shared_bias is None else jnp.zeros(shared_bias.shape, _compute_dtype(shared_bias.dtype))
-    d_shared_bias, (dq, dk, dv, d_bias) = jax.lax.scan(one, start, xs)
-    if d_shared_bias is not None:
-        d_bias = d_shared_bias[None]
+    if st.tile is None and _trained_vectorised(st):
+        dq, dk, dv, d_bias = jax.vmap(one)(xs)
+        if shared_bias is not None:  # (N, T or 1, S or 1): one block each, summed
+            d_bias = d_bias.sum(axis=0, keepdims=True)
+    else:
+        def step(d_shared_bias: Array | None, t: dict[str, Array]) -> tuple[Array | None, tuple[Any, ...]]:
+            dq, dk, dv, d_bias = one(t)
+            if d_shared_bias is not None:
+                d_shared_bias, d_bias = d_shared_bias + d_bias, None
+            return d_shared_bias, (dq, dk, dv, d_bias)
+
+        start = None if shared_bias is None else jnp.zeros(shared_bias.shape, _compute_dtype(shared_bias.dtype))
+        d_shared_bias, (dq, dk, dv, d_bias) = jax.lax.scan(step, start, xs)
+        if d_shared_bias is not None:
+            d_bias = d_shared_bias[None]
     if d_bias is not None:
         d_bias = d_bias.astype(bias.dtype)
     return dq, dk, dv, d_bias, _float0(mask), _float0(length)
@@ -855,8 +881,8 @@ def _slice_backward(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any
     do = d_out.astype(ct)
     delta = (do * out_c).sum(axis=-1, keepdims=True)  # (T, 1)
     dq = [jnp.zeros((0, q.shape[-1]), ct)]
-    dk = jnp.zeros(k_c.shape, ct)
-    dv = jnp.zeros(v_c.shape, ct)
+    dk_t = jnp.zeros(k_c.shape[::-1], ct)  # dk and dv transposed: see the products below
+    dv_t = jnp.zeros(v_c.shape[::-1], ct)
     d_bias = None if bias is None else jnp.zeros(bias.shape, ct)
     for r0, r1, lo, hi in _flash_blocks(st):
         if hi == lo:
@@ -868,7 +894,9 @@ def _slice_backward(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any
         m, total = row_max[r0:r1], row_sum[r0:r1]
         p = jnp.exp((z - m) * z_scale) / jnp.where(total == 0, 1.0, total)  # the forward's weights
         do_b = do[r0:r1]
-        dv = dv.at[lo:hi].add(jnp.matmul(p.T, do_b, precision=st.precision))
+        # dv and dk as (width, keys) products, do^T @ p and q^T @ ds: XLA's CPU backend runs
+        # p^T @ do, which transposes the large operand, at about half the rate.
+        dv_t = dv_t.at[:, lo:hi].add(jnp.matmul(do_b.T, p, precision=st.precision))
         dp = jnp.matmul(do_b, v_c[lo:hi].T, precision=st.precision)
         g = p * (dp - delta[r0:r1])  # gradient of the loss w.r.t. the logits z * z_scale
         if bias is not None or st.softcap is not None:  # z = cap(s * scale) + bias, z_scale = 1
@@ -880,9 +908,9 @@ def _slice_backward(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any
         else:  # z = s, z_scale = scale
             ds = g * st.scale
         dq.append(jnp.matmul(ds, k_c[lo:hi], precision=st.precision))
-        dk = dk.at[lo:hi].add(jnp.matmul(ds.T, q_c[r0:r1], precision=st.precision))
+        dk_t = dk_t.at[:, lo:hi].add(jnp.matmul(q_c[r0:r1].T, ds, precision=st.precision))
     dq_all = jnp.concatenate(dq, axis=0)
-    return dq_all.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias
+    return dq_all.astype(q.dtype), dk_t.T.astype(k.dtype), dv_t.T.astype(v.dtype), d_bias
 
 
 def _add_part(total: Array, g: Array, r0: int, r1: int, lo: int, hi: int) -> Array:
