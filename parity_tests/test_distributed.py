@@ -259,8 +259,12 @@ def test_jax_zigzag_helpers() -> None:
 def test_rings_are_twins(jax_parity: dict[str, Any], torch_world4: list[dict[str, Any]], workdir: Path) -> None:
     """The same inputs through the JAX ring (4 devices) and the PyTorch ring (4 ranks):
     outputs and gradients agree, and the outputs equal the float64 oracle."""
-    jax_out, torch_out = np.load(workdir / "jax_twins.npz"), np.load(workdir / "torch4" / "twins.npz")
-    inputs = np.load(workdir / "twins_in.npz")
+    with (np.load(workdir / "jax_twins.npz") as jax_out, np.load(workdir / "torch4" / "twins.npz") as torch_out,
+          np.load(workdir / "twins_in.npz") as inputs):
+        _check_twins(jax_out, torch_out, inputs)
+
+
+def _check_twins(jax_out: Any, torch_out: Any, inputs: Any) -> None:
     for case in twin_cases():
         for name in ("out", "dq", "dk", "dv"):
             key = f"{case.id}/{name}"

@@ -131,9 +131,20 @@ def test_bfloat16_head_dim_64_within_oracle_tolerance(fw, path):
     out = attend(fw, q, k, v, dtype="bfloat16", causal=True, implementation=path)
     expected = oracle(q, k, v, causal=True)
     assert_close(out, expected, ORACLE["bfloat16"])
+    if fw == "jax" and path in ("fused", "auto") and _takes_cudnn(q, k, v):
+        return  # cuDNN rounds the weights to bfloat16 before mixing, as FlashAttention does: ORACLE is its bound
     # Computed in float32 and rounded once to bfloat16: within its unit roundoff (2**-8,
     # a property of the format, not a measured tolerance) plus float32 noise.
     assert (np.abs(out - expected) <= 2.0**-8 * np.abs(expected) + 1e-5 * np.abs(expected).max()).all()
+
+
+def _takes_cudnn(*arrays):
+    """Whether JAX's fused path runs cuDNN on these bfloat16 inputs (on an NVIDIA GPU only)."""
+    import jax.numpy as jnp
+
+    from jax_attention import functional
+
+    return functional.cudnn_supports(*(jnp.asarray(a, jnp.bfloat16) for a in arrays))
 
 
 # --------------------------------------------------------------------------- renormalize

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"  # the 8 devices are the host's, also where a GPU is present
 
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -125,7 +126,8 @@ def parity(out_path: str, twins_in: str | None, twins_out: str | None) -> None:
     report["permutes"] = permutes(causal_zigzag, 4, case_inputs(causal_zigzag))
     report["errors"] = error_texts()
     if twins_in is not None and twins_out is not None:
-        data = dict(np.load(twins_in))
+        with np.load(twins_in) as stored:
+            data = dict(stored)
         results = {}
         for case in twin_cases():
             inputs = {n: data[f"{case.id}/{n}"] for n in ("q", "k", "v", "d_out")}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"  # the 8 devices are the host's, also where a GPU is present
 
 import json  # noqa: E402
 from typing import Any  # noqa: E402

@@ -81,7 +81,8 @@ def gathered(t: torch.Tensor, case: Case) -> np.ndarray:
 
 
 def twins(path: str, out_dir: str, rank: int) -> None:
-    data = dict(np.load(path))
+    with np.load(path) as stored:
+        data = dict(stored)
     results = {}
     for case in twin_cases():
         inputs = {n: data[f"{case.id}/{n}"] for n in ("q", "k", "v", "d_out")}
