@@ -231,16 +231,17 @@ def test_tpu_splash_kernel_matches_reference(causal):
     assert not functional.splash_supports(q[..., :100, :], k, v)
 
     def splash(q, k, v):
-        # The interpreter's products take the backend's default precision: TF32 on a GPU.
-        with jax.default_matmul_precision("float32"):
-            return functional.splash_attention(q, k, v, causal=causal, scale=0.1, interpret=True)
+        return functional.splash_attention(q, k, v, causal=causal, scale=0.1, interpret=True)
 
     def reference(q, k, v):
         return functional.dot_product_attention(q, k, v, causal=causal, scale=0.1, implementation="reference")
 
-    assert_close(splash(q, k, v), reference(q, k, v), PARITY["float32"])
-    cot = jnp.asarray(rng.uniform(0.5, 1.5, (2, 2, 256, 128)), jnp.float32)
-    grads = jax.grad(lambda *a: jnp.sum(splash(*a) * cot), argnums=(0, 1, 2))(q, k, v)
+    # The interpreter's products take the backend's default precision (TF32 on a GPU),
+    # forward and backward: float32 asked for throughout.
+    with jax.default_matmul_precision("float32"):
+        assert_close(splash(q, k, v), reference(q, k, v), PARITY["float32"])
+        cot = jnp.asarray(rng.uniform(0.5, 1.5, (2, 2, 256, 128)), jnp.float32)
+        grads = jax.grad(lambda *a: jnp.sum(splash(*a) * cot), argnums=(0, 1, 2))(q, k, v)
     expected = jax.grad(lambda *a: jnp.sum(reference(*a) * cot), argnums=(0, 1, 2))(q, k, v)
     for g, e in zip(grads, expected, strict=True):
         assert_close(g, e, GRAD_PARITY["float32"])
