@@ -21,6 +21,15 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python -c "import jax, torch; print('jax', jax.__version__, jax.devices()); print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 
+tests_on_gpu() {  # the settings of the test phases; logs go to $log
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several pytest workers share the GPU
+  # Correctness only: XLA's GEMM autotuning took 10-20 s per compile on an H100 (about
+  # 2 s without it) and changes no result beyond rounding (it does make GEMMs slow: the
+  # bench phases keep it on).
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" OMP_NUM_THREADS=2
+  log=${OUT:-/tmp}
+}
+
 phase=${1:-check}
 case "$phase" in
   check)
@@ -28,12 +37,7 @@ case "$phase" in
     # suite that runs a fused or auto path (about 500 of 2700; the whole suite with JAX on
     # the GPU did not fit one 10-minute command), with JAX on the GPU: the module matrix's
     # "auto" and "fused" cases take cuDNN there.
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several pytest workers share the GPU
-    # Correctness only: XLA's GEMM autotuning took 10-20 s per compile on an H100 (about
-    # 2 s without it) and changes no result beyond rounding (it does make GEMMs slow: the
-    # bench phases keep it on).
-    export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" OMP_NUM_THREADS=2
-    log=${OUT:-/tmp}
+    tests_on_gpu
     python -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 parity_tests/test_gpu.py \
       --junitxml="$log/gpu-table.xml" 2>&1 | tee "$log/gpu-table.log" | tail -40
     table=${PIPESTATUS[0]}
@@ -48,9 +52,7 @@ case "$phase" in
   suite)
     # Every test that check leaves out (about 2200), with JAX on the GPU, through the noxfile's
     # tests-cuda session in this interpreter (--no-venv --no-install: nothing to install from).
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" OMP_NUM_THREADS=2
-    log=${OUT:-/tmp}
+    tests_on_gpu
     python -m nox --version >/dev/null 2>&1 \
       || python -m pip install -q --no-index --find-links .whl/nox nox || exit 1
     timeout 570 python -m nox -s tests-cuda --no-venv --no-install -- -q -p no:cacheprovider \

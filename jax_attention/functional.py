@@ -797,25 +797,23 @@ def _per_slice(bias: Array | None, mask: Array | None, length: Array | None,
     return batched, shared_bias, shared_mask
 
 
-def _trained_vectorised(st: _FlashStatic) -> bool:
-    """Whether the slices run vectorised (``vmap``) rather than one at a time
-    (``lax.map`` / ``lax.scan``) in a differentiated call, forward and backward.
-
-    Measured on the 2-core CPU (causal, head width 64, float32): the loops (``st.tile``)
-    vectorised took 1/1.2 the time of one slice at a time at S=16384, B1 H4, forward
-    (their backward the other way round: see ``_flash_bwd``).  Unrolled blocks one slice
-    at a time are plain 2-d products, which XLA's CPU backend ran about 1.6x faster than
-    the same products batched at B4 H8 S1024 (benchmarks/profile_cpu.py); but a slice of
-    a single block (S <= 128) has too little work for a loop step: vectorised, the core's
-    forward + backward took 0.77-0.89x the time at B32 H4 S128 and B64 H4 S64, and
-    MultiHeadAttention's 0.95-0.97x at B32 H4 S128, while its forward alone took
-    1.05-1.08x (so the forward of an undifferentiated call stays one slice at a time)."""
-    return st.tile is not None or st.q_len <= st.block
+def _one_block(st: _FlashStatic) -> bool:
+    """Whether each slice is a single unrolled block (S <= 128 by default): too little
+    work for a ``lax.map`` / ``lax.scan`` step, so a differentiated call runs such slices
+    vectorised (``vmap``), forward and backward.  Measured on the 2-core CPU (causal,
+    head width 64, float32): the core's forward + backward took 0.77-0.89x the time at
+    B32 H4 S128 and B64 H4 S64, MultiHeadAttention's 0.95-0.97x at B32 H4 S128; but its
+    forward alone took 1.05-1.08x, so an undifferentiated call maps them one at a time."""
+    return st.tile is None and st.q_len <= st.block
 
 
 def _slices_forward(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                     length: Array | None, *, vectorised: bool) -> tuple[Array, Any]:
-    """``_flash_forward`` over the slices, vectorised (``vmap``) or one at a time (``lax.map``)."""
+    """``_flash_forward`` over the slices, vectorised (``vmap``) or one at a time (``lax.map``).
+    The loops (``st.tile``) always run vectorised: 1/1.2 the time of one slice at a time
+    at S=16384, B1 H4.  Unrolled blocks one slice at a time are plain 2-d products, which
+    XLA's CPU backend ran about 1.6x faster than the same products batched at B4 H8 S1024
+    (benchmarks/profile_cpu.py), except for a single block (``_one_block``)."""
     xs, shared_bias, shared_mask = _per_slice(bias, mask, length, q=q, k=k, v=v)
 
     def one(t: dict[str, Array]) -> tuple[Array, tuple[Array, Array, Array]]:
@@ -828,13 +826,13 @@ def _slices_forward(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array 
 
 def _flash_fwd(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                length: Array | None) -> tuple[Array, Any]:
-    return _slices_forward(st, q, k, v, bias, mask, length, vectorised=_trained_vectorised(st))
+    return _slices_forward(st, q, k, v, bias, mask, length, vectorised=st.tile is not None or _one_block(st))
 
 
 def _flash_bwd(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
     """One slice at a time (a ``lax.scan``, the gradient of a shared bias summed in its
     carry; for the loops too: vectorised, their backward took 1.2x longer at S=16384,
-    B1 H4), except a slice of one block, which runs vectorised (``_trained_vectorised``)."""
+    B1 H4), except single-block slices, which run vectorised (``_one_block``)."""
     q, k, v, bias, mask, length, out_c, row_max, row_sum = residuals
     xs, shared_bias, shared_mask = _per_slice(bias, mask, length, q=q, k=k, v=v, out_c=out_c, row_max=row_max,
                                               row_sum=row_sum, d_out=d_out)
@@ -844,7 +842,7 @@ def _flash_bwd(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, ...
                 t["out_c"], t["row_max"], t["row_sum"])
         return _slice_backward(st, part, t["d_out"])
 
-    if st.tile is None and _trained_vectorised(st):
+    if _one_block(st):
         dq, dk, dv, d_bias = jax.vmap(one)(xs)
         if shared_bias is not None:  # (N, T or 1, S or 1): one block each, summed
             d_bias = d_bias.sum(axis=0, keepdims=True)

@@ -143,6 +143,22 @@ def test_every_path_matches_the_oracle(fw, case, softcap):
         assert_close(grads[3], expected_bias_grad, GRAD_PARITY["float32"])
 
 
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("shape", [(1, 1, T, S), (T, S)], ids=["1x1xTxS", "TxS"])
+def test_a_bias_shared_by_every_slice(fw, shape):
+    """One bias for every (batch, head) slice: its gradient sums over all of them (the
+    blockwise path sums it in a scan's carry, or over vectorised single-block slices)."""
+    q, k, v, _, options = case_inputs("causal-mask-lengths", seed=3)
+    bias = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    expected = oracle(q, k, v, bias, options)
+    expected_bias_grad = oracle_bias_grad(q, k, v, bias, options)
+    for path in PATHS:
+        out, grads = call(fw, q, k, v, bias, options, path)
+        assert grads[3].shape == shape
+        assert_close(out, expected, ORACLE["float32"])
+        assert_close(grads[3], expected_bias_grad, GRAD_PARITY["float32"])
+
+
 @needs_torch
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("case", ["mask", "causal-mask-lengths"])
