@@ -71,6 +71,7 @@ from attention_spec.validation import (
 from attention_spec.validation import (
     reach as _reach,
 )
+from jax_attention import _cpu_kernel
 from jax_attention.masks import _and_masks as combine_masks
 from jax_attention.masks import _raise_if, causal_mask
 
@@ -80,6 +81,7 @@ __all__ = [
     "canonical_bias",
     "canonical_kv_lengths",
     "canonical_mask",
+    "cpu_kernel_supports",
     "default_block_size",
     "dot_product_attention",
     "dropout_weights",
@@ -391,10 +393,13 @@ def dot_product_attention(
     window = check_window(window)
     offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2])
     segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2])
+    # On CPU the fused path is the library's kernel where it takes the call (else XLA's
+    # fused attention, slower there than the explicit math: blockwise is faster).
+    cpu_kernel = cpu_kernel_supports(q, mask=mask, bias=bias, segments=segments, offset=offset)
     path = resolve_implementation(
         implementation,
-        # On CPU, XLA's fused attention is slower than the explicit math; blockwise is faster.
-        preference=("fused", "blockwise") if jax.default_backend() in ("gpu", "tpu") else ("blockwise",),
+        preference=("fused", "blockwise") if jax.default_backend() in ("gpu", "tpu") or cpu_kernel
+        else ("blockwise",),
         return_weights=return_weights,
         normalization=normalization,
         dropout_active=not deterministic and dropout_rate > 0.0,
@@ -409,7 +414,8 @@ def dot_product_attention(
     # a static offset and the window stay structural where a path can use them.
     if segments is not None:
         mask = combine_masks(mask, segments)
-    if not isinstance(offset, int) or (path != "blockwise" and (window is not None or (causal and offset))):
+    structural = path == "blockwise" or (path == "fused" and cpu_kernel)
+    if not isinstance(offset, int) or (not structural and (window is not None or (causal and offset))):
         mask = combine_masks(mask, _band(q_len, kv_len, offset, causal, window, q.ndim))
         offset, causal, window = 0, False, None
     live_keys = _live_keys(mask, causal, kv_lengths, q_len, kv_len, q.ndim, offset=offset, window=window)
@@ -418,6 +424,8 @@ def dot_product_attention(
         if groups > 1 and live_keys.shape[-3] > 1:  # a key is live if any head of its group sees it
             live_keys = live_keys.reshape(*live_keys.shape[:-3], -1, groups, kv_len, 1).any(axis=-3)
         k, v = jnp.where(live_keys, k, jnp.zeros((), k.dtype)), jnp.where(live_keys, v, jnp.zeros((), v.dtype))
+    if path == "fused" and cpu_kernel:
+        return _cpu_fused(q, k, v, causal=causal, kv_lengths=kv_lengths, scale=scale, offset=offset, window=window)
     if path == "fused":
         return _fused(q, k, v, mask=mask, causal=causal, kv_lengths=kv_lengths, scale=scale,
                       precision=precision, bias=bias)
@@ -601,6 +609,75 @@ def _fused(
     out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])[..., :v_width]  # (..., H, T, Dv)
     out = out.astype(out_dtype)
     return out if live is None else jnp.where(live, out, jnp.zeros((), out.dtype))
+
+
+def cpu_kernel_supports(q: Array, *, mask: Array | None = None, bias: Array | None = None,
+                        segments: Array | None = None, offset: int | Array = 0) -> bool:
+    """Whether the fused path runs the library's CPU kernel (``_cpu_kernel``) for a call:
+    XLA's CPU backend, float32, bfloat16 or float16 inputs (computed in float32), no
+    dense mask, bias or segment ids, one query offset for every example (causal, window,
+    ``kv_lengths`` and grouped heads are the kernel's own), and a kernel that builds on
+    this machine.  Elsewhere the fused path is ``jax.nn.dot_product_attention``."""
+    return (
+        jax.default_backend() == "cpu" and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+        and mask is None and bias is None and segments is None and isinstance(offset, int)
+        and _cpu_kernel.available()
+    )
+
+
+class _KernelStatic(NamedTuple):
+    """The static part of a CPU-kernel call: query 0 at key position ``offset``; a query
+    at p sees keys p - left .. p + right (None: unbounded)."""
+
+    scale: float
+    offset: int
+    left: int | None
+    right: int | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_attention(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array) -> Array:
+    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,) ->
+    (B, T, H, Dv): the CPU kernel, with its FlashAttention backward."""
+    return _kernel_attention_fwd(st, q, k, v, lengths)[0]
+
+
+def _kernel_attention_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, Any]:
+    out, row_max, row_sum = _cpu_kernel.forward(q, k, v, lengths, **st._asdict())
+    return out, (q, k, v, lengths, out, row_max, row_sum)
+
+
+def _kernel_attention_bwd(st: _KernelStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
+    q, k, v, lengths, out, row_max, row_sum = residuals
+    dq, dk, dv = _cpu_kernel.backward(q, k, v, lengths, out, d_out, row_max, row_sum, **st._asdict())
+    return dq, dk, dv, _float0(lengths)
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+def _cpu_fused(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | None, scale: float,
+               offset: int, window: tuple[int | None, int | None] | None) -> Array:
+    """The fused path on CPU: the library's kernel on (..., H, T, D) inputs (leading
+    dimensions flattened into one batch), in float32, the output in v's dtype.  Causal,
+    window and lengths stay structural: hidden tiles are skipped, a query that sees no
+    key gets a zero row, and keys past a length are never read.
+
+    The kernel takes tokens before heads, (B, T, H, D): a module's head split (a
+    transpose to (B, H, T, D)) and the transpose back here cancel under jit, so the
+    projections feed the kernel with no copy in between."""
+    width, v_width, q_len, kv_len = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+    heads, kv_heads = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
+    batch = math.prod(q.shape[:-3])
+
+    def bthd(t: Array, h: int, length: int) -> Array:  # (..., h, length, w) -> (B, length, h, w) in float32
+        return jnp.swapaxes(t.reshape(batch, h, length, t.shape[-1]), 1, 2).astype(jnp.float32)
+
+    lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    left, right = _reach(causal, window)
+    out = _kernel_attention(_KernelStatic(scale, offset, left, right), bthd(q, heads, q_len),
+                            bthd(k, kv_heads, kv_len), bthd(v, kv_heads, kv_len), lengths)  # (B, T, H, Dv)
+    return jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v_width).astype(v.dtype)
 
 
 def cudnn_supports(q: Array, k: Array, v: Array) -> bool:

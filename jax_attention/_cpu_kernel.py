@@ -1,0 +1,150 @@
+"""The CPU flash-attention kernel (``csrc/flash_attention_cpu.cc``): built on first use,
+registered with XLA as FFI custom calls, and called from ``functional``'s fused path.
+
+JAX has no fused attention kernel for XLA's CPU backend (``jax.nn.dot_product_attention``
+runs the explicit math there), so the library carries one, as the other backends carry
+cuDNN (GPU) and splash attention (TPU).  Like ``torch.compile`` on CPU, it is compiled
+on the machine that runs it, once, with the machine's C++ compiler (``$CXX``, else
+``c++``, ``g++`` or ``clang++``) at ``-O3 -march=native`` against the XLA FFI headers
+that jaxlib ships.  The shared library is cached under ``$TWIN_ATTENTION_CACHE`` (else
+``$XDG_CACHE_HOME/twin-attention``, else ``~/.cache/twin-attention``), named by a hash of
+the source, the headers, the compiler and the CPU, so a change of any of them builds
+anew.
+
+Where it cannot be built (no compiler, a failed build), ``available()`` is False and
+``build_error()`` says why: the fused path then runs XLA's kernel, and ``"auto"`` the
+blockwise path, as before.  Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("csrc") / "flash_attention_cpu.cc"
+_FORWARD, _BACKWARD = "twin_attention_flash_fwd", "twin_attention_flash_bwd"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "ok": bool, "error": str | None, "library": ctypes.CDLL
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept."""
+    if os.environ.get("TWIN_ATTENTION_CACHE"):
+        return Path(os.environ["TWIN_ATTENTION_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "twin-attention"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    # -march=native: the build is for this CPU's instruction sets.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _library_path(compiler: str, include: Path) -> Path:
+    digest = hashlib.sha256()
+    digest.update(_SOURCE.read_bytes())
+    for header in sorted((include / "xla" / "ffi" / "api").glob("*.h")):
+        digest.update(header.read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    digest.update("\0".join((compiler, version, *_FLAGS, _cpu_signature())).encode())
+    return cache_dir() / f"flash_attention_cpu-{digest.hexdigest()[:16]}.so"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
+    include = Path(jax.ffi.include_dir())
+    target = _library_path(compiler, include)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built beside the target and renamed into place: processes building at once
+        # each write their own file, and a reader never sees half of one.
+        fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            command = [compiler, *_FLAGS, "-isystem", str(include), str(_SOURCE), "-o", scratch]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
+            os.replace(scratch, target)
+        finally:
+            if os.path.exists(scratch):
+                os.remove(scratch)
+    library = ctypes.cdll.LoadLibrary(str(target))
+    jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.TwinAttentionFlashFwd), platform="cpu")
+    jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(library.TwinAttentionFlashBwd), platform="cpu")
+    return library
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it on the first call)."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                _state["library"] = _build()
+                _state["ok"], _state["error"] = True, None
+            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                _state["ok"], _state["error"] = False, str(error)
+        return bool(_state["ok"])
+
+
+def build_error() -> str | None:
+    """Why the kernel is not available (None if it is, or has not been asked for)."""
+    return _state.get("error")
+
+
+def _attributes(scale: float, offset: int, left: int | None, right: int | None) -> dict[str, Any]:
+    # left / right None (unbounded) travel as -1.
+    return {
+        "scale": np.float32(scale), "offset": np.int64(offset),
+        "left": np.int64(-1 if left is None else left), "right": np.int64(-1 if right is None else right),
+    }
+
+
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float, offset: int,
+            left: int | None, right: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,) ->
+    (out (B, T, H, Dv), row max (B, H, T), row sum (B, H, T)); see the source's header.
+    Tokens come before heads, as a module's projections produce them."""
+    batch, q_len, heads, _ = q.shape
+    rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    shapes = (jax.ShapeDtypeStruct((batch, q_len, heads, v.shape[-1]), jnp.float32), rows, rows)
+    call = jax.ffi.ffi_call(_FORWARD, shapes, vmap_method="sequential")
+    return call(q, k, v, lengths, **_attributes(scale, offset, left, right))
+
+
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, out: jax.Array, d_out: jax.Array,
+             row_max: jax.Array, row_sum: jax.Array, *, scale: float, offset: int, left: int | None,
+             right: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv), float32, in the layouts of q, k and v, from the forward's inputs,
+    output and row statistics."""
+    shapes = tuple(jax.ShapeDtypeStruct(t.shape, jnp.float32) for t in (q, k, v))
+    call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")
+    return call(q, k, v, lengths, out, d_out, row_max, row_sum, **_attributes(scale, offset, left, right))
