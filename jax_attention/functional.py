@@ -352,13 +352,15 @@ def dot_product_attention(
       Grouped-query attention: k and v may have Hkv heads where Hkv divides H; query
         head h reads key/value head h // (H // Hkv).  The fused path hands the grouped
         heads to the kernel; the others repeat them.
-      implementation: ``"reference"`` (the explicit math), ``"fused"``
-        (``jax.nn.dot_product_attention``: cuDNN for half precision on NVIDIA GPUs, XLA
-        in float32 elsewhere; Pallas splash attention on TPU; refuses float64, which it
-        would compute with float32 accuracy), ``"blockwise"`` (query blocks that skip
-        the keys a causal mask hides; never materialises T x S), or ``"auto"`` (fused on
-        GPU/TPU, blockwise on CPU and for float64, reference where those cannot honour
-        an option; see ``attention_spec.resolve_implementation``).
+      implementation: ``"reference"`` (the explicit math), ``"fused"`` (a fused
+        kernel: on CPU the library's own FlashAttention kernel where it takes the call,
+        see ``cpu_kernel_supports``; otherwise ``jax.nn.dot_product_attention``, cuDNN
+        for half precision on NVIDIA GPUs and XLA in float32 elsewhere; Pallas splash
+        attention on TPU; refuses float64, which it would compute with float32
+        accuracy), ``"blockwise"`` (query blocks that skip the keys a causal mask
+        hides; never materialises T x S), or ``"auto"`` (fused on GPU/TPU and where the
+        CPU kernel takes the call, blockwise elsewhere on CPU and for float64, reference
+        where those cannot honour an option; see ``attention_spec.resolve_implementation``).
       precision: of the matmuls; "highest" by default.
 
     Keys and values at positions that no query may attend to are zeroed with ``where``

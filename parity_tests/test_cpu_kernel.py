@@ -1,0 +1,191 @@
+"""The JAX fused path on CPU: the library's FlashAttention kernel (``jax_attention/csrc``,
+built on first use).  Against the float64 oracle at sizes that cross its query blocks
+(96 rows forward, 64 backward) and key tiles (512 keys forward, 128 backward), with
+widths that are not whole vectors, grouped heads, windows, offsets and lengths, forward
+and backward; keys past a length that hold NaN; rows with nothing to attend to; half
+precision; ``auto``'s choice; the fallback where it cannot be built; jit and vmap.
+(The structure scenarios of ``test_structure_options`` run it too, through ``fused``
+and ``auto``.)"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from parity_tests import reference
+from parity_tests.conftest import needs_jax
+from parity_tests.harness import compare
+from parity_tests.test_structure_options import oracle_gradients, run
+from parity_tests.tolerances import GRAD_ORACLE, ORACLE
+
+pytestmark = needs_jax
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_built() -> None:
+    import jax
+
+    from jax_attention import _cpu_kernel
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU kernel runs on XLA's CPU backend")
+    assert _cpu_kernel.available(), _cpu_kernel.build_error()
+
+
+def _inputs(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, width: int, v_width: int,
+            seed: int = 0) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, heads, q_len, width)).astype(np.float32).astype(np.float64)
+    k = rng.standard_normal((batch, kv_heads, kv_len, width)).astype(np.float32).astype(np.float64)
+    v = rng.standard_normal((batch, kv_heads, kv_len, v_width)).astype(np.float32).astype(np.float64)
+    cot = rng.uniform(0.5, 1.5, (batch, heads, q_len, v_width))
+    return q, k, v, cot
+
+
+def _lengths_mask(lengths: np.ndarray, kv_len: int) -> np.ndarray:
+    return (np.arange(kv_len)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+# (id, batch, heads, kv_heads, T, S, D, Dv, call options, oracle options)
+CASES = [
+    ("causal-multi-block", 2, 4, 4, 300, 300, 64, 64, {"causal": True}, {"causal": True}),
+    ("full-cross-odd", 1, 2, 2, 97, 1100, 40, 24, {}, {}),
+    ("causal-gqa-tiles", 1, 4, 2, 700, 700, 64, 80, {"causal": True}, {"causal": True}),
+    ("lengths-gqa1", 3, 2, 1, 130, 257, 32, 32, {"kv_lengths": np.array([257, 0, 100])},
+     {"mask": _lengths_mask(np.array([257, 0, 100]), 257)}),
+    ("window-offset", 1, 2, 2, 260, 600, 64, 64, {"window": (100, 30), "q_offset": 200},
+     {"window": (100, 30), "offset": 200}),
+    ("bottomright-causal-window-lengths", 2, 2, 2, 150, 640, 16, 16,
+     {"causal": True, "window": (300, None), "alignment": "bottom_right", "kv_lengths": np.array([640, 333])},
+     {"causal": True, "window": (300, None), "offset": 490, "mask": _lengths_mask(np.array([640, 333]), 640)}),
+    ("one-head-split-backward", 1, 1, 1, 520, 520, 64, 64, {"causal": True}, {"causal": True}),
+    ("negative-offset-empty-rows", 1, 2, 2, 40, 30, 8, 8, {"causal": True, "q_offset": -10},
+     {"causal": True, "offset": -10}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_against_the_oracle(case: tuple[Any, ...]):
+    _, batch, heads, kv_heads, q_len, kv_len, width, v_width, call, oracle = case
+    q, k, v, cot = _inputs(batch, heads, kv_heads, q_len, kv_len, width, v_width)
+    scale = 1.0 / math.sqrt(width)
+    out, weights = reference.attention(q, k, v, scale=scale, **oracle)
+    want = {"output": out, **oracle_gradients(q, k, v, weights, cot, scale)}
+    got = run("jax", q, k, v, cot, implementation="fused", **call)
+    findings = [compare("output", got["output"], want["output"], ORACLE["float32"], ("kernel", "oracle"))]
+    findings += [compare(g, got[g], want[g], GRAD_ORACLE["float32"], ("kernel", "oracle"))
+                 for g in ("grad q", "grad k", "grad v")]
+    assert all(f.ok for f in findings), "\n".join(f.describe() for f in findings if not f.ok)
+
+
+def test_rows_with_nothing_to_attend_to_are_zero():
+    """A query before every key (negative offset, causal) and an example of length 0:
+    zero output rows, and no gradient flows through them."""
+    q, k, v, cot = _inputs(2, 2, 2, 20, 30, 16, 16)
+    got = run("jax", q, k, v, cot, implementation="fused", causal=True, q_offset=-5,
+              kv_lengths=np.array([30, 0]))
+    assert np.all(got["output"][:, :, :5] == 0) and np.all(got["output"][1] == 0)
+    assert np.all(got["grad q"][:, :, :5] == 0) and np.all(got["grad q"][1] == 0)
+    assert np.all(got["grad k"][1] == 0) and np.all(got["grad v"][1] == 0)
+    assert all(np.isfinite(a).all() for a in got.values())
+
+
+def test_keys_past_a_length_never_reach_an_output():
+    """NaN and Inf stored past each example's length: the same outputs and gradients as
+    with zeros there, and zero gradients for those keys."""
+    q, k, v, cot = _inputs(2, 4, 2, 150, 700, 64, 64, seed=3)
+    lengths = np.array([700, 333])
+    clean = run("jax", q, k, v, cot, implementation="fused", causal=True, kv_lengths=lengths)
+    k[1, :, 333:] = np.nan
+    v[1, :, 333:] = np.inf
+    dirty = run("jax", q, k, v, cot, implementation="fused", causal=True, kv_lengths=lengths)
+    for name, value in clean.items():
+        np.testing.assert_array_equal(dirty[name], value, err_msg=name)
+    assert np.all(dirty["grad k"][1, :, 333:] == 0) and np.all(dirty["grad v"][1, :, 333:] == 0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_computes_in_float32(dtype: str):
+    """Half-precision inputs are upcast and the output rounded once: equal to the
+    float32 kernel on the same (rounded) inputs, rounded to the dtype."""
+    import jax.numpy as jnp
+
+    from jax_attention.functional import dot_product_attention
+
+    q, k, v, _ = _inputs(2, 4, 2, 200, 200, 64, 64)
+    half = [jnp.asarray(a, dtype) for a in (q, k, v)]
+    got = dot_product_attention(*half, causal=True, implementation="fused")
+    want = dot_product_attention(*(a.astype(jnp.float32) for a in half), causal=True, implementation="fused")
+    assert got.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(dtype), np.float32))
+
+
+def test_auto_takes_the_kernel_where_it_applies():
+    """On CPU, ``auto`` is the kernel for causal / window / lengths calls, bit for bit,
+    and the blockwise path where the kernel does not apply (a dense mask)."""
+    import jax.numpy as jnp
+
+    from jax_attention.functional import dot_product_attention
+
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(2, 4, 4, 130, 130, 64, 64))
+    for options in ({"causal": True}, {"kv_lengths": jnp.array([130, 7])}, {"window": (5, 5)}):
+        auto = dot_product_attention(q, k, v, implementation="auto", **options)
+        fused = dot_product_attention(q, k, v, implementation="fused", **options)
+        np.testing.assert_array_equal(np.asarray(auto), np.asarray(fused))
+    mask = np.random.default_rng(0).random((2, 4, 130, 130)) < 0.5
+    auto = dot_product_attention(q, k, v, implementation="auto", mask=jnp.asarray(mask))
+    blockwise = dot_product_attention(q, k, v, implementation="blockwise", mask=jnp.asarray(mask))
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(blockwise))
+
+
+def test_without_the_kernel_fused_is_xla_and_auto_blockwise(monkeypatch):
+    """Where the kernel cannot be built, the fused path is XLA's kernel and ``auto`` the
+    blockwise path, with the same numbers as the kernel within float32 rounding."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(1, 2, 2, 70, 70, 32, 32))
+    kernel = dot_product_attention(q, k, v, causal=True, implementation="fused")
+    monkeypatch.setattr(_cpu_kernel, "available", lambda: False)
+    for path, twin in (("fused", None), ("auto", "blockwise")):
+        got = dot_product_attention(q, k, v, causal=True, implementation=path)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(kernel), rtol=1e-5, atol=1e-5)
+        if twin is not None:
+            want = dot_product_attention(q, k, v, causal=True, implementation=twin)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_failed_build_is_reported(monkeypatch, tmp_path):
+    """A compiler that fails leaves the kernel unavailable, with the compiler's words
+    in ``build_error``, and nothing half-written in the cache."""
+    from jax_attention import _cpu_kernel
+
+    monkeypatch.setenv("TWIN_ATTENTION_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    assert not _cpu_kernel.available()
+    assert "failed" in (_cpu_kernel.build_error() or "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_jit_and_vmap():
+    """Under jit, the same numbers as eager; under vmap, those of each slice."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention.functional import dot_product_attention
+
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(3, 2, 2, 50, 50, 16, 16))
+
+    def attend(q_: Any, k_: Any, v_: Any) -> Any:
+        return dot_product_attention(q_, k_, v_, causal=True, implementation="fused")
+
+    eager = attend(q, k, v)
+    np.testing.assert_array_equal(np.asarray(jax.jit(attend)(q, k, v)), np.asarray(eager))
+    mapped = jax.vmap(attend)(q[:, None], k[:, None], v[:, None])[:, 0]
+    np.testing.assert_array_equal(np.asarray(mapped), np.asarray(eager))
