@@ -668,7 +668,7 @@ def _cpu_fused(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array 
     The kernel takes tokens before heads, (B, T, H, D): a module's head split (a
     transpose to (B, H, T, D)) and the transpose back here cancel under jit, so the
     projections feed the kernel with no copy in between."""
-    width, v_width, q_len, kv_len = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+    v_width, q_len, kv_len = v.shape[-1], q.shape[-2], k.shape[-2]
     heads, kv_heads = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
     batch = math.prod(q.shape[:-3])
 

@@ -194,11 +194,11 @@ struct Problem {
 
 // Keys of [c0, c0 + cols) outside [first(r), last(b, r)) for row r of the block rows
 // [r0, r0 + rows) set to -inf in s (rows x cols, ld); the padding columns past
-// n_valid too.  Returns whether any key was hidden.
-bool hide(const Problem& pb, int64_t b, int64_t r0, int64_t rows, int64_t c0, int64_t n_valid,
+// n_valid too.
+void hide(const Problem& pb, int64_t b, int64_t r0, int64_t rows, int64_t c0, int64_t n_valid,
           int64_t cols, float* s, int64_t ld) {
   const int64_t lo = pb.first(r0 + rows - 1), hi = pb.last(b, r0);  // what every row sees
-  if (lo <= c0 && hi >= c0 + cols && n_valid == cols) return false;
+  if (lo <= c0 && hi >= c0 + cols && n_valid == cols) return;
   const float neg_inf = -__builtin_inff();
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t a = std::max<int64_t>(pb.first(r0 + i) - c0, 0);
@@ -211,7 +211,6 @@ bool hide(const Problem& pb, int64_t b, int64_t r0, int64_t rows, int64_t c0, in
     std::fill(row, row + a, neg_inf);
     std::fill(row + z, row + cols, neg_inf);
   }
-  return true;
 }
 
 // ---------------------------------------------------------------- threads
