@@ -137,7 +137,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, sca
     rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
     shapes = (jax.ShapeDtypeStruct((batch, q_len, heads, v.shape[-1]), jnp.float32), rows, rows)
     call = jax.ffi.ffi_call(_FORWARD, shapes, vmap_method="sequential")
-    return call(q, k, v, lengths, **_attributes(scale, offset, left, right))
+    out, row_max, row_sum = call(q, k, v, lengths, **_attributes(scale, offset, left, right))
+    return out, row_max, row_sum
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, out: jax.Array, d_out: jax.Array,
@@ -147,4 +148,5 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, out: 
     output and row statistics."""
     shapes = tuple(jax.ShapeDtypeStruct(t.shape, jnp.float32) for t in (q, k, v))
     call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")
-    return call(q, k, v, lengths, out, d_out, row_max, row_sum, **_attributes(scale, offset, left, right))
+    dq, dk, dv = call(q, k, v, lengths, out, d_out, row_max, row_sum, **_attributes(scale, offset, left, right))
+    return dq, dk, dv
