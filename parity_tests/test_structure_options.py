@@ -365,17 +365,24 @@ def test_torch_fused_hands_sdpa_the_grouped_heads(monkeypatch, call):
 @needs_jax
 @pytest.mark.parametrize("call", list(GQA_CALLS))
 def test_jax_fused_hands_the_kernel_the_grouped_heads(monkeypatch, call):
+    """Whichever kernel the fused path runs (``jax.nn.dot_product_attention``, or the
+    library's CPU kernel where it takes the call), it gets k and v with their Hkv heads,
+    (B, S, Hkv, D), never repeated."""
     import jax
 
+    from jax_attention import _cpu_kernel
+
     seen: list[tuple[int, ...]] = []
-    real = jax.nn.dot_product_attention
 
-    def spy(query, key, value, *args, **kwargs):
-        seen.append(tuple(key.shape))
-        assert tuple(value.shape)[:-1] == tuple(key.shape)[:-1]
-        return real(query, key, value, *args, **kwargs)
+    def spying(real):  # type: ignore[no-untyped-def]
+        def spy(query, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
+            seen.append(tuple(key.shape))
+            assert tuple(value.shape)[:-1] == tuple(key.shape)[:-1]
+            return real(query, key, value, *args, **kwargs)
+        return spy
 
-    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spying(jax.nn.dot_product_attention))
+    monkeypatch.setattr(_cpu_kernel, "forward", spying(_cpu_kernel.forward))
     s = Scenario("gqa", 5, 7, heads=4, kv_heads=1, call=GQA_CALLS[call])
     q, k, v, _ = s.inputs()
     got = run("jax", q, k, v, implementation="fused", **s.call)
