@@ -5,8 +5,8 @@ JAX has no fused attention kernel for XLA's CPU backend (``jax.nn.dot_product_at
 runs the explicit math there), so the library carries one, as the other backends carry
 cuDNN (GPU) and splash attention (TPU).  Like ``torch.compile`` on CPU, it is compiled
 on the machine that runs it, once, with the machine's C++ compiler (``$CXX``, else
-``c++``, ``g++`` or ``clang++``) at ``-O3 -march=native`` against the XLA FFI headers
-that jaxlib ships.  The shared library is cached under ``$TWIN_ATTENTION_CACHE`` (else
+``c++``, ``g++`` or ``clang++``) at ``-O3 -march=native`` (``$TWIN_ATTENTION_MARCH``
+names another target) against the XLA FFI headers that jaxlib ships.  The shared library is cached under ``$TWIN_ATTENTION_CACHE`` (else
 ``$XDG_CACHE_HOME/twin-attention``, else ``~/.cache/twin-attention``), named by a hash of
 the source, the headers, the compiler and the CPU, so a change of any of them builds
 anew.
@@ -35,7 +35,14 @@ import numpy as np
 
 _SOURCE = Path(__file__).with_name("csrc") / "flash_attention_cpu.cc"
 _FORWARD, _BACKWARD = "twin_attention_flash_fwd", "twin_attention_flash_bwd"
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+
+def _flags() -> tuple[str, ...]:
+    # $TWIN_ATTENTION_MARCH: another target than this CPU (e.g. x86-64-v3, AVX2 only,
+    # for a cache shared by machines of several kinds).
+    march = os.environ.get("TWIN_ATTENTION_MARCH") or "native"
+    return ("-O3", f"-march={march}", "-std=c++17", "-shared", "-fPIC")
+
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ok": bool, "error": str | None, "library": ctypes.CDLL
@@ -72,7 +79,7 @@ def _library_path(compiler: str, include: Path) -> Path:
     for header in sorted((include / "xla" / "ffi" / "api").glob("*.h")):
         digest.update(header.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    digest.update("\0".join((compiler, version, *_FLAGS, _cpu_signature())).encode())
+    digest.update("\0".join((compiler, version, *_flags(), _cpu_signature())).encode())
     return cache_dir() / f"flash_attention_cpu-{digest.hexdigest()[:16]}.so"
 
 
@@ -89,7 +96,7 @@ def _build() -> ctypes.CDLL:
         fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            command = [compiler, *_FLAGS, "-isystem", str(include), str(_SOURCE), "-o", scratch]
+            command = [compiler, *_flags(), "-isystem", str(include), str(_SOURCE), "-o", scratch]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")

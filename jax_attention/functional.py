@@ -397,7 +397,8 @@ def dot_product_attention(
     segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2])
     # On CPU the fused path is the library's kernel where it takes the call (else XLA's
     # fused attention, slower there than the explicit math: blockwise is faster).
-    cpu_kernel = cpu_kernel_supports(q, mask=mask, bias=bias, segments=segments, offset=offset)
+    cpu_kernel = implementation in ("fused", "auto") and cpu_kernel_supports(
+        q, mask=mask, bias=bias, segments=segments, offset=offset)  # builds the kernel on first use
     path = resolve_implementation(
         implementation,
         preference=("fused", "blockwise") if jax.default_backend() in ("gpu", "tpu") or cpu_kernel
@@ -544,6 +545,13 @@ def _live_keys(
     return None if live is None else live[..., None]
 
 
+def _bthd(t: Array, batch: int) -> Array:
+    """(..., H, T, D) -> (B, T, H, D), the leading dimensions flattened into ``batch``
+    (unbatched (T, D): one head): the layout of the fused kernels.  k and v may have
+    fewer heads than q."""
+    return jnp.swapaxes(t.reshape(batch, t.shape[-3] if t.ndim >= 3 else 1, *t.shape[-2:]), 1, 2)
+
+
 def _fused(
     q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
     scale: float, precision: Precision, bias: Array | None = None,
@@ -564,12 +572,8 @@ def _fused(
     elif v_width > width:
         pad = [(0, 0)] * (q.ndim - 1) + [(0, v_width - width)]
         q, k = jnp.pad(q, pad), jnp.pad(k, pad)
-    lead = q.shape[:-3] if q.ndim >= 3 else ()
     heads = q.shape[-3] if q.ndim >= 3 else 1
-    batch = math.prod(lead)
-
-    def bthd(t: Array) -> Array:  # (..., H, T, D) -> (B, T, H, D); k and v may have fewer heads
-        return jnp.swapaxes(t.reshape(batch, t.shape[-3] if t.ndim >= 3 else 1, *t.shape[-2:]), 1, 2)
+    batch = math.prod(q.shape[:-3])
 
     live = None  # (B, H, T, 1): rows with something to attend to, when some may have none
     dense = None
@@ -605,7 +609,7 @@ def _fused(
         bias = bias.astype(q.dtype)
     with jax.default_matmul_precision(_precision_name(precision)):
         out = jax.nn.dot_product_attention(
-            bthd(q), bthd(k), bthd(v), bias=bias, mask=dense, scale=scale, is_causal=causal,
+            _bthd(q, batch), _bthd(k, batch), _bthd(v, batch), bias=bias, mask=dense, scale=scale, is_causal=causal,
             key_value_seq_lengths=lengths, implementation=kernel,
         )
     out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])[..., :v_width]  # (..., H, T, Dv)
@@ -668,18 +672,12 @@ def _cpu_fused(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array 
     The kernel takes tokens before heads, (B, T, H, D): a module's head split (a
     transpose to (B, H, T, D)) and the transpose back here cancel under jit, so the
     projections feed the kernel with no copy in between."""
-    v_width, q_len, kv_len = v.shape[-1], q.shape[-2], k.shape[-2]
-    heads, kv_heads = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
-    batch = math.prod(q.shape[:-3])
-
-    def bthd(t: Array, h: int, length: int) -> Array:  # (..., h, length, w) -> (B, length, h, w) in float32
-        return jnp.swapaxes(t.reshape(batch, h, length, t.shape[-1]), 1, 2).astype(jnp.float32)
-
+    batch, kv_len = math.prod(q.shape[:-3]), k.shape[-2]
     lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     left, right = _reach(causal, window)
-    out = _kernel_attention(_KernelStatic(scale, offset, left, right), bthd(q, heads, q_len),
-                            bthd(k, kv_heads, kv_len), bthd(v, kv_heads, kv_len), lengths)  # (B, T, H, Dv)
-    return jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v_width).astype(v.dtype)
+    q4, k4, v4 = (_bthd(t, batch).astype(jnp.float32) for t in (q, k, v))
+    out = _kernel_attention(_KernelStatic(scale, offset, left, right), q4, k4, v4, lengths)  # (B, T, H, Dv)
+    return jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)
 
 
 def cudnn_supports(q: Array, k: Array, v: Array) -> bool:

@@ -189,3 +189,57 @@ def test_jit_and_vmap():
     np.testing.assert_array_equal(np.asarray(jax.jit(attend)(q, k, v)), np.asarray(eager))
     mapped = jax.vmap(attend)(q[:, None], k[:, None], v[:, None])[:, 0]
     np.testing.assert_array_equal(np.asarray(mapped), np.asarray(eager))
+
+
+def test_only_a_fused_or_auto_call_asks_for_the_kernel(monkeypatch):
+    """The reference and blockwise paths never build (or look for) the kernel."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    def refuse() -> bool:
+        raise AssertionError("the kernel was asked for")
+
+    monkeypatch.setattr(_cpu_kernel, "available", refuse)
+    q = jnp.ones((1, 2, 5, 8), jnp.float32)
+    for path in ("reference", "blockwise"):
+        dot_product_attention(q, q, q, causal=True, implementation=path)
+    with pytest.raises(AssertionError, match="asked for"):
+        dot_product_attention(q, q, q, causal=True, implementation="auto")
+
+
+_PORTABLE_CHECK = """
+import numpy as np, jax.numpy as jnp
+from jax_attention import _cpu_kernel
+from jax_attention.functional import dot_product_attention
+assert _cpu_kernel.available(), _cpu_kernel.build_error()
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.standard_normal((2, 2, 300, 40)), jnp.float32) for _ in range(3))
+options = dict(causal=True, kv_lengths=jnp.array([300, 90]))
+got = np.asarray(dot_product_attention(q, k, v, implementation="fused", **options))
+want = np.asarray(dot_product_attention(q, k, v, implementation="reference", **options))
+np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)  # NaN fails it
+print("ok")
+"""
+
+
+def test_the_portable_build_avx2(tmp_path):
+    """The kernel built for x86-64-v3 (AVX2, no AVX-512: the vector code's other
+    branch, exp included) in a process of its own: the reference path's numbers."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 target")
+    env = {**os.environ, "TWIN_ATTENTION_CACHE": str(tmp_path), "TWIN_ATTENTION_MARCH": "x86-64-v3",
+           "JAX_PLATFORMS": "cpu"}
+    tolerance = ORACLE["float32"]
+    script = _PORTABLE_CHECK.replace("RTOL", repr(tolerance.rtol)).replace("ATOL", repr(tolerance.atol))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok"
+    assert len(list(tmp_path.glob("*.so"))) == 1

@@ -142,13 +142,13 @@ void pack(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
 // normal float (x < -87.3) are 0: beside a row's maximum, exp(0) = 1, they are below
 // float32's resolution of the row sum.
 inline vf exp_nonpositive(vf x) {
-  x = x < -87.3f ? splat(-__builtin_inff()) : x;
-  const vf t = x * 1.44269504088896341f - 0.5f;
+  const vi tiny = x < -87.3f;  // -inf (a hidden key) included; NaN stays NaN
+  x = tiny ? splat(-87.3f) : x;
+  const vf t = x * 1.44269504088896341f;
 #ifdef __AVX512F__
-  // n = round(x log2 e) and y * 2^n with AVX-512's rounding and scaling: exp(-inf) = 0.
-  const vf fn = reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t + 0.5f), _MM_FROUND_TO_NEAREST_INT));
+  const vf fn = reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEAREST_INT));
 #else
-  const vf fn = __builtin_convertvector(__builtin_convertvector(t, vi), vf);  // truncation: nearest for t < 0
+  const vf fn = __builtin_convertvector(__builtin_convertvector(t - 0.5f, vi), vf);  // truncation: nearest, t <= 0
 #endif
   vf r = x - fn * 0.693359375f;
   r = r - fn * -2.12194440e-4f;
@@ -161,14 +161,14 @@ inline vf exp_nonpositive(vf x) {
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
 #ifdef __AVX512F__
-  return reinterpret_cast<vf>(_mm512_scalef_ps(reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(fn)));
+  const vf result = reinterpret_cast<vf>(_mm512_scalef_ps(reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(fn)));
 #else
-  const vi n = __builtin_convertvector(fn, vi);
-  const vi bits = ((n < -126 ? -127 : n) + 127) << 23;  // 2^n, 0 below the normal range
-  vf pow2;
-  std::memcpy(&pow2, &bits, sizeof(pow2));
-  return y * pow2;
+  const vi bits = (__builtin_convertvector(fn, vi) + 127) << 23;  // 2^n, n >= -126 here
+  vf result;
+  std::memcpy(&result, &bits, sizeof(result));
+  result *= y;
 #endif
+  return tiny ? vf{} : result;
 }
 
 // ---------------------------------------------------------------- structure
