@@ -107,6 +107,30 @@ def test_keys_past_a_length_never_reach_an_output():
     assert np.all(dirty["grad k"][1, :, 333:] == 0) and np.all(dirty["grad v"][1, :, 333:] == 0)
 
 
+def test_the_kernel_itself_never_reads_past_a_length():
+    """The kernel's own contract, without ``dot_product_attention`` (which zeroes keys
+    past a length before any path): Inf and NaN in the rows between a length and the
+    end of its 16-key vector (333 .. 335) change nothing, forward or backward."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+
+    q, k, v, cot = (np.swapaxes(a, 1, 2).astype(np.float32) for a in _inputs(2, 4, 2, 40, 700, 64, 64, seed=5))
+    lengths = jnp.asarray([700, 333], jnp.int32)
+    attrs = dict(scale=0.125, offset=0, left=None, right=None)
+
+    def both(k: np.ndarray, v: np.ndarray) -> list[np.ndarray]:
+        q_, k_, v_, cot_ = map(jnp.asarray, (q, k, v, cot))
+        out, row_max, row_sum = _cpu_kernel.forward(q_, k_, v_, lengths, **attrs)
+        grads = _cpu_kernel.backward(q_, k_, v_, lengths, out, cot_, row_max, row_sum, **attrs)
+        return [np.asarray(a) for a in (out, row_max, row_sum, *grads)]
+
+    clean = both(k, v)
+    k[1, 333:], v[1, 333:] = np.nan, np.inf
+    for got, want in zip(both(k, v), clean, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_computes_in_float32(dtype: str):
     """Half-precision inputs are upcast and the output rounded once: equal to the

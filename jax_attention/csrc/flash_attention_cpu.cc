@@ -253,8 +253,8 @@ int64_t tiles_of(int64_t n, int64_t size) { return (n + size - 1) / size; }
 
 // The keys and values of every (batch, key/value head), laid out for the forward's
 // products: K transposed a tile at a time (tile t of head u is the (D, keys) block at
-// kt + (u * tiles + t) * D * ld, zero past S) and V with rows of whole vectors (head u
-// at vp + u * tiles * keys * Dvp, zero past S).
+// kt + (u * tiles + t) * D * ld) and V with rows of whole vectors (head u at
+// vp + u * tiles * keys * Dvp), both zero past the example's length.
 struct PackedKV {
   int64_t keys, ld, tiles, Dvp;
   std::unique_ptr<float[]> kt, vp;
@@ -272,7 +272,8 @@ struct PackedKV {
     parallel_for(pool, pb.batch * pb.kv_heads, [&](int64_t u) {
       const int64_t b = u / pb.kv_heads, hk = u % pb.kv_heads;
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t c0 = t * keys, n = std::min(keys, S - c0);
+        // Keys past the example's length are never read: zeros in their place.
+        const int64_t c0 = t * keys, n = std::clamp<int64_t>(pb.length(b) - c0, 0, keys);
         float* dst = kt_of(u, t, D);
         transpose(n, D, k + pb.kv_row(b, hk, c0) * D, pb.kv_heads * D, dst, ld);
         for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + n, dst + (d + 1) * ld, 0.0f);
