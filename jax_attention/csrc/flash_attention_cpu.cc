@@ -244,6 +244,38 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& f) {
   state->cv.wait(lock, [&] { return state->done.load() == n; });
 }
 
+// ---------------------------------------------------------------- scratch
+
+// Scratch memory that the calling thread keeps between calls, up to kKeptScratch
+// floats a slot: a training step's calls reuse the same pages.  Freed each time, the
+// allocator hands large blocks back to the operating system and every call faults them
+// in again, which cost a third of the time of some calls at short sequences.  Larger
+// requests get memory of their own, freed on return (their work dwarfs the faults).
+constexpr size_t kKeptScratch = size_t{16} << 20;  // floats: 64 MiB
+
+class Scratch {
+ public:
+  Scratch(int slot, size_t n) {
+    thread_local std::unique_ptr<float[]> kept[2];
+    thread_local size_t kept_size[2] = {0, 0};
+    if (n > kKeptScratch) {
+      own_.reset(new float[n]);
+      data_ = own_.get();
+      return;
+    }
+    if (kept_size[slot] < n) {
+      kept[slot].reset(new float[n]);
+      kept_size[slot] = n;
+    }
+    data_ = kept[slot].get();
+  }
+  float* get() const { return data_; }
+
+ private:
+  std::unique_ptr<float[]> own_;
+  float* data_;
+};
+
 // ---------------------------------------------------------------- forward
 
 constexpr int64_t kFwdRows = 96;   // query rows of a forward block
@@ -257,7 +289,7 @@ int64_t tiles_of(int64_t n, int64_t size) { return (n + size - 1) / size; }
 // vp + u * tiles * keys * Dvp), both zero past the example's length.
 struct PackedKV {
   int64_t keys, ld, tiles, Dvp;
-  std::unique_ptr<float[]> kt, vp;
+  Scratch kt, vp;
 
   PackedKV(const Problem& pb, ffi::ThreadPool& pool, const float* k, const float* v)
       : keys(std::min(kFwdKeys, round_up(pb.kv_len, kLanes))),
@@ -266,8 +298,8 @@ struct PackedKV {
         ld(keys + kLanes),
         tiles(tiles_of(pb.kv_len, keys)),
         Dvp(round_up(pb.v_width, kLanes)),
-        kt(new float[pb.batch * pb.kv_heads * tiles * pb.width * ld]),
-        vp(new float[pb.batch * pb.kv_heads * tiles * keys * Dvp]) {
+        kt(0, pb.batch * pb.kv_heads * tiles * pb.width * ld),
+        vp(1, pb.batch * pb.kv_heads * tiles * keys * Dvp) {
     const int64_t D = pb.width, Dv = pb.v_width, S = pb.kv_len;
     parallel_for(pool, pb.batch * pb.kv_heads, [&](int64_t u) {
       const int64_t b = u / pb.kv_heads, hk = u % pb.kv_heads;
