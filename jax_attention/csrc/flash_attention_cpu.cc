@@ -250,8 +250,10 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& f) {
 // floats a slot: a training step's calls reuse the same pages.  Freed each time, the
 // allocator hands large blocks back to the operating system and every call faults them
 // in again, which cost a third of the time of some calls at short sequences.  Larger
-// requests get memory of their own, freed on return (their work dwarfs the faults).
-constexpr size_t kKeptScratch = size_t{16} << 20;  // floats: 64 MiB
+// requests (from S = 16384 at head width 64) get memory of their own, freed on return:
+// their work dwarfs the faults, and each of XLA's threads keeping tens of MiB did not
+// pay (at S = 32768 the process grew by 0.73 GiB instead of 0.47).
+constexpr size_t kKeptScratch = size_t{4} << 20;  // floats: 16 MiB
 
 class Scratch {
  public:
