@@ -302,7 +302,7 @@ struct PackedKV {
         Dvp(round_up(pb.v_width, kLanes)),
         kt(0, pb.batch * pb.kv_heads * tiles * pb.width * ld),
         vp(1, pb.batch * pb.kv_heads * tiles * keys * Dvp) {
-    const int64_t D = pb.width, Dv = pb.v_width, S = pb.kv_len;
+    const int64_t D = pb.width, Dv = pb.v_width;
     parallel_for(pool, pb.batch * pb.kv_heads, [&](int64_t u) {
       const int64_t b = u / pb.kv_heads, hk = u % pb.kv_heads;
       for (int64_t t = 0; t < tiles; ++t) {
