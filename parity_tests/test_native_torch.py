@@ -12,6 +12,7 @@ anything is built or written.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from typing import Any
@@ -498,10 +499,13 @@ def test_gpt2_mask_is_the_one_transformers_builds():
     masking_utils = pytest.importorskip("transformers.masking_utils")
     attn = _gpt2_attention()
     hf_mask = (torch.arange(6)[None, :] < torch.tensor(HF_LENGTHS)[:, None]).long()
+    # transformers 5.24 renamed past_key_values to cache (the old name warns)
+    parameters = inspect.signature(masking_utils.create_causal_mask).parameters
+    no_cache = {"cache": None} if "cache" in parameters else {"past_key_values": None}
     try:
         built = masking_utils.create_causal_mask(
             config=attn.config, inputs_embeds=torch.zeros(2, 6, GPT2_E), attention_mask=hf_mask,
-            past_key_values=None, position_ids=torch.arange(6)[None].expand(2, -1),
+            position_ids=torch.arange(6)[None].expand(2, -1), **no_cache,
         )
     except TypeError as error:  # another signature in another version
         pytest.skip(f"create_causal_mask has another signature here: {error}")
