@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SOURCE = Path(__file__).with_name("csrc") / "flash_attention_cpu.cc"
+_SOURCES = Path(__file__).with_name("csrc")
+_SOURCE = _SOURCES / "flash_attention_cpu.cc"  # includes its neighbours (gemm.h)
 _FORWARD, _BACKWARD = "twin_attention_flash_fwd", "twin_attention_flash_bwd"
+_MATMUL = "twin_attention_matmul"
 
 
 def _flags() -> tuple[str, ...]:
@@ -75,7 +77,8 @@ def _cpu_signature() -> str:
 
 def _library_path(compiler: str, include: Path) -> Path:
     digest = hashlib.sha256()
-    digest.update(_SOURCE.read_bytes())
+    for source in sorted(_SOURCES.glob("*.[ch]*")):
+        digest.update(source.name.encode() + source.read_bytes())
     for header in sorted((include / "xla" / "ffi" / "api").glob("*.h")):
         digest.update(header.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
@@ -107,6 +110,7 @@ def _build() -> ctypes.CDLL:
     library = ctypes.cdll.LoadLibrary(str(target))
     jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.TwinAttentionFlashFwd), platform="cpu")
     jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(library.TwinAttentionFlashBwd), platform="cpu")
+    jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(library.TwinAttentionMatmul), platform="cpu")
     return library
 
 
@@ -157,3 +161,13 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, out: 
     call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")
     dq, dk, dv = call(q, k, v, lengths, out, d_out, row_max, row_sum, **_attributes(scale, offset, left, right))
     return dq, dk, dv
+
+
+def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+    """float32 op(a) @ op(b), op(x) = x or x.T, both 2-d (a (M, K) or, transposed, (K, M);
+    b (K, N) or (N, K)) -> (M, N): a projection and its two gradients, with no transposed
+    copy made."""
+    m = a.shape[1] if trans_a else a.shape[0]
+    n = b.shape[0] if trans_b else b.shape[1]
+    call = jax.ffi.ffi_call(_MATMUL, jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")
+    return call(a, b, trans_a=np.bool_(trans_a), trans_b=np.bool_(trans_b))

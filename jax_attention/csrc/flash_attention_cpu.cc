@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -568,7 +569,33 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- projections
+
+// c = op(a) op(b), op(x) = x or x^T: a projection x W (NN) and its gradients dy W^T (NT)
+// and x^T dy (TN), on gemm.h's packed, register-tiled product.
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, bool trans_a,
+                  bool trans_b, ffi::ResultBuffer<ffi::F32> c) {
+  const auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || cd.size() != 2)
+    return ffi::Error::InvalidArgument("twin_attention_matmul: operands must be matrices");
+  const int64_t M = trans_a ? ad[1] : ad[0], K = trans_a ? ad[0] : ad[1], N = trans_b ? bd[0] : bd[1];
+  if ((trans_b ? bd[1] : bd[0]) != K || cd[0] != M || cd[1] != N)
+    return ffi::Error::InvalidArgument("twin_attention_matmul: inconsistent shapes");
+  auto run = [&pool](int64_t n, auto&& f) { parallel_for(pool, n, f); };
+  twin_gemm::sgemm(run, trans_a, trans_b, M, N, K, a.typed_data(), ad[1], b.typed_data(), bd[1], c->typed_data(), N);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TwinAttentionMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a (M, K), or (K, M) with trans_a
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b (K, N), or (N, K) with trans_b
+                                  .Attr<bool>("trans_a")
+                                  .Attr<bool>("trans_b")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // c (M, N)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TwinAttentionFlashFwd, Forward,
                               ffi::Ffi::Bind()
