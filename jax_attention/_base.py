@@ -394,17 +394,18 @@ class AttentionModule(nnx.Module):
 
     def _run(self, call: _Call, return_weights: bool, key: Array | None) -> Array | tuple[Array, Array]:
         """The work, on checked input: project, attend, merge.  Batched in and out."""
-        q, k, v = self._project(call.x, call.keys, call.values)  # (B, H, T, D), (B, Hkv, S, D)
+        # q (B, H, T, D), k and v (B, Hkv, S, D)
+        q, k, v = self._project(call.x, call.keys, call.values, call.implementation)
         result = self._attend(call, q, k, v, return_weights, key)
         if return_weights:
             out, weights = cast(tuple[Array, Array], result)
-            return self._merge(out), weights  # (B, H, T, Dv) -> (B, T, d_out)
-        return self._merge(cast(Array, result))
+            return self._merge(out, call.implementation), weights  # (B, H, T, Dv) -> (B, T, d_out)
+        return self._merge(cast(Array, result), call.implementation)
 
     def _run_cached(self, call: _Call, return_weights: bool, key: Array | None) -> Any:
         """A decode step: x's keys and values appended to (a new) cache, then x attends to
         every filled position, query t of example b at key position lengths[b] + t."""
-        q, k, v = self._project(call.x, None, None)
+        q, k, v = self._project(call.x, None, None, call.implementation)
         cache = call.cache
         batch, seq = call.x.shape[0], call.x.shape[1]
         lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((batch,), seq, jnp.int32)
@@ -414,8 +415,8 @@ class AttentionModule(nnx.Module):
                               key, kv_lengths=start + lengths, q_offset=start, alignment="top_left")
         if return_weights:
             out, weights = cast(tuple[Array, Array], result)
-            return self._merge(out), weights, cache
-        return self._merge(cast(Array, result)), cache
+            return self._merge(out, call.implementation), weights, cache
+        return self._merge(cast(Array, result), call.implementation), cache
 
     @staticmethod
     def _unbatch(result: Array | tuple[Array, Array], batched: bool) -> Array | tuple[Array, Array]:
@@ -425,11 +426,24 @@ class AttentionModule(nnx.Module):
             return result[0][0], result[1][0]
         return result[0]
 
+    def _linear(self, layer: nnx.Module | nnx.Param, inputs: Array, implementation: str) -> Array:
+        """inputs @ a projection's weight (+ bias): an ``nnx.Linear``'s math, or a bare
+        (d_in, d_out) matrix used as x @ W in x's dtype; ``functional.linear`` does the
+        work, on the path that the call's ``implementation`` picks."""
+        if isinstance(layer, nnx.Param):
+            return functional.linear(inputs, layer[...], dtype=inputs.dtype, precision=self.precision,
+                                     implementation=implementation)
+        linear = cast(nnx.Linear, layer)
+        return functional.linear(
+            inputs, linear.kernel[...], None if linear.bias is None else linear.bias[...], dtype=linear.dtype,
+            precision=linear.precision, implementation=implementation,
+        )
+
     def _project(
-        self, x: Array, keys: Array | None = None, values: Array | None = None
+        self, x: Array, keys: Array | None, values: Array | None, implementation: str
     ) -> tuple[Array, Array, Array]:
         """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
-        (cross-attention) or x, by the declared projections."""
+        (cross-attention) or x, by the declared projections, on ``implementation``'s path."""
         spec = self.spec
         keys = x if keys is None else keys
         values = x if values is None else values
@@ -439,10 +453,7 @@ class AttentionModule(nnx.Module):
 
         def project(role: str, inputs: Array, heads: int) -> Array:
             layer = getattr(self, cast(Projection, spec.projection(role)).name)
-            if isinstance(layer, nnx.Param):  # (d_in, d_out) used as x @ W, in the compute dtype
-                y = jnp.matmul(inputs, layer[...].astype(inputs.dtype), precision=self.precision)
-            else:
-                y = layer(inputs)
+            y = self._linear(layer, inputs, implementation)
             return self._split_heads(y, heads)  # (B, T, heads * D) -> (B, heads, T, D)
 
         kv_heads = spec.kv_heads
@@ -454,9 +465,9 @@ class AttentionModule(nnx.Module):
         # (B, T, heads * D) -> (B, T, heads, D) -> (B, heads, T, D)
         return t.reshape(b, num_tokens, heads, width // heads).transpose(0, 2, 1, 3)
 
-    def _merge(self, out: Array) -> Array:
+    def _merge(self, out: Array, implementation: str) -> Array:
         b, h, num_tokens, head_dim = out.shape
         # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
         out = out.transpose(0, 2, 1, 3).reshape(b, num_tokens, h * head_dim)
         out_proj = getattr(self, "out_proj", None)
-        return out if out_proj is None else out_proj(out)  # heads mixed by out_proj
+        return out if out_proj is None else self._linear(out_proj, out, implementation)  # heads mixed

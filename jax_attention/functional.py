@@ -55,8 +55,10 @@ from attention_spec.validation import (
     band_reach,
     check_alignment,
     check_bias,
+    check_implementation,
     check_kv_lengths_array,
     check_kv_lengths_values,
+    check_linear,
     check_q_offset_array,
     check_segment_ids,
     check_softcap,
@@ -85,6 +87,7 @@ __all__ = [
     "default_block_size",
     "dot_product_attention",
     "dropout_weights",
+    "linear",
     "normalize_scores",
     "resolve_scale",
 ]
@@ -678,6 +681,52 @@ def _cpu_fused(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array 
     q4, k4, v4 = (_bthd(t, batch).astype(jnp.float32) for t in (q, k, v))
     out = _kernel_attention(_KernelStatic(scale, offset, left, right), q4, k4, v4, lengths)  # (B, T, H, Dv)
     return jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)
+
+
+# --------------------------------------------------------------------------- projections
+
+
+def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = None,
+           precision: Precision = None, implementation: str = "auto") -> Array:
+    """A projection, x (..., d_in) @ kernel (d_in, d_out) (+ bias (d_out,)), as
+    ``nnx.Linear`` computes it: the operands promoted to ``dtype`` (None: their common
+    type), the bias added after the product.
+
+    ``implementation`` is the attention call's.  ``"fused"`` and ``"auto"`` run a float32
+    product on the library's CPU matrix-product kernel (``_cpu_kernel.matmul``, built with
+    the attention kernel; see ``cpu_kernel_supports``), forward and backward; every other
+    case is XLA's dot at ``precision``.  The two differ only in the order of the sums."""
+    implementation = check_implementation(implementation)
+    if kernel.ndim != 2:
+        raise ValueError(f"linear: the kernel must be (d_in, d_out); got shape {tuple(kernel.shape)}")
+    check_linear(tuple(x.shape), kernel.shape[0], kernel.shape[1], None if bias is None else tuple(bias.shape))
+    operands = (x, kernel) if bias is None else (x, kernel, bias)
+    dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*operands)
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    if implementation in ("fused", "auto") and cpu_kernel_supports(x) and dtype == jnp.float32:
+        y = _kernel_linear(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
+    else:
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    return y if bias is None else y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+@jax.custom_vjp
+def _kernel_linear(x: Array, kernel: Array) -> Array:
+    """float32 x (M, d_in) @ kernel (d_in, d_out) on the CPU kernel, and its gradients
+    (dx = dy kernel^T, dkernel = x^T dy) on the same kernel, with no transposed copies."""
+    return _cpu_kernel.matmul(x, kernel)
+
+
+def _kernel_linear_fwd(x: Array, kernel: Array) -> tuple[Array, Any]:
+    return _cpu_kernel.matmul(x, kernel), (x, kernel)
+
+
+def _kernel_linear_bwd(residuals: Any, dy: Array) -> tuple[Array, Array]:
+    x, kernel = residuals
+    return _cpu_kernel.matmul(dy, kernel, trans_b=True), _cpu_kernel.matmul(x, dy, trans_a=True)
+
+
+_kernel_linear.defvjp(_kernel_linear_fwd, _kernel_linear_bwd)
 
 
 def cudnn_supports(q: Array, k: Array, v: Array) -> bool:

@@ -247,13 +247,23 @@ options = dict(causal=True, kv_lengths=jnp.array([300, 90]))
 got = np.asarray(dot_product_attention(q, k, v, implementation="fused", **options))
 want = np.asarray(dot_product_attention(q, k, v, implementation="reference", **options))
 np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)  # NaN fails it
+import jax
+from jax_attention.functional import linear
+x = jnp.asarray(rng.standard_normal((300, 257)), jnp.float32)
+w = jnp.asarray(rng.standard_normal((257, 70)) / 16, jnp.float32)
+def grads(path):  # x w, dy w^T and x^T dy on the kernel (fused) and on XLA (reference)
+    return jax.grad(lambda x_, w_: (linear(x_, w_, implementation=path) ** 2).sum(), (0, 1))(x, w)
+for got, want in zip(grads("fused"), grads("reference")):  # normwise, as gradients are compared
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.abs(got - want).max() <= GATOL + GRTOL * np.abs(want).max()
 print("ok")
 """
 
 
 def test_the_portable_build_avx2(tmp_path):
     """The kernel built for x86-64-v3 (AVX2, no AVX-512: the vector code's other
-    branch, exp included) in a process of its own: the reference path's numbers."""
+    branch, exp and the matrix product's 6 x 16 tile included) in a process of its
+    own: the reference path's numbers."""
     import os
     import platform
     import subprocess
@@ -264,7 +274,9 @@ def test_the_portable_build_avx2(tmp_path):
     env = {**os.environ, "TWIN_ATTENTION_CACHE": str(tmp_path), "TWIN_ATTENTION_MARCH": "x86-64-v3",
            "JAX_PLATFORMS": "cpu"}
     tolerance = ORACLE["float32"]
-    script = _PORTABLE_CHECK.replace("RTOL", repr(tolerance.rtol)).replace("ATOL", repr(tolerance.atol))
+    gradients = GRAD_ORACLE["float32"]
+    script = (_PORTABLE_CHECK.replace("GRTOL", repr(gradients.rtol)).replace("GATOL", repr(gradients.atol))
+              .replace("RTOL", repr(tolerance.rtol)).replace("ATOL", repr(tolerance.atol)))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

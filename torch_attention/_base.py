@@ -294,17 +294,18 @@ class AttentionModule(nn.Module):
 
     def _run(self, call: _Call, return_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
         """The work, on checked input: project, attend, merge.  Batched in and out."""
-        q, k, v = self._project(call.x, call.keys, call.values)  # (B, H, T, D), (B, Hkv, S, D)
+        # q (B, H, T, D), k and v (B, Hkv, S, D)
+        q, k, v = self._project(call.x, call.keys, call.values, call.implementation)
         result = self._attend(call, q, k, v, return_weights)
         if return_weights:
             out, weights = cast(tuple[Tensor, Tensor], result)
-            return self._merge(out), weights  # (B, H, T, Dv) -> (B, T, d_out)
-        return self._merge(cast(Tensor, result))
+            return self._merge(out, call.implementation), weights  # (B, H, T, Dv) -> (B, T, d_out)
+        return self._merge(cast(Tensor, result), call.implementation)
 
     def _run_cached(self, call: _Call, return_weights: bool) -> Any:
         """A decode step: x's keys and values appended to the cache, then x attends to
         every filled position, query t of example b at key position lengths[b] + t."""
-        q, k, v = self._project(call.x, None, None)
+        q, k, v = self._project(call.x, None, None, call.implementation)
         cache = call.cache
         batch, seq = call.x.shape[0], call.x.shape[1]
         lengths = call.kv_lengths if call.kv_lengths is not None else torch.full(
@@ -328,8 +329,8 @@ class AttentionModule(nn.Module):
         if return_weights:  # zero weights on the unfilled positions: (B, H, T, max_len), as the twin's
             out, weights = cast(tuple[Tensor, Tensor], result)
             weights = torch.nn.functional.pad(weights, (0, cache.key.shape[2] - filled))
-            return self._merge(out), weights, cache
-        return self._merge(cast(Tensor, result)), cache
+            return self._merge(out, call.implementation), weights, cache
+        return self._merge(cast(Tensor, result), call.implementation), cache
 
     @staticmethod
     def _unbatch(result: Tensor | tuple[Tensor, Tensor], batched: bool) -> Tensor | tuple[Tensor, Tensor]:
@@ -339,11 +340,20 @@ class AttentionModule(nn.Module):
             return result[0][0], result[1][0]
         return result[0]
 
+    @staticmethod
+    def _linear(layer: nn.Module | nn.Parameter, inputs: Tensor, implementation: str) -> Tensor:
+        """inputs @ a projection's weight (+ bias): an ``nn.Linear``'s math through
+        ``functional.linear``, or a bare (d_in, d_out) matrix used as x @ W."""
+        if isinstance(layer, nn.Parameter):
+            return inputs @ layer
+        linear = cast(nn.Linear, layer)
+        return functional.linear(inputs, linear.weight, linear.bias, implementation=implementation)
+
     def _project(
-        self, x: Tensor, keys: Tensor | None = None, values: Tensor | None = None
+        self, x: Tensor, keys: Tensor | None, values: Tensor | None, implementation: str
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
-        (cross-attention) or x, by the declared projections."""
+        (cross-attention) or x, by the declared projections, on ``implementation``'s path."""
         spec = self.spec
         keys = x if keys is None else keys
         values = x if values is None else values
@@ -354,7 +364,7 @@ class AttentionModule(nn.Module):
         def project(role: str, inputs: Tensor, heads: int) -> Tensor:
             layer = getattr(self, cast(Projection, spec.projection(role)).name)
             # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
-            return self._split_heads(inputs @ layer if isinstance(layer, nn.Parameter) else layer(inputs), heads)
+            return self._split_heads(self._linear(layer, inputs, implementation), heads)
 
         kv_heads = spec.kv_heads
         return project("query", x, spec.num_heads), project("key", keys, kv_heads), project("value", values, kv_heads)
@@ -365,9 +375,9 @@ class AttentionModule(nn.Module):
         # (B, T, heads * D) -> (B, T, heads, D) -> (B, heads, T, D)
         return t.view(b, num_tokens, heads, width // heads).transpose(1, 2)
 
-    def _merge(self, out: Tensor) -> Tensor:
+    def _merge(self, out: Tensor, implementation: str) -> Tensor:
         b, h, num_tokens, head_dim = out.shape
         # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
         out = out.transpose(1, 2).reshape(b, num_tokens, h * head_dim)
         out_proj = getattr(self, "out_proj", None)
-        return out if out_proj is None else out_proj(out)  # heads mixed by out_proj
+        return out if out_proj is None else self._linear(out_proj, out, implementation)  # heads mixed

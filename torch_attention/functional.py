@@ -49,8 +49,10 @@ from attention_spec.validation import (
     band_reach,
     check_alignment,
     check_bias,
+    check_implementation,
     check_kv_lengths_array,
     check_kv_lengths_values,
+    check_linear,
     check_q_offset_array,
     check_segment_ids,
     check_softcap,
@@ -74,6 +76,7 @@ __all__ = [
     "default_block_size",
     "dot_product_attention",
     "dropout_weights",
+    "linear",
     "normalize_scores",
     "resolve_scale",
 ]
@@ -626,3 +629,18 @@ def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KV
         store.scatter_(2, where, new.to(store.dtype))
     cache.lengths.add_(lengths.to(cache.lengths.dtype))
     return cache
+
+
+# --------------------------------------------------------------------------- projections
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, implementation: str = "auto") -> Tensor:
+    """A projection, x (..., d_in) @ weight.T (+ bias), weight (d_out, d_in) as
+    ``nn.Linear`` stores it: ``F.linear``, the same on every path (PyTorch's CPU and GPU
+    products are already its BLAS's).  ``implementation`` is the attention call's, checked
+    as the JAX twin checks it; there it picks the product's kernel on CPU."""
+    check_implementation(implementation)
+    if weight.dim() != 2:
+        raise ValueError(f"linear: the weight must be (d_out, d_in); got shape {tuple(weight.shape)}")
+    check_linear(tuple(x.shape), weight.shape[1], weight.shape[0], None if bias is None else tuple(bias.shape))
+    return F.linear(x, weight, bias)
