@@ -62,6 +62,10 @@ CASES = [
      {"causal": True, "window": (300, None), "alignment": "bottom_right", "kv_lengths": np.array([640, 333])},
      {"causal": True, "window": (300, None), "offset": 490, "mask": _lengths_mask(np.array([640, 333]), 640)}),
     ("one-head-split-backward", 1, 1, 1, 520, 520, 64, 64, {"causal": True}, {"causal": True}),
+    # up to 512 keys the backward takes tiles of 64 keys: a window, an offset, grouped
+    # heads and one (batch, kv head) unit, so its key tiles are split between threads
+    ("short-tiles-window-gqa-split", 1, 2, 1, 190, 450, 64, 48, {"window": (70, 20), "q_offset": 100},
+     {"window": (70, 20), "offset": 100}),
     ("negative-offset-empty-rows", 1, 2, 2, 40, 30, 8, 8, {"causal": True, "q_offset": -10},
      {"causal": True, "offset": -10}),
 ]
