@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.configs import SYSTEMS, mode
+from benchmarks.environment import MALLOCS, preload_for
 from benchmarks.runner import run
 
 
@@ -48,9 +49,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float,
         help="start no case after this many seconds; the cases left are recorded as not run",
     )
+    parser.add_argument(
+        "--malloc", choices=MALLOCS, default="system",
+        help="the allocator of every worker, both frameworks: the system's (default) or tcmalloc, preloaded "
+             "(JAX on CPU pays page faults for its temporaries under glibc; see benchmarks/README.md)",
+    )
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
+    try:
+        preload_for(args.malloc)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -66,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         changes["runs"] = args.runs
     if args.seq:
         changes["configs"] = tuple(c for c in chosen.configs if c.seq in args.seq)
-    run(dataclasses.replace(chosen, **changes), out_dir=args.out, append=args.append, budget_s=args.budget_s)
+    run(dataclasses.replace(chosen, **changes), out_dir=args.out, append=args.append, budget_s=args.budget_s,
+        malloc=args.malloc)
 
 
 def _names(text: str) -> tuple[str, ...]:

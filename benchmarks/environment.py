@@ -241,3 +241,30 @@ def _git_state() -> dict[str, Any] | None:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+# Allocators the workers can run with (``python -m benchmarks --malloc``).
+MALLOCS = ("system", "tcmalloc")
+_TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+
+
+def preload_for(malloc: str) -> str | None:
+    """The shared library to preload (LD_PRELOAD) into every worker for ``malloc``: None
+    for the system's own; ``ValueError`` naming what was looked for when it is missing."""
+    if malloc not in MALLOCS:
+        raise ValueError(f"unknown allocator {malloc!r}; expected one of {', '.join(MALLOCS)}")
+    if malloc == "system":
+        return None
+    import ctypes.util
+
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                   "/usr/local/lib"):
+        for name in _TCMALLOC_NAMES:
+            if os.path.exists(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+    found = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    if found:
+        return found
+    raise ValueError(f"--malloc tcmalloc: none of {', '.join(_TCMALLOC_NAMES)} found "
+                     "(Debian/Ubuntu: apt-get install libtcmalloc-minimal4)")
+

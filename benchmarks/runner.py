@@ -21,7 +21,7 @@ from typing import Any
 
 from benchmarks import report
 from benchmarks.configs import Config, Mode, is_core
-from benchmarks.environment import cpu_busy, device_slug, host_environment, load_average
+from benchmarks.environment import cpu_busy, device_slug, host_environment, load_average, preload_for
 from benchmarks.measure import OUT_OF_TIME, empty_result
 from benchmarks.systems import framework_of
 
@@ -41,6 +41,7 @@ def run(
     out_dir: Path | None = None,
     append: bool = False,
     budget_s: float | None = None,
+    malloc: str = "system",
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measures every (system, config) of ``mode``, writes the results and prints the
@@ -50,8 +51,11 @@ def run(
     measurements of an earlier ``<mode>.json`` there that this run did not repeat (to
     split a long run into several calls).  ``budget_s``: no case starts after that many
     seconds; the cases left are recorded as not run (a lent machine's command limit).
+    ``malloc``: the allocator of every worker, ``"system"`` (glibc's) or ``"tcmalloc"``
+    (preloaded; ``ValueError`` before anything runs where it is not installed).
     ``<mode>.json`` is rewritten after each system, so that what was measured survives
     the run being killed."""
+    preload = preload_for(malloc)
     env = host_environment()
     out_dir = out_dir or RESULTS / device_slug(env)
     echo(f"Benchmark '{mode.name}' on {env['device']}; results to {out_dir}")
@@ -66,13 +70,17 @@ def run(
         jobs = [(system, [c for c in mode.configs if c.runs_system(system)]) for system in mode.systems]
     earlier = out_dir / f"{mode.name}.json"
     earlier_results = json.loads(earlier.read_text()) if append and earlier.exists() else None
+    if earlier_results is not None and earlier_results["settings"].get("malloc", "system") != malloc:
+        raise ValueError(f"--append: {earlier} was measured with the {earlier_results['settings'].get('malloc', 'system')} "
+                         f"allocator, this run asks for {malloc}; one result holds one allocator")
 
     def results_so_far() -> dict[str, Any]:
         results = {
             "mode": mode.name,
             "env": env,
-            "settings": {"runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward},
-            "notes": notes(mode, env),
+            "settings": {"runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward,
+                         "malloc": malloc, "ld_preload": preload},
+            "notes": notes(mode, env, malloc),
             "systems": list(mode.systems),
             "measurements": measurements,
         }
@@ -80,7 +88,7 @@ def run(
 
     for system, configs in jobs:
         if configs:
-            runtime, done = _run_system(system, configs, mode, echo, deadline)
+            runtime, done = _run_system(system, configs, mode, echo, deadline, preload)
             if runtime:
                 env["runtime"].setdefault(framework_of(system), runtime)
             measurements += done
@@ -97,7 +105,7 @@ def run(
     return results
 
 
-def notes(mode: Mode, env: dict[str, Any]) -> list[str]:
+def notes(mode: Mode, env: dict[str, Any], malloc: str = "system") -> list[str]:
     """What a reader needs to read the numbers right."""
     runs = f"median of {mode.runs} timed runs"
     if mode.name == "quick":
@@ -141,8 +149,20 @@ def notes(mode: Mode, env: dict[str, Any]) -> list[str]:
          "/proc/stat; above a few percent, the case shared the machine)."
          if mode.process_per_case else
          "Each system runs in a worker process of its own, one system after another."),
+        MALLOC_NOTES[malloc],
         *_busy_machine_warning(env),
     ]
+
+
+MALLOC_NOTES = {
+    "system": "Allocator: the system's (glibc malloc) in every worker.",
+    "tcmalloc": (
+        "Allocator: tcmalloc, preloaded (LD_PRELOAD) into every worker of both frameworks "
+        "('ld_preload' in the settings). Under glibc, XLA's CPU runtime takes each call's temporaries "
+        "as one block, which above 32 MiB glibc maps fresh and unmaps on every call, so every page is "
+        "faulted in again; tcmalloc keeps the memory."
+    ),
+}
 
 
 CORE_NOTE = (
@@ -173,6 +193,7 @@ def _busy_machine_warning(env: dict[str, Any]) -> list[str]:
 
 def _run_system(
     system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None], deadline: float | None,
+    preload: str | None = None,
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The worker's runtime description and one measurement per config, in order."""
     runtime = None
@@ -182,7 +203,7 @@ def _run_system(
         if deadline is not None and time.time() > deadline:
             done += [empty_result(system, c, OUT_OF_TIME) for c in todo]
             break
-        status, lines = _worker(system, todo, mode, echo, deadline)
+        status, lines = _worker(system, todo, mode, echo, deadline, preload)
         runtime = runtime or next((line["runtime"] for line in lines if "runtime" in line), None)
         done += [line["measurement"] for line in lines if "measurement" in line]
         if status != 0 and len(done) < len(configs):
@@ -195,15 +216,18 @@ def _run_system(
 
 def _worker(
     system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None], deadline: float | None,
+    preload: str | None = None,
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Runs ``python -m benchmarks._worker``, passing on what it prints (one line per
-    measurement), and reads back the results it wrote."""
+    """Runs ``python -m benchmarks._worker`` (with ``preload`` in LD_PRELOAD), passing on
+    what it prints (one line per measurement), and reads back the results it wrote."""
     job = {
         "system": system, "configs": [c.to_json() for c in configs],
         "runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward, "deadline": deadline,
     }
     env = {**WORKER_ENV, **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    if preload:
+        env["LD_PRELOAD"] = " ".join(p for p in (preload, os.environ.get("LD_PRELOAD")) if p)
     with tempfile.TemporaryDirectory(prefix="benchmarks-") as tmp:
         job_path, out_path = Path(tmp, "job.json"), Path(tmp, "results.jsonl")
         job_path.write_text(json.dumps(job))

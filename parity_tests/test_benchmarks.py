@@ -149,3 +149,39 @@ def test_appending_keeps_what_a_later_run_left_out_of_time(tmp_path) -> None:
     assert measured[0]["error"] is None
     again = run(mode, out_dir=tmp_path, echo=lambda _: None, append=True, budget_s=-1.0)
     assert again["measurements"] == measured  # the measurement, not the "not run" entry
+
+
+def test_the_allocator_reaches_every_worker_and_the_results(tmp_path, monkeypatch) -> None:
+    """The allocator is recorded in the results; one result never mixes two allocators;
+    an unknown or missing allocator is refused before anything runs; a preloaded one is in
+    the LD_PRELOAD the worker is started with."""
+    from benchmarks import environment, runner
+
+    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
+    mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
+    results = run(mode, out_dir=tmp_path, echo=lambda _: None)
+    assert results["settings"]["malloc"] == "system" and results["settings"]["ld_preload"] is None
+    assert any(note.startswith("Allocator: the system's") for note in results["notes"])
+    with pytest.raises(ValueError, match="measured with the system allocator, this run asks for tcmalloc"):
+        run(mode, out_dir=tmp_path, echo=lambda _: None, append=True, malloc="tcmalloc")
+    with pytest.raises(ValueError, match="unknown allocator 'jemalloc'"):
+        environment.preload_for("jemalloc")
+    monkeypatch.setattr(environment, "_TCMALLOC_NAMES", ("libno-such-allocator.so.0",))
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
+    with pytest.raises(ValueError, match="libno-such-allocator.so.0 found"):
+        run(mode, out_dir=tmp_path / "other", echo=lambda _: None, malloc="tcmalloc")
+    assert not (tmp_path / "other").exists()
+    monkeypatch.undo()
+
+    seen = {}
+
+    class Popen:
+        def __init__(self, command, env, **kwargs):
+            seen["env"] = env
+            raise OSError("not started")
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Popen)
+    with pytest.raises(OSError, match="not started"):
+        runner._worker("core-torch-fused", [config], mode, lambda _: None, None, "/lib/libstand-in.so")
+    assert seen["env"]["LD_PRELOAD"].split()[0] == "/lib/libstand-in.so"
+
