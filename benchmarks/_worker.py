@@ -43,6 +43,7 @@ def main(job_path: str, results_path: str) -> None:
                 result = measure(
                     system, Config.from_json(config),
                     runs=job["runs"], warmup=job["warmup"], backward=job["backward"],
+                    warmup_s=job.get("warmup_s", 0.0), timed_s=job.get("timed_s", 0.0),
                 )
             emit({"measurement": result})
             print(report.progress_line(result), flush=True)

@@ -201,6 +201,11 @@ class Mode:
     runs: int
     backward: bool
     warmup: int = 2  # untimed calls after the first (compiling) call
+    # Floors in seconds: warm-up goes on until it has lasted warmup_s, and the timed runs
+    # are as many as fill timed_s (at least `runs`, at most measure.MAX_RUNS), so that a
+    # call of milliseconds is the median of tens of samples rather than of five.
+    warmup_s: float = 0.0
+    timed_s: float = 0.0
     # One worker process per (config, system), systems interleaved per config: each
     # case's resident high-water mark is its own, and a slow moment hits every system.
     process_per_case: bool = False
@@ -226,5 +231,5 @@ def mode(name: str, *, with_compile: bool = False) -> Mode:
         return Mode(name, tuple(cpu_target_configs()), systems, runs=20, backward=False)
     if name == "cpu-sweep":
         return Mode(name, tuple(cpu_sweep_configs()), CPU_SWEEP_SYSTEMS, runs=5, backward=True, warmup=1,
-                    process_per_case=True)
+                    process_per_case=True, warmup_s=0.5, timed_s=2.0)
     raise ValueError(f"unknown mode {name!r}; expected 'full', 'quick', 'cpu-target' or 'cpu-sweep'")

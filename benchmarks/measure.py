@@ -5,6 +5,7 @@ entry instead of ending the run."""
 from __future__ import annotations
 
 import gc
+import math
 import resource
 import statistics
 import sys
@@ -17,12 +18,14 @@ from benchmarks.environment import cpu_ticks, host_share
 from benchmarks.systems import Case, build, framework_of
 
 
-def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bool) -> dict[str, Any]:
+def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bool, warmup_s: float = 0.0,
+            timed_s: float = 0.0) -> dict[str, Any]:
     """One measurement: ``fwd`` (and ``fwd_bwd`` when ``backward``) timings, the peak
     device memory, and ``error`` (None, or the failure of a phase: ``"fwd+bwd: ..."``).
 
     Timings: the first call is timed alone as ``compile_s``, ``warmup`` more calls are
-    not timed, then ``runs`` samples each timed with a host clock around calls that
+    not timed (more, until the warm-up has lasted ``warmup_s``), then ``runs`` samples (more,
+    until they fill ``timed_s``, up to ``MAX_RUNS``) each timed with a host clock around calls that
     return only when the device is done.  A sample is one call, or as many back-to-back
     calls as fill ``SAMPLE_S`` when one call is shorter (GPU kernels of a millisecond:
     the launch and synchronisation are then not counted per call); the times are per
@@ -37,12 +40,13 @@ def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bo
         case = build(system, config)
         phase = "fwd"
         projections = 0 if is_core(system) else config.projection_flops()
-        result["fwd"] = _time(case.forward, runs, warmup, config.flops(), projections)
+        floors = {"warmup_s": warmup_s, "timed_s": timed_s}
+        result["fwd"] = _time(case.forward, runs, warmup, config.flops(), projections, **floors)
         if backward:
             phase = "fwd+bwd"
             # A projection's backward is 2x its forward: the input and the weight gradients.
             result["fwd_bwd"] = _time(
-                case.forward_backward, runs, warmup, config.fwd_bwd_flops(), 3 * projections
+                case.forward_backward, runs, warmup, config.fwd_bwd_flops(), 3 * projections, **floors
             )
         result.update(case.memory())
     except Exception as error:  # any failure of one case is a result, not a crash
@@ -77,16 +81,21 @@ def describe(error: BaseException, limit: int = 300) -> str:
 
 SAMPLE_S = 0.02  # a timed sample lasts at least this long where single calls are shorter
 MAX_REPEAT = 100
+MAX_RUNS = 50  # timed runs at most, where the mode's timed_s asks for more than `runs`
 
 
 def _time(
-    call: Callable[[int], None], runs: int, warmup: int, flops: int, projection_flops: int
+    call: Callable[[int], None], runs: int, warmup: int, flops: int, projection_flops: int,
+    warmup_s: float = 0.0, timed_s: float = 0.0,
 ) -> dict[str, Any]:
     compile_s = _clock(call, 1)
     one = compile_s
-    for _ in range(warmup):
+    warmed, done = 0.0, 0
+    while done < warmup or (warmed < warmup_s and done < MAX_RUNS):
         one = _clock(call, 1)
+        warmed, done = warmed + one, done + 1
     repeat = max(1, min(MAX_REPEAT, int(SAMPLE_S / max(one, 1e-9))))
+    runs = max(runs, min(MAX_RUNS, math.ceil(timed_s / max(one * repeat, 1e-9))))
     gc.collect()
     gc.disable()  # no collector pauses inside the timed runs (as timeit does)
     try:

@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks import report
 from benchmarks.configs import Config, Mode, is_core
 from benchmarks.environment import cpu_busy, device_slug, host_environment, load_average, preload_for
-from benchmarks.measure import OUT_OF_TIME, empty_result
+from benchmarks.measure import MAX_RUNS, OUT_OF_TIME, empty_result
 from benchmarks.systems import framework_of
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: benchmarks and the twins
@@ -79,7 +79,8 @@ def run(
             "mode": mode.name,
             "env": env,
             "settings": {"runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward,
-                         "malloc": malloc, "ld_preload": preload},
+                         "warmup_s": mode.warmup_s, "timed_s": mode.timed_s, "malloc": malloc,
+                         "ld_preload": preload},
             "notes": notes(mode, env, malloc),
             "systems": list(mode.systems),
             "measurements": measurements,
@@ -108,14 +109,20 @@ def run(
 def notes(mode: Mode, env: dict[str, Any], malloc: str = "system") -> list[str]:
     """What a reader needs to read the numbers right."""
     runs = f"median of {mode.runs} timed runs"
-    if mode.name == "quick":
+    if mode.timed_s:
+        runs = (f"median of the timed runs, at least {mode.runs} and as many more as fill "
+                f"{mode.timed_s:g} s, up to {MAX_RUNS} ('runs' in the JSON)")
+    elif mode.name == "quick":
         runs += " (quick mode: fewer runs than the 20 of the full and CPU-target modes, so noisier)"
     elif mode.runs < 20:
         runs += " (fewer than 20: noisier)"
+    warmup = f"{mode.warmup} untimed warm-up call(s)"
+    if mode.warmup_s:
+        warmup = f"untimed warm-up calls, at least {mode.warmup} and for at least {mode.warmup_s:g} s"
     return [
         f"Times: {runs}, after one first call (timed apart as 'compile s': JAX compiles, "
         f"PyTorch allocates, torch.compile compiles; forward / forward+backward) and "
-        f"{mode.warmup} untimed warm-up call(s); the clock stops when the device is done. "
+        f"{warmup}; the clock stops when the device is done. "
         "A timed run is one call or, where one call is shorter than 20 ms, as many back-to-back "
         "calls as fill 20 ms, its time divided by their number ('calls_per_run' in the JSON). "
         "IQR = interquartile range / median. Inputs are random normal.",
@@ -223,6 +230,7 @@ def _worker(
     job = {
         "system": system, "configs": [c.to_json() for c in configs],
         "runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward, "deadline": deadline,
+        "warmup_s": mode.warmup_s, "timed_s": mode.timed_s,
     }
     env = {**WORKER_ENV, **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)

@@ -47,6 +47,10 @@ def test_modes_follow_the_issue() -> None:
     assert all("core-jax-fused" in c.systems for c in long)
     assert full.runs >= 10 and full.backward and set(full.systems) == set(ALL_SYSTEMS)
 
+    cpu_sweep = mode("cpu-sweep")
+    assert cpu_sweep.process_per_case and cpu_sweep.backward and cpu_sweep.runs == 5
+    assert cpu_sweep.warmup_s > 0 and cpu_sweep.timed_s > 0  # short calls: tens of samples, not five
+
     target = mode("cpu-target")
     assert [c.label for c in target.configs] == ["B4-S1024-H8-D64-causal-float32"]
     assert target.runs == 20 and not target.backward
@@ -184,4 +188,31 @@ def test_the_allocator_reaches_every_worker_and_the_results(tmp_path, monkeypatc
     with pytest.raises(OSError, match="not started"):
         runner._worker("core-torch-fused", [config], mode, lambda _: None, None, "/lib/libstand-in.so")
     assert seen["env"]["LD_PRELOAD"].split()[0] == "/lib/libstand-in.so"
+
+
+def test_time_floors_add_warmup_and_runs() -> None:
+    """A call of about 2 ms with floors of 0.03 s warm-up and 0.1 s timed: more warm-up
+    calls than asked for, and more timed runs (a sample is the ~10 calls that fill
+    SAMPLE_S = 20 ms, so about five), never beyond MAX_RUNS; without floors, exactly what
+    was asked."""
+    import time
+
+    from benchmarks.measure import MAX_RUNS, _time
+
+    calls: list[int] = []
+
+    def call(repeat: int) -> None:
+        calls.append(repeat)
+        time.sleep(0.002 * repeat)
+
+    plain = _time(call, runs=3, warmup=1, flops=1, projection_flops=0)
+    assert plain["runs"] == 3 and len(calls) == 1 + 1 + 3
+    calls.clear()
+    floored = _time(call, runs=3, warmup=1, flops=1, projection_flops=0, warmup_s=0.03, timed_s=0.1)
+    warmups = len(calls) - 1 - floored["runs"]
+    assert warmups >= 10  # 0.03 s of 2 ms calls: at least 10 (sleep may run long)
+    assert 3 < floored["runs"] <= 6 and floored["calls_per_run"] >= 5  # 0.1 s of samples of ~20 ms
+    assert len(floored["times_ms"]) == floored["runs"]
+    capped = _time(call, runs=3, warmup=0, flops=1, projection_flops=0, timed_s=1000.0)
+    assert capped["runs"] == MAX_RUNS
 
