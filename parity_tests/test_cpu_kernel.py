@@ -68,6 +68,11 @@ CASES = [
      {"window": (70, 20), "offset": 100}),
     ("negative-offset-empty-rows", 1, 2, 2, 40, 30, 8, 8, {"causal": True, "q_offset": -10},
      {"causal": True, "offset": -10}),
+    # every example at full length and S, Dv whole vectors: the forward reads V in place
+    # (two key tiles of 512 and 128 here, Dv != D, grouped heads)
+    ("v-in-place-causal-gqa", 2, 4, 2, 208, 640, 64, 48, {"causal": True}, {"causal": True}),
+    ("v-in-place-full-lengths-window", 1, 2, 2, 100, 128, 32, 32,
+     {"window": (20, 5), "kv_lengths": np.array([128])}, {"window": (20, 5)}),
 ]
 
 

@@ -289,11 +289,13 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& f) {
 // pay (at S = 32768 the process grew by 0.73 GiB instead of 0.47).
 constexpr size_t kKeptScratch = size_t{4} << 20;  // floats: 16 MiB
 
+// Slots: 0 and 1, the forward's packed K and V (held by the calling thread for a whole
+// call); 2, a forward task's own working memory.
 class Scratch {
  public:
   Scratch(int slot, size_t n) {
-    thread_local std::unique_ptr<float[]> kept[2];
-    thread_local size_t kept_size[2] = {0, 0};
+    thread_local std::unique_ptr<float[]> kept[3];
+    thread_local size_t kept_size[3] = {0, 0, 0};
     if (n > kKeptScratch) {
       own_.reset(new float[n]);
       data_ = own_.get();
@@ -322,20 +324,36 @@ int64_t tiles_of(int64_t n, int64_t size) { return (n + size - 1) / size; }
 // The keys and values of every (batch, key/value head), laid out for the forward's
 // products: K transposed a tile at a time (tile t of head u is the (D, keys) block at
 // kt + (u * tiles + t) * D * ld) and V with rows of whole vectors (head u at
-// vp + u * tiles * keys * Dvp), both zero past the example's length.
+// vp + u * tiles * keys * Dvp), both zero past the example's length.  V is read where it
+// lies instead (rows ldv = Hkv * Dv floats apart) when that is the same: every example at
+// full length, and S and Dv whole vectors, so that the products read no key past S and
+// no padding.  Copying it cost a tenth of the forward at B32 H4 S128.
 struct PackedKV {
   int64_t keys, ld, tiles, Dvp;
+  bool v_in_place;
+  int64_t ldv;
+  const float* v;
   Scratch kt, vp;
 
-  PackedKV(const Problem& pb, ffi::ThreadPool& pool, const float* k, const float* v)
+  static bool reads_v_in_place(const Problem& pb) {
+    if (pb.kv_len % kLanes != 0 || pb.v_width % kLanes != 0) return false;
+    for (int64_t b = 0; b < pb.batch; ++b)
+      if (pb.length(b) < pb.kv_len) return false;
+    return true;
+  }
+
+  PackedKV(const Problem& pb, ffi::ThreadPool& pool, const float* k, const float* v_)
       : keys(std::min(kFwdKeys, round_up(pb.kv_len, kLanes))),
         // a leading dimension that is not a multiple of 64 floats, so that the rows of a
         // tile do not all fall into the same cache sets
         ld(keys + kLanes),
         tiles(tiles_of(pb.kv_len, keys)),
         Dvp(round_up(pb.v_width, kLanes)),
+        v_in_place(reads_v_in_place(pb)),
+        ldv(v_in_place ? pb.kv_heads * pb.v_width : Dvp),
+        v(v_),
         kt(0, pb.batch * pb.kv_heads * tiles * pb.width * ld),
-        vp(1, pb.batch * pb.kv_heads * tiles * keys * Dvp) {
+        vp(1, v_in_place ? 0 : pb.batch * pb.kv_heads * tiles * keys * Dvp) {
     const int64_t D = pb.width, Dv = pb.v_width;
     parallel_for(pool, pb.batch * pb.kv_heads, [&](int64_t u) {
       const int64_t b = u / pb.kv_heads, hk = u % pb.kv_heads;
@@ -345,12 +363,16 @@ struct PackedKV {
         float* dst = kt_of(u, t, D);
         transpose(n, D, k + pb.kv_row(b, hk, c0) * D, pb.kv_heads * D, dst, ld);
         for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + n, dst + (d + 1) * ld, 0.0f);
-        pack(n, Dv, v + pb.kv_row(b, hk, c0) * Dv, pb.kv_heads * Dv, vp_of(u, t), Dvp, keys);
+        if (!v_in_place) pack(n, Dv, v + pb.kv_row(b, hk, c0) * Dv, pb.kv_heads * Dv, vp.get() + (u * tiles + t) * keys * Dvp, Dvp, keys);
       }
     });
   }
   float* kt_of(int64_t u, int64_t t, int64_t D) const { return kt.get() + (u * tiles + t) * D * ld; }
-  float* vp_of(int64_t u, int64_t t) const { return vp.get() + (u * tiles + t) * keys * Dvp; }
+  // Tile t of (b, hk)'s values: rows ldv floats apart.
+  const float* v_of(const Problem& pb, int64_t b, int64_t hk, int64_t t) const {
+    if (v_in_place) return v + pb.kv_row(b, hk, t * keys) * pb.v_width;
+    return vp.get() + ((b * pb.kv_heads + hk) * tiles + t) * keys * Dvp;
+  }
 };
 
 struct ForwardArgs {
@@ -363,24 +385,34 @@ void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, int64_t h
   const int64_t D = pb.width, Dv = pb.v_width, Dvp = a.kv->Dvp, keys = a.kv->keys;
   const int64_t rows = std::min(kFwdRows, pb.q_len - r0);
   const int64_t unit = b * pb.kv_heads + h / pb.group(), head = b * pb.heads + h;
+  const float scale = pb.scale, neg_inf = -__builtin_inff();
+  // This thread's working memory, kept between tasks: the block's queries, one tile's
+  // scores, the weighted sum of values, and the rows' running maxima and sums.
+  const int64_t q_size = round_up(rows * D, kLanes), s_size = round_up(rows * keys, kLanes);
+  const int64_t acc_size = rows * Dvp, ml_size = round_up(rows, kLanes);
+  const Scratch work(2, q_size + s_size + acc_size + 2 * ml_size);
+  float* const Q = work.get();
+  float* const s = Q + q_size;  // written whole by each tile's q k^T before it is read
+  float* const acc = s + s_size;
+  float* const m = acc + acc_size;
+  float* const l = m + ml_size;
+  std::fill(acc, acc + acc_size, 0.0f);
+  std::fill(m, m + rows, neg_inf);
+  std::fill(l, l + rows, 0.0f);
   // The block's queries, copied out of the (B, T, H, D) array: read in place, rows H * D
   // floats apart (1 KiB at H4 D64) fall into a quarter of the L1 cache's sets, and each
   // tile's product reads them again from further out.
-  std::vector<float> Q(rows * D);
-  pack(rows, D, a.q + pb.q_row(b, h, r0) * D, pb.heads * D, Q.data(), D, rows);
+  pack(rows, D, a.q + pb.q_row(b, h, r0) * D, pb.heads * D, Q, D, rows);
   const int64_t ldq = D;
 
   const int64_t lo = pb.first(r0), hi = pb.last(b, r0 + rows - 1);
-  std::vector<float> s(rows * keys), acc(rows * Dvp, 0.0f);
-  std::vector<float> m(rows, -__builtin_inff()), l(rows, 0.0f);
-  const float scale = pb.scale, neg_inf = -__builtin_inff();
   for (int64_t t = lo / keys; t * keys < hi; ++t) {
     // Keys [c0, c0 + n) of the tile, up to the last that a row of the block sees.
     const int64_t c0 = t * keys, n = std::min(keys, hi - c0), cols = round_up(n, kLanes);
-    gemm(rows, cols, D, Q.data(), ldq, a.kv->kt_of(unit, t, D), a.kv->ld, s.data(), cols, false);  // q k^T
-    hide(pb, b, r0, rows, c0, n, cols, s.data(), cols);
+    gemm(rows, cols, D, Q, ldq, a.kv->kt_of(unit, t, D), a.kv->ld, s, cols, false);  // q k^T
+    hide(pb, b, r0, rows, c0, n, cols, s, cols);
     for (int64_t i = 0; i < rows; ++i) {
-      float* row = s.data() + i * cols;
+      float* row = s + i * cols;
       vf mx = splat(neg_inf);
       for (int64_t c = 0; c < cols; c += kLanes) {
         const vf x = load(row + c);
@@ -404,13 +436,13 @@ void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, int64_t h
       if (m[i] != m_new) {  // the maximum grew: rescale what was summed so far
         const float rescale = m[i] == neg_inf ? 0.0f : exp_nonpositive(splat((m[i] - m_new) * scale))[0];
         l[i] *= rescale;
-        float* o = acc.data() + i * Dvp;
+        float* o = acc + i * Dvp;
         for (int64_t c = 0; c < Dvp; c += kLanes) store(o + c, load(o + c) * rescale);
         m[i] = m_new;
       }
       l[i] += tile_sum;
     }
-    gemm(rows, Dvp, cols, s.data(), cols, a.kv->vp_of(unit, t), Dvp, acc.data(), Dvp, true);  // p v
+    gemm(rows, Dvp, cols, s, cols, a.kv->v_of(pb, b, h / pb.group(), t), a.kv->ldv, acc, Dvp, true);  // p v
   }
   for (int64_t i = 0; i < rows; ++i) {
     float* O = a.out + pb.q_row(b, h, r0 + i) * Dv;
