@@ -87,9 +87,14 @@ def check_implementation(value: Any) -> str:
     return _one_of("implementation", value, IMPLEMENTATIONS)
 
 
-def check_linear(x_shape: tuple[int, ...], d_in: int, d_out: int, bias_shape: tuple[int, ...] | None) -> None:
+def check_linear(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], bias_shape: tuple[int, ...] | None,
+                 *, layout: str) -> None:
     """A projection's operands: x (..., d_in), a weight of d_in input and d_out output
-    features (Flax's kernel (d_in, d_out), PyTorch's weight (d_out, d_in)), a bias (d_out,)."""
+    features laid out ``"in_out"`` (Flax's kernel (d_in, d_out)) or ``"out_in"``
+    (PyTorch's weight (d_out, d_in)), a bias (d_out,)."""
+    if len(weight_shape) != 2:
+        raise ValueError(f"linear: the weight must be a matrix; got shape {tuple(weight_shape)}")
+    d_in, d_out = weight_shape if layout == "in_out" else weight_shape[::-1]
     if len(x_shape) < 1 or x_shape[-1] != d_in:
         raise ValueError(f"linear: x must end in the weight's {d_in} input features; got shape {tuple(x_shape)}")
     if bias_shape is not None and tuple(bias_shape) != (d_out,):

@@ -70,9 +70,10 @@ def run(
         jobs = [(system, [c for c in mode.configs if c.runs_system(system)]) for system in mode.systems]
     earlier = out_dir / f"{mode.name}.json"
     earlier_results = json.loads(earlier.read_text()) if append and earlier.exists() else None
-    if earlier_results is not None and earlier_results["settings"].get("malloc", "system") != malloc:
-        raise ValueError(f"--append: {earlier} was measured with the {earlier_results['settings'].get('malloc', 'system')} "
-                         f"allocator, this run asks for {malloc}; one result holds one allocator")
+    earlier_malloc = None if earlier_results is None else earlier_results["settings"].get("malloc", "system")
+    if earlier_malloc not in (None, malloc):
+        raise ValueError(f"--append: {earlier} was measured with the {earlier_malloc} allocator, this run asks "
+                         f"for {malloc}; one result holds one allocator")
 
     def results_so_far() -> dict[str, Any]:
         results = {

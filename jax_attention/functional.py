@@ -697,9 +697,7 @@ def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = N
     the attention kernel; see ``cpu_kernel_supports``), forward and backward; every other
     case is XLA's dot at ``precision``.  The two differ only in the order of the sums."""
     implementation = check_implementation(implementation)
-    if kernel.ndim != 2:
-        raise ValueError(f"linear: the kernel must be (d_in, d_out); got shape {tuple(kernel.shape)}")
-    check_linear(tuple(x.shape), kernel.shape[0], kernel.shape[1], None if bias is None else tuple(bias.shape))
+    check_linear(tuple(x.shape), tuple(kernel.shape), None if bias is None else tuple(bias.shape), layout="in_out")
     operands = (x, kernel) if bias is None else (x, kernel, bias)
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*operands)
     x, kernel = x.astype(dtype), kernel.astype(dtype)

@@ -214,6 +214,7 @@ BAD = [
     ("x-width", (2, 5, 7), (8, 3), (3,), r"linear: x must end in the weight's 8 input features; got shape \(2, 5, 7\)"),
     ("bias-shape", (2, 5, 8), (8, 3), (4,), r"linear: the bias must have shape \(3,\) \(the weight's output features\)"),
     ("scalar-x", (), (8, 3), None, r"linear: x must end in the weight's 8 input features; got shape \(\)"),
+    ("weight-3d", (2, 5, 8), (8, 3, 1), None, r"linear: the weight must be a matrix; got shape \(8, 3, 1\)"),
 ]
 
 
@@ -237,8 +238,9 @@ def test_bad_operands_same_text(bad: tuple[Any, ...]) -> None:
         jax_functional.linear(jnp.asarray(x), jnp.asarray(w), None if b is None else jnp.asarray(b))
     messages.append(str(jax_error.value))
     with pytest.raises(ValueError, match=text) as torch_error:
-        torch_functional.linear(torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(w.T)),
-                                None if b is None else torch.from_numpy(b))
+        # PyTorch's weight is the kernel transposed; a weight that is no matrix is passed as it is
+        torch_w = np.ascontiguousarray(w.T) if w.ndim == 2 else w
+        torch_functional.linear(torch.from_numpy(x), torch.from_numpy(torch_w), None if b is None else torch.from_numpy(b))
     messages.append(str(torch_error.value))
     assert messages[0] == messages[1]
     with pytest.raises(ValueError, match="implementation") as jax_error:

@@ -342,10 +342,10 @@ class AttentionModule(nn.Module):
 
     @staticmethod
     def _linear(layer: nn.Module | nn.Parameter, inputs: Tensor, implementation: str) -> Tensor:
-        """inputs @ a projection's weight (+ bias): an ``nn.Linear``'s math through
-        ``functional.linear``, or a bare (d_in, d_out) matrix used as x @ W."""
+        """inputs @ a projection's weight (+ bias) through ``functional.linear``: an
+        ``nn.Linear``'s math, or a bare (d_in, d_out) matrix used as x @ W."""
         if isinstance(layer, nn.Parameter):
-            return inputs @ layer
+            return functional.linear(inputs, layer.T, implementation=implementation)
         linear = cast(nn.Linear, layer)
         return functional.linear(inputs, linear.weight, linear.bias, implementation=implementation)
 

@@ -640,7 +640,5 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, implementat
     products are already its BLAS's).  ``implementation`` is the attention call's, checked
     as the JAX twin checks it; there it picks the product's kernel on CPU."""
     check_implementation(implementation)
-    if weight.dim() != 2:
-        raise ValueError(f"linear: the weight must be (d_out, d_in); got shape {tuple(weight.shape)}")
-    check_linear(tuple(x.shape), weight.shape[1], weight.shape[0], None if bias is None else tuple(bias.shape))
+    check_linear(tuple(x.shape), tuple(weight.shape), None if bias is None else tuple(bias.shape), layout="out_in")
     return F.linear(x, weight, bias)

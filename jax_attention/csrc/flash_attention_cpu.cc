@@ -363,15 +363,15 @@ struct PackedKV {
         float* dst = kt_of(u, t, D);
         transpose(n, D, k + pb.kv_row(b, hk, c0) * D, pb.kv_heads * D, dst, ld);
         for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + n, dst + (d + 1) * ld, 0.0f);
-        if (!v_in_place) pack(n, Dv, v + pb.kv_row(b, hk, c0) * Dv, pb.kv_heads * Dv, vp.get() + (u * tiles + t) * keys * Dvp, Dvp, keys);
+        if (!v_in_place) pack(n, Dv, v + pb.kv_row(b, hk, c0) * Dv, pb.kv_heads * Dv, vp_of(u, t), Dvp, keys);
       }
     });
   }
   float* kt_of(int64_t u, int64_t t, int64_t D) const { return kt.get() + (u * tiles + t) * D * ld; }
+  float* vp_of(int64_t u, int64_t t) const { return vp.get() + (u * tiles + t) * keys * Dvp; }
   // Tile t of (b, hk)'s values: rows ldv floats apart.
   const float* v_of(const Problem& pb, int64_t b, int64_t hk, int64_t t) const {
-    if (v_in_place) return v + pb.kv_row(b, hk, t * keys) * pb.v_width;
-    return vp.get() + ((b * pb.kv_heads + hk) * tiles + t) * keys * Dvp;
+    return v_in_place ? v + pb.kv_row(b, hk, t * keys) * pb.v_width : vp_of(b * pb.kv_heads + hk, t);
   }
 };
 
@@ -491,13 +491,12 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 // of kBwdRows (a multiple of 16: the vector width of those products), keys in tiles.
 
 constexpr int64_t kBwdRows = 64;   // query rows of a backward block
-// Keys of a backward tile: 128, or 64 up to kShortKeys keys.  At short lengths the causal
+// Keys of a backward tile: 128, or 64 up to 512 keys.  At short lengths the causal
 // diagonal is a large share of the work, and a (128 keys x 64 queries) tile on it computes
 // twice what its rows see: forward + backward at B32 H4 S128 took 13.5 ms with 64 against
 // 15.4-21.7 with 128, at B8 H8 S512 55.9 against 59.4; at S = 1024, 128 was ahead (99 / 102).
-constexpr int64_t kBwdKeys = 128;
-constexpr int64_t kShortKeys = 512;
-int64_t backward_keys(const Problem& pb) { return pb.kv_len <= kShortKeys ? 64 : kBwdKeys; }
+constexpr int64_t kBwdKeys = 128, kBwdShortKeys = 64, kShortKeys = 512;
+int64_t backward_keys(const Problem& pb) { return pb.kv_len <= kShortKeys ? kBwdShortKeys : kBwdKeys; }
 
 struct BackwardArgs {
   const float *q, *k, *v, *out, *d_out, *row_max, *row_sum;
