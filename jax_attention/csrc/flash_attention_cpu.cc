@@ -536,24 +536,79 @@ void prepare_head(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t h
     const float l = a.row_sum[head * T + r];
     op.inv_l[r] = l == 0.0f ? 0.0f : 1.0f / l;
   }
+  // delta = rowsum(dO * O): dO from its packed copy, whole vectors, then the rest.
+  const int64_t whole = Dv / kLanes * kLanes;
   for (int64_t r = 0; r < T; ++r) {
+    const float* dor = op.d_out.data() + r * Dvp;
+    const float* orow = O + r * ldo;
+    vf acc{};
+    for (int64_t c = 0; c < whole; c += kLanes) acc += load(dor + c) * load(orow + c);
     float sum = 0.0f;
-    for (int64_t c = 0; c < Dv; ++c) sum += dO[r * ldo + c] * O[r * ldo + c];
+    for (int i = 0; i < kLanes; ++i) sum += acc[i];
+    for (int64_t c = whole; c < Dv; ++c) sum += dor[c] * orow[c];
     op.delta[r] = sum;
   }
   op.dqt.assign(blocks * D * R, 0.0f);
 }
 
+// Rows of strided arrays, fetched into the cache a few lines at a time (step) while a
+// backward unit computes: the operands of the unit that its thread will most likely take
+// next, whose first reads (the packing of q and dO, delta's pass over O, the first key
+// tiles) otherwise wait on memory.  At B32 H4 S128 they were a fifth of the backward's time.
+class Prefetch {
+ public:
+  void add(const float* base, int64_t rows, int64_t ld, int64_t width) {
+    if (rows > 0 && width > 0) parts_[count_++] = Rows{base, rows, ld, tiles_of(width, kLanes)};
+  }
+  // Issue the lines over about `steps` calls of step().
+  void spread(int64_t steps) {
+    int64_t lines = 0;
+    for (int i = 0; i < count_; ++i) lines += parts_[i].rows * parts_[i].lines;
+    per_step_ = tiles_of(lines, std::max<int64_t>(steps, 1));
+  }
+  void step() { issue(per_step_); }
+  void finish() { issue(INT64_MAX); }
+
+ private:
+  struct Rows { const float* base; int64_t rows, ld, lines; };
+  void issue(int64_t n) {
+    for (; n > 0 && part_ < count_; --n) {
+      const Rows& p = parts_[part_];
+      __builtin_prefetch(p.base + row_ * p.ld + line_ * kLanes, 0, 2);
+      if (++line_ == p.lines) {
+        line_ = 0;
+        if (++row_ == p.rows) row_ = 0, ++part_;
+      }
+    }
+  }
+  Rows parts_[5];
+  int count_ = 0, part_ = 0;
+  int64_t row_ = 0, line_ = 0, per_step_ = 0;
+};
+
 // The key tiles t = chunk, chunk + chunks, ... of key/value head (b, hk): dK and dV of
-// those tiles, and their share of dQ for the group's query heads.
-void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t hk, int64_t chunk) {
+// those tiles, and their share of dQ for the group's query heads.  (next_b, next_hk): the
+// unit to prefetch for, or next_b < 0.
+void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t hk, int64_t chunk,
+                   int64_t next_b, int64_t next_hk) {
   const int64_t D = pb.width, Dv = pb.v_width, Dp = round_up(D, kLanes), Dvp = round_up(Dv, kLanes);
   const int64_t T = pb.q_len, G = pb.group(), R = kBwdRows, blocks = tiles_of(T, R);
+  const int64_t len = pb.length(b), ldk = pb.kv_heads * D, ldv = pb.kv_heads * Dv;
+  const int64_t keys = backward_keys(pb);
+  Prefetch ahead;
+  if (next_b >= 0) {
+    // The group's query heads are side by side in a row: G * D floats of q, G * Dv of dO and O.
+    ahead.add(a.q + pb.q_row(next_b, next_hk * G, 0) * D, T, pb.heads * D, G * D);
+    ahead.add(a.d_out + pb.q_row(next_b, next_hk * G, 0) * Dv, T, pb.heads * Dv, G * Dv);
+    ahead.add(a.out + pb.q_row(next_b, next_hk * G, 0) * Dv, T, pb.heads * Dv, G * Dv);
+    const int64_t rows = std::min(pb.length(next_b), 2 * keys);  // its first two key tiles
+    ahead.add(a.k + pb.kv_row(next_b, next_hk, 0) * D, rows, ldk, D);
+    ahead.add(a.v + pb.kv_row(next_b, next_hk, 0) * Dv, rows, ldv, Dv);
+    ahead.spread(blocks * tiles_of(len, keys) * G / 2);  // about the (tile, block, head) steps below
+  }
   std::vector<HeadOperands> heads(G);
   for (int64_t j = 0; j < G; ++j) prepare_head(pb, a, b, hk * G + j, heads[j]);
 
-  const int64_t len = pb.length(b), ldk = pb.kv_heads * D, ldv = pb.kv_heads * Dv;
-  const int64_t keys = backward_keys(pb);
   std::vector<float> kp(keys * D), vp(keys * Dv), kt(D * keys);
   std::vector<float> pt(keys * R), dst(keys * R), dk(keys * Dp), dv(keys * Dvp);
   const float scale = pb.scale;
@@ -596,6 +651,7 @@ void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t 
         gemm(n, Dvp, R, pt.data(), R, op.d_out.data() + r0 * Dvp, Dvp, dv.data(), Dvp, true);  // dv += p^T do
         gemm(n, Dp, R, dst.data(), R, op.q.data() + r0 * Dp, Dp, dk.data(), Dp, true);        // dk += ds^T q
         gemm(D, R, n, kt.data(), keys, dst.data(), R, op.dqt.data() + i * D * R, R, true);  // dq^T += k^T ds^T
+        ahead.step();
       }
     }
     for (int64_t r = 0; r < n; ++r) {
@@ -603,6 +659,7 @@ void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t 
       std::memcpy(a.dv + pb.kv_row(b, hk, c0 + r) * Dv, dv.data() + r * Dvp, Dv * sizeof(float));
     }
   }
+  ahead.finish();
   float* dq = a.dq_parts ? a.dq_parts + chunk * pb.batch * T * pb.heads * D : a.dq;
   for (int64_t j = 0; j < G; ++j)
     for (int64_t i = 0; i < blocks; ++i) {
@@ -618,9 +675,12 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
   if (!consistent(q, k, v, lengths)) return ffi::Error::InvalidArgument("twin_attention_flash_bwd: inconsistent shapes");
   const Problem pb = problem(q, k, v, lengths, scale, offset, left, right);
-  // Keys past a length get zero gradients; the tiles overwrite the rest.
-  std::fill(dk->typed_data(), dk->typed_data() + dk->element_count(), 0.0f);
-  std::fill(dv->typed_data(), dv->typed_data() + dv->element_count(), 0.0f);
+  // Keys past a length get zero gradients; the tiles write the rest.
+  for (int64_t b = 0; b < pb.batch; ++b) {
+    const int64_t from = pb.kv_row(b, 0, pb.length(b)), to = pb.kv_row(b + 1, 0, 0);
+    std::fill(dk->typed_data() + from * pb.width, dk->typed_data() + to * pb.width, 0.0f);
+    std::fill(dv->typed_data() + from * pb.v_width, dv->typed_data() + to * pb.v_width, 0.0f);
+  }
   const int64_t units = pb.batch * pb.kv_heads;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // Too few (batch, kv head) units for the threads: each unit's key tiles are dealt
@@ -633,7 +693,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                           dv->typed_data(), chunks > 1 ? parts.data() : nullptr, chunks};
   parallel_for(pool, units * chunks, [&](int64_t i) {
     const int64_t unit = i / chunks;
-    backward_unit(pb, args, unit / pb.kv_heads, unit % pb.kv_heads, i % chunks);
+    // Work is dealt in order, so a thread's next unit is likely `threads` units on.
+    const int64_t next = chunks == 1 && unit + threads < units ? unit + threads : -1;
+    backward_unit(pb, args, unit / pb.kv_heads, unit % pb.kv_heads, i % chunks,
+                  next < 0 ? -1 : next / pb.kv_heads, next < 0 ? -1 : next % pb.kv_heads);
   });
   if (chunks > 1) {
     float* total = dq->typed_data();
