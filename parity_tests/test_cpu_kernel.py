@@ -73,6 +73,10 @@ CASES = [
     ("v-in-place-causal-gqa", 2, 4, 2, 208, 640, 64, 48, {"causal": True}, {"causal": True}),
     ("v-in-place-full-lengths-window", 1, 2, 2, 100, 128, 32, 32,
      {"window": (20, 5), "kv_lengths": np.array([128])}, {"window": (20, 5)}),
+    # full lengths and whole vectors, but a head's values spread over more than 8 MiB
+    # (S * Hkv * Dv floats): the forward copies them
+    ("v-copied-wide-span", 1, 16, 8, 40, 2048, 32, 144, {"causal": True, "alignment": "bottom_right"},
+     {"causal": True, "offset": 2008}),
 ]
 
 

@@ -327,7 +327,14 @@ int64_t tiles_of(int64_t n, int64_t size) { return (n + size - 1) / size; }
 // vp + u * tiles * keys * Dvp), both zero past the example's length.  V is read where it
 // lies instead (rows ldv = Hkv * Dv floats apart) when that is the same: every example at
 // full length, and S and Dv whole vectors, so that the products read no key past S and
-// no padding.  Copying it cost a tenth of the forward at B32 H4 S128.
+// no padding, and a head's values span at most kInPlaceSpan bytes of memory.  Copying
+// them cost a tenth of the forward at B32 H4 S128; but a head's rows read in place are
+// spread over S * Hkv * Dv floats, and past the reach of the TLB the reads of every tile
+// wait on page walks: the kernel's forward at B1 H4 S32768 took 3.06-3.10 s reading V in
+// place against 2.86-2.96 copying it, at S16384 0.72-0.75 against 0.71-0.72 (level at
+// B1 H8 S4096, 8 MiB, and below).
+constexpr int64_t kInPlaceSpan = int64_t{8} << 20;
+
 struct PackedKV {
   int64_t keys, ld, tiles, Dvp;
   bool v_in_place;
@@ -337,6 +344,7 @@ struct PackedKV {
 
   static bool reads_v_in_place(const Problem& pb) {
     if (pb.kv_len % kLanes != 0 || pb.v_width % kLanes != 0) return false;
+    if (pb.kv_len * pb.kv_heads * pb.v_width * int64_t{sizeof(float)} > kInPlaceSpan) return false;
     for (int64_t b = 0; b < pb.batch; ++b)
       if (pb.length(b) < pb.kv_len) return false;
     return true;
