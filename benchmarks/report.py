@@ -1,5 +1,5 @@
 """Results on disk and on screen: ``<mode>.json`` (environment and every measurement),
-``<mode>.md`` (the table) and ``<mode>.png`` (TFLOP/s against sequence length)."""
+``<mode>.md`` (the table) and ``<mode>.png`` (time and TFLOP/s against sequence length)."""
 
 from __future__ import annotations
 
@@ -245,8 +245,9 @@ def _load(load: list[float] | None) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    """TFLOP/s against sequence length, a line per system; a row of subplots per
-    (head_dim, causal, dtype) group, a column per phase measured."""
+    """Against sequence length, a line per system: the median time (both axes
+    logarithmic) and, below it, TFLOP/s; a pair of rows per (head_dim, causal, dtype)
+    group, a column per phase measured."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,31 +256,35 @@ def plot(results: dict[str, Any], path: Path) -> None:
     measurements = sorted_measurements(results)
     groups = list(dict.fromkeys(Config.from_json(m["config"]).group for m in measurements))
     phases = [(p, name) for p, name in PHASES if any(m[p] for m in measurements)] or [PHASES[0]]
+    quantities = (("median_ms", "time, ms (median)", True), ("tflops", "TFLOP/s (attention core)", False))
     fig, axes = plt.subplots(
-        len(groups), len(phases), figsize=(6.5 * len(phases), 3.8 * len(groups)),
+        len(quantities) * len(groups), len(phases), figsize=(6.5 * len(phases), 3.8 * len(quantities) * len(groups)),
         squeeze=False, constrained_layout=True,
     )
-    for row, group in enumerate(groups):
+    for g, group in enumerate(groups):
         head_dim, causal, dtype = group
         in_group = [m for m in measurements if Config.from_json(m["config"]).group == group]
         seqs = sorted({m["config"]["seq"] for m in in_group})
-        for col, (phase, name) in enumerate(phases):
-            ax = axes[row][col]
-            for system in results["systems"]:
-                points = sorted(
-                    (m["config"]["seq"], m[phase]["tflops"])
-                    for m in in_group if m["system"] == system and m[phase]
-                )
-                if points:
-                    xs, ys = zip(*points, strict=True)
-                    ax.plot(xs, ys, marker="o", color=_color(system), label=system,
-                            linestyle="--" if is_core(system) else "-")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(seqs, [str(s) for s in seqs])
-            ax.set_xlabel("sequence length")
-            ax.set_ylabel("TFLOP/s (attention core)")
-            ax.set_title(f"{name}: head_dim {head_dim}, {'causal' if causal else 'non-causal'}, {dtype}")
-            ax.grid(True, alpha=0.3)
+        for q, (key, label, log_y) in enumerate(quantities):
+            for col, (phase, name) in enumerate(phases):
+                ax = axes[len(quantities) * g + q][col]
+                for system in results["systems"]:
+                    points = sorted(
+                        (m["config"]["seq"], m[phase][key])
+                        for m in in_group if m["system"] == system and m[phase]
+                    )
+                    if points:
+                        xs, ys = zip(*points, strict=True)
+                        ax.plot(xs, ys, marker="o", color=_color(system), label=system,
+                                linestyle="--" if is_core(system) else "-")
+                ax.set_xscale("log", base=2)
+                if log_y:
+                    ax.set_yscale("log")
+                ax.set_xticks(seqs, [str(s) for s in seqs])
+                ax.set_xlabel("sequence length")
+                ax.set_ylabel(label)
+                ax.set_title(f"{name}: head_dim {head_dim}, {'causal' if causal else 'non-causal'}, {dtype}")
+                ax.grid(True, alpha=0.3)
     legend: dict[str, Any] = {}  # one entry per system that appears in any subplot
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
