@@ -559,41 +559,6 @@ void prepare_head(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t h
   op.dqt.assign(blocks * D * R, 0.0f);
 }
 
-// Rows of strided arrays, fetched into the cache a few lines at a time (step) while a
-// backward unit computes: the operands of the unit that its thread will most likely take
-// next, whose first reads (the packing of q and dO, delta's pass over O, the first key
-// tiles) otherwise wait on memory.  At B32 H4 S128 they were a fifth of the backward's time.
-class Prefetch {
- public:
-  void add(const float* base, int64_t rows, int64_t ld, int64_t width) {
-    if (rows > 0 && width > 0) parts_[count_++] = Rows{base, rows, ld, tiles_of(width, kLanes)};
-  }
-  // Issue the lines over about `steps` calls of step().
-  void spread(int64_t steps) {
-    int64_t lines = 0;
-    for (int i = 0; i < count_; ++i) lines += parts_[i].rows * parts_[i].lines;
-    per_step_ = tiles_of(lines, std::max<int64_t>(steps, 1));
-  }
-  void step() { issue(per_step_); }
-  void finish() { issue(INT64_MAX); }
-
- private:
-  struct Rows { const float* base; int64_t rows, ld, lines; };
-  void issue(int64_t n) {
-    for (; n > 0 && part_ < count_; --n) {
-      const Rows& p = parts_[part_];
-      __builtin_prefetch(p.base + row_ * p.ld + line_ * kLanes, 0, 2);
-      if (++line_ == p.lines) {
-        line_ = 0;
-        if (++row_ == p.rows) row_ = 0, ++part_;
-      }
-    }
-  }
-  Rows parts_[5];
-  int count_ = 0, part_ = 0;
-  int64_t row_ = 0, line_ = 0, per_step_ = 0;
-};
-
 // The key tiles t = chunk, chunk + chunks, ... of key/value head (b, hk): dK and dV of
 // those tiles, and their share of dQ for the group's query heads.  (next_b, next_hk): the
 // unit to prefetch for, or next_b < 0.
@@ -603,7 +568,11 @@ void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t 
   const int64_t T = pb.q_len, G = pb.group(), R = kBwdRows, blocks = tiles_of(T, R);
   const int64_t len = pb.length(b), ldk = pb.kv_heads * D, ldv = pb.kv_heads * Dv;
   const int64_t keys = backward_keys(pb);
-  Prefetch ahead;
+  // The operands of the unit that this thread will most likely take next (q, dO and O of
+  // its query heads, its first two key tiles), fetched into L2 while this one computes:
+  // their first reads (the copies of q, dO, k and v, delta's pass over O) otherwise wait
+  // on memory, a fifth of the backward's time at B32 H4 S128.
+  twin_gemm::detail::Prefetcher<2> ahead;
   if (next_b >= 0) {
     // The group's query heads are side by side in a row: G * D floats of q, G * Dv of dO and O.
     ahead.add(a.q + pb.q_row(next_b, next_hk * G, 0) * D, T, pb.heads * D, G * D);
@@ -612,7 +581,7 @@ void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t 
     const int64_t rows = std::min(pb.length(next_b), 2 * keys);  // its first two key tiles
     ahead.add(a.k + pb.kv_row(next_b, next_hk, 0) * D, rows, ldk, D);
     ahead.add(a.v + pb.kv_row(next_b, next_hk, 0) * Dv, rows, ldv, Dv);
-    ahead.spread(blocks * tiles_of(len, keys) * G / 2);  // about the (tile, block, head) steps below
+    ahead.start(blocks * tiles_of(len, keys) * G / 2);  // about the (tile, block, head) steps below
   }
   std::vector<HeadOperands> heads(G);
   for (int64_t j = 0; j < G; ++j) prepare_head(pb, a, b, hk * G + j, heads[j]);

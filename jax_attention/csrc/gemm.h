@@ -238,26 +238,36 @@ inline void tile(int64_t kc, const float* a, int64_t lda, const float* bp, float
   }
 }
 
-// Software prefetch of the next K block's source data (the un-packed A / B rows) spread over
-// the micro-tiles of the current block, so that memory reads overlap with the FMAs instead of
-// stalling the next packing step.  A region = nrows rows of `bytes` bytes at stride `ld` floats.
+// Software prefetch spread over a stretch of work: regions of rows (nrows rows of
+// `nfloats` floats at stride `ld` floats), a few cache lines issued at each step() so that
+// memory reads overlap with the FMAs instead of stalling the work that reads them next.
+// Here: the next K block's un-packed A / B rows, over the micro-tiles of the current block
+// (into L1).  The attention kernel's backward: a unit's likely successor's operands (L2).
+template <int kLocality = 3>
 struct Prefetcher {
   struct Region { const float* base; int64_t nrows, ld, lines; };
-  Region reg[2];
+  static constexpr int kRegions = 5;
+  Region reg[kRegions];
   int nreg = 0;
   int64_t cur_reg = 0, cur_row = 0, cur_line = 0, per_tile = 0;
   void add(const float* base, int64_t nrows, int64_t ld, int64_t nfloats) {
-    if (nrows > 0 && nfloats > 0) reg[nreg++] = Region{base, nrows, ld, (nfloats + 15) / 16};
+    if (nrows > 0 && nfloats > 0 && nreg < kRegions) reg[nreg++] = Region{base, nrows, ld, (nfloats + 15) / 16};
   }
+  // Spread the lines over ntiles steps (all of them at finish() when ntiles is 0).
   void start(int64_t ntiles) {
     int64_t total = 0;
     for (int r = 0; r < nreg; ++r) total += reg[r].nrows * reg[r].lines;
     per_tile = ntiles > 0 ? (total + ntiles - 1) / ntiles : 0;
   }
-  inline void step() {
-    for (int64_t n = 0; n < per_tile && cur_reg < nreg; ++n) {
+  inline void step() { issue(per_tile); }
+  // Whatever the steps left.
+  void finish() { issue(INT64_MAX); }
+
+ private:
+  inline void issue(int64_t count) {
+    for (int64_t n = 0; n < count && cur_reg < nreg; ++n) {
       const Region& r = reg[cur_reg];
-      __builtin_prefetch(r.base + cur_row * r.ld + cur_line * 16, 0, 3);
+      __builtin_prefetch(r.base + cur_row * r.ld + cur_line * 16, 0, kLocality);
       if (++cur_line == r.lines) {
         cur_line = 0;
         if (++cur_row == r.nrows) { cur_row = 0; ++cur_reg; }
@@ -372,7 +382,7 @@ void sgemm(Run&& run, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
       // Edge micro-row of an in-place row-major A: pack it (zero padded) once per K block.
       const bool edge = !trans_a && (i1 - i0) < rows_pad;
       if (edge) pack_a_edge(false, A, lda, (r1 - 1) * kMR, i1 - (r1 - 1) * kMR, pc, kc, ebuf);
-      Prefetcher pf;
+      Prefetcher<> pf;
       const int64_t pn = pc + kc;
       if (pn < k1 && !pl.prepack) {
         const int64_t kcn = std::min(kKC, k1 - pn), j0 = c0 * kNR, j1 = std::min(N, c1 * kNR);
