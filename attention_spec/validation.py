@@ -92,6 +92,8 @@ def check_linear(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], bias_s
     """A projection's operands: x (..., d_in), a weight of d_in input and d_out output
     features laid out ``"in_out"`` (Flax's kernel (d_in, d_out)) or ``"out_in"``
     (PyTorch's weight (d_out, d_in)), a bias (d_out,)."""
+    if layout not in ("in_out", "out_in"):
+        raise ValueError(f"linear: layout must be 'in_out' or 'out_in'; got {layout!r}")
     if len(weight_shape) != 2:
         raise ValueError(f"linear: the weight must be a matrix; got shape {tuple(weight_shape)}")
     d_in, d_out = weight_shape if layout == "in_out" else weight_shape[::-1]

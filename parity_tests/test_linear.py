@@ -248,3 +248,16 @@ def test_bad_operands_same_text(bad: tuple[Any, ...]) -> None:
     with pytest.raises(ValueError, match="implementation") as torch_error:
         torch_functional.linear(torch.ones(2, 8), torch.ones(3, 8), implementation="cudnn")
     assert str(jax_error.value) == str(torch_error.value)
+
+
+def test_the_shared_check_knows_both_layouts() -> None:
+    """check_linear reads the weight's two features by its layout, and refuses a layout it
+    does not know rather than guessing one."""
+    from attention_spec.validation import check_linear
+
+    check_linear((2, 8), (8, 3), (3,), layout="in_out")
+    check_linear((2, 8), (3, 8), (3,), layout="out_in")
+    with pytest.raises(ValueError, match=r"x must end in the weight's 3 input features"):
+        check_linear((2, 8), (8, 3), None, layout="out_in")
+    with pytest.raises(ValueError, match=r"layout must be 'in_out' or 'out_in'; got 'in-out'"):
+        check_linear((2, 8), (8, 3), None, layout="in-out")

@@ -49,6 +49,12 @@ typedef int32_t vi __attribute__((vector_size(64)));
 inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
 inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+// The lanes' sum, lane 0 first.
+inline float sum_lanes(vf x) {
+  float sum = 0.0f;
+  for (int j = 0; j < kLanes; ++j) sum += x[j];
+  return sum;
+}
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // ---------------------------------------------------------------- products
@@ -439,8 +445,7 @@ void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, int64_t h
         store(row + c, p);
         sum += p;
       }
-      float tile_sum = 0.0f;
-      for (int j = 0; j < kLanes; ++j) tile_sum += sum[j];
+      const float tile_sum = sum_lanes(sum);
       if (m[i] != m_new) {  // the maximum grew: rescale what was summed so far
         const float rescale = m[i] == neg_inf ? 0.0f : exp_nonpositive(splat((m[i] - m_new) * scale))[0];
         l[i] *= rescale;
@@ -551,8 +556,7 @@ void prepare_head(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t h
     const float* orow = O + r * ldo;
     vf acc{};
     for (int64_t c = 0; c < whole; c += kLanes) acc += load(dor + c) * load(orow + c);
-    float sum = 0.0f;
-    for (int i = 0; i < kLanes; ++i) sum += acc[i];
+    float sum = sum_lanes(acc);
     for (int64_t c = whole; c < Dv; ++c) sum += dor[c] * orow[c];
     op.delta[r] = sum;
   }
