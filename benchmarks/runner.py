@@ -21,7 +21,14 @@ from typing import Any
 
 from benchmarks import report
 from benchmarks.configs import Config, Mode, is_core
-from benchmarks.environment import cpu_busy, device_slug, host_environment, load_average, preload_for
+from benchmarks.environment import (
+    MALLOCS,
+    cpu_busy,
+    device_slug,
+    host_environment,
+    load_average,
+    preload_for,
+)
 from benchmarks.measure import MAX_RUNS, OUT_OF_TIME, empty_result
 from benchmarks.systems import framework_of
 
@@ -55,12 +62,10 @@ def run(
     (preloaded; ``ValueError`` before anything runs where it is not installed).
     ``<mode>.json`` is rewritten after each system, so that what was measured survives
     the run being killed."""
-    preload = preload_for(malloc)
+    if malloc not in MALLOCS:
+        raise ValueError(f"unknown allocator {malloc!r}; expected one of {', '.join(MALLOCS)}")
     env = host_environment()
     out_dir = out_dir or RESULTS / device_slug(env)
-    echo(f"Benchmark '{mode.name}' on {env['device']}; results to {out_dir}")
-    if mode.name == "full" and not env["gpus"]:
-        echo("Note: the full sweep is meant for a GPU; on a CPU it takes hours (try --quick or --cpu-target).")
     env["runtime"] = {}
     deadline = None if budget_s is None else time.time() + budget_s
     measurements: list[dict[str, Any]] = []
@@ -74,6 +79,12 @@ def run(
     if earlier_malloc not in (None, malloc):
         raise ValueError(f"--append: {earlier} was measured with the {earlier_malloc} allocator, this run asks "
                          f"for {malloc}; one result holds one allocator")
+    # The library is looked up after the arguments' own checks (a refused --append names
+    # the mix whether or not tcmalloc is installed), still before anything runs.
+    preload = preload_for(malloc)
+    echo(f"Benchmark '{mode.name}' on {env['device']}; results to {out_dir}")
+    if mode.name == "full" and not env["gpus"]:
+        echo("Note: the full sweep is meant for a GPU; on a CPU it takes hours (try --quick or --cpu-target).")
 
     def results_so_far() -> dict[str, Any]:
         results = {

@@ -190,6 +190,23 @@ def test_the_allocator_reaches_every_worker_and_the_results(tmp_path, monkeypatc
     assert seen["env"]["LD_PRELOAD"].split()[0] == "/lib/libstand-in.so"
 
 
+def test_a_run_with_the_installed_tcmalloc(tmp_path) -> None:
+    """Where tcmalloc is installed, a real run preloads it and records where it came from.
+    It is an optional system piece that the project does not install: everything above is
+    checked without it (a stand-in library), and only this run needs the real one."""
+    from benchmarks import environment
+
+    try:
+        library = environment.preload_for("tcmalloc")
+    except ValueError as missing:
+        pytest.skip(f"tcmalloc is not installed on this machine ({missing})")
+    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
+    mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
+    results = run(mode, out_dir=tmp_path, echo=lambda _: None, malloc="tcmalloc")
+    assert results["settings"] == {**results["settings"], "malloc": "tcmalloc", "ld_preload": library}
+    assert results["measurements"][0]["error"] is None
+
+
 def test_time_floors_add_warmup_and_runs() -> None:
     """A call of about 2 ms with floors of 0.03 s warm-up and 0.1 s timed: more warm-up
     calls than asked for, and more timed runs (a sample is the ~10 calls that fill
