@@ -32,6 +32,7 @@ bad config.  Everything is checked before anything is written.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -172,8 +173,11 @@ def _read_bytes(path: str | os.PathLike[str]) -> bytes:
 
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """{name: NumPy array} from a safetensors file, every array a copy.  Raises
-    CheckpointError naming the problem for a file that is truncated, has a malformed
-    header, an unknown dtype or offsets that do not fit the shapes."""
+    CheckpointError naming the file (and the entry) for a file that is truncated or whose
+    header is malformed, as the safetensors library checks it: every entry a ``dtype`` it
+    knows, a ``shape`` of non-negative integers and two ``data_offsets`` within the data
+    whose span is the shape's size in bytes, the entries covering the data exactly once
+    (no gap, no overlap, nothing after), ``__metadata__`` a mapping of strings."""
     where = os.fspath(path)
     blob = _read_bytes(path)
     if len(blob) < 8:
@@ -189,28 +193,68 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{where!r} is not a safetensors file (its header is not JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{where!r} is not a safetensors file (its header is not a JSON object)")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{where!r} has a malformed header: __metadata__ must map names to strings, "
+                              f"not {metadata!r}")
     data = memoryview(blob)[8 + size:]
+    spans = {name: _entry_span(where, name, entry, len(data)) for name, entry in header.items()}
+    # As the library: sorted by offset, the entries tile the data from its first byte to its last.
+    end = 0
+    for name, (dtype, shape, begin, stop) in sorted(spans.items(), key=lambda item: item[1][2:]):
+        if begin != end:
+            raise CheckpointError(f"{where!r} has a malformed header: the data_offsets of {name!r} begin at "
+                                  f"byte {begin}, not {end} (the entries must cover the data once, in order, "
+                                  "with no gap or overlap)")
+        end = stop
+    if end != len(data):
+        raise CheckpointError(f"{where!r} has a malformed header: {len(data) - end} bytes of data after "
+                              "the last entry's")
     arrays: dict[str, np.ndarray] = {}
-    for name, entry in header.items():
-        try:
-            dtype_name = _ST_DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{where!r} has a malformed header entry for {name!r}: {entry!r}") from None
-        dtype = _np_dtype(dtype_name)
-        if end > len(data):
-            raise CheckpointError(
-                f"{where!r} is truncated: {name!r} needs bytes {begin}..{end} of the data, the file has {len(data)}"
-            )
-        if begin < 0 or end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-            raise CheckpointError(f"{where!r}: the data of {name!r} ({end - begin} bytes) does not fit "
-                                  f"shape {shape} of {entry['dtype']}")
+    for name, (dtype, shape, begin, stop) in spans.items():
         if dtype.itemsize > 1 and dtype.name != "bfloat16":
             dtype = dtype.newbyteorder("<")
-        arrays[name] = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+        arrays[name] = np.frombuffer(data[begin:stop], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
     return arrays
+
+
+def _is_count(value: Any) -> bool:
+    """A JSON integer (not a bool, a float or a string) that is not negative."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_span(where: str, name: str, entry: Any, data_size: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, every field checked; CheckpointError
+    naming the file and the entry otherwise."""
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(f"{where!r} has a malformed header entry for {name!r}: {problem}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"{entry!r} is not a JSON object")
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
+    if missing:
+        raise bad(f"no {', '.join(missing)} in {entry!r}")
+    code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(code, str) or code not in _ST_DTYPES:
+        raise bad(f"dtype {code!r} is not one of {', '.join(_ST_DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise bad(f"shape {shape!r} is not a list of integers")
+    if not all(_is_count(d) for d in shape):
+        raise bad(f"shape {shape!r} has a negative dimension")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise bad(f"data_offsets {offsets!r} are not two non-negative integers")
+    begin, end = offsets
+    if begin > end:
+        raise bad(f"data_offsets {offsets!r} end before they begin")
+    if end > data_size:
+        raise CheckpointError(
+            f"{where!r} is truncated: {name!r} needs bytes {begin}..{end} of the data, the file has {data_size}"
+        )
+    dtype = _np_dtype(_ST_DTYPES[code])
+    if end - begin != math.prod(shape) * dtype.itemsize:
+        raise CheckpointError(f"{where!r}: the data of {name!r} ({end - begin} bytes) does not fit "
+                              f"shape {tuple(shape)} of {code}")
+    return dtype, tuple(shape), begin, end
 
 
 # --------------------------------------------------------------------------- other formats
