@@ -20,10 +20,17 @@ Formats, chosen by the file's extension (or named explicitly):
 This module imports no framework at import time; each reader or writer imports the one
 its format needs.  Every write goes to a temporary name in the destination's directory
 and is renamed over the destination only when complete (``os.replace``); on any failure
-the temporary is removed and an existing destination is left as it was.
+the temporary is removed and an existing destination is left as it was.  Nothing this
+library did not write is replaced: a file format refuses an existing directory, and an
+Orbax checkpoint replaces an existing directory only when it is one of ours (each holds
+``twin_attention_checkpoint.json``, the list of its files) with nothing added since.  A
+symlink destination is written through; a new file gets the mode ``open()`` would give
+it (0666 less the umask), a replaced one keeps its mode.
 
 Errors: ``CheckpointError`` (a ``ValueError``) for an unreadable, truncated or malformed
-file, an unknown format or a layout that the format cannot hold; the conversion map's own
+file, an unknown format, a layout that the format cannot hold or a destination that must
+not be replaced, each naming the user's path; ``OSError`` naming the user's path (never
+the temporary) when a write fails; the conversion map's own
 ``ValueError`` / ``TypeError`` (``attention_spec.conversion``) for missing, unexpected or
 misshaped parameters and non-floating arrays; the registry's for an unknown variant or a
 bad config.  Everything is checked before anything is written.
@@ -31,10 +38,14 @@ bad config.  Everything is checked before anything is written.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
+import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path as FsPath
@@ -201,7 +212,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     spans = {name: _entry_span(where, name, entry, len(data)) for name, entry in header.items()}
     # As the library: sorted by offset, the entries tile the data from its first byte to its last.
     end = 0
-    for name, (dtype, shape, begin, stop) in sorted(spans.items(), key=lambda item: item[1][2:]):
+    for name, (_dtype, _shape, begin, stop) in sorted(spans.items(), key=lambda item: item[1][2:]):
         if begin != end:
             raise CheckpointError(f"{where!r} has a malformed header: the data_offsets of {name!r} begin at "
                                   f"byte {begin}, not {end} (the entries must cover the data once, in order, "
@@ -289,7 +300,8 @@ def _write_pt(arrays: Mapping[str, np.ndarray], path: str) -> None:
             state[name] = torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy()).view(torch.bfloat16)
         else:
             state[name] = torch.from_numpy(np.array(a))
-    torch.save(state, path)
+    with open(path, "wb") as f:  # our file object: a failed write is the OSError saying why, not torch's
+        torch.save(state, f)
 
 
 def _nested(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -399,14 +411,25 @@ def write_arrays(
     """Writes {name: array} (PyTorch names for ``layout="torch"``, ``/``-joined Flax paths
     for ``"flax"``) atomically: to a temporary name in the same directory, renamed over
     ``path`` when complete; on failure the temporary is removed and ``path`` is untouched.
-    Raises CheckpointError for an unknown format or a layout that it cannot hold, before
-    anything is written."""
+
+    A symlink ``path`` is written through (its target is replaced, the link stays).  A new
+    file gets the mode ``open()`` gives one (0666 less the umask), a replaced file keeps its
+    own.  Nothing that this library did not write is replaced: an existing directory is
+    replaced only by an Orbax checkpoint and only when it is one of ours (``_ORBAX_MARKER``
+    lists what it holds, and it holds nothing else); a file format refuses a directory or
+    anything else that is not a regular file.
+
+    Raises CheckpointError (naming ``path``) for an unknown format, a layout that it cannot
+    hold or a destination it must not replace, before anything is written; OSError naming
+    ``path`` (not the temporary) when the write itself fails (a full disk, a missing or
+    read-only directory)."""
     fmt = format_for(path, format)
     _check_layout(fmt, layout)
-    target = os.path.abspath(path)
+    where = os.fspath(path)
+    target = _destination(path, fmt)
     directory = os.path.dirname(target)
     if fmt == "orbax":
-        _replace_dir(target, directory, lambda tmp: _write_orbax(arrays, tmp))
+        _guarded(where, target, lambda: _replace_dir(target, directory, where, lambda tmp: _write_orbax(arrays, tmp)))
         return
     writer: Callable[[str], None]
     if fmt == "safetensors":
@@ -418,10 +441,112 @@ def write_arrays(
     else:
         def writer(tmp: str) -> None:
             _write_msgpack(arrays, tmp)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    _guarded(where, target, lambda: _replace_file(target, directory, writer))
+
+
+# What every Orbax checkpoint of ours holds besides Orbax's own files: the list of those
+# files, so that a directory is replaced only when it is a checkpoint this library wrote
+# and nothing has been added to it since.
+_ORBAX_MARKER = "twin_attention_checkpoint.json"
+
+
+def _destination(path: str | os.PathLike[str], fmt: str) -> str:
+    """The absolute path to replace for ``path`` (a symlink's target, as ``open()`` writes
+    through one), after checking that it may be replaced: CheckpointError naming ``path``
+    otherwise."""
+    where = os.fspath(path)
+    target = os.path.realpath(path)
+    if fmt == "orbax":
+        if os.path.isdir(target):
+            _check_ours(target, where)
+        elif os.path.lexists(target):
+            raise CheckpointError(f"cannot write an Orbax checkpoint to {where!r}: it exists and is not a "
+                                  "directory (an Orbax checkpoint is one); remove it or choose another OUT")
+    elif os.path.isdir(target):
+        raise CheckpointError(f"cannot write {where!r}: it is a directory, and a {fmt} checkpoint is a file; "
+                              "name a file in it, or remove it")
+    elif os.path.lexists(target) and not os.path.isfile(target):
+        raise CheckpointError(f"cannot write {where!r}: it exists and is not a regular file")
+    return target
+
+
+def _entries(directory: str) -> set[str]:
+    """Every file and directory under ``directory``, relative, ``/``-separated (the marker left out)."""
+    found = set()
+    for root, dirs, names in os.walk(directory):
+        for name in dirs + names:
+            found.add(os.path.relpath(os.path.join(root, name), directory).replace(os.sep, "/"))
+    found.discard(_ORBAX_MARKER)
+    return found
+
+
+def _check_ours(directory: str, where: str) -> None:
+    """CheckpointError naming ``where`` unless ``directory`` is an Orbax checkpoint this
+    library wrote, holding nothing that it did not write."""
     try:
-        writer(tmp)
+        with open(os.path.join(directory, _ORBAX_MARKER), encoding="utf-8") as f:
+            listed = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(
+            f"refusing to replace {where!r}: it is a directory that is not an Orbax checkpoint written by "
+            f"twin-attention (no readable {_ORBAX_MARKER} in it); remove it or choose another OUT"
+        ) from None
+    added = sorted(_entries(directory) - set(listed if isinstance(listed, list) else []))
+    if added:
+        shown = ", ".join(added[:5]) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
+        raise CheckpointError(f"refusing to replace {where!r}: this Orbax checkpoint holds files that "
+                              f"twin-attention did not write ({shown}); remove them or choose another OUT")
+
+
+def _guarded(where: str, target: str, write: Callable[[], None]) -> None:
+    """Runs ``write`` (which writes ``target``, the real path of ``where``); a failure of
+    the write itself becomes an OSError naming ``where``, the user's path, never the
+    temporary name it was writing (the type and errno of an OSError kept).  Our own
+    CheckpointError passes through."""
+    try:
+        write()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch.save and Orbax report a failed write in their own types
+        code = e.errno if isinstance(e, OSError) else None
+        if isinstance(e, OSError) and e.strerror:
+            detail = e.strerror
+        else:
+            detail = (str(e).splitlines() or [type(e).__name__])[0]
+            # Orbax (tensorstore) reports the system's error as a code inside a long message.
+            found = re.search(r"os_error_code='(\d+)'", detail)
+            if found:
+                code = int(found.group(1))
+                detail = os.strerror(code)
+            # anything else that names the hidden temporary names OUT instead
+            hidden = re.escape(os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.")) + r"\w+\.tmp"
+            detail = re.sub(hidden + r"[^\s'\"]*", where, detail)
+        error = (type(e) if isinstance(e, OSError) else OSError)(f"cannot write {where!r}: {detail}")
+        error.errno = code
+        raise error from e
+
+
+def _temporary_file(directory: str, base: str) -> str:
+    """A new empty file ``.<base>.<random>.tmp`` in ``directory``, created as ``open()``
+    creates a file (0666 less the umask), which ``mkstemp``'s 0600 is not."""
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(errno.EEXIST, "no free temporary name", directory)
+
+
+def _replace_file(target: str, directory: str, write: Callable[[str], None]) -> None:
+    """A file written under a temporary name, then renamed over ``target`` (which keeps the
+    mode an existing ``target`` had)."""
+    tmp = _temporary_file(directory, os.path.basename(target))
+    try:
+        if os.path.isfile(target):
+            os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+        write(tmp)
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
@@ -429,15 +554,19 @@ def write_arrays(
         raise
 
 
-def _replace_dir(target: str, directory: str, write: Callable[[str], None]) -> None:
-    """A directory written under a temporary name, then moved into place: an existing
-    ``target`` is set aside first and removed only once the new one is in place."""
+def _replace_dir(target: str, directory: str, where: str, write: Callable[[str], None]) -> None:
+    """A directory written under a temporary name, marked as ours, then moved into place:
+    an existing ``target`` (checked again to be ours, as it may have changed during the
+    write) is set aside first and removed only once the new one is in place."""
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
     tmp = os.path.join(staging, "checkpoint")  # Orbax writes a directory that must not exist yet
     old = None
     try:
         write(tmp)
+        with open(os.path.join(tmp, _ORBAX_MARKER), "w", encoding="utf-8") as f:
+            json.dump({"written_by": "twin-attention", "format": "orbax", "files": sorted(_entries(tmp))}, f)
         if os.path.lexists(target):
+            _check_ours(target, where)
             old = os.path.join(staging, "previous")
             os.replace(target, old)
         os.replace(tmp, target)
@@ -522,6 +651,7 @@ def convert_file(
     destination's format and layout included) is checked before anything is written."""
     fmt = format_for(dst, dst_format)
     _check_layout(fmt, to)
+    _destination(dst, fmt)  # a directory or file that must not be replaced, before the input is read
     checked_config(variant_name, config)  # an unknown variant or a bad config before the file is read
     arrays = read_checkpoint(src, variant_name, config, to=to, format=src_format)
     write_arrays(arrays, dst, layout=to, format=fmt)

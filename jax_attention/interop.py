@@ -482,7 +482,8 @@ def from_linen_multihead(linen: Any, variables: Mapping[str, Any], *, rngs: nnx.
 def save(module: nnx.Module, path: Any, *, format: str | None = None, layout: str = "flax") -> None:
     """Writes one of our modules' parameters to ``path``, atomically (a temporary name in
     the same directory, renamed when complete; an existing file or directory is untouched
-    on failure).
+    on failure).  An existing directory is replaced only by an Orbax checkpoint and only
+    when it is one this library wrote; a symlink ``path`` is written through.
 
     ``format``: ``"safetensors"``, ``"msgpack"`` (``flax.serialization.msgpack_serialize``
     of ``{"W_query": {"kernel": ...}}``) or ``"orbax"`` (a directory written by
@@ -492,7 +493,9 @@ def save(module: nnx.Module, path: Any, *, format: str | None = None, layout: st
     ``load_state_dict`` and ``torch_attention.interop.load`` take).  A ``.pt`` file needs
     torch: write it with ``torch_attention.interop.save`` or ``python -m
     parity_tests.convert``.  Raises ``attention_spec.files.CheckpointError`` (a ValueError)
-    for an unknown format or one that cannot hold the layout, before anything is written.
+    for an unknown format, one that cannot hold the layout or a ``path`` that must not be
+    replaced (a directory that is not our Orbax checkpoint, a directory where a file goes),
+    before anything is written; OSError naming ``path`` when the write fails.
     """
     from attention_spec.files import flax_names, write_arrays
 

@@ -15,9 +15,13 @@ Arrays are copied bit for bit (only renamed and transposed), in their own dtype.
 
 Exit status: 0 on success; 2, with one line on stderr naming the problem, for an
 unreadable or truncated file, missing, unexpected or misshaped parameters, an unknown
-variant, format or extension, a bad config, or a failed write.  ``OUT`` is written under a temporary
-name and renamed only when complete: on failure no partial ``OUT`` is left and an
-existing ``OUT`` is unchanged.
+variant, format or extension, a bad config, an ``OUT`` that must not be replaced, or a
+failed write.  ``OUT`` is written under a temporary name and renamed only when complete:
+on failure no partial ``OUT`` is left and an existing ``OUT`` is unchanged.  An existing
+directory is replaced only by an Orbax checkpoint and only when it is an Orbax checkpoint
+that this library wrote (``.`` or any other directory is refused); a file format refuses
+a directory.  A symlink ``OUT`` is written through; a new file gets the mode ``open()``
+gives one (0666 less the umask).
 """
 
 from __future__ import annotations

@@ -304,14 +304,16 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
 def save(module: nn.Module, path: Any, *, format: str | None = None, layout: str = "torch") -> None:
     """Writes one of our modules' parameters to ``path``, atomically (a temporary name in
     the same directory, renamed when complete; an existing file is untouched on failure).
+    A directory ``path`` is refused; a symlink ``path`` is written through.
 
     ``format``: ``"safetensors"`` or ``"pt"`` (a ``torch.save`` state dict), else from the
     extension (``.safetensors``, ``.pt``/``.pth``).  ``layout``: ``"torch"`` (``W_query.weight``,
     (out, in)) or ``"flax"`` (safetensors only: ``W_query/kernel``, (in, out), what
     ``jax_attention.interop.load`` reads as well).  Flax msgpack and Orbax need flax: write
     them with ``jax_attention.interop.save`` or ``python -m parity_tests.convert``.
-    Raises ``attention_spec.files.CheckpointError`` (a ValueError) for an unknown format or
-    a format that cannot hold the layout, before anything is written.
+    Raises ``attention_spec.files.CheckpointError`` (a ValueError) for an unknown format, a
+    format that cannot hold the layout or a ``path`` that is a directory, before anything
+    is written; OSError naming ``path`` when the write fails.
     """
     from attention_spec.files import flax_names, write_arrays
 
