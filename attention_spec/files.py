@@ -47,6 +47,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path as FsPath
 from typing import Any
@@ -389,6 +390,8 @@ def read_arrays(path: str | os.PathLike[str], format: str | None = None) -> tupl
     ``W_query.weight``) or ``"flax"`` (``/``-joined paths such as ``W_query/kernel``).
     Raises CheckpointError for an unknown format or an unreadable file."""
     fmt = format_for(path, format)
+    if fmt != "orbax" and os.path.isdir(path):
+        raise CheckpointError(f"cannot read {os.fspath(path)!r}: it is a directory, and a {fmt} checkpoint is a file")
     if fmt != "orbax" and not os.path.isfile(path):
         raise CheckpointError(f"cannot read {os.fspath(path)!r}: no such file")
     arrays = _READERS[fmt](path)
@@ -461,7 +464,7 @@ def _destination(path: str | os.PathLike[str], fmt: str) -> str:
             _check_ours(target, where)
         elif os.path.lexists(target):
             raise CheckpointError(f"cannot write an Orbax checkpoint to {where!r}: it exists and is not a "
-                                  "directory (an Orbax checkpoint is one); remove it or choose another OUT")
+                                  "directory (an Orbax checkpoint is one); name a new directory instead")
     elif os.path.isdir(target):
         raise CheckpointError(f"cannot write {where!r}: it is a directory, and a {fmt} checkpoint is a file; "
                               "name a file in it, or remove it")
@@ -489,13 +492,13 @@ def _check_ours(directory: str, where: str) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(
             f"refusing to replace {where!r}: it is a directory that is not an Orbax checkpoint written by "
-            f"twin-attention (no readable {_ORBAX_MARKER} in it); remove it or choose another OUT"
+            f"twin-attention (no readable {_ORBAX_MARKER} in it); name a new directory instead"
         ) from None
     added = sorted(_entries(directory) - set(listed if isinstance(listed, list) else []))
     if added:
         shown = ", ".join(added[:5]) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
         raise CheckpointError(f"refusing to replace {where!r}: this Orbax checkpoint holds files that "
-                              f"twin-attention did not write ({shown}); remove them or choose another OUT")
+                              f"twin-attention did not write ({shown}); remove them or name a new directory")
 
 
 def _guarded(where: str, target: str, write: Callable[[], None]) -> None:
@@ -573,9 +576,26 @@ def _replace_dir(target: str, directory: str, where: str, write: Callable[[str],
     except BaseException:
         if old is not None and not os.path.lexists(target):
             os.replace(old, target)
+        _remove_staging(staging)
         raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_staging(staging: str) -> None:
+    """Removes a staging directory after a failed write.  Orbax's writer threads
+    (tensorstore) may then still be creating files in it for a moment, which makes a
+    single ``rmtree`` leave it behind: it is removed until it has stayed gone a while."""
+    gone_since = None
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        if os.path.lexists(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.monotonic()
+        elif time.monotonic() - gone_since >= 0.2:
+            return
+        time.sleep(0.02)
 
 
 # --------------------------------------------------------------------------- through the map

@@ -392,3 +392,11 @@ def test_a_symlink_to_our_orbax_checkpoint_is_written_through(tmp_path: Path, ca
     assert status == 0, err
     assert link.is_symlink() and real.is_dir()
     np.testing.assert_array_equal(files.read_arrays(real)[1]["W_query/kernel"], _torch_arrays(seed=3)["W_query.weight"].T)
+
+
+@pytest.mark.parametrize("name", ("in.safetensors", "in.msgpack", "in.pt"))
+def test_reading_a_directory_as_a_file_says_so(tmp_path: Path, name: str) -> None:
+    (tmp_path / name).mkdir()
+    with pytest.raises(files.CheckpointError, match="is a directory") as info:
+        files.read_arrays(tmp_path / name)
+    assert repr(str(tmp_path / name)) in str(info.value)
