@@ -342,7 +342,7 @@ def test_outputs_get_the_usual_mode(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 @needs_both
-def test_interop_save_gets_the_usual_mode_and_keeps_an_existing_one(tmp_path: Path, umask: Any) -> None:
+def test_interop_save_mode_and_symlinks(tmp_path: Path, umask: Any) -> None:
     from flax import nnx
 
     import jax_attention as ja
@@ -356,6 +356,14 @@ def test_interop_save_gets_the_usual_mode_and_keeps_an_existing_one(tmp_path: Pa
     os.chmod(tmp_path / "t.pt", 0o640)
     ta.interop.save(ta.MultiHeadAttention(**CONFIG), tmp_path / "t.pt")
     assert _mode(tmp_path / "t.pt") == 0o640
+    # a symlink is written through by either framework
+    for save, module, name in ((ta.interop.save, ta.MultiHeadAttention(**CONFIG), "t.safetensors"),
+                               (ja.interop.save, ja.MultiHeadAttention(**CONFIG, rngs=nnx.Rngs(0)), "j.safetensors")):
+        (tmp_path / f"real-{name}").write_bytes(b"old")
+        (tmp_path / f"link-{name}").symlink_to(tmp_path / f"real-{name}")
+        save(module, tmp_path / f"link-{name}")
+        assert (tmp_path / f"link-{name}").is_symlink()
+        assert files.read_arrays(tmp_path / f"real-{name}")[1]
 
 
 @needs_both
