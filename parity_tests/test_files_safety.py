@@ -357,8 +357,11 @@ def test_interop_save_mode_and_symlinks(tmp_path: Path, umask: Any) -> None:
     ta.interop.save(ta.MultiHeadAttention(**CONFIG), tmp_path / "t.pt")
     assert _mode(tmp_path / "t.pt") == 0o640
     # a symlink is written through by either framework
-    for save, module, name in ((ta.interop.save, ta.MultiHeadAttention(**CONFIG), "t.safetensors"),
-                               (ja.interop.save, ja.MultiHeadAttention(**CONFIG, rngs=nnx.Rngs(0)), "j.safetensors")):
+    cases: list[tuple[Any, Any, str]] = [
+        (ta.interop.save, ta.MultiHeadAttention(**CONFIG), "t.safetensors"),
+        (ja.interop.save, ja.MultiHeadAttention(**CONFIG, rngs=nnx.Rngs(0)), "j.safetensors"),
+    ]
+    for save, module, name in cases:
         (tmp_path / f"real-{name}").write_bytes(b"old")
         (tmp_path / f"link-{name}").symlink_to(tmp_path / f"real-{name}")
         save(module, tmp_path / f"link-{name}")
