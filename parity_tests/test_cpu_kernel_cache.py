@@ -27,8 +27,8 @@ pytestmark = needs_jax
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A fresh process: the kernel's state, then one attention call per path on the default
-# ("auto"), fused and blockwise paths against the reference, and which ran the kernel.
+# A fresh process: the kernel's state, then an attention call on the "auto" and "fused"
+# paths against the reference, and which of them ran the kernel.
 _CHECK = """
 import json, numpy as np, jax.numpy as jnp
 from jax_attention import _cpu_kernel
@@ -46,7 +46,8 @@ for path in ("auto", "fused"):
     got = np.asarray(dot_product_attention(q, k, v, causal=True, implementation=path))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     ran[path] = len(calls) > before
-print(json.dumps({"available": available, "error": _cpu_kernel.build_error(), "kernel_ran": ran}))
+print(json.dumps({"available": available, "error": _cpu_kernel.build_error(), "kernel_ran": ran,
+                  "auto_takes_it": available and _cpu_kernel.auto_declines() is None}))
 """
 
 
@@ -117,7 +118,8 @@ def cache(tmp_path: Path, built_library: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def _works(result: dict) -> None:
     assert result["available"] and result["error"] is None, result
-    assert result["kernel_ran"] == {"auto": True, "fused": True}, result
+    # auto takes the kernel only where it is tuned for the CPU (AVX-512; test_cpu_kernel)
+    assert result["kernel_ran"] == {"auto": result["auto_takes_it"], "fused": True}, result
 
 
 def _falls_back(result: dict) -> None:
