@@ -121,11 +121,14 @@ def _fault(library: Path) -> str | None:
     so nothing is loaded that its record does not vouch for."""
     try:
         digest, size = _record_path(library).read_text().split()
-        if library.stat().st_size != int(size):
-            return f"{library.stat().st_size} bytes, its record says {size}"
     except (OSError, ValueError):
         return "no readable record of its checksum"
-    return None if _digest(library) == digest else "its checksum differs from its record's"
+    try:
+        if library.stat().st_size != int(size):
+            return f"{library.stat().st_size} bytes, its record says {size}"
+        return None if _digest(library) == digest else "its checksum differs from its record's"
+    except (OSError, ValueError) as error:
+        return str(error)
 
 
 def _open(path: Path) -> ctypes.CDLL:
