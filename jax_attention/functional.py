@@ -362,8 +362,10 @@ def dot_product_attention(
         attention on TPU; refuses float64, which it would compute with float32
         accuracy), ``"blockwise"`` (query blocks that skip the keys a causal mask
         hides; never materialises T x S), or ``"auto"`` (fused on GPU/TPU and where the
-        CPU kernel takes the call, blockwise elsewhere on CPU and for float64, reference
-        where those cannot honour an option; see ``attention_spec.resolve_implementation``).
+        CPU kernel takes the call and is built for AVX-512, the instruction set it is
+        tuned for, blockwise elsewhere on CPU and for float64, reference where those
+        cannot honour an option; see ``attention_spec.resolve_implementation`` and
+        ``_cpu_kernel.auto_declines``).
       precision: of the matmuls; "highest" by default.
 
     Keys and values at positions that no query may attend to are zeroed with ``where``
@@ -399,9 +401,11 @@ def dot_product_attention(
     offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2])
     segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2])
     # On CPU the fused path is the library's kernel where it takes the call (else XLA's
-    # fused attention, slower there than the explicit math: blockwise is faster).
+    # fused attention, slower there than the explicit math: blockwise is faster); auto
+    # takes the kernel only where it is tuned for the instruction set (AVX-512).
     cpu_kernel = implementation in ("fused", "auto") and cpu_kernel_supports(
-        q, mask=mask, bias=bias, segments=segments, offset=offset)  # builds the kernel on first use
+        q, mask=mask, bias=bias, segments=segments, offset=offset,
+        implementation=implementation)  # builds the kernel on first use
     path = resolve_implementation(
         implementation,
         preference=("fused", "blockwise") if jax.default_backend() in ("gpu", "tpu") or cpu_kernel
@@ -621,16 +625,20 @@ def _fused(
 
 
 def cpu_kernel_supports(q: Array, *, mask: Array | None = None, bias: Array | None = None,
-                        segments: Array | None = None, offset: int | Array = 0) -> bool:
-    """Whether the fused path runs the library's CPU kernel (``_cpu_kernel``) for a call:
-    XLA's CPU backend, float32, bfloat16 or float16 inputs (computed in float32), no
-    dense mask, bias or segment ids, one query offset for every example (causal, window,
-    ``kv_lengths`` and grouped heads are the kernel's own), and a kernel that builds on
-    this machine.  Elsewhere the fused path is ``jax.nn.dot_product_attention``."""
+                        segments: Array | None = None, offset: int | Array = 0,
+                        implementation: str = "fused") -> bool:
+    """Whether ``implementation`` (``"fused"`` or ``"auto"``) runs the library's CPU
+    kernel (``_cpu_kernel``) for a call: XLA's CPU backend, float32, bfloat16 or float16
+    inputs (computed in float32), no dense mask, bias or segment ids, one query offset for
+    every example (causal, window, ``kv_lengths`` and grouped heads are the kernel's own),
+    and a kernel that builds on this machine; for ``"auto"`` also a kernel built for the
+    instruction set it is tuned for (AVX-512; elsewhere the blockwise path is faster, and
+    ``_cpu_kernel.auto_declines()`` says so).  Elsewhere the fused path is
+    ``jax.nn.dot_product_attention``."""
     return (
         jax.default_backend() == "cpu" and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
         and mask is None and bias is None and segments is None and isinstance(offset, int)
-        and _cpu_kernel.available()
+        and _cpu_kernel.available() and (implementation != "auto" or _cpu_kernel.auto_declines() is None)
     )
 
 
@@ -692,16 +700,18 @@ def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = N
     ``nnx.Linear`` computes it: the operands promoted to ``dtype`` (None: their common
     type), the bias added after the product.
 
-    ``implementation`` is the attention call's.  ``"fused"`` and ``"auto"`` run a float32
-    product on the library's CPU matrix-product kernel (``_cpu_kernel.matmul``, built with
-    the attention kernel; see ``cpu_kernel_supports``), forward and backward; every other
-    case is XLA's dot at ``precision``.  The two differ only in the order of the sums."""
+    ``implementation`` is the attention call's.  ``"fused"`` (and ``"auto"`` where the
+    kernel is tuned for the CPU, AVX-512) run a float32 product on the library's CPU
+    matrix-product kernel (``_cpu_kernel.matmul``, built with the attention kernel; see
+    ``cpu_kernel_supports``), forward and backward; every other case is XLA's dot at
+    ``precision``.  The two differ only in the order of the sums."""
     implementation = check_implementation(implementation)
     check_linear(tuple(x.shape), tuple(kernel.shape), None if bias is None else tuple(bias.shape), layout="in_out")
     operands = (x, kernel) if bias is None else (x, kernel, bias)
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*operands)
     x, kernel = x.astype(dtype), kernel.astype(dtype)
-    if implementation in ("fused", "auto") and cpu_kernel_supports(x) and dtype == jnp.float32:
+    if (implementation in ("fused", "auto") and cpu_kernel_supports(x, implementation=implementation)
+            and dtype == jnp.float32):
         y = _kernel_linear(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
     else:
         y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)

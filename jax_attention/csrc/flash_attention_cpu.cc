@@ -707,6 +707,25 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi
 
 }  // namespace
 
+// The instruction set this library was compiled for, from the compiler's own macros (the
+// -march in effect, native or $TWIN_ATTENTION_MARCH): the kernel is tuned for AVX-512, and
+// jax_attention's "auto" takes it only there (_cpu_kernel.auto_declines).
+extern "C" const char* TwinAttentionInstructionSet() {
+#if defined(__AVX512F__)
+  return "AVX-512";
+#elif defined(__AVX2__)
+  return "AVX2";
+#elif defined(__AVX__)
+  return "AVX";
+#elif defined(__SSE2__)
+  return "SSE2";
+#elif defined(__ARM_NEON)
+  return "NEON";
+#else
+  return "generic";
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TwinAttentionMatmul, Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

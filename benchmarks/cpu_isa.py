@@ -1,0 +1,82 @@
+"""``auto`` against the paths it chooses between, for one build of the CPU kernel:
+``python -m benchmarks.cpu_isa`` (``--march x86-64-v3`` by default: AVX2, no AVX-512).
+
+Issue 24 measured the kernel built for AVX2 (a Zen 3) at 2-5x the blockwise path's time,
+so ``auto`` takes the kernel only where it is built for AVX-512.  This times JAX's
+attention core, ``dot_product_attention(causal=True)`` under jit, on ``auto``,
+``blockwise`` and ``fused`` (the kernel), forward and forward + backward, float32, at
+B4 H8 S1024 and B32 H4 S128 (head_dim 64), with the kernel built for ``--march`` (a
+cache of its own per target, under ``$TWIN_ATTENTION_CACHE``).  ``--march native``
+times this CPU's own build.  One process, the paths alternating run by run; run it on
+a quiet machine (``uptime``'s load well under 1), it prints the load it started at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+SHAPES = ((4, 8, 1024, 64), (32, 4, 128, 64))  # (B, H, S, D)
+PATHS = ("auto", "blockwise", "fused")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_isa", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--march", default="x86-64-v3", help="the kernel's -march (default x86-64-v3, AVX2)")
+    parser.add_argument("--runs", type=int, default=10, help="timed runs per path and phase (median)")
+    args = parser.parse_args(argv)
+    # Read when the kernel is first built, below: set before any call.
+    os.environ["TWIN_ATTENTION_MARCH"] = args.march
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    assert _cpu_kernel.available(), _cpu_kernel.build_error()
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; -march={args.march}: kernel built for "
+          f"{_cpu_kernel.instruction_set()}; auto: {_cpu_kernel.auto_declines() or 'takes the kernel'}")
+    print(f"median ms of {args.runs} runs (jit, float32, causal)\n")
+    print("| B H S D | phase | " + " | ".join(PATHS) + " |")
+    print("|---|---|" + "---|" * len(PATHS))
+    rng = np.random.default_rng(0)
+    for batch, heads, seq, width in SHAPES:
+        q, k, v = (jnp.asarray(rng.standard_normal((batch, heads, seq, width)), jnp.float32) for _ in range(3))
+        calls: dict[str, dict[str, Callable[..., object]]] = {"forward": {}, "forward+backward": {}}
+        for path in PATHS:
+            def attend(q_: jax.Array, k_: jax.Array, v_: jax.Array, path: str = path) -> jax.Array:
+                out = dot_product_attention(q_, k_, v_, causal=True, implementation=path)
+                assert isinstance(out, jax.Array)
+                return out
+
+            def loss(q_: jax.Array, k_: jax.Array, v_: jax.Array, attend: Callable[..., jax.Array] = attend) -> jax.Array:
+                return attend(q_, k_, v_).sum()
+
+            calls["forward"][path] = jax.jit(attend)
+            calls["forward+backward"][path] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        for phase, by_path in calls.items():
+            times: dict[str, list[float]] = {path: [] for path in PATHS}
+            for fn in by_path.values():  # compile and warm up
+                jax.block_until_ready(fn(q, k, v))
+                jax.block_until_ready(fn(q, k, v))
+            for _ in range(args.runs):
+                for path, fn in by_path.items():
+                    start = time.perf_counter()
+                    jax.block_until_ready(fn(q, k, v))
+                    times[path].append(time.perf_counter() - start)
+            cells = " | ".join(f"{statistics.median(times[path]) * 1e3:.1f}" for path in PATHS)
+            print(f"| {batch} {heads} {seq} {width} | {phase} | {cells} |")
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
