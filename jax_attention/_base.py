@@ -247,7 +247,7 @@ class AttentionModule(nnx.Module):
         """
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache)
+                             cache=cache, return_weights=return_weights)
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
         if call.cache is not None:
             return self._run_cached(call, return_weights, key)
@@ -287,8 +287,10 @@ class AttentionModule(nnx.Module):
         segment_ids: Any = None,
         kv_segment_ids: Any = None,
         cache: Any = None,
+        return_weights: bool = False,
     ) -> _Call:
-        """Every check of one call, before any work; the inputs batched and canonical."""
+        """Every check of one call, before any work (and before any random draw); the
+        inputs batched and canonical."""
         spec = self.spec
         deterministic = self._deterministic(deterministic)
         batched = check_input(x.shape, dtype_name(x.dtype), d_in=spec.d_in, context_length=spec.context_length)
@@ -344,6 +346,13 @@ class AttentionModule(nnx.Module):
                 _raise_if(fullest + seq > kv_seq, message)
             else:
                 check_cache_room(int(fullest), seq, kv_seq)
+        # An explicit path that cannot honour the options is refused here, not after the
+        # projections inside ``functional``.
+        functional.check_path(
+            implementation, dtype=x.dtype, return_weights=return_weights, normalization=spec.normalization,
+            dropout_active=not deterministic and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
+            softcap=spec.softcap,
+        )
         if not batched:
             x = x[None]  # (T, C) -> (1, T, C); masks broadcast from the right
             keys = None if keys is None else keys[None]

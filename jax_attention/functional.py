@@ -410,9 +410,8 @@ def dot_product_attention(
         normalization=normalization,
         dropout_active=not deterministic and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
-        fused_draws_dropout=False,
-        fused_blockers=((FUSED_FLOAT64_BLOCKER,) if q.dtype == jnp.float64 else ())
-        + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ()),
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT,
+        fused_blockers=_fused_blockers(q.dtype, softcap),
     )
     scale = resolve_scale(scale, q.shape[-1])
     q_len, kv_len = q.shape[-2], k.shape[-2]
@@ -1298,6 +1297,37 @@ def _blockwise(
     q_s, k_s, v_s = (t.reshape(batch, *t.shape[-2:]) for t in (q, k, v))
     out = _flash(static, q_s, k_s, v_s, slices(bias), slices(mask), length)  # (BH, T, Dv)
     return out.reshape(*lead, q_len, v.shape[-1])
+
+
+# jax.nn.dot_product_attention (and the CPU kernel) cannot draw dropout.
+FUSED_DRAWS_DROPOUT = False
+
+
+def _fused_blockers(dtype: Any, softcap: float | None) -> tuple[str, ...]:
+    """What the fused kernels cannot honour beyond ``resolve_implementation``'s common list."""
+    return ((FUSED_FLOAT64_BLOCKER,) if dtype == jnp.float64 else ()) + (
+        (SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
+
+
+def check_path(
+    implementation: str,
+    *,
+    dtype: Any,
+    return_weights: bool,
+    normalization: str,
+    dropout_active: bool,
+    dropout_mask_given: bool,
+    softcap: float | None,
+) -> None:
+    """Raises the ``ValueError`` that ``dot_product_attention`` raises for an explicit
+    ``implementation`` that cannot honour these options, from the options alone: a
+    module asks it before any work, a cached call before it writes its cache.  (An
+    explicit path's refusals do not depend on the preference order of ``"auto"``.)"""
+    resolve_implementation(
+        implementation, preference=(), return_weights=return_weights, normalization=normalization,
+        dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT, fused_blockers=_fused_blockers(dtype, softcap),
+    )
 
 
 class KVCache(NamedTuple):

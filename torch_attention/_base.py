@@ -165,7 +165,7 @@ class AttentionModule(nn.Module):
         """
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache)
+                             cache=cache, return_weights=return_weights)
         if call.cache is not None:
             return self._run_cached(call, return_weights)
         return self._unbatch(self._run(call, return_weights), call.batched)
@@ -209,8 +209,11 @@ class AttentionModule(nn.Module):
         segment_ids: Any = None,
         kv_segment_ids: Any = None,
         cache: Any = None,
+        return_weights: bool = False,
     ) -> _Call:
-        """Every check of one call, before any work; the inputs batched and canonical."""
+        """Every check of one call, before any work (a cached call's included: nothing
+        after these raises for the call's input, so a refused call never writes its cache);
+        the inputs batched and canonical."""
         spec = self.spec
         batched = check_input(x.shape, dtype_name(x.dtype), d_in=spec.d_in, context_length=spec.context_length)
         check_compute_dtype(dtype_name(x.dtype), self._compute_dtype())
@@ -261,6 +264,13 @@ class AttentionModule(nn.Module):
         if cache is not None:
             index = cache.lengths
             check_cache_room(int(index.max()), seq, kv_seq)
+        # An explicit path that cannot honour the options is refused here, not after the
+        # projections (and, with a cache, after the write) inside ``functional``.
+        functional.check_path(
+            implementation, dtype=x.dtype, return_weights=return_weights, normalization=spec.normalization,
+            dropout_active=self.training and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
+            softcap=spec.softcap,
+        )
         if not batched:
             x = x.unsqueeze(0)  # (T, C) -> (1, T, C); masks broadcast from the right
             keys = None if keys is None else keys.unsqueeze(0)

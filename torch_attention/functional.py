@@ -356,9 +356,8 @@ def dot_product_attention(
         normalization=normalization,
         dropout_active=training and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
-        fused_draws_dropout=True,
-        fused_blockers=((FUSED_FLOAT64_BLOCKER,) if q.dtype == torch.float64 else ())
-        + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ()),
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT,
+        fused_blockers=_fused_blockers(q.dtype, softcap),
     )
     if bias is not None:
         bias = bias.to(q.device)
@@ -598,6 +597,37 @@ def _query_block(
     else:
         weights = _softmax(_adjust(scores * scale, bias, softcap), allowed)
     return torch.matmul(weights, v)
+
+
+# SDPA draws dropout itself (JAX's fused kernel cannot).
+FUSED_DRAWS_DROPOUT = True
+
+
+def _fused_blockers(dtype: torch.dtype, softcap: float | None) -> tuple[str, ...]:
+    """What SDPA cannot honour beyond ``resolve_implementation``'s common list."""
+    return ((FUSED_FLOAT64_BLOCKER,) if dtype == torch.float64 else ()) + (
+        (SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
+
+
+def check_path(
+    implementation: str,
+    *,
+    dtype: torch.dtype,
+    return_weights: bool,
+    normalization: str,
+    dropout_active: bool,
+    dropout_mask_given: bool,
+    softcap: float | None,
+) -> None:
+    """Raises the ``ValueError`` that ``dot_product_attention`` raises for an explicit
+    ``implementation`` that cannot honour these options, from the options alone: a
+    module asks it before any work, a cached call before it writes its cache.  (An
+    explicit path's refusals do not depend on the preference order of ``"auto"``.)"""
+    resolve_implementation(
+        implementation, preference=(), return_weights=return_weights, normalization=normalization,
+        dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT, fused_blockers=_fused_blockers(dtype, softcap),
+    )
 
 
 class KVCache(NamedTuple):
