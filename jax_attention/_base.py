@@ -28,6 +28,9 @@ from attention_spec.registry import AttentionConfig, Projection, make_config
 from attention_spec.validation import (
     cache_unsupported_message,
     check_cache,
+    check_cache_call,
+    check_cache_context,
+    check_cache_dtype,
     check_cache_room,
     check_context,
     check_positive_int,
@@ -255,12 +258,16 @@ class AttentionModule(nnx.Module):
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
-        examples: zeros in ``dtype`` (None: the module's compute dtype)."""
+        examples: zeros in ``dtype`` (floating point; None: the module's compute dtype).
+        Raises TypeError for a dtype that is not floating point, ValueError for ``max_len``
+        beyond the module's ``context_length``."""
         spec = self.spec
         self._check_cacheable()
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_len", max_len)
+        check_cache_context(max_len, spec.context_length)
         dtype = jnp.dtype(self._compute_dtype() if dtype is None else dtype)
+        check_cache_dtype(dtype_name(dtype))
         shape = (batch_size, spec.kv_heads, max_len)
         return functional.KVCache(
             jnp.zeros((*shape, cast(int, spec.head_dim)), dtype),
@@ -302,7 +309,7 @@ class AttentionModule(nnx.Module):
             if t is not None:
                 width = spec.fan_in(role) if spec.projections() else x.shape[-1]
                 check_context(tuple(x.shape), tuple(t.shape), name, cast(int, width))
-                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype))
+                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype), name)
         if keys is not None and values is not None and keys.shape[-2] != values.shape[-2]:
             raise ValueError(
                 f"context key and value inputs must have the same length; got {tuple(keys.shape)} and "
@@ -311,12 +318,10 @@ class AttentionModule(nnx.Module):
         kv_seq = seq if keys is None else keys.shape[-2]
         if cache is not None:
             self._check_cacheable()
-            if context is not None:
-                raise ValueError("a cache is for self-attention decoding; context must be None")
-            if not batched:
-                raise ValueError(f"a call with a cache needs batched x (batch, len, d_in); got shape {tuple(x.shape)}")
+            check_cache_call(tuple(x.shape), batched=batched, has_context=context is not None)
             kv_seq = check_cache(functional.cache_fields(cache), batch, spec.kv_heads,
                                  cast(int, spec.head_dim), cast(int, spec.head_dim))
+            check_cache_context(kv_seq, spec.context_length)
         weights_shape = (batch, spec.num_heads, seq, kv_seq)
         # Checked against the input's own rank (a 4-d mask for unbatched input is refused),
         # then given the batch dimension.

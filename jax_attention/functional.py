@@ -151,16 +151,23 @@ def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Array | No
     ``TypeError`` for non-integer values (floats, bools) and ``ValueError`` for another
     shape or, eagerly, a length outside [0, kv_len].  Under tracing (jit, vmap) the values
     are unknown and not checked: they are clipped to [0, kv_len], so a negative length
-    attends to nothing and one above kv_len to every key.
+    attends to nothing and one above kv_len to every key.  A list or tuple may hold traced
+    values (``[n, 5]`` with ``n`` traced); an empty list is batch 0's lengths.
     """
     if kv_lengths is None:
         return None
+    if isinstance(kv_lengths, (list, tuple)) and any(
+        isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(kv_lengths)
+    ):
+        kv_lengths = jnp.asarray(kv_lengths)  # NumPy cannot hold a traced value: JAX stacks them
     if not isinstance(kv_lengths, jax.Array):
         array = np.asarray(kv_lengths)
+        if array.size == 0 and isinstance(kv_lengths, (list, tuple)):
+            array = array.astype(np.int32)  # NumPy makes [] float64: it holds no value of that type
         check_kv_lengths_array(array.shape, array.dtype.name, batch)
         kv_lengths = array
     check_kv_lengths_array(kv_lengths.shape, dtype_name(kv_lengths.dtype), batch)
-    if not isinstance(kv_lengths, jax.core.Tracer):
+    if not isinstance(kv_lengths, jax.core.Tracer) and kv_lengths.size:  # batch 0: nothing to check
         # read with NumPy: inside a jit trace, even a concrete array's min() is staged out
         values = np.asarray(kv_lengths)
         check_kv_lengths_values(int(values.min()), int(values.max()), kv_len)

@@ -5,7 +5,9 @@ holds floating-point keys and values and never more than ``context_length`` posi
 PyTorch differentiates through several cached steps as JAX does (gradients equal the
 full forward's); under ``jit`` the error for a full cache has the eager text and an
 undonated cache survives it; ``kv_lengths`` may be a list holding traced values; a
-context in the wrong dtype is named as the context; batch 0 has correct messages.
+context in the wrong dtype is named as the context; batch 0 has correct messages.  The
+texts are also cases of the error table (test_errors.py), which checks them identical in
+both twins, raised before any work, the module unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from parity_tests.conftest import needs_both, needs_jax, needs_torch
+from parity_tests.conftest import needs_jax, needs_torch
 
 FRAMEWORKS = [pytest.param("torch", marks=needs_torch), pytest.param("flax", marks=needs_jax)]
 PATHS = ("reference", "fused", "blockwise", "auto")
@@ -370,28 +372,3 @@ def test_batch_zero_with_a_cache_names_no_refused_call(fw: str) -> None:
     assert "init_cache(0" not in str(error)
     with pytest.raises(ValueError, match=re.escape("batch_size must be >= 1; got 0")):
         m.init_cache(0, 4)
-
-
-# --------------------------------------------------------------------------- one text in both twins
-
-
-@needs_both
-@pytest.mark.parametrize(
-    "call",
-    [
-        pytest.param(lambda fw, m: m.init_cache(2, 8, dtype=_dtype(fw, "int32")), id="cache-dtype"),
-        pytest.param(lambda fw, m: m(_array(fw, _x()), context=_array(fw, _x(2, 4).astype(np.float16))),
-                     id="context-dtype"),
-        pytest.param(lambda fw, m: _module(fw, context_length=4).init_cache(2, 8), id="cache-context_length"),
-        pytest.param(lambda fw, m: m(_array(fw, np.zeros((0, 3, D_IN), np.float32)), cache=m.init_cache(2, 4)),
-                     id="cache-batch-0"),
-        pytest.param(lambda fw, m: m(_array(fw, _x()[:, :1]), cache=m.init_cache(2, 4), implementation="fused",
-                                     return_weights=True), id="cache-refused-path"),
-    ],
-)
-def test_same_text_in_both_twins(call: Any) -> None:
-    texts = []
-    for fw in ("torch", "flax"):
-        error = _error(lambda fw=fw: call(fw, _module(fw)))
-        texts.append((type(error), str(error)))
-    assert texts[0] == texts[1]

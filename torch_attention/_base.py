@@ -24,6 +24,9 @@ from attention_spec.registry import AttentionConfig, Projection, make_config
 from attention_spec.validation import (
     cache_unsupported_message,
     check_cache,
+    check_cache_call,
+    check_cache_context,
+    check_cache_dtype,
     check_cache_room,
     check_context,
     check_positive_int,
@@ -172,14 +175,17 @@ class AttentionModule(nn.Module):
 
     def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
-        examples: zeros, in ``dtype`` (None: the module's compute dtype), on the module's
-        device."""
+        examples: zeros, in ``dtype`` (floating point; None: the module's compute dtype),
+        on the module's device.  Raises TypeError for a dtype that is not floating point,
+        ValueError for ``max_len`` beyond the module's ``context_length``."""
         spec = self.spec
         self._check_cacheable()
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_len", max_len)
+        check_cache_context(max_len, spec.context_length)
         p = next(self.parameters())
         dtype = p.dtype if dtype is None else dtype
+        check_cache_dtype(dtype_name(dtype))
         shape = (batch_size, spec.kv_heads, max_len)
         return functional.KVCache(
             torch.zeros(*shape, cast(int, spec.head_dim), dtype=dtype, device=p.device),
@@ -224,7 +230,7 @@ class AttentionModule(nn.Module):
             if t is not None:
                 width = spec.fan_in(role) if spec.projections() else x.shape[-1]
                 check_context(tuple(x.shape), tuple(t.shape), name, cast(int, width))
-                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype))
+                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype), name)
         if keys is not None and values is not None and keys.shape[-2] != values.shape[-2]:
             raise ValueError(
                 f"context key and value inputs must have the same length; got {tuple(keys.shape)} and "
@@ -233,12 +239,10 @@ class AttentionModule(nn.Module):
         kv_seq = seq if keys is None else keys.shape[-2]
         if cache is not None:
             self._check_cacheable()
-            if context is not None:
-                raise ValueError("a cache is for self-attention decoding; context must be None")
-            if not batched:
-                raise ValueError(f"a call with a cache needs batched x (batch, len, d_in); got shape {tuple(x.shape)}")
+            check_cache_call(tuple(x.shape), batched=batched, has_context=context is not None)
             max_len = check_cache(functional.cache_fields(cache), batch, spec.kv_heads,
                                   cast(int, spec.head_dim), self._value_head_dim())
+            check_cache_context(max_len, spec.context_length)
             kv_seq = max_len
         weights_shape = (batch, spec.num_heads, seq, kv_seq)
         # Checked against the input's own rank (a 4-d mask for unbatched input is refused),

@@ -133,16 +133,20 @@ def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Tensor | N
     Accepts None, a Python int (one length for every example), a list/tuple of ints, a
     NumPy integer array, or an integer tensor of shape () or (batch,).  Raises
     ``TypeError`` for non-integer values (floats, bools) and ``ValueError`` for another
-    shape or a length outside [0, kv_len] (values are read, so on a GPU this syncs).
+    shape or a length outside [0, kv_len] (values are read, so on a GPU this syncs).  An
+    empty list is batch 0's lengths.
     """
     if kv_lengths is None:
         return None
     if not isinstance(kv_lengths, Tensor):
         array = np.asarray(kv_lengths)
+        if array.size == 0 and isinstance(kv_lengths, (list, tuple)):
+            array = array.astype(np.int64)  # NumPy makes [] float64: it holds no value of that type
         check_kv_lengths_array(array.shape, array.dtype.name, batch)
         kv_lengths = torch.as_tensor(array)
     check_kv_lengths_array(tuple(kv_lengths.shape), dtype_name(kv_lengths.dtype), batch)
-    check_kv_lengths_values(int(kv_lengths.min()), int(kv_lengths.max()), kv_len)
+    if kv_lengths.numel():  # batch 0 has no lengths to check
+        check_kv_lengths_values(int(kv_lengths.min()), int(kv_lengths.max()), kv_len)
     return kv_lengths.to(torch.int64).reshape(-1).expand(batch)
 
 
