@@ -164,7 +164,8 @@ class AttentionModule(nn.Module):
         ``cache``: a ``KVCache`` from ``init_cache``: x's keys and values are appended to
         it (in place) and x attends to every cached position, causally aligned at each
         example's fill; returns ``(out, cache)`` (``(out, weights, cache)`` with
-        ``return_weights``).  Raises ValueError/TypeError before any work.
+        ``return_weights``).  Autograd differentiates through several cached steps.
+        Raises ValueError/TypeError before any work (and before the cache is written).
         """
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
@@ -330,6 +331,11 @@ class AttentionModule(nn.Module):
         # keeps max_len, the fixed shape that lets one compilation serve every step).
         filled = int(cache.lengths.max())
         keys, values = cache.key[:, :, :filled].to(q.dtype), cache.value[:, :, :filled].to(q.dtype)
+        if keys.requires_grad or values.requires_grad:
+            # Autograd saves what the attention reads; the next step writes the cache in
+            # place, so this step reads a copy (gradients still reach every written k and v
+            # through the in-place writes, as through the twin's functional update).
+            keys, values = keys.clone(), values.clone()
         call = call._replace(mask=_prefix(call.mask, filled), bias=_prefix(call.bias, filled),
                              dropout_mask=_prefix(call.dropout_mask, filled))
         kv_lengths: Tensor | None = start + lengths.to(q.device)
