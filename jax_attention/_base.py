@@ -8,6 +8,7 @@ Twin of ``torch_attention/_base.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple, cast
@@ -38,7 +39,6 @@ from attention_spec.validation import (
     segment_ids_pair,
 )
 from jax_attention import functional
-from jax_attention.masks import _raise_if
 
 
 def torch_linear_init(fan_in: int) -> Any:
@@ -97,6 +97,11 @@ class _Call(NamedTuple):
     segment_ids: Array | None = None  # int (B, T)
     kv_segment_ids: Array | None = None  # int (B, S)
     cache: Any = None  # functional.KVCache
+
+
+def _check_room(fullest: Any, *, new: int, max_len: int) -> None:
+    """``check_cache_room`` on the fill of a running jitted step (a host callback)."""
+    check_cache_room(int(fullest), new, max_len)
 
 
 def _head_slice(m: Array | None, i: int) -> Array | None:
@@ -246,7 +251,11 @@ class AttentionModule(nnx.Module):
         appended and x attending to every filled position, causally aligned at each
         example's fill.  The cache has a fixed shape, so a jitted decode step compiles
         once.  Raises ValueError/TypeError before any work and before any random draw
-        (under jit, running past ``max_len`` is a runtime error with the same text).
+        (under jit, running past ``max_len`` is a runtime error whose message holds the
+        same text; the caller's cache is left as it was, unless the step donates it:
+        ``donate_argnums`` hands the cache's buffers to the step before it runs, so after
+        a failed donated step they are deleted.  Before a donated step that may not fit,
+        check ``int(cache.lengths.max()) + T <= max_len`` eagerly, or do not donate).
         """
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
@@ -345,10 +354,10 @@ class AttentionModule(nnx.Module):
         )
         if cache is not None:
             fullest = jnp.max(cache.lengths)
-            if isinstance(fullest, jax.core.Tracer):  # under jit: a runtime error, same text
-                message = (f"the KV cache cannot take {seq} more of max_len={kv_seq} positions; "
-                           "init_cache with a larger max_len")
-                _raise_if(fullest + seq > kv_seq, message)
+            if isinstance(fullest, jax.core.Tracer):
+                # Under jit the fill is known when the step runs: the check runs then (a
+                # runtime error that carries the eager text, the fill included).
+                jax.debug.callback(functools.partial(_check_room, new=seq, max_len=kv_seq), fullest)
             else:
                 check_cache_room(int(fullest), seq, kv_seq)
         # An explicit path that cannot honour the options is refused here, not after the

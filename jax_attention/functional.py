@@ -1342,7 +1342,9 @@ class KVCache(NamedTuple):
     (B, Hkv, max_len, Dv), and lengths (B,), how many positions of each example are
     filled.  A pytree of fixed shape: a jitted decode step takes it and returns the next
     one, so one compilation serves every position.  ``AttentionModule.init_cache``
-    makes one; ``append_to_cache`` fills it."""
+    makes one; ``append_to_cache`` fills it.  A step that donates the cache
+    (``nnx.jit(..., donate_argnums=...)``) consumes it: the caller holds only the cache
+    it returns, none if the step fails (past ``max_len``: check the room before)."""
 
     key: Array
     value: Array
