@@ -627,6 +627,8 @@ def check_path(
     ``implementation`` that cannot honour these options, from the options alone: a
     module asks it before any work, a cached call before it writes its cache.  (An
     explicit path's refusals do not depend on the preference order of ``"auto"``.)"""
+    if implementation in ("auto", "reference"):
+        return  # they refuse nothing: "auto" falls back to the reference math
     resolve_implementation(
         implementation, preference=(), return_weights=return_weights, normalization=normalization,
         dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
