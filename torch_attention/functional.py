@@ -657,8 +657,11 @@ def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KV
     """Writes k (B, Hkv, T, D) and v at positions lengths .. lengths + T - 1 of each example
     and advances its fill by ``lengths`` (B,) (the valid tokens of this chunk; the rest,
     padding, is overwritten by the next call).  Written in place: the same tensors, with
-    the fill advanced, are returned.  The caller checks that T positions fit first
-    (``check_cache_room``), so a refused call leaves the cache as it was."""
+    the fill advanced, are returned.  The caller makes every check of the call first (a
+    module's ``_prepare``: that T positions fit, ``check_cache_room``, and that the path
+    can honour the call, ``check_path``), so a refused call leaves the cache as it was.
+    Autograd records the writes: a reader that keeps what it read across the next write
+    reads a copy (a module's cached step does, while autograd records)."""
     positions = cache.lengths[:, None] + torch.arange(k.shape[-2], device=k.device)  # (B, T)
     for store, new in ((cache.key, k), (cache.value, v)):
         where = positions[:, None, :, None].expand(*new.shape[:-1], new.shape[-1])
