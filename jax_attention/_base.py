@@ -8,6 +8,7 @@ Twin of ``torch_attention/_base.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple, cast
@@ -28,6 +29,9 @@ from attention_spec.registry import AttentionConfig, Projection, make_config
 from attention_spec.validation import (
     cache_unsupported_message,
     check_cache,
+    check_cache_call,
+    check_cache_context,
+    check_cache_dtype,
     check_cache_room,
     check_context,
     check_positive_int,
@@ -35,7 +39,6 @@ from attention_spec.validation import (
     segment_ids_pair,
 )
 from jax_attention import functional
-from jax_attention.masks import _raise_if
 
 
 def torch_linear_init(fan_in: int) -> Any:
@@ -94,6 +97,11 @@ class _Call(NamedTuple):
     segment_ids: Array | None = None  # int (B, T)
     kv_segment_ids: Array | None = None  # int (B, S)
     cache: Any = None  # functional.KVCache
+
+
+def _check_room(fullest: Any, *, new: int, max_len: int) -> None:
+    """``check_cache_room`` on the fill of a running jitted step (a host callback)."""
+    check_cache_room(int(fullest), new, max_len)
 
 
 def _head_slice(m: Array | None, i: int) -> Array | None:
@@ -243,11 +251,15 @@ class AttentionModule(nnx.Module):
         appended and x attending to every filled position, causally aligned at each
         example's fill.  The cache has a fixed shape, so a jitted decode step compiles
         once.  Raises ValueError/TypeError before any work and before any random draw
-        (under jit, running past ``max_len`` is a runtime error with the same text).
+        (under jit, running past ``max_len`` is a runtime error whose message holds the
+        same text; the caller's cache is left as it was, unless the step donates it:
+        ``donate_argnums`` hands the cache's buffers to the step before it runs, so after
+        a failed donated step they are deleted.  Before a donated step that may not fit,
+        check ``int(cache.lengths.max()) + T <= max_len`` eagerly, or do not donate).
         """
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache)
+                             cache=cache, return_weights=return_weights)
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
         if call.cache is not None:
             return self._run_cached(call, return_weights, key)
@@ -255,12 +267,16 @@ class AttentionModule(nnx.Module):
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
-        examples: zeros in ``dtype`` (None: the module's compute dtype)."""
+        examples: zeros in ``dtype`` (floating point; None: the module's compute dtype).
+        Raises TypeError for a dtype that is not floating point, ValueError for ``max_len``
+        beyond the module's ``context_length``."""
         spec = self.spec
         self._check_cacheable()
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_len", max_len)
+        check_cache_context(max_len, spec.context_length)
         dtype = jnp.dtype(self._compute_dtype() if dtype is None else dtype)
+        check_cache_dtype(dtype_name(dtype))
         shape = (batch_size, spec.kv_heads, max_len)
         return functional.KVCache(
             jnp.zeros((*shape, cast(int, spec.head_dim)), dtype),
@@ -287,8 +303,10 @@ class AttentionModule(nnx.Module):
         segment_ids: Any = None,
         kv_segment_ids: Any = None,
         cache: Any = None,
+        return_weights: bool = False,
     ) -> _Call:
-        """Every check of one call, before any work; the inputs batched and canonical."""
+        """Every check of one call, before any work (and before any random draw); the
+        inputs batched and canonical."""
         spec = self.spec
         deterministic = self._deterministic(deterministic)
         batched = check_input(x.shape, dtype_name(x.dtype), d_in=spec.d_in, context_length=spec.context_length)
@@ -300,7 +318,7 @@ class AttentionModule(nnx.Module):
             if t is not None:
                 width = spec.fan_in(role) if spec.projections() else x.shape[-1]
                 check_context(tuple(x.shape), tuple(t.shape), name, cast(int, width))
-                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype))
+                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype), name)
         if keys is not None and values is not None and keys.shape[-2] != values.shape[-2]:
             raise ValueError(
                 f"context key and value inputs must have the same length; got {tuple(keys.shape)} and "
@@ -309,12 +327,10 @@ class AttentionModule(nnx.Module):
         kv_seq = seq if keys is None else keys.shape[-2]
         if cache is not None:
             self._check_cacheable()
-            if context is not None:
-                raise ValueError("a cache is for self-attention decoding; context must be None")
-            if not batched:
-                raise ValueError(f"a call with a cache needs batched x (batch, len, d_in); got shape {tuple(x.shape)}")
+            check_cache_call(tuple(x.shape), batched=batched, has_context=context is not None)
             kv_seq = check_cache(functional.cache_fields(cache), batch, spec.kv_heads,
                                  cast(int, spec.head_dim), cast(int, spec.head_dim))
+            check_cache_context(kv_seq, spec.context_length)
         weights_shape = (batch, spec.num_heads, seq, kv_seq)
         # Checked against the input's own rank (a 4-d mask for unbatched input is refused),
         # then given the batch dimension.
@@ -338,12 +354,19 @@ class AttentionModule(nnx.Module):
         )
         if cache is not None:
             fullest = jnp.max(cache.lengths)
-            if isinstance(fullest, jax.core.Tracer):  # under jit: a runtime error, same text
-                message = (f"the KV cache cannot take {seq} more of max_len={kv_seq} positions; "
-                           "init_cache with a larger max_len")
-                _raise_if(fullest + seq > kv_seq, message)
+            if isinstance(fullest, jax.core.Tracer):
+                # Under jit the fill is known when the step runs: the check runs then (a
+                # runtime error that carries the eager text, the fill included).
+                jax.debug.callback(functools.partial(_check_room, new=seq, max_len=kv_seq), fullest)
             else:
                 check_cache_room(int(fullest), seq, kv_seq)
+        # An explicit path that cannot honour the options is refused here, not after the
+        # projections inside ``functional``.
+        functional.check_path(
+            implementation, dtype=x.dtype, return_weights=return_weights, normalization=spec.normalization,
+            dropout_active=not deterministic and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
+            softcap=spec.softcap,
+        )
         if not batched:
             x = x[None]  # (T, C) -> (1, T, C); masks broadcast from the right
             keys = None if keys is None else keys[None]

@@ -151,16 +151,23 @@ def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Array | No
     ``TypeError`` for non-integer values (floats, bools) and ``ValueError`` for another
     shape or, eagerly, a length outside [0, kv_len].  Under tracing (jit, vmap) the values
     are unknown and not checked: they are clipped to [0, kv_len], so a negative length
-    attends to nothing and one above kv_len to every key.
+    attends to nothing and one above kv_len to every key.  A list or tuple may hold traced
+    values (``[n, 5]`` with ``n`` traced); an empty list is batch 0's lengths.
     """
     if kv_lengths is None:
         return None
+    if isinstance(kv_lengths, (list, tuple)) and any(
+        isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(kv_lengths)
+    ):
+        kv_lengths = jnp.asarray(kv_lengths)  # NumPy cannot hold a traced value: JAX stacks them
     if not isinstance(kv_lengths, jax.Array):
         array = np.asarray(kv_lengths)
+        if array.size == 0 and isinstance(kv_lengths, (list, tuple)):
+            array = array.astype(np.int32)  # NumPy makes [] float64: it holds no value of that type
         check_kv_lengths_array(array.shape, array.dtype.name, batch)
         kv_lengths = array
     check_kv_lengths_array(kv_lengths.shape, dtype_name(kv_lengths.dtype), batch)
-    if not isinstance(kv_lengths, jax.core.Tracer):
+    if not isinstance(kv_lengths, jax.core.Tracer) and kv_lengths.size:  # batch 0: nothing to check
         # read with NumPy: inside a jit trace, even a concrete array's min() is staged out
         values = np.asarray(kv_lengths)
         check_kv_lengths_values(int(values.min()), int(values.max()), kv_len)
@@ -414,9 +421,8 @@ def dot_product_attention(
         normalization=normalization,
         dropout_active=not deterministic and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
-        fused_draws_dropout=False,
-        fused_blockers=((FUSED_FLOAT64_BLOCKER,) if q.dtype == jnp.float64 else ())
-        + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ()),
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT,
+        fused_blockers=_fused_blockers(q.dtype, softcap),
     )
     scale = resolve_scale(scale, q.shape[-1])
     q_len, kv_len = q.shape[-2], k.shape[-2]
@@ -1310,12 +1316,47 @@ def _blockwise(
     return out.reshape(*lead, q_len, v.shape[-1])
 
 
+# jax.nn.dot_product_attention (and the CPU kernel) cannot draw dropout.
+FUSED_DRAWS_DROPOUT = False
+
+
+def _fused_blockers(dtype: Any, softcap: float | None) -> tuple[str, ...]:
+    """What the fused kernels cannot honour beyond ``resolve_implementation``'s common list."""
+    return ((FUSED_FLOAT64_BLOCKER,) if dtype == jnp.float64 else ()) + (
+        (SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
+
+
+def check_path(
+    implementation: str,
+    *,
+    dtype: Any,
+    return_weights: bool,
+    normalization: str,
+    dropout_active: bool,
+    dropout_mask_given: bool,
+    softcap: float | None,
+) -> None:
+    """Raises the ``ValueError`` that ``dot_product_attention`` raises for an explicit
+    ``implementation`` that cannot honour these options, from the options alone: a
+    module asks it before any work, a cached call before it writes its cache.  (An
+    explicit path's refusals do not depend on the preference order of ``"auto"``.)"""
+    if implementation in ("auto", "reference"):
+        return  # they refuse nothing: "auto" falls back to the reference math
+    resolve_implementation(
+        implementation, preference=(), return_weights=return_weights, normalization=normalization,
+        dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT, fused_blockers=_fused_blockers(dtype, softcap),
+    )
+
+
 class KVCache(NamedTuple):
     """Keys and values of earlier positions for decoding: key (B, Hkv, max_len, D), value
     (B, Hkv, max_len, Dv), and lengths (B,), how many positions of each example are
     filled.  A pytree of fixed shape: a jitted decode step takes it and returns the next
     one, so one compilation serves every position.  ``AttentionModule.init_cache``
-    makes one; ``append_to_cache`` fills it."""
+    makes one; ``append_to_cache`` fills it.  A step that donates the cache
+    (``nnx.jit(..., donate_argnums=...)``) consumes it: the caller holds only the cache
+    it returns, none if the step fails (past ``max_len``: check the room before)."""
 
     key: Array
     value: Array

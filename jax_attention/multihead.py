@@ -81,7 +81,7 @@ class MultiHeadAttentionWrapper(AttentionModule):
     ) -> Array | tuple[Array, Array]:
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache)
+                             cache=cache, return_weights=return_weights)
         results = []
         for i, head in enumerate(cast(list[CausalAttention], self.heads)):
             head_call = call._replace(

@@ -468,6 +468,36 @@ CASES = [
         re.escape("MultiHeadAttentionWrapper has no KV cache"),
         mha_wrapper, lambda fw, m: m.init_cache(2, 6),
     ),
+    # ---- issue 24: cache and call checks
+    ErrorCase(
+        "cache-dtype-not-floating", TypeError,
+        re.escape("a KV cache must hold floating-point keys and values; got dtype int32"),
+        mha, lambda fw, m: m.init_cache(2, 6, dtype=fw.array(0, np.int32).dtype),
+    ),
+    ErrorCase(
+        "cache-max_len-past-context_length", ValueError,
+        re.escape("a KV cache of max_len=7 does not fit context_length 6: the module attends over at most "
+                  "context_length positions"),
+        mha, lambda fw, m: m.init_cache(2, 7),
+    ),
+    ErrorCase(
+        "cache-batch-0", ValueError,
+        re.escape("a call with a cache needs at least one example (init_cache takes batch_size >= 1); "
+                  "got x of shape (0, 5, 8)"),
+        mha, lambda fw, m: m(fw.randn(0, 5, 8), cache=m.init_cache(2, 6)),
+    ),
+    ErrorCase(
+        "cache-path-cannot-honour", ValueError,
+        re.escape("implementation='blockwise' cannot honour return_weights=True"),
+        mha, lambda fw, m: m(fw.randn(2, 1, 8), cache=m.init_cache(2, 6), implementation="blockwise",
+                             return_weights=True),
+    ),
+    ErrorCase(
+        "context-dtype-differs", TypeError,
+        re.escape("context key input has dtype float16 but the module computes in float32; "
+                  "cast context key input first"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), context=fw.array(np.zeros((2, 4, 8)), np.float16)),
+    ),
     ErrorCase(
         "window-not-a-pair", TypeError,
         re.escape("window must be None or a pair (left, right) of ints >= 0 or None; got 3"),

@@ -24,6 +24,9 @@ from attention_spec.registry import AttentionConfig, Projection, make_config
 from attention_spec.validation import (
     cache_unsupported_message,
     check_cache,
+    check_cache_call,
+    check_cache_context,
+    check_cache_dtype,
     check_cache_room,
     check_context,
     check_positive_int,
@@ -161,25 +164,29 @@ class AttentionModule(nn.Module):
         ``cache``: a ``KVCache`` from ``init_cache``: x's keys and values are appended to
         it (in place) and x attends to every cached position, causally aligned at each
         example's fill; returns ``(out, cache)`` (``(out, weights, cache)`` with
-        ``return_weights``).  Raises ValueError/TypeError before any work.
+        ``return_weights``).  Autograd differentiates through several cached steps.
+        Raises ValueError/TypeError before any work (and before the cache is written).
         """
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache)
+                             cache=cache, return_weights=return_weights)
         if call.cache is not None:
             return self._run_cached(call, return_weights)
         return self._unbatch(self._run(call, return_weights), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
-        examples: zeros, in ``dtype`` (None: the module's compute dtype), on the module's
-        device."""
+        examples: zeros, in ``dtype`` (floating point; None: the module's compute dtype),
+        on the module's device.  Raises TypeError for a dtype that is not floating point,
+        ValueError for ``max_len`` beyond the module's ``context_length``."""
         spec = self.spec
         self._check_cacheable()
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_len", max_len)
+        check_cache_context(max_len, spec.context_length)
         p = next(self.parameters())
         dtype = p.dtype if dtype is None else dtype
+        check_cache_dtype(dtype_name(dtype))
         shape = (batch_size, spec.kv_heads, max_len)
         return functional.KVCache(
             torch.zeros(*shape, cast(int, spec.head_dim), dtype=dtype, device=p.device),
@@ -209,8 +216,11 @@ class AttentionModule(nn.Module):
         segment_ids: Any = None,
         kv_segment_ids: Any = None,
         cache: Any = None,
+        return_weights: bool = False,
     ) -> _Call:
-        """Every check of one call, before any work; the inputs batched and canonical."""
+        """Every check of one call, before any work (a cached call's included: nothing
+        after these raises for the call's input, so a refused call never writes its cache);
+        the inputs batched and canonical."""
         spec = self.spec
         batched = check_input(x.shape, dtype_name(x.dtype), d_in=spec.d_in, context_length=spec.context_length)
         check_compute_dtype(dtype_name(x.dtype), self._compute_dtype())
@@ -221,7 +231,7 @@ class AttentionModule(nn.Module):
             if t is not None:
                 width = spec.fan_in(role) if spec.projections() else x.shape[-1]
                 check_context(tuple(x.shape), tuple(t.shape), name, cast(int, width))
-                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype))
+                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype), name)
         if keys is not None and values is not None and keys.shape[-2] != values.shape[-2]:
             raise ValueError(
                 f"context key and value inputs must have the same length; got {tuple(keys.shape)} and "
@@ -230,12 +240,10 @@ class AttentionModule(nn.Module):
         kv_seq = seq if keys is None else keys.shape[-2]
         if cache is not None:
             self._check_cacheable()
-            if context is not None:
-                raise ValueError("a cache is for self-attention decoding; context must be None")
-            if not batched:
-                raise ValueError(f"a call with a cache needs batched x (batch, len, d_in); got shape {tuple(x.shape)}")
+            check_cache_call(tuple(x.shape), batched=batched, has_context=context is not None)
             max_len = check_cache(functional.cache_fields(cache), batch, spec.kv_heads,
                                   cast(int, spec.head_dim), self._value_head_dim())
+            check_cache_context(max_len, spec.context_length)
             kv_seq = max_len
         weights_shape = (batch, spec.num_heads, seq, kv_seq)
         # Checked against the input's own rank (a 4-d mask for unbatched input is refused),
@@ -261,6 +269,13 @@ class AttentionModule(nn.Module):
         if cache is not None:
             index = cache.lengths
             check_cache_room(int(index.max()), seq, kv_seq)
+        # An explicit path that cannot honour the options is refused here, not after the
+        # projections (and, with a cache, after the write) inside ``functional``.
+        functional.check_path(
+            implementation, dtype=x.dtype, return_weights=return_weights, normalization=spec.normalization,
+            dropout_active=self.training and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
+            softcap=spec.softcap,
+        )
         if not batched:
             x = x.unsqueeze(0)  # (T, C) -> (1, T, C); masks broadcast from the right
             keys = None if keys is None else keys.unsqueeze(0)
@@ -316,6 +331,11 @@ class AttentionModule(nn.Module):
         # keeps max_len, the fixed shape that lets one compilation serve every step).
         filled = int(cache.lengths.max())
         keys, values = cache.key[:, :, :filled].to(q.dtype), cache.value[:, :, :filled].to(q.dtype)
+        if keys.requires_grad or values.requires_grad:
+            # Autograd saves what the attention reads; the next step writes the cache in
+            # place, so this step reads a copy (gradients still reach every written k and v
+            # through the in-place writes, as through the twin's functional update).
+            keys, values = keys.clone(), values.clone()
         call = call._replace(mask=_prefix(call.mask, filled), bias=_prefix(call.bias, filled),
                              dropout_mask=_prefix(call.dropout_mask, filled))
         kv_lengths: Tensor | None = start + lengths.to(q.device)

@@ -133,16 +133,20 @@ def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Tensor | N
     Accepts None, a Python int (one length for every example), a list/tuple of ints, a
     NumPy integer array, or an integer tensor of shape () or (batch,).  Raises
     ``TypeError`` for non-integer values (floats, bools) and ``ValueError`` for another
-    shape or a length outside [0, kv_len] (values are read, so on a GPU this syncs).
+    shape or a length outside [0, kv_len] (values are read, so on a GPU this syncs).  An
+    empty list is batch 0's lengths.
     """
     if kv_lengths is None:
         return None
     if not isinstance(kv_lengths, Tensor):
         array = np.asarray(kv_lengths)
+        if array.size == 0 and isinstance(kv_lengths, (list, tuple)):
+            array = array.astype(np.int64)  # NumPy makes [] float64: it holds no value of that type
         check_kv_lengths_array(array.shape, array.dtype.name, batch)
         kv_lengths = torch.as_tensor(array)
     check_kv_lengths_array(tuple(kv_lengths.shape), dtype_name(kv_lengths.dtype), batch)
-    check_kv_lengths_values(int(kv_lengths.min()), int(kv_lengths.max()), kv_len)
+    if kv_lengths.numel():  # batch 0 has no lengths to check
+        check_kv_lengths_values(int(kv_lengths.min()), int(kv_lengths.max()), kv_len)
     return kv_lengths.to(torch.int64).reshape(-1).expand(batch)
 
 
@@ -356,9 +360,8 @@ def dot_product_attention(
         normalization=normalization,
         dropout_active=training and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
-        fused_draws_dropout=True,
-        fused_blockers=((FUSED_FLOAT64_BLOCKER,) if q.dtype == torch.float64 else ())
-        + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ()),
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT,
+        fused_blockers=_fused_blockers(q.dtype, softcap),
     )
     if bias is not None:
         bias = bias.to(q.device)
@@ -600,6 +603,39 @@ def _query_block(
     return torch.matmul(weights, v)
 
 
+# SDPA draws dropout itself (JAX's fused kernel cannot).
+FUSED_DRAWS_DROPOUT = True
+
+
+def _fused_blockers(dtype: torch.dtype, softcap: float | None) -> tuple[str, ...]:
+    """What SDPA cannot honour beyond ``resolve_implementation``'s common list."""
+    return ((FUSED_FLOAT64_BLOCKER,) if dtype == torch.float64 else ()) + (
+        (SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
+
+
+def check_path(
+    implementation: str,
+    *,
+    dtype: torch.dtype,
+    return_weights: bool,
+    normalization: str,
+    dropout_active: bool,
+    dropout_mask_given: bool,
+    softcap: float | None,
+) -> None:
+    """Raises the ``ValueError`` that ``dot_product_attention`` raises for an explicit
+    ``implementation`` that cannot honour these options, from the options alone: a
+    module asks it before any work, a cached call before it writes its cache.  (An
+    explicit path's refusals do not depend on the preference order of ``"auto"``.)"""
+    if implementation in ("auto", "reference"):
+        return  # they refuse nothing: "auto" falls back to the reference math
+    resolve_implementation(
+        implementation, preference=(), return_weights=return_weights, normalization=normalization,
+        dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT, fused_blockers=_fused_blockers(dtype, softcap),
+    )
+
+
 class KVCache(NamedTuple):
     """Keys and values of earlier positions for decoding: key (B, Hkv, max_len, D), value
     (B, Hkv, max_len, Dv), and lengths (B,), how many positions of each example are
@@ -621,8 +657,11 @@ def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KV
     """Writes k (B, Hkv, T, D) and v at positions lengths .. lengths + T - 1 of each example
     and advances its fill by ``lengths`` (B,) (the valid tokens of this chunk; the rest,
     padding, is overwritten by the next call).  Written in place: the same tensors, with
-    the fill advanced, are returned.  The caller checks that T positions fit first
-    (``check_cache_room``), so a refused call leaves the cache as it was."""
+    the fill advanced, are returned.  The caller makes every check of the call first (a
+    module's ``_prepare``: that T positions fit, ``check_cache_room``, and that the path
+    can honour the call, ``check_path``), so a refused call leaves the cache as it was.
+    Autograd records the writes: a reader that keeps what it read across the next write
+    reads a copy (a module's cached step does, while autograd records)."""
     positions = cache.lengths[:, None] + torch.arange(k.shape[-2], device=k.device)  # (B, T)
     for store, new in ((cache.key, k), (cache.value, v)):
         where = positions[:, None, :, None].expand(*new.shape[:-1], new.shape[-1])

@@ -66,7 +66,8 @@ class MultiHeadAttentionWrapper(AttentionModule):
         cache: Any = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias, context=context,
-                             segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache)
+                             segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
+                             return_weights=return_weights)
         results = [
             cast(CausalAttention, head)._run(
                 call._replace(mask=_head_slice(call.mask, i), dropout_mask=_head_slice(call.dropout_mask, i),
