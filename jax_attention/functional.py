@@ -133,6 +133,13 @@ def canonical_bias(bias: Any, weights_shape: tuple[int, ...]) -> Array | None:
     return _expand_to(bias, len(weights_shape))
 
 
+def _bias_allows(bias: Array) -> Array:
+    """bool, the bias's shape: False where the bias is -inf.  Such an entry blocks its key
+    exactly as a mask does (weight 0, a row blocked throughout gets zeros, gradients
+    finite); left to the softmax, a row of -inf would give 0/0 = NaN."""
+    return bias != -jnp.inf
+
+
 def _adjust(scores: Array, bias: Array | None, softcap: float | None) -> Array:
     """Scaled scores -> ``softcap * tanh(s / softcap)``, then ``+ bias`` (in the scores'
     compute dtype: a half-precision bias is added in float32)."""
@@ -277,6 +284,8 @@ def attention_weights(
     scale = resolve_scale(scale, q.shape[-1])
     raw = _raw_scores(q, k, precision)
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], raw.ndim)
+    if bias is not None:  # a -inf entry blocks its key
+        mask = combine_masks(mask, _expand_to(_bias_allows(bias), raw.ndim))
     if normalization == "sum":
         return normalize_scores(_adjust(raw * scale, bias, softcap), mask, normalization=normalization)
     check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
@@ -336,7 +345,9 @@ def dot_product_attention(
         ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
       bias: float, broadcastable to (..., T, S), added to the scores (after scaling and
-        soft-capping, before masking; differentiable).  A blocked key stays blocked.
+        soft-capping, before masking; differentiable).  A blocked key stays blocked, and
+        a ``-inf`` entry blocks its key as a mask does: weight 0, zeros for a row that is
+        ``-inf`` (or masked) throughout, finite gradients (zero for the ``-inf`` entries).
       softcap: None (off) or c > 0: the scaled scores become ``c * tanh(s / c)`` before
         the bias and the mask (Gemma 2's order).  The fused path refuses it
         (``jax.nn.dot_product_attention`` has no soft-capping on XLA); ``"auto"`` then
@@ -420,6 +431,8 @@ def dot_product_attention(
     # a static offset and the window stay structural where a path can use them.
     if segments is not None:
         mask = combine_masks(mask, segments)
+    if bias is not None:  # a -inf entry blocks its key, as a mask does (``_bias_allows``)
+        mask = combine_masks(mask, _bias_allows(bias))
     structural = path == "blockwise" or (path == "fused" and cpu_kernel)
     if not isinstance(offset, int) or (not structural and (window is not None or (causal and offset))):
         mask = combine_masks(mask, _band(q_len, kv_len, offset, causal, window, q.ndim))
@@ -596,6 +609,9 @@ def _fused(
         empty = (kv_lengths > 0).reshape((-1,) + (1,) * (q.ndim - 1))
         live = empty if live is None else live & empty
     if bias is not None:  # (B, H, T, S), added by the kernel to the scaled scores
+        # Its -inf entries are in the mask already (``_bias_allows``): 0 in their place
+        # keeps a row that attends to everything (see above) finite, its gradient too.
+        bias = jnp.where(_bias_allows(bias), bias, jnp.zeros((), bias.dtype))
         bias = jnp.broadcast_to(bias, (*q.shape[:-2], q.shape[-2], k.shape[-2]))
         bias = bias.reshape(batch, heads, q.shape[-2], k.shape[-2])
     if (jax.default_backend() == "tpu" and dense is None and bias is None and kv_lengths is None
