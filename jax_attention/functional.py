@@ -1129,9 +1129,11 @@ def _tile_logits(st: _FlashStatic, q_b: Array, k_t: Array, v_t: Array, bias: Arr
     return raw, z, z_scale, k_t, v_t
 
 
-def _pad_to(a: Array, size: int, axis: int, value: Any = 0) -> Array:
-    """``a`` padded with ``value`` to ``size`` along ``axis`` (a size-1 axis broadcasts and stays)."""
-    if a.shape[axis] in (1, size):
+def _pad_to(a: Array, size: int, axis: int, value: Any = 0, *, broadcast: bool = True) -> Array:
+    """``a`` padded with ``value`` to ``size`` along ``axis``.  With ``broadcast`` (a mask or a
+    bias) a size-1 axis broadcasts and stays; without (q, k, v and per-row statistics) it
+    is one row like any other: a single query (a decoding step) is padded to the tile."""
+    if a.shape[axis] == size or (broadcast and a.shape[axis] == 1):
         return a
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, size - a.shape[axis])
@@ -1144,8 +1146,8 @@ def _tiled_operands(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array 
     rows, keys = st.tile  # type: ignore[misc]
     t_pad, s_pad = -(-st.q_len // rows) * rows, -(-st.kv_len // keys) * keys
     ct = _compute_dtype(q.dtype)
-    q_p = _pad_to(q.astype(ct), t_pad, 0)
-    k_p, v_p = _pad_to(k.astype(ct), s_pad, 0), _pad_to(v.astype(ct), s_pad, 0)
+    q_p = _pad_to(q.astype(ct), t_pad, 0, broadcast=False)
+    k_p, v_p = (_pad_to(t.astype(ct), s_pad, 0, broadcast=False) for t in (k, v))
     if bias is not None:
         bias = _pad_to(_pad_to(bias.astype(ct), t_pad, 0), s_pad, 1)
     if mask is not None:
@@ -1211,8 +1213,8 @@ def _tiled_backward(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any
     q_p, k_p, v_p, bias_p, mask_p = _tiled_operands(st, q, k, v, bias, mask)
     ct, t_pad = q_p.dtype, q_p.shape[0]
     do = d_out.astype(ct)
-    delta = _pad_to((do * out_c).sum(axis=-1, keepdims=True), t_pad, 0)
-    do, row_max, row_sum = _pad_to(do, t_pad, 0), _pad_to(row_max, t_pad, 0), _pad_to(row_sum, t_pad, 0)
+    delta = _pad_to((do * out_c).sum(axis=-1, keepdims=True), t_pad, 0, broadcast=False)
+    do, row_max, row_sum = (_pad_to(t, t_pad, 0, broadcast=False) for t in (do, row_max, row_sum))
 
     def query_block(i: Array, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         r0 = (i * rows).astype(jnp.int32)
