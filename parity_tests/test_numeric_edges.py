@@ -26,7 +26,7 @@ from parity_tests.tolerances import ORACLE
 FRAMEWORKS = [pytest.param("torch", marks=needs_torch), pytest.param("jax", marks=needs_jax)]
 PATHS = ("reference", "blockwise", "fused", "auto")
 # |<grad, u> - central difference of the oracle| <= GRAD_RTOL * (sum |grad_i u_i| + |difference|):
-# float32 autograd against float64 differences (measured <= 3e-7 here).
+# float32 autograd against float64 differences (measured <= 3.6e-8 here, 2026-11-25).
 GRAD_RTOL = 1e-5
 EPS = 1e-6
 
