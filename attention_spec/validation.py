@@ -8,6 +8,7 @@ them with ``tuple(x.shape)`` and ``dtype_name(x.dtype)``.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 Shape = tuple[int, ...]
@@ -65,10 +66,18 @@ def check_dropout_rate(rate: Any) -> float:
     return float(rate)
 
 
+def _is_real(value: Any) -> bool:
+    """A Python or NumPy real number (``np.float32(0.5)``, ``np.int64(2)``), not a bool
+    (``np.bool_`` is no ``numbers.Real``) and not an array."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_scale(scale: Any) -> float | None:
+    """``scale``: None, or a positive finite number (a NumPy scalar included); returns a
+    Python float.  Raises TypeError (not a number, or a bool) or ValueError."""
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not _is_real(scale):
         raise TypeError(f"scale must be None or a float; got {type(scale).__name__} {scale!r}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be None or a positive finite number; got {scale}")
@@ -484,10 +493,11 @@ def check_bias(shape: Any, dtype: str, target: Any) -> None:
 
 
 def check_softcap(softcap: Any) -> float | None:
-    """``softcap``: None (off) or a positive finite float.  Raises ValueError."""
+    """``softcap``: None (off) or a positive finite number (a NumPy scalar included);
+    returns a Python float.  Raises ValueError."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not (
+    if not _is_real(softcap) or not (
         math.isfinite(softcap) and softcap > 0
     ):
         raise ValueError(f"softcap must be None or a positive finite float; got {softcap!r}")
@@ -522,7 +532,11 @@ def check_alignment(value: Any) -> str:
 
 
 def _is_int(value: Any) -> bool:
-    return not isinstance(value, bool) and hasattr(value, "__index__") and not hasattr(value, "shape")
+    """A Python or NumPy integer (``np.int64(2)``), or another integer-like scalar; not a
+    bool and not an array (a NumPy scalar has a shape, (), but is ``numbers.Integral``)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral) or (hasattr(value, "__index__") and not hasattr(value, "shape"))
 
 
 def check_window(window: Any) -> tuple[int | None, int | None] | None:

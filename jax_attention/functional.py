@@ -133,6 +133,13 @@ def canonical_bias(bias: Any, weights_shape: tuple[int, ...]) -> Array | None:
     return _expand_to(bias, len(weights_shape))
 
 
+def _bias_allows(bias: Array) -> Array:
+    """bool, the bias's shape: False where the bias is -inf.  Such an entry blocks its key
+    exactly as a mask does (weight 0, a row blocked throughout gets zeros, gradients
+    finite); left to the softmax, a row of -inf would give 0/0 = NaN."""
+    return bias != -jnp.inf
+
+
 def _adjust(scores: Array, bias: Array | None, softcap: float | None) -> Array:
     """Scaled scores -> ``softcap * tanh(s / softcap)``, then ``+ bias`` (in the scores'
     compute dtype: a half-precision bias is added in float32)."""
@@ -284,6 +291,8 @@ def attention_weights(
     scale = resolve_scale(scale, q.shape[-1])
     raw = _raw_scores(q, k, precision)
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], raw.ndim)
+    if bias is not None:  # a -inf entry blocks its key
+        mask = combine_masks(mask, _expand_to(_bias_allows(bias), raw.ndim))
     if normalization == "sum":
         return normalize_scores(_adjust(raw * scale, bias, softcap), mask, normalization=normalization)
     check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
@@ -343,7 +352,9 @@ def dot_product_attention(
         ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
       bias: float, broadcastable to (..., T, S), added to the scores (after scaling and
-        soft-capping, before masking; differentiable).  A blocked key stays blocked.
+        soft-capping, before masking; differentiable).  A blocked key stays blocked, and
+        a ``-inf`` entry blocks its key as a mask does: weight 0, zeros for a row that is
+        ``-inf`` (or masked) throughout, finite gradients (zero for the ``-inf`` entries).
       softcap: None (off) or c > 0: the scaled scores become ``c * tanh(s / c)`` before
         the bias and the mask (Gemma 2's order).  The fused path refuses it
         (``jax.nn.dot_product_attention`` has no soft-capping on XLA); ``"auto"`` then
@@ -430,6 +441,8 @@ def dot_product_attention(
     # a static offset and the window stay structural where a path can use them.
     if segments is not None:
         mask = combine_masks(mask, segments)
+    if bias is not None:  # a -inf entry blocks its key, as a mask does (``_bias_allows``)
+        mask = combine_masks(mask, _bias_allows(bias))
     structural = path == "blockwise" or (path == "fused" and cpu_kernel)
     if not isinstance(offset, int) or (not structural and (window is not None or (causal and offset))):
         mask = combine_masks(mask, _band(q_len, kv_len, offset, causal, window, q.ndim))
@@ -606,6 +619,9 @@ def _fused(
         empty = (kv_lengths > 0).reshape((-1,) + (1,) * (q.ndim - 1))
         live = empty if live is None else live & empty
     if bias is not None:  # (B, H, T, S), added by the kernel to the scaled scores
+        # Its -inf entries are in the mask already (``_bias_allows``): 0 in their place
+        # keeps a row that attends to everything (see above) finite, its gradient too.
+        bias = jnp.where(_bias_allows(bias), bias, jnp.zeros((), bias.dtype))
         bias = jnp.broadcast_to(bias, (*q.shape[:-2], q.shape[-2], k.shape[-2]))
         bias = bias.reshape(batch, heads, q.shape[-2], k.shape[-2])
     if (jax.default_backend() == "tpu" and dense is None and bias is None and kv_lengths is None
@@ -1129,9 +1145,11 @@ def _tile_logits(st: _FlashStatic, q_b: Array, k_t: Array, v_t: Array, bias: Arr
     return raw, z, z_scale, k_t, v_t
 
 
-def _pad_to(a: Array, size: int, axis: int, value: Any = 0) -> Array:
-    """``a`` padded with ``value`` to ``size`` along ``axis`` (a size-1 axis broadcasts and stays)."""
-    if a.shape[axis] in (1, size):
+def _pad_to(a: Array, size: int, axis: int, value: Any = 0, *, broadcast: bool = True) -> Array:
+    """``a`` padded with ``value`` to ``size`` along ``axis``.  With ``broadcast`` (a mask or a
+    bias) a size-1 axis broadcasts and stays; without (q, k, v and per-row statistics) it
+    is one row like any other: a single query (a decoding step) is padded to the tile."""
+    if a.shape[axis] == size or (broadcast and a.shape[axis] == 1):
         return a
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, size - a.shape[axis])
@@ -1144,8 +1162,8 @@ def _tiled_operands(st: _FlashStatic, q: Array, k: Array, v: Array, bias: Array 
     rows, keys = st.tile  # type: ignore[misc]
     t_pad, s_pad = -(-st.q_len // rows) * rows, -(-st.kv_len // keys) * keys
     ct = _compute_dtype(q.dtype)
-    q_p = _pad_to(q.astype(ct), t_pad, 0)
-    k_p, v_p = _pad_to(k.astype(ct), s_pad, 0), _pad_to(v.astype(ct), s_pad, 0)
+    q_p = _pad_to(q.astype(ct), t_pad, 0, broadcast=False)
+    k_p, v_p = (_pad_to(t.astype(ct), s_pad, 0, broadcast=False) for t in (k, v))
     if bias is not None:
         bias = _pad_to(_pad_to(bias.astype(ct), t_pad, 0), s_pad, 1)
     if mask is not None:
@@ -1211,8 +1229,8 @@ def _tiled_backward(st: _FlashStatic, residuals: Any, d_out: Array) -> tuple[Any
     q_p, k_p, v_p, bias_p, mask_p = _tiled_operands(st, q, k, v, bias, mask)
     ct, t_pad = q_p.dtype, q_p.shape[0]
     do = d_out.astype(ct)
-    delta = _pad_to((do * out_c).sum(axis=-1, keepdims=True), t_pad, 0)
-    do, row_max, row_sum = _pad_to(do, t_pad, 0), _pad_to(row_max, t_pad, 0), _pad_to(row_sum, t_pad, 0)
+    delta = _pad_to((do * out_c).sum(axis=-1, keepdims=True), t_pad, 0, broadcast=False)
+    do, row_max, row_sum = (_pad_to(t, t_pad, 0, broadcast=False) for t in (do, row_max, row_sum))
 
     def query_block(i: Array, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         r0 = (i * rows).astype(jnp.int32)

@@ -9,8 +9,10 @@ width; L = S / N (and T / N) is what one of the N devices of the ring holds.
 
 How the ring works.  Each device keeps its L queries and starts with its own L keys and
 values, packed as one (B, Hkv, L, D + Dv) array.  At each of N steps it attends its queries
-to the chunk it holds, folding the scores into an online softmax (running row maximum
-``m``, running sum ``l`` and accumulator, in float32, float64 for float64 inputs), then
+to the chunk it holds, folding the scores into an online softmax (running maximum ``m``
+of the unscaled scores s, running sum ``l`` of exp((s - m) * scale) and accumulator, in
+float32, float64 for float64 inputs: the scale comes after the subtraction, as on every
+path of ``functional``, so logits of 1e10 stay exact), then
 passes the chunk to the next device with one ``jax.lax.ppermute``: N - 1 permutes in the
 forward, and every device holds one foreign chunk at a time.  Causal masking and
 ``kv_lengths`` use the chunks' global positions (top-left aligned, as everywhere in this
@@ -18,7 +20,7 @@ library); a pair of chunks that the causal mask hides entirely is skipped with
 ``lax.cond``.  A query that may attend to nothing gets a zero row.
 
 The backward (``jax.custom_vjp``, flash-attention-2 style) keeps only the inputs, the
-output and the row log-sum-exp: it runs the ring again, recomputing each block's
+output and each row's m and l: it runs the ring again, recomputing each block's
 probabilities, adding to dq locally and to dk/dv that travel with their chunk (k, v, dk and
 dv side by side, one permute a step), and a last permute brings every dk/dv home: N
 permutes in the backward.
@@ -160,13 +162,13 @@ def _ring_function(ring: _Ring) -> Any:
     def attend(q: Array, k: Array, v: Array, lengths: Array) -> Array:
         return _forward(ring, q, k, v, lengths)[0]
 
-    def forward(q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, tuple[Array, ...]]:
-        out, lse = _forward(ring, q, k, v, lengths)
-        return out, (q, k, v, lengths, out, lse)
+    def forward(q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, tuple[Any, ...]]:
+        out, stats = _forward(ring, q, k, v, lengths)
+        return out, (q, k, v, lengths, out, stats)
 
-    def backward(residuals: tuple[Array, ...], d_out: Array) -> tuple[Any, ...]:
-        q, k, v, lengths, out, lse = residuals
-        dq, dk, dv = _backward(ring, q, k, v, lengths, out, lse, d_out)
+    def backward(residuals: tuple[Any, ...], d_out: Array) -> tuple[Any, ...]:
+        q, k, v, lengths, out, stats = residuals
+        dq, dk, dv = _backward(ring, q, k, v, lengths, out, stats, d_out)
         return dq, dk, dv, None  # lengths: integers, no cotangent
 
     attend.defvjp(forward, backward)
@@ -233,14 +235,20 @@ def _mm(a: Array, b: Array) -> Array:
     return jnp.matmul(a, b, precision="highest")
 
 
-def _scores(ring: _Ring, q: Array, k: Array) -> Array:
-    """(B, H, Tq, Tk) scaled scores of q (B, H, Tq, D) against k (B, Hkv, Tk, D)."""
-    return ungroup_rows(_mm(group_rows(q, k.shape[1]), jnp.swapaxes(k, -2, -1)), q.shape[1]) * ring.scale
+def _scores(q: Array, k: Array) -> Array:
+    """(B, H, Tq, Tk) unscaled scores of q (B, H, Tq, D) against k (B, Hkv, Tk, D).  The
+    softmax exponentiates ``(s - max) * scale`` with the maximum of these, as every path
+    of ``functional`` does: XLA fuses ``s * scale - max`` into one instruction whose
+    rounding differs from the maximum's, which turns logits of 1e10 into inf and NaN."""
+    return ungroup_rows(_mm(group_rows(q, k.shape[1]), jnp.swapaxes(k, -2, -1)), q.shape[1])
 
 
-def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, Array]:
-    """One device's forward: out (B, H, L, Dv) in v's dtype, and the row log-sum-exp
-    (B, H, L) in the compute dtype (0 for a row with nothing to attend to)."""
+def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, tuple[Array, Array]]:
+    """One device's forward: out (B, H, L, Dv) in v's dtype, and the row statistics
+    (B, H, L) in the compute dtype: the maximum of the unscaled scores (0 for a row with
+    nothing to attend to) and the sum of exp((s - max) * scale) (0 there).  Kept apart,
+    not as one log-sum-exp: at logits of 1e10 the sum's logarithm is below the maximum's
+    float32 spacing and would be lost."""
     ct = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     width = k.shape[-1]
     me = jax.lax.axis_index(ring.axis_name)
@@ -263,12 +271,14 @@ def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple
                 states[a] = _unless_hidden(ring, q_chunk, k_chunk, update, states[a])
         if step < ring.size - 1:
             kv = jax.lax.ppermute(kv, ring.axis_name, _next(ring))
-    outs, lses = [], []
+    outs, maxes, sums = [], [], []
     for m, row_sum, acc in states:
         live = row_sum > 0
         outs.append(acc / jnp.where(live, row_sum, 1.0)[..., None])
-        lses.append(jnp.where(live, m + jnp.log(jnp.where(live, row_sum, 1.0)), 0.0))
-    return jnp.concatenate(outs, axis=2).astype(v.dtype), jnp.concatenate(lses, axis=2)
+        maxes.append(jnp.where(live, m, 0.0))
+        sums.append(row_sum)
+    stats = (jnp.concatenate(maxes, axis=2), jnp.concatenate(sums, axis=2))
+    return jnp.concatenate(outs, axis=2).astype(v.dtype), stats
 
 
 def _fold(
@@ -282,14 +292,14 @@ def _fold(
     def one_block(carry: tuple[Array, Array, Array], xs: tuple[Array, Array]) -> Any:
         m, row_sum, acc = carry
         kv_blk, pos = xs
-        scores = _scores(ring, q, kv_blk[..., :width])
+        scores = _scores(q, kv_blk[..., :width])  # unscaled: m is their maximum
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             scores = jnp.where(allowed, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing yet stays at 0
-        p = jnp.exp(scores - shift[..., None])
-        correction = jnp.exp(m - shift)
+        p = jnp.exp((scores - shift[..., None]) * ring.scale)
+        correction = jnp.exp((m - shift) * ring.scale)
         row_sum = row_sum * correction + p.sum(axis=-1)
         mixed = ungroup_rows(_mm(group_rows(p, kv_blk.shape[1]), kv_blk[..., width:]), p.shape[1])
         acc = acc * correction[..., None] + mixed
@@ -300,16 +310,21 @@ def _fold(
 
 
 def _backward(
-    ring: _Ring, q: Array, k: Array, v: Array, lengths: Array, out: Array, lse: Array, d_out: Array
+    ring: _Ring, q: Array, k: Array, v: Array, lengths: Array, out: Array, stats: tuple[Array, Array],
+    d_out: Array,
 ) -> tuple[Array, Array, Array]:
-    """One device's backward: dq, dk, dv for its own q, k, v (in their dtypes)."""
-    ct = lse.dtype
+    """One device's backward: dq, dk, dv for its own q, k, v (in their dtypes), from the
+    forward's row statistics (maximum, sum)."""
+    row_max, row_sum = stats
+    ct = row_max.dtype
+    inv_sum = 1.0 / jnp.where(row_sum > 0, row_sum, 1.0)
     width = k.shape[-1]
     me = jax.lax.axis_index(ring.axis_name)
     q_chunks = piece_chunks(me, ring.size, ring.layout)
     d_out = d_out.astype(ct)
     delta = (d_out * out.astype(ct)).sum(axis=-1)  # (B, H, L): rowsum(dO * O)
-    rows = list(zip(*(_pieces(t, ring.q_piece) for t in (q.astype(ct), d_out, lse[..., None], delta[..., None])),
+    rows = list(zip(*(_pieces(t, ring.q_piece)
+                      for t in (q.astype(ct), d_out, row_max[..., None], inv_sum[..., None], delta[..., None])),
                     strict=True))
     d_queries = [jnp.zeros_like(r[0]) for r in rows]
     kv = _without_padding(ring, jnp.concatenate([k, v], axis=-1), me, lengths).astype(ct)
@@ -336,23 +351,24 @@ def _backward(
 
 
 def _grads(
-    ring: _Ring, grads: tuple[Array, Array], *, row: tuple[Array, Array, Array, Array], kv: Array, width: int,
+    ring: _Ring, grads: tuple[Array, Array], *, row: tuple[Array, ...], kv: Array, width: int,
     q_pos: Array, k_pos: Array, lengths: Array,
 ) -> tuple[Array, Array]:
     """``grads`` = (dq (B, H, Tq, D), d_kv (B, Hkv, Tk, D + Dv)), each plus the part from
-    queries ``row`` (q, dO, lse, delta) attending to kv (B, Hkv, Tk, D + Dv), the
-    probabilities recomputed."""
+    queries ``row`` (q, dO, row max, 1 / row sum, delta) attending to kv (B, Hkv, Tk, D + Dv),
+    the probabilities recomputed as the forward formed them."""
     dq, d_kv = grads
-    q, d_out, lse, delta = row
+    q, d_out, row_max, inv_sum, delta = row
     block = _key_blocks(kv.shape[2])
 
     def one_block(dq: Array, xs: tuple[Array, Array]) -> tuple[Array, Array]:
         kv_blk, pos = xs
         k_blk, v_blk = kv_blk[..., :width], kv_blk[..., width:]
-        p = jnp.exp(_scores(ring, q, k_blk) - lse)  # (B, H, Tq, block)
+        scores = _scores(q, k_blk)  # (B, H, Tq, block), unscaled
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
-            p = jnp.where(allowed, p, 0.0)
+            scores = jnp.where(allowed, scores, -jnp.inf)
+        p = jnp.exp((scores - row_max) * ring.scale) * inv_sum
         kv_heads, heads = kv_blk.shape[1], q.shape[1]  # a group's rows sum into its key/value head
         dv = _mm(jnp.swapaxes(group_rows(p, kv_heads), -2, -1), group_rows(d_out, kv_heads))
         d_p = ungroup_rows(_mm(group_rows(d_out, kv_heads), jnp.swapaxes(v_blk, -2, -1)), heads)

@@ -38,7 +38,8 @@ def attention(
     """q (..., T, D), k (..., S, D), v (..., S, Dv) -> out (..., T, Dv), weights (..., T, S).
 
     Each visible score is ``s = q.k * scale``, then ``softcap * tanh(s / softcap)``, then
-    ``+ bias[..., i, j]`` (bias broadcastable to the weights), as in Gemma 2.
+    ``+ bias[..., i, j]`` (bias broadcastable to the weights), as in Gemma 2.  A ``-inf``
+    bias entry blocks its key exactly as the mask does (a row blocked throughout: zeros).
 
     ``keep`` (bool, broadcastable to the weights) applies dropout: kept weights are
     scaled by 1/(1 - rate), the others become 0.
@@ -84,6 +85,8 @@ def attention(
                     or (left is not None and p - j > left)
                     or (seg_q is not None and seg_k is not None and seg_q[idx[0], i] != seg_k[idx[0], j])
                 )
+                # a -inf bias entry blocks its key as a mask does (the library's rule)
+                blocked = blocked or (bias_b is not None and bias_b[idx + (i, j)] == -math.inf)
                 if blocked or not allowed[idx + (i, j)]:
                     scores.append(None)  # blocked
                 else:

@@ -8,7 +8,8 @@ report.
   unsharded step (1e-6, float32): loss, output, gradients, parameters after SGD.
 - Ring attention, JAX (2, 4, 8 devices) and PyTorch (2, 4 processes, the default group
   and subgroups): forward and gradients equal single-device attention within 1e-5,
-  causal or not, contiguous or zigzag, with padding that holds NaN and fully masked rows.
+  causal or not, contiguous or zigzag, with padding that holds NaN and fully masked rows,
+  and with q, k, v scaled by 1e5 (logits of 1e10; issue 24), relative to the values' size.
 - The two rings agree with each other (and with the float64 oracle) on the same inputs.
 - The forward permutes N - 1 times; per-device memory falls with the device count;
   S = 65536 runs on 8 devices.
@@ -112,6 +113,21 @@ def _case_errors(report: dict[str, Any], case_id: str) -> list[dict[str, Any]]:
     return found
 
 
+def _within_tolerance(case_id: str, result: dict[str, Any]) -> bool:
+    """Each of out, dq, dk, dv within RING_TOL of the single-device reference path.  For a
+    case whose inputs are scaled by a huge magnitude M (logits of about M^2), relative to
+    the values' own size: out and dv to the reference's largest value (at least 1), dq and
+    dk to M^2.  A saturated softmax's dq and dk are 0 in exact arithmetic and in the
+    reference path's autodiff; every FlashAttention-style backward (blockwise, fused, the
+    rings) leaves the rounding of dO.v - rowsum(dO * O), amplified by scale * k: measured
+    6.3e3 and 9.9e3 at M = 1e5 on the JAX ring, 6.9e3 on the JAX blockwise path."""
+    magnitude = next(c.magnitude for c in CASES if c.id == case_id)
+    if magnitude == 1.0:
+        return max(result["errors"].values()) <= RING_TOL
+    size = {"out": result["scales"]["out"], "dv": result["scales"]["dv"], "dq": magnitude**2, "dk": magnitude**2}
+    return all(result["errors"][n] <= RING_TOL * max(1.0, size[n]) for n in size)
+
+
 # --------------------------------------------------------------------------- JAX
 
 
@@ -144,7 +160,7 @@ def _sharded_step_report() -> dict[str, Any]:
 def test_jax_ring_equals_single_device(jax_parity: dict[str, Any], case: str) -> None:
     for result in _case_errors(jax_parity, case):
         assert result["finite"]
-        assert max(result["errors"].values()) <= RING_TOL, result
+        assert _within_tolerance(case, result), result
 
 
 @needs_jax
@@ -206,7 +222,7 @@ def test_torch_ring_two_processes(torch_world2: list[dict[str, Any]], case: str)
     for report in torch_world2:
         for result in _case_errors(report, case):
             assert result["finite"]
-            assert max(result["errors"].values()) <= RING_TOL, (report["rank"], result)
+            assert _within_tolerance(case, result), (report["rank"], result)
 
 
 @needs_torch
@@ -216,7 +232,7 @@ def test_torch_ring_four_processes(torch_world4: list[dict[str, Any]], case: str
     for report in torch_world4:
         for result in _case_errors(report, case):
             assert result["finite"]
-            assert max(result["errors"].values()) <= RING_TOL, (report["rank"], result)
+            assert _within_tolerance(case, result), (report["rank"], result)
 
 
 @needs_torch

@@ -117,6 +117,13 @@ def canonical_bias(bias: Any, weights_shape: tuple[int, ...]) -> Tensor | None:
     return bias.reshape((1,) * (len(weights_shape) - bias.dim()) + tuple(bias.shape))
 
 
+def _bias_allows(bias: Tensor) -> Tensor:
+    """bool, the bias's shape: False where the bias is -inf.  Such an entry blocks its key
+    exactly as a mask does (weight 0, a row blocked throughout gets zeros, gradients
+    finite); left to the softmax, a row of -inf would give 0/0 = NaN."""
+    return bias != -math.inf
+
+
 def _adjust(scores: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
     """Scaled scores -> ``softcap * tanh(s / softcap)``, then ``+ bias`` (in the scores'
     compute dtype: a half-precision bias is added in float32)."""
@@ -237,6 +244,8 @@ def attention_weights(
     """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout.
     ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores."""
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], q.device)
+    if bias is not None:  # a -inf entry blocks its key
+        mask = combine_masks(mask, _bias_allows(bias))
     scale = resolve_scale(scale, q.shape[-1])
     if normalization == "sum":
         scores = _adjust(attention_scores(q, k, scale), bias, softcap)
@@ -292,7 +301,9 @@ def dot_product_attention(
       dropout_rate, training, dropout_mask: dropout on the weights, see ``dropout_weights``.
       return_weights: also return the weights that mixed the values (after dropout).
       bias: float, broadcastable to (..., T, S), added to the scores (after scaling and
-        soft-capping, before masking; differentiable).  A blocked key stays blocked.
+        soft-capping, before masking; differentiable).  A blocked key stays blocked, and
+        a ``-inf`` entry blocks its key as a mask does: weight 0, zeros for a row that is
+        ``-inf`` (or masked) throughout, finite gradients (zero for the ``-inf`` entries).
       softcap: None (off) or c > 0: the scaled scores become ``c * tanh(s / c)`` before
         the bias and the mask (Gemma 2's order).  The fused path refuses it (SDPA has no
         soft-capping); ``"auto"`` then takes a path that honours it.
@@ -365,6 +376,7 @@ def dot_product_attention(
     )
     if bias is not None:
         bias = bias.to(q.device)
+        mask = combine_masks(mask, _bias_allows(bias))
     scale = resolve_scale(scale, q.shape[-1])
     q_len, kv_len = q.shape[-2], k.shape[-2]
     # Segments, and positions that differ per example, are a dense mask on every path;
@@ -530,6 +542,9 @@ def _fused(
     attn_mask: Tensor = full | ~live
     if bias is not None:  # the bias as an additive mask, -inf where blocked
         blocked = torch.tensor(-math.inf, dtype=q.dtype, device=q.device)
+        # Its own -inf entries are in ``full`` already (``_bias_allows``): 0 in their
+        # place keeps a row that attends to everything (see above) finite.
+        bias = torch.where(_bias_allows(bias), bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
         attn_mask = torch.where(attn_mask, bias.to(q.dtype), blocked)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_rate, scale=scale,
                                          enable_gqa=gqa)

@@ -9,8 +9,10 @@ width; L = S / N (and T / N) is what each of the N ranks of the group holds.
 
 How the ring works.  Each rank keeps its L queries and starts with its own L keys and
 values, packed as one (B, Hkv, L, D + Dv) tensor.  At each of N steps it attends its
-queries to the chunk it holds, folding the scores into an online softmax (running row
-maximum, running sum and accumulator, in float32, float64 for float64 inputs), then
+queries to the chunk it holds, folding the scores into an online softmax (running maximum
+m of the unscaled scores s, running sum of exp((s - m) * scale) and accumulator, in
+float32, float64 for float64 inputs: the scale comes after the subtraction, as on every
+path of ``functional`` and in the JAX twin), then
 sends the chunk to the next rank and receives the previous rank's (point-to-point,
 ``batch_isend_irecv``; gloo on CPU): N - 1 exchanges in the forward, one foreign chunk
 held at a time.  Causal masking and ``kv_lengths`` use the chunks' global positions
@@ -18,7 +20,7 @@ held at a time.  Causal masking and ``kv_lengths`` use the chunks' global positi
 A query that may attend to nothing gets a zero row.
 
 The backward (an ``autograd.Function``, flash-attention-2 style) keeps the inputs, the
-output and the row log-sum-exp, runs the ring again recomputing each block's
+output and each row's maximum and sum, runs the ring again recomputing each block's
 probabilities, adds to dq locally and to dk/dv that travel with their chunk (one exchange a
 step), and a last exchange brings every dk/dv home: N exchanges in the backward.
 """
@@ -140,16 +142,16 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, ring: _Ring) -> Tensor:
         with torch.no_grad():
-            out, lse = _forward(ring, q, k, v, lengths)
-        ctx.save_for_backward(q, k, v, out, lse)
+            out, (row_max, row_sum) = _forward(ring, q, k, v, lengths)
+        ctx.save_for_backward(q, k, v, out, row_max, row_sum)
         ctx.ring, ctx.lengths = ring, lengths
         return out
 
     @staticmethod
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, row_max, row_sum = ctx.saved_tensors
         with torch.no_grad():
-            dq, dk, dv = _backward(ctx.ring, q, k, v, ctx.lengths, out, lse, d_out)
+            dq, dk, dv = _backward(ctx.ring, q, k, v, ctx.lengths, out, (row_max, row_sum), d_out)
         return dq, dk, dv, None, None
 
 
@@ -207,9 +209,12 @@ def _hidden(ring: _Ring, q_chunk: int, k_chunk: int) -> bool:
 
 def _forward(
     ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """This rank's forward: out (B, H, L, Dv) in v's dtype, and the row log-sum-exp
-    (B, H, L) in the compute dtype (0 for a row with nothing to attend to)."""
+) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """This rank's forward: out (B, H, L, Dv) in v's dtype, and the row statistics
+    (B, H, L) in the compute dtype: the maximum of the unscaled scores (0 for a row with
+    nothing to attend to) and the sum of exp((s - max) * scale) (0 there).  Kept apart,
+    not as one log-sum-exp: at logits of 1e10 the sum's logarithm is below the maximum's
+    float32 spacing and would be lost."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     width = k.shape[-1]
     q_chunks = piece_chunks(ring.rank, ring.size, ring.layout)
@@ -230,13 +235,13 @@ def _forward(
                                       _positions(k_chunk, ring.kv_piece, q.device), lengths)
         if step < ring.size - 1:
             kv = _exchange(ring, kv)
-    outs, lses = [], []
+    outs, maxes, sums = [], [], []
     for m, row_sum, acc in states:
         live = row_sum > 0
-        safe_sum = torch.where(live, row_sum, torch.ones_like(row_sum))
-        outs.append(acc / safe_sum[..., None])
-        lses.append(torch.where(live, m + safe_sum.log(), torch.zeros_like(m)))
-    return torch.cat(outs, dim=2).to(v.dtype), torch.cat(lses, dim=2)
+        outs.append(acc / torch.where(live, row_sum, torch.ones_like(row_sum))[..., None])
+        maxes.append(torch.where(live, m, torch.zeros_like(m)))
+        sums.append(row_sum)
+    return torch.cat(outs, dim=2).to(v.dtype), (torch.cat(maxes, dim=2), torch.cat(sums, dim=2))
 
 
 def _fold(
@@ -251,14 +256,14 @@ def _fold(
         kv_blk, pos = kv[:, :, start : start + block], k_pos[start : start + block]
         kv_heads = kv_blk.shape[1]
         scores = torch.matmul(group_rows(q, kv_heads), kv_blk[..., :width].transpose(-2, -1))
-        scores = ungroup_rows(scores, q.shape[1]) * ring.scale
+        scores = ungroup_rows(scores, q.shape[1])  # unscaled: m is their maximum
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, -torch.inf)
         m_new = torch.maximum(m, scores.amax(dim=-1))
         shift = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # nothing yet: 0
-        p = torch.exp(scores - shift[..., None])
-        correction = torch.exp(m - shift)
+        p = torch.exp((scores - shift[..., None]) * ring.scale)
+        correction = torch.exp((m - shift) * ring.scale)
         row_sum = row_sum * correction + p.sum(dim=-1)
         mixed = ungroup_rows(torch.matmul(group_rows(p, kv_heads), kv_blk[..., width:]), p.shape[1])
         acc = acc * correction[..., None] + mixed
@@ -267,16 +272,20 @@ def _fold(
 
 
 def _backward(
-    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, out: Tensor, lse: Tensor,
-    d_out: Tensor,
+    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, out: Tensor,
+    stats: tuple[Tensor, Tensor], d_out: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's backward: dq, dk, dv for its own q, k, v (in their dtypes)."""
-    ct = lse.dtype
+    """This rank's backward: dq, dk, dv for its own q, k, v (in their dtypes), from the
+    forward's row statistics (maximum, sum)."""
+    row_max, row_sum = stats
+    ct = row_max.dtype
+    inv_sum = 1.0 / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
     width = k.shape[-1]
     q_chunks = piece_chunks(ring.rank, ring.size, ring.layout)
     d_out = d_out.to(ct)
     delta = (d_out * out.to(ct)).sum(dim=-1)  # (B, H, L): rowsum(dO * O)
-    rows = list(zip(*(_pieces(t, ring.q_piece) for t in (q.to(ct), d_out, lse[..., None], delta[..., None])),
+    rows = list(zip(*(_pieces(t, ring.q_piece)
+                      for t in (q.to(ct), d_out, row_max[..., None], inv_sum[..., None], delta[..., None])),
                     strict=True))
     d_queries = [torch.zeros_like(r[0]) for r in rows]
     kv = _without_padding(ring, torch.cat([k, v], dim=-1), lengths).to(ct)
@@ -298,23 +307,24 @@ def _backward(
 
 
 def _grads(
-    ring: _Ring, row: tuple[Tensor, Tensor, Tensor, Tensor], kv: Tensor, width: int, q_pos: Tensor,
+    ring: _Ring, row: tuple[Tensor, ...], kv: Tensor, width: int, q_pos: Tensor,
     k_pos: Tensor, lengths: Tensor | None, dq: Tensor, d_kv: Tensor,
 ) -> None:
     """Adds, in place, to dq (B, H, Tq, D) and d_kv (B, Hkv, Tk, D + Dv) the parts from
-    queries ``row`` (q, dO, lse, delta) attending to kv (B, Hkv, Tk, D + Dv), the
-    probabilities recomputed.  ``d_kv`` is a view of the travelling dk/dv."""
-    q, d_out, lse, delta = row
+    queries ``row`` (q, dO, row max, 1 / row sum, delta) attending to kv (B, Hkv, Tk, D + Dv),
+    the probabilities recomputed as the forward formed them.  ``d_kv`` is a view of the
+    travelling dk/dv."""
+    q, d_out, row_max, inv_sum, delta = row
     block = _key_blocks(kv.shape[2])
     for start in range(0, kv.shape[2], block):
         kv_blk, pos = kv[:, :, start : start + block], k_pos[start : start + block]
         k_blk, v_blk = kv_blk[..., :width], kv_blk[..., width:]
         kv_heads, heads = kv_blk.shape[1], q.shape[1]  # a group's rows sum into its key/value head
         scores = ungroup_rows(torch.matmul(group_rows(q, kv_heads), k_blk.transpose(-2, -1)), heads)
-        p = torch.exp(scores * ring.scale - lse)
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
-            p = p.masked_fill(~allowed, 0.0)
+            scores = scores.masked_fill(~allowed, -torch.inf)
+        p = torch.exp((scores - row_max) * ring.scale) * inv_sum
         d_p = ungroup_rows(torch.matmul(group_rows(d_out, kv_heads), v_blk.transpose(-2, -1)), heads)
         ds = p * (d_p - delta) * ring.scale
         dq += ungroup_rows(torch.matmul(group_rows(ds, kv_heads), k_blk), heads)

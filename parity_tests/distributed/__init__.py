@@ -12,6 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 
 BATCH, HEADS, SEQ, WIDTH = 2, 4, 48, 8  # 2N divides SEQ for N = 2, 4, 8
+# In the huge-logit cases, key 28 is a copy of key 0 (on the other device of a ring of 2,
+# contiguous or zigzag, and within every example's length): the queries whose largest
+# logit is key 0's have two, and a backward that folds the row sum into the maximum (a
+# log-sum-exp of 1e10, where log 2 is below float32's spacing) weighs each 1, not 1/2.
+TIED = 28
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,7 @@ class Case:
     v_width: int = WIDTH
     kv_heads: int = HEADS  # fewer than HEADS: grouped-query attention
     kv_seq: int = SEQ  # another length than SEQ: cross-attention
+    magnitude: float = 1.0  # q, k and v scaled by it: 1e5 gives logits of about 1e10
 
     @property
     def id(self) -> str:
@@ -37,6 +43,8 @@ class Case:
             parts.append(f"kvheads{self.kv_heads}")
         if self.kv_seq != SEQ:
             parts.append(f"kvseq{self.kv_seq}")
+        if self.magnitude != 1.0:
+            parts.append(f"x{self.magnitude:g}")
         return "-".join(parts)
 
 
@@ -59,6 +67,10 @@ CASES = tuple(
     Case(4, causal=True, layout="zigzag", kv_seq=80, kv_heads=1),
     Case(8, causal=True, layout="contiguous", kv_seq=16, lengths=(16, 5)),
     Case(4, causal=True, layout="zigzag", kv_seq=16),
+    # huge logits (issue 24): the row maximum's subtraction must stay exact, also with
+    # NaN padding and fully masked rows
+    Case(2, causal=False, layout="contiguous", magnitude=1e5),
+    Case(2, causal=True, layout="zigzag", lengths=(29, 0), magnitude=1e5),
 )
 
 
@@ -69,14 +81,16 @@ def twin_cases() -> tuple[Case, ...]:
 
 
 def case_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
-    """float32 q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), d_out (B, H, T, Dv); keys
-    and values past the case's lengths are NaN (padding must never reach an output or a
-    gradient)."""
+    """float32 q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) (times the case's
+    magnitude), d_out (B, H, T, Dv); keys and values past the case's lengths are NaN
+    (padding must never reach an output or a gradient)."""
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((BATCH, HEADS, SEQ, WIDTH)).astype(np.float32)
-    k = rng.standard_normal((BATCH, case.kv_heads, case.kv_seq, WIDTH)).astype(np.float32)
-    v = rng.standard_normal((BATCH, case.kv_heads, case.kv_seq, case.v_width)).astype(np.float32)
+    q = (rng.standard_normal((BATCH, HEADS, SEQ, WIDTH)) * case.magnitude).astype(np.float32)
+    k = (rng.standard_normal((BATCH, case.kv_heads, case.kv_seq, WIDTH)) * case.magnitude).astype(np.float32)
+    v = (rng.standard_normal((BATCH, case.kv_heads, case.kv_seq, case.v_width)) * case.magnitude).astype(np.float32)
     d_out = rng.standard_normal((BATCH, HEADS, SEQ, case.v_width)).astype(np.float32)
+    if case.magnitude != 1.0:  # key TIED equals key 0, in another device's chunk: tied row maxima
+        k[:, :, TIED] = k[:, :, 0]
     if case.lengths is not None:
         for b, length in enumerate(case.lengths):
             k[b, :, length:] = np.nan

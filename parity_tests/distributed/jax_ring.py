@@ -120,8 +120,9 @@ def parity(out_path: str, twins_in: str | None, twins_out: str | None) -> None:
         ring = with_grads(jax.jit(ring_fn(case, case.devices)), inputs)
         ref = with_grads(reference(case), inputs)
         errors = {n: float(np.abs(ring[n] - ref[n]).max()) for n in ref}
+        scales = {n: float(np.abs(ref[n]).max()) for n in ref}
         finite = all(bool(np.isfinite(t).all()) for t in ring.values())
-        report["cases"].append({"id": case.id, "errors": errors, "finite": finite})
+        report["cases"].append({"id": case.id, "errors": errors, "scales": scales, "finite": finite})
     causal_zigzag = next(c for c in CASES if c.devices == 4 and c.causal and c.layout == "zigzag")
     report["permutes"] = permutes(causal_zigzag, 4, case_inputs(causal_zigzag))
     report["errors"] = error_texts()

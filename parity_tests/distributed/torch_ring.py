@@ -69,8 +69,9 @@ def check_case(case: Case, group: Any, rank: int) -> dict[str, Any]:
     ring = ring_results(case, inputs, group, rank)
     ref = reference_results(case, inputs)
     errors = {n: float((ring[n] - local_part(ref[n], case, rank)).abs().max()) for n in NAMES}
+    scales = {n: float(ref[n].abs().max()) for n in NAMES}
     finite = all(bool(torch.isfinite(t).all()) for t in ring.values())
-    return {"id": case.id, "errors": errors, "finite": finite}
+    return {"id": case.id, "errors": errors, "scales": scales, "finite": finite}
 
 
 def gathered(t: torch.Tensor, case: Case) -> np.ndarray:
