@@ -160,6 +160,42 @@ def test_neg_inf_bias_equals_the_mask_it_stands_for(fw: str, path: str) -> None:
         assert (_numpy(weights)[np.broadcast_to(~mask, _numpy(weights).shape)] == 0).all()
 
 
+@pytest.mark.parametrize("with_mask", [False, True], ids=["bias-alone", "bias-and-mask"])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_key_hidden_by_a_neg_inf_bias_holds_nan_in_vain(fw: str, path: str, with_mask: bool) -> None:
+    """Grouped heads (4 query heads over 2 key/value heads): key 3 is -inf in the bias for
+    both query heads of group 0, and its key and value there hold NaN; a row -inf
+    throughout and a partly -inf row besides, with or without a mask that hides other
+    keys.  As for a masked key, the NaN reaches no output and no gradient: every path
+    equals the oracle on the same inputs with that key's k and v set to 0."""
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((2, 4, 5, 3)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 7, 3)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 7, 2)).astype(np.float32)
+    bias = rng.standard_normal((1, 4, 5, 7)).astype(np.float32)
+    bias[0, :2, :, 3] = -np.inf  # group 0 never sees key 3
+    bias[0, 2, 1, :] = -np.inf  # nothing to attend to
+    bias[0, 3, 2, :4] = -np.inf
+    mask = None
+    if with_mask:
+        mask = np.ones((2, 1, 5, 7), bool)
+        mask[1, 0, :, 5] = False
+        mask[0, 0, 4, :] = False
+    clean_k, clean_v = k.copy(), v.copy()
+    clean_k[:, 0, 3] = clean_v[:, 0, 3] = 0.0
+    k[:, 0, 3] = v[:, 0, 3] = np.nan
+    as_fw = _converter(fw)
+    options: dict[str, Any] = {} if mask is None else {"mask": as_fw(mask)}
+    out = _numpy(lib(fw).dot_product_attention(as_fw(q), as_fw(k), as_fw(v), bias=as_fw(bias),
+                                               implementation=path, **options))
+    # the oracle repeats each key/value head for its group of queries
+    want, _ = oracle(q, np.repeat(clean_k, 2, axis=1), np.repeat(clean_v, 2, axis=1), scale=1 / math.sqrt(3),
+                     bias=bias, mask=mask)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, rtol=ORACLE["float32"].rtol, atol=ORACLE["float32"].atol)
+
+
 def _converter(fw: str) -> Any:
     if fw == "torch":
         import torch

@@ -376,7 +376,8 @@ def dot_product_attention(
     )
     if bias is not None:
         bias = bias.to(q.device)
-        mask = combine_masks(mask, _bias_allows(bias))
+        if path != "fused":  # the fused path reads -inf from the bias itself (``_fused``): fewer passes
+            mask = combine_masks(mask, _bias_allows(bias))
     scale = resolve_scale(scale, q.shape[-1])
     q_len, kv_len = q.shape[-2], k.shape[-2]
     # Segments, and positions that differ per example, are a dense mask on every path;
@@ -531,24 +532,40 @@ def _fused(
         return out.to(out_dtype)
     if causal:  # SDPA takes is_causal or attn_mask, not both
         full = combine_masks(full, causal_mask(q.shape[-2], k.shape[-2], device=q.device))
-    if full is None:  # a bias alone: SDPA adds a float attn_mask to the scaled scores
-        assert bias is not None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_rate,
-                                             scale=scale, enable_gqa=gqa)
-        return out.to(out_dtype)
+    if bias is not None:
+        return _fused_with_bias(q, k, v, full, bias, scale=scale, dropout_rate=dropout_rate, gqa=gqa).to(out_dtype)
+    assert full is not None  # (no mask and no bias returned above)
     live = full.any(dim=-1, keepdim=True)  # rows with something to attend to
     # A row with nothing to attend to attends to everything (finite, unlike SDPA's NaN),
     # and its output is zeroed: zero values, zero and finite gradients.
-    attn_mask: Tensor = full | ~live
-    if bias is not None:  # the bias as an additive mask, -inf where blocked
-        blocked = torch.tensor(-math.inf, dtype=q.dtype, device=q.device)
-        # Its own -inf entries are in ``full`` already (``_bias_allows``): 0 in their
-        # place keeps a row that attends to everything (see above) finite.
-        bias = torch.where(_bias_allows(bias), bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
-        attn_mask = torch.where(attn_mask, bias.to(q.dtype), blocked)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_rate, scale=scale,
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=full | ~live, dropout_p=dropout_rate, scale=scale,
                                          enable_gqa=gqa)
     return torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)
+
+
+def _fused_with_bias(
+    q: Tensor, k: Tensor, v: Tensor, full: Tensor | None, bias: Tensor, *, scale: float, dropout_rate: float,
+    gqa: bool,
+) -> Tensor:
+    """SDPA with the bias as its additive mask, -inf where ``full`` blocks.  A -inf entry
+    blocks its key as a mask does (``_bias_allows``), read here from the additive mask
+    itself, in three passes over it rather than a bool mask's six: a row whose maximum is
+    -inf (nothing to attend to) gets 0 in place of its -inf (finite, unlike SDPA's NaN)
+    and a zero output; a key that is -inf for every query of its group gets zero k and v
+    (a NaN stored there reaches nothing, as for a masked key)."""
+    additive = bias.to(q.dtype)
+    if full is not None:  # (broadcasting both ways: the mask may have dimensions that the bias shares)
+        additive = torch.where(full, additive, torch.tensor(-math.inf, dtype=q.dtype, device=q.device))
+    dead = additive.amax(dim=-1, keepdim=True) == -math.inf  # rows with nothing to attend to (NaN stays live)
+    unseen = (additive.amax(dim=-2, keepdim=True) == -math.inf).transpose(-2, -1)  # (..., S, 1)
+    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
+    if groups > 1 and unseen.dim() >= 3 and unseen.shape[-3] > 1:  # hidden from every head of its group
+        unseen = unseen.unflatten(-3, (-1, groups)).all(dim=-3)
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    k, v = k.masked_fill(unseen, zero), v.masked_fill(unseen, zero)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive.masked_fill(dead, 0.0), dropout_p=dropout_rate,
+                                         scale=scale, enable_gqa=gqa)
+    return out.masked_fill(dead, 0.0)
 
 
 def default_block_size(q_len: int) -> int:
