@@ -7,7 +7,7 @@ attention core, ``dot_product_attention(causal=True)`` under jit, on ``auto``,
 ``blockwise`` and ``fused`` (the kernel), forward and forward + backward, float32, at
 B4 H8 S1024 and B32 H4 S128 (head_dim 64), with the kernel built for ``--march`` (a
 cache of its own per target, under ``$TWIN_ATTENTION_CACHE``).  ``--march native``
-times this CPU's own build.  One process, the paths alternating run by run; run it on
+times this CPU's own build.  One process, the paths alternating run by run in a rotating order; run it on
 a quiet machine (``uptime``'s load well under 1), it prints the load it started at.
 """
 
@@ -67,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
             for fn in by_path.values():  # compile and warm up
                 jax.block_until_ready(fn(q, k, v))
                 jax.block_until_ready(fn(q, k, v))
-            for _ in range(args.runs):
-                for path, fn in by_path.items():
+            for run in range(args.runs):
+                # the order rotates, so that no path always runs right after the same other
+                # (a path timed just after the kernel's cold exit was measured up to 18% slower)
+                order = PATHS[run % len(PATHS):] + PATHS[:run % len(PATHS)]
+                for path in order:
+                    fn = by_path[path]
                     start = time.perf_counter()
                     jax.block_until_ready(fn(q, k, v))
                     times[path].append(time.perf_counter() - start)
