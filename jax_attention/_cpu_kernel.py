@@ -17,7 +17,7 @@ build is loaded and checked before it enters the cache, so a compiler that exits
 without writing, or writes something else, caches nothing.
 
 Where it cannot be built (no compiler, a failed build, a bad cached library that cannot
-be rebuilt), ``available()`` is False and ``build_error()`` says why: the fused path then runs XLA's kernel, and ``"auto"`` the
+be rebuilt, a build for an instruction set that this CPU lacks), ``available()`` is False and ``build_error()`` says why: the fused path then runs XLA's kernel, and ``"auto"`` the
 blockwise path, as before.  Nothing here runs at import.
 """
 
@@ -75,14 +75,36 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    # -march=native: the build is for this CPU's instruction sets.
+def _cpu_flags_line() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        return ""
+
+
+def _cpu_signature() -> str:
+    # -march=native: the build is for this CPU's instruction sets.
+    return platform.machine() + _cpu_flags_line()
+
+
+# The /proc/cpuinfo flag each x86 instruction set that the library reports needs.
+_NEEDS_FLAG = {"AVX-512": "avx512f", "AVX2": "avx2", "AVX": "avx", "SSE2": "sse2"}
+
+
+def _check_runs_here(library: ctypes.CDLL) -> None:
+    """A library built for an instruction set that this CPU lacks (a $TWIN_ATTENTION_MARCH
+    for another machine) would die of SIGILL in its first call: refused, as a failed build
+    is.  Where the CPU's flags cannot be read (no /proc/cpuinfo) the build is trusted."""
+    function = library.TwinAttentionInstructionSet
+    function.restype = ctypes.c_char_p
+    isa = function().decode()
+    flags = _cpu_flags_line().split(":", 1)[-1].split()
+    needed = _NEEDS_FLAG.get(isa)
+    if flags and needed is not None and needed not in flags:
+        march = os.environ.get("TWIN_ATTENTION_MARCH") or "native"
+        raise RuntimeError(f"the kernel was built for {isa} (-march={march}), which this CPU lacks "
+                           f"(no {needed} among its flags); unset $TWIN_ATTENTION_MARCH or name this CPU's")
 
 
 def _library_path(compiler: str, include: Path) -> Path:
@@ -184,6 +206,7 @@ def _load() -> ctypes.CDLL:
                 raise RuntimeError(f"the cached {target} was refused ({fault}); rebuilding it: {error}") from error
     else:
         library = _build(compiler, include, target)
+    _check_runs_here(library)
     jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.TwinAttentionFlashFwd), platform="cpu")
     jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(library.TwinAttentionFlashBwd), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(library.TwinAttentionMatmul), platform="cpu")

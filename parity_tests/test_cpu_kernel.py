@@ -218,6 +218,34 @@ def test_a_failed_build_is_reported(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_build_for_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
+    """A library built for an instruction set (AVX-512 here, $TWIN_ATTENTION_MARCH for
+    another machine) on a CPU whose flags lack it (avx512f) is refused before its first call (which would die of SIGILL):
+    the kernel is unavailable, ``build_error`` names the instruction set, and the fused
+    path runs XLA's kernel instead, with the same numbers as the reference."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    isa = _cpu_kernel.instruction_set()
+    needed = _cpu_kernel._NEEDS_FLAG.get(str(isa))
+    if needed is None:
+        pytest.skip(f"this machine's build is {isa}: no x86 flag to take away")
+    name, _, listed = _cpu_kernel._cpu_flags_line().partition(":")
+    lacking = f"{name}: " + " ".join(flag for flag in listed.split() if flag != needed)
+    monkeypatch.setattr(_cpu_kernel, "_cpu_flags_line", lambda: lacking)
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    assert not _cpu_kernel.available()
+    assert f"built for {isa}" in (_cpu_kernel.build_error() or "")
+    assert f"no {needed} among its flags" in (_cpu_kernel.build_error() or "")
+    assert _cpu_kernel.auto_declines() == f"the CPU kernel is not available: {_cpu_kernel.build_error()}"
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(3, 2, 2, 20, 20, 8, 8))
+    np.testing.assert_allclose(np.asarray(dot_product_attention(q, k, v, causal=True, implementation="fused")),
+                               np.asarray(dot_product_attention(q, k, v, causal=True, implementation="reference")),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_jit_and_vmap():
     """Under jit, the same numbers as eager; under vmap, those of each slice."""
     import jax
