@@ -16,6 +16,9 @@ the loader) and kept only if it has the kernel's symbols; otherwise it is rebuil
 build is loaded and checked before it enters the cache, so a compiler that exits 0
 without writing, or writes something else, caches nothing.
 
+``$TWIN_ATTENTION_CPU_KERNEL`` (``mode()``) turns it off (``off``) or makes a failure an
+error (``require``); the default, ``auto``, builds it on first use.
+
 Where it cannot be built (no compiler, a failed build, a bad cached library that cannot
 be rebuilt, a build for an instruction set that this CPU lacks), ``available()`` is False and ``build_error()`` says why: the fused path then runs XLA's kernel, and ``"auto"`` the
 blockwise path, as before.  Nothing here runs at import.
@@ -213,15 +216,39 @@ def _load() -> ctypes.CDLL:
     return library
 
 
+MODES = ("auto", "off", "require")
+
+
+def mode() -> str:
+    """``$TWIN_ATTENTION_CPU_KERNEL``: ``"auto"`` (the default: built on first use, and a
+    machine where it does not build falls back), ``"off"`` (never built nor loaded: the
+    fused path runs XLA's kernel, ``"auto"`` the blockwise path) or ``"require"`` (a
+    failure to build or load raises instead of falling back).  ValueError for another
+    value."""
+    value = os.environ.get("TWIN_ATTENTION_CPU_KERNEL") or "auto"
+    if value not in MODES:
+        raise ValueError(f"$TWIN_ATTENTION_CPU_KERNEL must be one of {', '.join(MODES)}; got {value!r}")
+    return value
+
+
 def available() -> bool:
-    """Whether the kernel is built and registered (building it on the first call)."""
+    """Whether the kernel is built and registered (building it on the first call, unless
+    ``mode()`` is ``"off"``; the mode is read then, once a process).  With ``"require"``,
+    a kernel that cannot be had raises RuntimeError, saying why, at every call."""
     with _lock:
         if "ok" not in _state:
-            try:
-                _state["library"] = _load()
-                _state["ok"], _state["error"] = True, None
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                _state["ok"], _state["error"] = False, str(error)
+            _state["mode"] = mode()
+            if _state["mode"] == "off":
+                _state["ok"], _state["error"] = False, "turned off ($TWIN_ATTENTION_CPU_KERNEL=off)"
+            else:
+                try:
+                    _state["library"] = _load()
+                    _state["ok"], _state["error"] = True, None
+                except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                    _state["ok"], _state["error"] = False, str(error)
+        if not _state["ok"] and _state["mode"] == "require":
+            raise RuntimeError(f"$TWIN_ATTENTION_CPU_KERNEL=require, and the CPU kernel is not available: "
+                               f"{_state['error']}")
         return bool(_state["ok"])
 
 

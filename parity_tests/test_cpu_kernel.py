@@ -246,6 +246,43 @@ def test_a_build_for_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_the_kernel_can_be_turned_off_or_required(monkeypatch, tmp_path):
+    """$TWIN_ATTENTION_CPU_KERNEL: ``off`` builds and loads nothing (the fused path runs
+    XLA's kernel, with the reference's numbers); ``require`` turns a failed build into a
+    RuntimeError at every ask instead of a fallback; another value is a ValueError."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    monkeypatch.setenv("TWIN_ATTENTION_CACHE", str(tmp_path))
+    monkeypatch.setenv("TWIN_ATTENTION_CPU_KERNEL", "off")
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    assert not _cpu_kernel.available()
+    assert _cpu_kernel.build_error() == "turned off ($TWIN_ATTENTION_CPU_KERNEL=off)"
+    assert list(tmp_path.iterdir()) == []  # nothing built
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(3, 2, 2, 20, 20, 8, 8))
+    np.testing.assert_allclose(np.asarray(dot_product_attention(q, k, v, causal=True, implementation="fused")),
+                               np.asarray(dot_product_attention(q, k, v, causal=True, implementation="reference")),
+                               rtol=1e-5, atol=1e-6)
+    assert list(tmp_path.iterdir()) == []
+
+    monkeypatch.setenv("TWIN_ATTENTION_CPU_KERNEL", "require")
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    for _ in range(2):  # the same refusal at every ask, not only the first
+        with pytest.raises(RuntimeError, match=r"TWIN_ATTENTION_CPU_KERNEL=require, and the CPU kernel is not "
+                                               r"available: .*failed"):
+            _cpu_kernel.available()
+    with pytest.raises(RuntimeError, match="=require"):
+        dot_product_attention(q, k, v, causal=True, implementation="fused")
+
+    monkeypatch.setenv("TWIN_ATTENTION_CPU_KERNEL", "sometimes")
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    with pytest.raises(ValueError, match=r"must be one of auto, off, require; got 'sometimes'"):
+        _cpu_kernel.available()
+
+
 def test_jit_and_vmap():
     """Under jit, the same numbers as eager; under vmap, those of each slice."""
     import jax
