@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +251,14 @@ def available() -> bool:
             raise RuntimeError(f"$TWIN_ATTENTION_CPU_KERNEL=require, and the CPU kernel is not available: "
                                f"{_state['error']}")
         return bool(_state["ok"])
+
+
+def warn_fallback() -> None:
+    """The warning of an explicit ``"fused"`` call that runs XLA's kernel because this one
+    cannot be had (a failed build, say); none where it is turned off on purpose."""
+    if _state.get("mode") != "off":
+        warnings.warn(f"implementation='fused' runs XLA's kernel: the library's CPU kernel is not available "
+                      f"({build_error()})", RuntimeWarning, stacklevel=4)
 
 
 def build_error() -> str | None:

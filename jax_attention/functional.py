@@ -656,12 +656,16 @@ def cpu_kernel_supports(q: Array, *, mask: Array | None = None, bias: Array | No
     and a kernel that builds on this machine; for ``"auto"`` also a kernel built for the
     instruction set it is tuned for (AVX-512; elsewhere the blockwise path is faster, and
     ``_cpu_kernel.auto_declines()`` says so).  Elsewhere the fused path is
-    ``jax.nn.dot_product_attention``."""
-    return (
-        jax.default_backend() == "cpu" and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
-        and mask is None and bias is None and segments is None and isinstance(offset, int)
-        and _cpu_kernel.available() and (implementation != "auto" or _cpu_kernel.auto_declines() is None)
-    )
+    ``jax.nn.dot_product_attention``; where only the kernel itself is missing (a failed
+    build) an explicit ``"fused"`` says so with a ``RuntimeWarning``."""
+    if not (jax.default_backend() == "cpu" and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+            and mask is None and bias is None and segments is None and isinstance(offset, int)):
+        return False
+    if not _cpu_kernel.available():
+        if implementation == "fused":
+            _cpu_kernel.warn_fallback()
+        return False
+    return implementation != "auto" or _cpu_kernel.auto_declines() is None
 
 
 class _KernelStatic(NamedTuple):

@@ -197,8 +197,13 @@ def test_without_the_kernel_fused_is_xla_and_auto_blockwise(monkeypatch):
     q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(1, 2, 2, 70, 70, 32, 32))
     kernel = dot_product_attention(q, k, v, causal=True, implementation="fused")
     monkeypatch.setattr(_cpu_kernel, "available", lambda: False)
+    monkeypatch.setattr(_cpu_kernel, "_state", {"ok": False, "error": "a stand-in failure", "mode": "auto"})
     for path, twin in (("fused", None), ("auto", "blockwise")):
-        got = dot_product_attention(q, k, v, causal=True, implementation=path)
+        if path == "fused":  # an explicit "fused" that falls back says so; "auto" chooses silently
+            with pytest.warns(RuntimeWarning, match=r"runs XLA's kernel: .* not available \(a stand-in failure\)"):
+                got = dot_product_attention(q, k, v, causal=True, implementation=path)
+        else:
+            got = dot_product_attention(q, k, v, causal=True, implementation=path)
         np.testing.assert_allclose(np.asarray(got), np.asarray(kernel), rtol=1e-5, atol=1e-5)
         if twin is not None:
             want = dot_product_attention(q, k, v, causal=True, implementation=twin)
@@ -241,15 +246,18 @@ def test_a_build_for_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
     assert f"no {needed} among its flags" in (_cpu_kernel.build_error() or "")
     assert _cpu_kernel.auto_declines() == f"the CPU kernel is not available: {_cpu_kernel.build_error()}"
     q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(3, 2, 2, 20, 20, 8, 8))
-    np.testing.assert_allclose(np.asarray(dot_product_attention(q, k, v, causal=True, implementation="fused")),
+    with pytest.warns(RuntimeWarning, match="not available"):
+        fused = dot_product_attention(q, k, v, causal=True, implementation="fused")
+    np.testing.assert_allclose(np.asarray(fused),
                                np.asarray(dot_product_attention(q, k, v, causal=True, implementation="reference")),
                                rtol=1e-5, atol=1e-6)
 
 
 def test_the_kernel_can_be_turned_off_or_required(monkeypatch, tmp_path):
     """$TWIN_ATTENTION_CPU_KERNEL: ``off`` builds and loads nothing (the fused path runs
-    XLA's kernel, with the reference's numbers); ``require`` turns a failed build into a
-    RuntimeError at every ask instead of a fallback; another value is a ValueError."""
+    XLA's kernel, without a warning, with the reference's numbers); ``require`` turns a
+    failed build into a RuntimeError at every ask instead of a fallback; another value is
+    a ValueError."""
     import jax.numpy as jnp
 
     from jax_attention import _cpu_kernel
