@@ -482,6 +482,37 @@ def check_hf_attention_mask(shape: Any, dtype: str) -> None:
 SOFTCAP_FUSED_BLOCKER = "softcap (the fused kernel has no logit soft-capping)"
 
 
+def fused_blockers(float64: bool, softcap: float | None) -> tuple[str, ...]:
+    """What the fused kernels of both twins cannot honour beyond ``resolve_implementation``'s
+    common list: float64 inputs (``float64``) and soft-capping."""
+    return ((FUSED_FLOAT64_BLOCKER,) if float64 else ()) + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
+
+
+def check_explicit_path(
+    implementation: str,
+    *,
+    fused_draws_dropout: bool,
+    float64: bool,
+    softcap: float | None,
+    return_weights: bool,
+    normalization: str,
+    dropout_active: bool,
+    dropout_mask_given: bool,
+) -> None:
+    """Raises the ``ValueError`` that ``dot_product_attention`` raises for an explicit
+    ``implementation`` that cannot honour these options, from the options alone: a
+    module asks it before any work, a cached call before it writes its cache.  (An
+    explicit path's refusals do not depend on the preference order of ``"auto"``;
+    ``fused_draws_dropout`` is the twin's: SDPA draws it, JAX's fused kernels cannot.)"""
+    if implementation in ("auto", "reference"):
+        return  # they refuse nothing: "auto" falls back to the reference math
+    resolve_implementation(
+        implementation, preference=(), return_weights=return_weights, normalization=normalization,
+        dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
+        fused_draws_dropout=fused_draws_dropout, fused_blockers=fused_blockers(float64, softcap),
+    )
+
+
 def check_bias(shape: Any, dtype: str, target: Any) -> None:
     """``bias``: a floating-point array added to the scaled scores, broadcastable to
     ``target`` = (batch, heads, q_len, kv_len).  Raises TypeError / ValueError."""
@@ -497,9 +528,7 @@ def check_softcap(softcap: Any) -> float | None:
     returns a Python float.  Raises ValueError."""
     if softcap is None:
         return None
-    if not _is_real(softcap) or not (
-        math.isfinite(softcap) and softcap > 0
-    ):
+    if not _is_real(softcap) or not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be None or a positive finite float; got {softcap!r}")
     return float(softcap)
 

@@ -34,6 +34,7 @@ from attention_spec.validation import (
     check_cache_dtype,
     check_cache_room,
     check_context,
+    check_explicit_path,
     check_positive_int,
     context_pair,
     segment_ids_pair,
@@ -362,10 +363,10 @@ class AttentionModule(nnx.Module):
                 check_cache_room(int(fullest), seq, kv_seq)
         # An explicit path that cannot honour the options is refused here, not after the
         # projections inside ``functional``.
-        functional.check_path(
-            implementation, dtype=x.dtype, return_weights=return_weights, normalization=spec.normalization,
+        check_explicit_path(
+            implementation, fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT, float64=x.dtype == jnp.float64,
+            softcap=spec.softcap, return_weights=return_weights, normalization=spec.normalization,
             dropout_active=not deterministic and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
-            softcap=spec.softcap,
         )
         if not batched:
             x = x[None]  # (T, C) -> (1, T, C); masks broadcast from the right

@@ -50,8 +50,6 @@ from attention_spec import (
     zero_row_sum_message,
 )
 from attention_spec.validation import (
-    FUSED_FLOAT64_BLOCKER,
-    SOFTCAP_FUSED_BLOCKER,
     band_reach,
     check_alignment,
     check_bias,
@@ -63,6 +61,7 @@ from attention_spec.validation import (
     check_segment_ids,
     check_softcap,
     check_window,
+    fused_blockers,
     kv_lengths_rank_message,
     kv_segment_ids_message,
     rank_message,
@@ -433,7 +432,7 @@ def dot_product_attention(
         dropout_active=not deterministic and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
         fused_draws_dropout=FUSED_DRAWS_DROPOUT,
-        fused_blockers=_fused_blockers(q.dtype, softcap),
+        fused_blockers=fused_blockers(q.dtype == jnp.float64, softcap),
     )
     scale = resolve_scale(scale, q.shape[-1])
     q_len, kv_len = q.shape[-2], k.shape[-2]
@@ -1340,35 +1339,6 @@ def _blockwise(
 
 # jax.nn.dot_product_attention (and the CPU kernel) cannot draw dropout.
 FUSED_DRAWS_DROPOUT = False
-
-
-def _fused_blockers(dtype: Any, softcap: float | None) -> tuple[str, ...]:
-    """What the fused kernels cannot honour beyond ``resolve_implementation``'s common list."""
-    return ((FUSED_FLOAT64_BLOCKER,) if dtype == jnp.float64 else ()) + (
-        (SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
-
-
-def check_path(
-    implementation: str,
-    *,
-    dtype: Any,
-    return_weights: bool,
-    normalization: str,
-    dropout_active: bool,
-    dropout_mask_given: bool,
-    softcap: float | None,
-) -> None:
-    """Raises the ``ValueError`` that ``dot_product_attention`` raises for an explicit
-    ``implementation`` that cannot honour these options, from the options alone: a
-    module asks it before any work, a cached call before it writes its cache.  (An
-    explicit path's refusals do not depend on the preference order of ``"auto"``.)"""
-    if implementation in ("auto", "reference"):
-        return  # they refuse nothing: "auto" falls back to the reference math
-    resolve_implementation(
-        implementation, preference=(), return_weights=return_weights, normalization=normalization,
-        dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
-        fused_draws_dropout=FUSED_DRAWS_DROPOUT, fused_blockers=_fused_blockers(dtype, softcap),
-    )
 
 
 class KVCache(NamedTuple):

@@ -29,6 +29,7 @@ from attention_spec.validation import (
     check_cache_dtype,
     check_cache_room,
     check_context,
+    check_explicit_path,
     check_positive_int,
     context_pair,
     segment_ids_pair,
@@ -271,10 +272,10 @@ class AttentionModule(nn.Module):
             check_cache_room(int(index.max()), seq, kv_seq)
         # An explicit path that cannot honour the options is refused here, not after the
         # projections (and, with a cache, after the write) inside ``functional``.
-        functional.check_path(
-            implementation, dtype=x.dtype, return_weights=return_weights, normalization=spec.normalization,
+        check_explicit_path(
+            implementation, fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT, float64=x.dtype == torch.float64,
+            softcap=spec.softcap, return_weights=return_weights, normalization=spec.normalization,
             dropout_active=self.training and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
-            softcap=spec.softcap,
         )
         if not batched:
             x = x.unsqueeze(0)  # (T, C) -> (1, T, C); masks broadcast from the right

@@ -44,8 +44,6 @@ from attention_spec import (
     zero_row_sum_message,
 )
 from attention_spec.validation import (
-    FUSED_FLOAT64_BLOCKER,
-    SOFTCAP_FUSED_BLOCKER,
     band_reach,
     check_alignment,
     check_bias,
@@ -57,6 +55,7 @@ from attention_spec.validation import (
     check_segment_ids,
     check_softcap,
     check_window,
+    fused_blockers,
     kv_lengths_rank_message,
     kv_segment_ids_message,
     rank_message,
@@ -372,7 +371,7 @@ def dot_product_attention(
         dropout_active=training and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
         fused_draws_dropout=FUSED_DRAWS_DROPOUT,
-        fused_blockers=_fused_blockers(q.dtype, softcap),
+        fused_blockers=fused_blockers(q.dtype == torch.float64, softcap),
     )
     if bias is not None:
         bias = bias.to(q.device)
@@ -639,35 +638,6 @@ def _query_block(
 FUSED_DRAWS_DROPOUT = True
 
 
-def _fused_blockers(dtype: torch.dtype, softcap: float | None) -> tuple[str, ...]:
-    """What SDPA cannot honour beyond ``resolve_implementation``'s common list."""
-    return ((FUSED_FLOAT64_BLOCKER,) if dtype == torch.float64 else ()) + (
-        (SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
-
-
-def check_path(
-    implementation: str,
-    *,
-    dtype: torch.dtype,
-    return_weights: bool,
-    normalization: str,
-    dropout_active: bool,
-    dropout_mask_given: bool,
-    softcap: float | None,
-) -> None:
-    """Raises the ``ValueError`` that ``dot_product_attention`` raises for an explicit
-    ``implementation`` that cannot honour these options, from the options alone: a
-    module asks it before any work, a cached call before it writes its cache.  (An
-    explicit path's refusals do not depend on the preference order of ``"auto"``.)"""
-    if implementation in ("auto", "reference"):
-        return  # they refuse nothing: "auto" falls back to the reference math
-    resolve_implementation(
-        implementation, preference=(), return_weights=return_weights, normalization=normalization,
-        dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
-        fused_draws_dropout=FUSED_DRAWS_DROPOUT, fused_blockers=_fused_blockers(dtype, softcap),
-    )
-
-
 class KVCache(NamedTuple):
     """Keys and values of earlier positions for decoding: key (B, Hkv, max_len, D), value
     (B, Hkv, max_len, Dv), and lengths (B,), how many positions of each example are
@@ -691,7 +661,7 @@ def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KV
     padding, is overwritten by the next call).  Written in place: the same tensors, with
     the fill advanced, are returned.  The caller makes every check of the call first (a
     module's ``_prepare``: that T positions fit, ``check_cache_room``, and that the path
-    can honour the call, ``check_path``), so a refused call leaves the cache as it was.
+    can honour the call, ``attention_spec.validation.check_explicit_path``), so a refused call leaves the cache as it was.
     Autograd records the writes: a reader that keeps what it read across the next write
     reads a copy (a module's cached step does, while autograd records)."""
     positions = cache.lengths[:, None] + torch.arange(k.shape[-2], device=k.device)  # (B, T)
