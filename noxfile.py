@@ -71,10 +71,10 @@ def lint(session: nox.Session) -> None:
 @nox.session(name="tests-distributed", python=PYTHON)
 def tests_distributed(session: nox.Session) -> None:
     """CPU scale-out: ring attention and sharded training on 8 simulated JAX devices,
-    ring attention and DDP on 2 and 4 PyTorch gloo processes (``parity_tests/test_distributed.py``;
+    ring attention and DDP on 2 and 4 PyTorch gloo processes (``tests/distributed/test_distributed.py``;
     the tests start those processes themselves)."""
     _install_all(session)
-    session.run("pytest", "parity_tests/test_distributed.py", *session.posargs)
+    session.run("pytest", "tests/distributed/test_distributed.py", *session.posargs)
 
 
 @nox.session(name="tests-cuda", python=PYTHON)

@@ -38,11 +38,11 @@ case "$phase" in
     # the GPU did not fit one 10-minute command), with JAX on the GPU: the module matrix's
     # "auto" and "fused" cases take cuDNN there.
     tests_on_gpu
-    python -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 parity_tests/test_gpu.py \
+    python -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 tests/kernels/test_gpu.py \
       --junitxml="$log/gpu-table.xml" 2>&1 | tee "$log/gpu-table.log" | tail -40
     table=${PIPESTATUS[0]}
-    timeout 420 python -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 parity_tests \
-      -k "fused or auto" --deselect parity_tests/test_gpu.py --junitxml="$log/gpu-suite.xml" 2>&1 \
+    timeout 420 python -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 tests \
+      -k "fused or auto" --deselect tests/kernels/test_gpu.py --junitxml="$log/gpu-suite.xml" 2>&1 \
       | tee "$log/gpu-suite.log" | tail -60
     suite=${PIPESTATUS[0]}
     echo "gpu table exit $table, fused/auto tests exit $suite"
@@ -56,7 +56,7 @@ case "$phase" in
     python -m nox --version >/dev/null 2>&1 \
       || python -m pip install -q --no-index --find-links .whl/nox nox || exit 1
     timeout 570 python -m nox -s tests-cuda --no-venv --no-install -- -q -p no:cacheprovider \
-      -p no:benchmark -n 12 parity_tests -k "not (fused or auto)" --deselect parity_tests/test_gpu.py \
+      -p no:benchmark -n 12 tests -k "not (fused or auto)" --deselect tests/kernels/test_gpu.py \
       --junitxml="$log/gpu-rest.xml" 2>&1 | tee "$log/gpu-rest.log" | tail -60
     rest=${PIPESTATUS[0]}
     echo "rest of the suite exit $rest"

@@ -1,0 +1,235 @@
+"""The benchmark machinery (``benchmarks/``) on a tiny shape: every system gives a finite
+positive time, the JSON has its environment block, the markdown table and the plot are
+written; and the FLOP count against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import SYSTEMS as ALL_SYSTEMS
+from benchmarks import Config, Mode, flops, fwd_bwd_flops, run
+from benchmarks.configs import CORE_SYSTEMS
+from benchmarks.measure import OUT_OF_TIME
+from benchmarks.report import backward_tflops, targets_text
+from tests.support import needs_both
+
+SYSTEMS = ("ours-jax-fused", "flax-nnx-mha", "ours-torch-sdpa")
+
+
+def test_flops_by_hand() -> None:
+    # B=2, H=4, S=128, D=64: two S x S x D matmuls per head, 2 FLOPs per multiply-add.
+    assert flops(2, 4, 128, 64, causal=False) == 4 * 2 * 4 * 128 * 128 * 64 == 33_554_432
+    assert flops(2, 4, 128, 64, causal=True) == 16_777_216  # the masked half is not counted
+    assert fwd_bwd_flops(2, 4, 128, 64, causal=False) == 117_440_512  # 3.5x: backward = 2.5x
+    assert fwd_bwd_flops(2, 4, 128, 64, causal=True) == 58_720_256
+    config = Config(batch=2, seq=128, heads=4, head_dim=64, causal=True, dtype="float32")
+    assert (config.flops(), config.fwd_bwd_flops()) == (16_777_216, 58_720_256)
+
+
+def test_modes_follow_the_issue() -> None:
+    from benchmarks import mode
+
+    full = mode("full")
+    sweep = [c for c in full.configs if c.seq <= 16384]
+    assert len(sweep) == 6 * 2 * 2 * 2  # seq x head_dim x causal x dtype
+    assert {c.dtype for c in sweep} == {"bfloat16", "float16"}
+    assert all(c.batch * c.seq == 16384 and c.heads * c.head_dim == 2048 for c in sweep)
+    assert sweep[0].group == (128, True, "bfloat16")  # the target group first
+    # every config runs our fused module, flax's, SDPA through ours, and every kernel alone
+    must = {"ours-jax-fused", "flax-nnx-mha", "ours-torch-sdpa", "torch-nn-mha", *CORE_SYSTEMS}
+    assert all(must <= set(c.systems) for c in sweep)
+    assert all("ours-torch-compile" in c.systems for c in sweep if c.dtype == "bfloat16" and c.head_dim == 128)
+    long = [c for c in full.configs if c.seq > 16384]
+    assert {(c.batch, c.seq, c.heads, c.head_dim, c.dtype) for c in long} == {(1, 65536, 16, 128, "bfloat16")}
+    assert all("core-jax-fused" in c.systems for c in long)
+    assert full.runs >= 10 and full.backward and set(full.systems) == set(ALL_SYSTEMS)
+
+    cpu_sweep = mode("cpu-sweep")
+    assert cpu_sweep.process_per_case and cpu_sweep.backward and cpu_sweep.runs == 5
+    assert cpu_sweep.warmup_s > 0 and cpu_sweep.timed_s > 0  # short calls: tens of samples, not five
+
+    target = mode("cpu-target")
+    assert [c.label for c in target.configs] == ["B4-S1024-H8-D64-causal-float32"]
+    assert target.runs == 20 and not target.backward
+    assert "ours-torch-compile" not in mode("quick").systems
+    assert "ours-torch-compile" in mode("quick", with_compile=True).systems
+
+
+@needs_both
+def test_tiny_run_writes_json_table_and_plot(tmp_path) -> None:
+    tiny = Mode(
+        "tiny", (Config(batch=2, seq=32, heads=2, head_dim=16, causal=True, dtype="float32"),),
+        SYSTEMS, runs=2, backward=True, warmup=1,
+    )
+    results = run(tiny, out_dir=tmp_path, echo=lambda _: None)
+
+    saved = json.loads((tmp_path / "tiny.json").read_text())
+    assert saved == json.loads(json.dumps(results))
+    env = saved["env"]
+    for key in ("device", "date", "cpu", "packages", "runtime"):
+        assert key in env, key
+    assert {"jax", "jaxlib", "flax", "torch"} <= set(env["packages"])
+    assert set(env["runtime"]) == {"jax", "torch"}
+
+    assert sorted(m["system"] for m in saved["measurements"]) == sorted(SYSTEMS)
+    for m in saved["measurements"]:
+        assert m["error"] is None, m
+        for phase in ("fwd", "fwd_bwd"):
+            timing = m[phase]
+            assert len(timing["times_ms"]) == 2
+            assert math.isfinite(timing["median_ms"]) and timing["median_ms"] > 0
+            assert math.isfinite(timing["compile_s"]) and timing["compile_s"] > 0
+            expected = (1 if phase == "fwd" else 3.5) * flops(2, 2, 32, 16, True) / (timing["median_ms"] / 1e3) / 1e12
+            assert timing["tflops"] == pytest.approx(expected)
+
+    table = (tmp_path / "tiny.md").read_text()
+    assert "| config | system | fwd ms (IQR) |" in table
+    for system in SYSTEMS:
+        assert f"| B2-S32-H2-D16-causal-float32 | {system} |" in table
+    png = (tmp_path / "tiny.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+@needs_both
+def test_core_systems_time_the_function_alone(tmp_path) -> None:
+    # The kernels alone: no projection FLOPs; a backend that cannot run (SDPA's cuDNN
+    # and memory-efficient kernels on CPU) is a recorded error, not a crash.
+    config = Config(batch=1, seq=32, heads=2, head_dim=16, causal=False, dtype="float32")
+    systems = ("core-jax-fused", "core-flax", "core-torch-fused", "core-torch-sdpa-flash", "core-torch-sdpa-cudnn")
+    results = run(Mode("full", (config,), systems, runs=2, backward=True, warmup=1), out_dir=tmp_path,
+                  echo=lambda _: None)
+    by_system = {m["system"]: m for m in results["measurements"]}
+    import torch
+
+    runnable = list(systems[:3])
+    if torch.cuda.is_available():  # SDPA's flash kernel takes float16 and bfloat16 only on CUDA
+        assert "No available kernel" in by_system["core-torch-sdpa-flash"]["error"]
+    else:  # on CPU, its flash backend is the CPU kernel, which takes float32; cuDNN has none
+        runnable.append("core-torch-sdpa-flash")
+        assert "No viable backend" in by_system["core-torch-sdpa-cudnn"]["error"]
+    for system in runnable:
+        m = by_system[system]
+        assert m["error"] is None, m
+        assert m["fwd"]["tflops_incl_projections"] == m["fwd"]["tflops"]
+        assert m["fwd_bwd"]["calls_per_run"] >= 1
+
+
+def test_a_spent_budget_records_every_case_as_not_run(tmp_path) -> None:
+    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
+    results = run(Mode("tiny", (config,), ("ours-jax-fused", "core-torch-fused"), runs=1, backward=False),
+                  out_dir=tmp_path, echo=lambda _: None, budget_s=-1.0)
+    assert [m["error"] for m in results["measurements"]] == [OUT_OF_TIME, OUT_OF_TIME]
+    assert json.loads((tmp_path / "tiny.json").read_text())["measurements"] == results["measurements"]
+
+
+def test_backward_rate_and_target_table() -> None:
+    # B1 H16 S4096 D128, not causal: forward 4*16*4096^2*128 = 1.374e11 FLOPs.  A forward of
+    # 0.25 ms and a forward+backward of 1.0 ms: backward 2.5 * 1.374e11 / 0.75e-3 = 458 TFLOP/s.
+    config = Config(1, 4096, 16, 128, False, "bfloat16")
+
+    def measurement(system: str, fwd_ms: float, fwd_bwd_ms: float) -> dict:
+        return {"system": system, "label": config.label, "config": config.to_json(), "error": None,
+                "fwd": {"median_ms": fwd_ms, "tflops": config.flops() / fwd_ms / 1e9},
+                "fwd_bwd": {"median_ms": fwd_bwd_ms, "tflops": config.fwd_bwd_flops() / fwd_bwd_ms / 1e9}}
+
+    ours = measurement("core-jax-fused", 0.25, 1.0)
+    assert backward_tflops(ours) == pytest.approx(2.5 * config.flops() / 0.75e-3 / 1e12)
+    results = {"systems": ["core-jax-fused", "core-torch-sdpa-flash", "core-torch-sdpa-cudnn", "ours-jax-fused",
+                           "flax-nnx-mha"],
+               "measurements": [ours, measurement("core-torch-sdpa-flash", 0.30, 1.1),
+                                measurement("core-torch-sdpa-cudnn", 0.26, 1.2),
+                                measurement("ours-jax-fused", 1.0, 3.0), measurement("flax-nnx-mha", 3.5, 9.0)]}
+    row = next(line for line in targets_text(results).splitlines() if line.startswith(f"| {config.label}"))
+    assert row == f"| {config.label} | 550 | 458 | - | 1.04 (cudnn) | 1.10 (flash) | 3.50 |"
+
+
+def test_appending_keeps_what_a_later_run_left_out_of_time(tmp_path) -> None:
+    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
+    mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
+    measured = run(mode, out_dir=tmp_path, echo=lambda _: None)["measurements"]
+    assert measured[0]["error"] is None
+    again = run(mode, out_dir=tmp_path, echo=lambda _: None, append=True, budget_s=-1.0)
+    assert again["measurements"] == measured  # the measurement, not the "not run" entry
+
+
+def test_the_allocator_reaches_every_worker_and_the_results(tmp_path, monkeypatch) -> None:
+    """The allocator is recorded in the results; one result never mixes two allocators;
+    an unknown or missing allocator is refused before anything runs; a preloaded one is in
+    the LD_PRELOAD the worker is started with."""
+    from benchmarks import environment, runner
+
+    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
+    mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
+    results = run(mode, out_dir=tmp_path, echo=lambda _: None)
+    assert results["settings"]["malloc"] == "system" and results["settings"]["ld_preload"] is None
+    assert any(note.startswith("Allocator: the system's") for note in results["notes"])
+    with pytest.raises(ValueError, match="measured with the system allocator, this run asks for tcmalloc"):
+        run(mode, out_dir=tmp_path, echo=lambda _: None, append=True, malloc="tcmalloc")
+    with pytest.raises(ValueError, match="unknown allocator 'jemalloc'"):
+        environment.preload_for("jemalloc")
+    monkeypatch.setattr(environment, "_TCMALLOC_NAMES", ("libno-such-allocator.so.0",))
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
+    with pytest.raises(ValueError, match="libno-such-allocator.so.0 found"):
+        run(mode, out_dir=tmp_path / "other", echo=lambda _: None, malloc="tcmalloc")
+    assert not (tmp_path / "other").exists()
+    monkeypatch.undo()
+
+    seen = {}
+
+    class Popen:
+        def __init__(self, command, env, **kwargs):
+            seen["env"] = env
+            raise OSError("not started")
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Popen)
+    with pytest.raises(OSError, match="not started"):
+        runner._worker("core-torch-fused", [config], mode, lambda _: None, None, "/lib/libstand-in.so")
+    assert seen["env"]["LD_PRELOAD"].split()[0] == "/lib/libstand-in.so"
+
+
+def test_a_run_with_the_installed_tcmalloc(tmp_path) -> None:
+    """Where tcmalloc is installed, a real run preloads it and records where it came from.
+    It is an optional system piece that the project does not install: everything above is
+    checked without it (a stand-in library), and only this run needs the real one."""
+    from benchmarks import environment
+
+    try:
+        library = environment.preload_for("tcmalloc")
+    except ValueError as missing:
+        pytest.skip(f"tcmalloc is not installed on this machine ({missing})")
+    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
+    mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
+    results = run(mode, out_dir=tmp_path, echo=lambda _: None, malloc="tcmalloc")
+    assert results["settings"] == {**results["settings"], "malloc": "tcmalloc", "ld_preload": library}
+    assert results["measurements"][0]["error"] is None
+
+
+def test_time_floors_add_warmup_and_runs() -> None:
+    """A call of about 2 ms with floors of 0.03 s warm-up and 0.1 s timed: more warm-up
+    calls than asked for, and more timed runs (a sample is the ~10 calls that fill
+    SAMPLE_S = 20 ms, so about five), never beyond MAX_RUNS; without floors, exactly what
+    was asked."""
+    import time
+
+    from benchmarks.measure import MAX_RUNS, _time
+
+    calls: list[int] = []
+
+    def call(repeat: int) -> None:
+        calls.append(repeat)
+        time.sleep(0.002 * repeat)
+
+    plain = _time(call, runs=3, warmup=1, flops=1, projection_flops=0)
+    assert plain["runs"] == 3 and len(calls) == 1 + 1 + 3
+    calls.clear()
+    floored = _time(call, runs=3, warmup=1, flops=1, projection_flops=0, warmup_s=0.03, timed_s=0.1)
+    warmups = len(calls) - 1 - floored["runs"]
+    assert warmups >= 10  # 0.03 s of 2 ms calls: at least 10 (sleep may run long)
+    assert 3 < floored["runs"] <= 6 and floored["calls_per_run"] >= 5  # 0.1 s of samples of ~20 ms
+    assert len(floored["times_ms"]) == floored["runs"]
+    capped = _time(call, runs=3, warmup=0, flops=1, projection_flops=0, timed_s=1000.0)
+    assert capped["runs"] == MAX_RUNS
+

@@ -1,0 +1,456 @@
+"""The JAX fused path on CPU: the library's FlashAttention kernel (``jax_attention/csrc``,
+built on first use).  Against the float64 oracle at sizes that cross its query blocks
+(96 rows forward, 64 backward) and key tiles (512 keys forward, 128 backward), with
+widths that are not whole vectors, grouped heads, windows, offsets and lengths, forward
+and backward; keys past a length that hold NaN; rows with nothing to attend to; half
+precision; ``auto``'s choice (the kernel only where it is built for AVX-512); the fallback
+where it cannot be built; jit and vmap.
+(The structure scenarios of ``test_structure_options`` run it too, through ``fused``
+and ``auto``.)"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from parity_tests import reference
+from parity_tests.harness import compare
+from parity_tests.tolerances import GRAD_ORACLE, ORACLE
+from tests.functional.test_structure_options import oracle_gradients, run
+from tests.support import needs_jax
+
+pytestmark = needs_jax
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_built() -> None:
+    import jax
+
+    from jax_attention import _cpu_kernel
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU kernel runs on XLA's CPU backend")
+    assert _cpu_kernel.available(), _cpu_kernel.build_error()
+
+
+def _inputs(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, width: int, v_width: int,
+            seed: int = 0) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, heads, q_len, width)).astype(np.float32).astype(np.float64)
+    k = rng.standard_normal((batch, kv_heads, kv_len, width)).astype(np.float32).astype(np.float64)
+    v = rng.standard_normal((batch, kv_heads, kv_len, v_width)).astype(np.float32).astype(np.float64)
+    cot = rng.uniform(0.5, 1.5, (batch, heads, q_len, v_width))
+    return q, k, v, cot
+
+
+def _lengths_mask(lengths: np.ndarray, kv_len: int) -> np.ndarray:
+    return (np.arange(kv_len)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+# (id, batch, heads, kv_heads, T, S, D, Dv, call options, oracle options)
+CASES = [
+    ("causal-multi-block", 2, 4, 4, 300, 300, 64, 64, {"causal": True}, {"causal": True}),
+    ("full-cross-odd", 1, 2, 2, 97, 1100, 40, 24, {}, {}),
+    ("causal-gqa-tiles", 1, 4, 2, 700, 700, 64, 80, {"causal": True}, {"causal": True}),
+    ("lengths-gqa1", 3, 2, 1, 130, 257, 32, 32, {"kv_lengths": np.array([257, 0, 100])},
+     {"mask": _lengths_mask(np.array([257, 0, 100]), 257)}),
+    ("window-offset", 1, 2, 2, 260, 600, 64, 64, {"window": (100, 30), "q_offset": 200},
+     {"window": (100, 30), "offset": 200}),
+    ("bottomright-causal-window-lengths", 2, 2, 2, 150, 640, 16, 16,
+     {"causal": True, "window": (300, None), "alignment": "bottom_right", "kv_lengths": np.array([640, 333])},
+     {"causal": True, "window": (300, None), "offset": 490, "mask": _lengths_mask(np.array([640, 333]), 640)}),
+    ("one-head-split-backward", 1, 1, 1, 520, 520, 64, 64, {"causal": True}, {"causal": True}),
+    # up to 512 keys the backward takes tiles of 64 keys: a window, an offset, grouped
+    # heads and one (batch, kv head) unit, so its key tiles are split between threads
+    ("short-tiles-window-gqa-split", 1, 2, 1, 190, 450, 64, 48, {"window": (70, 20), "q_offset": 100},
+     {"window": (70, 20), "offset": 100}),
+    ("negative-offset-empty-rows", 1, 2, 2, 40, 30, 8, 8, {"causal": True, "q_offset": -10},
+     {"causal": True, "offset": -10}),
+    # every example at full length and S, Dv whole vectors: the forward reads V in place
+    # (two key tiles of 512 and 128 here, Dv != D, grouped heads)
+    ("v-in-place-causal-gqa", 2, 4, 2, 208, 640, 64, 48, {"causal": True}, {"causal": True}),
+    ("v-in-place-full-lengths-window", 1, 2, 2, 100, 128, 32, 32,
+     {"window": (20, 5), "kv_lengths": np.array([128])}, {"window": (20, 5)}),
+    # full lengths and whole vectors, but a head's values spread over more than 8 MiB
+    # (S * Hkv * Dv floats): the forward copies them
+    ("v-copied-wide-span", 1, 16, 8, 40, 2048, 32, 144, {"causal": True, "alignment": "bottom_right"},
+     {"causal": True, "offset": 2008}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_against_the_oracle(case: tuple[Any, ...]):
+    _, batch, heads, kv_heads, q_len, kv_len, width, v_width, call, oracle = case
+    q, k, v, cot = _inputs(batch, heads, kv_heads, q_len, kv_len, width, v_width)
+    scale = 1.0 / math.sqrt(width)
+    out, weights = reference.attention(q, k, v, scale=scale, **oracle)
+    want = {"output": out, **oracle_gradients(q, k, v, weights, cot, scale)}
+    got = run("jax", q, k, v, cot, implementation="fused", **call)
+    findings = [compare("output", got["output"], want["output"], ORACLE["float32"], ("kernel", "oracle"))]
+    findings += [compare(g, got[g], want[g], GRAD_ORACLE["float32"], ("kernel", "oracle"))
+                 for g in ("grad q", "grad k", "grad v")]
+    assert all(f.ok for f in findings), "\n".join(f.describe() for f in findings if not f.ok)
+
+
+def test_rows_with_nothing_to_attend_to_are_zero():
+    """A query before every key (negative offset, causal) and an example of length 0:
+    zero output rows, and no gradient flows through them."""
+    q, k, v, cot = _inputs(2, 2, 2, 20, 30, 16, 16)
+    got = run("jax", q, k, v, cot, implementation="fused", causal=True, q_offset=-5,
+              kv_lengths=np.array([30, 0]))
+    assert np.all(got["output"][:, :, :5] == 0) and np.all(got["output"][1] == 0)
+    assert np.all(got["grad q"][:, :, :5] == 0) and np.all(got["grad q"][1] == 0)
+    assert np.all(got["grad k"][1] == 0) and np.all(got["grad v"][1] == 0)
+    assert all(np.isfinite(a).all() for a in got.values())
+
+
+def test_keys_past_a_length_never_reach_an_output():
+    """NaN and Inf stored past each example's length: the same outputs and gradients as
+    with zeros there, and zero gradients for those keys."""
+    q, k, v, cot = _inputs(2, 4, 2, 150, 700, 64, 64, seed=3)
+    lengths = np.array([700, 333])
+    clean = run("jax", q, k, v, cot, implementation="fused", causal=True, kv_lengths=lengths)
+    k[1, :, 333:] = np.nan
+    v[1, :, 333:] = np.inf
+    dirty = run("jax", q, k, v, cot, implementation="fused", causal=True, kv_lengths=lengths)
+    for name, value in clean.items():
+        np.testing.assert_array_equal(dirty[name], value, err_msg=name)
+    assert np.all(dirty["grad k"][1, :, 333:] == 0) and np.all(dirty["grad v"][1, :, 333:] == 0)
+
+
+def test_the_kernel_itself_never_reads_past_a_length():
+    """The kernel's own contract, without ``dot_product_attention`` (which zeroes keys
+    past a length before any path): Inf and NaN in the rows between a length and the
+    end of its 16-key vector (333 .. 335) change nothing, forward or backward."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+
+    q, k, v, cot = (np.swapaxes(a, 1, 2).astype(np.float32) for a in _inputs(2, 4, 2, 40, 700, 64, 64, seed=5))
+    lengths = jnp.asarray([700, 333], jnp.int32)
+    attrs = dict(scale=0.125, offset=0, left=None, right=None)
+
+    def both(k: np.ndarray, v: np.ndarray) -> list[np.ndarray]:
+        q_, k_, v_, cot_ = map(jnp.asarray, (q, k, v, cot))
+        out, row_max, row_sum = _cpu_kernel.forward(q_, k_, v_, lengths, **attrs)
+        grads = _cpu_kernel.backward(q_, k_, v_, lengths, out, cot_, row_max, row_sum, **attrs)
+        return [np.asarray(a) for a in (out, row_max, row_sum, *grads)]
+
+    clean = both(k, v)
+    k[1, 333:], v[1, 333:] = np.nan, np.inf
+    dirty = both(k, v)
+    for got, want in zip(dirty, clean, strict=True):
+        np.testing.assert_array_equal(got, want)
+    dk, dv = dirty[-2:]
+    assert np.all(dk[1, 333:] == 0) and np.all(dv[1, 333:] == 0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_computes_in_float32(dtype: str):
+    """Half-precision inputs are upcast and the output rounded once: equal to the
+    float32 kernel on the same (rounded) inputs, rounded to the dtype."""
+    import jax.numpy as jnp
+
+    from jax_attention.functional import dot_product_attention
+
+    q, k, v, _ = _inputs(2, 4, 2, 200, 200, 64, 64)
+    half = [jnp.asarray(a, dtype) for a in (q, k, v)]
+    got = dot_product_attention(*half, causal=True, implementation="fused")
+    want = dot_product_attention(*(a.astype(jnp.float32) for a in half), causal=True, implementation="fused")
+    assert got.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(dtype), np.float32))
+
+
+def test_auto_takes_the_kernel_where_it_applies():
+    """On CPU, ``auto`` is the kernel for causal / window / lengths calls, bit for bit
+    (where the kernel is tuned for the CPU, AVX-512; elsewhere the blockwise path, see
+    the tests of both builds below), and the blockwise path where the kernel does not
+    apply (a dense mask)."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(2, 4, 4, 130, 130, 64, 64))
+    twin = "blockwise" if _cpu_kernel.auto_declines() else "fused"
+    for options in ({"causal": True}, {"kv_lengths": jnp.array([130, 7])}, {"window": (5, 5)}):
+        auto = dot_product_attention(q, k, v, implementation="auto", **options)
+        want = dot_product_attention(q, k, v, implementation=twin, **options)
+        np.testing.assert_array_equal(np.asarray(auto), np.asarray(want))
+    mask = np.random.default_rng(0).random((2, 4, 130, 130)) < 0.5
+    auto = dot_product_attention(q, k, v, implementation="auto", mask=jnp.asarray(mask))
+    blockwise = dot_product_attention(q, k, v, implementation="blockwise", mask=jnp.asarray(mask))
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(blockwise))
+
+
+def test_without_the_kernel_fused_is_xla_and_auto_blockwise(monkeypatch):
+    """Where the kernel cannot be built, the fused path is XLA's kernel and ``auto`` the
+    blockwise path, with the same numbers as the kernel within float32 rounding."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(1, 2, 2, 70, 70, 32, 32))
+    kernel = dot_product_attention(q, k, v, causal=True, implementation="fused")
+    monkeypatch.setattr(_cpu_kernel, "available", lambda: False)
+    monkeypatch.setattr(_cpu_kernel, "_state", {"ok": False, "error": "a stand-in failure", "mode": "auto"})
+    for path, twin in (("fused", None), ("auto", "blockwise")):
+        if path == "fused":  # an explicit "fused" that falls back says so; "auto" chooses silently
+            with pytest.warns(RuntimeWarning, match=r"runs XLA's kernel: .* not available \(a stand-in failure\)"):
+                got = dot_product_attention(q, k, v, causal=True, implementation=path)
+        else:
+            got = dot_product_attention(q, k, v, causal=True, implementation=path)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(kernel), rtol=1e-5, atol=1e-5)
+        if twin is not None:
+            want = dot_product_attention(q, k, v, causal=True, implementation=twin)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_failed_build_is_reported(monkeypatch, tmp_path):
+    """A compiler that fails leaves the kernel unavailable, with the compiler's words
+    in ``build_error``, and nothing half-written in the cache."""
+    from jax_attention import _cpu_kernel
+
+    monkeypatch.setenv("TWIN_ATTENTION_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    assert not _cpu_kernel.available()
+    assert "failed" in (_cpu_kernel.build_error() or "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_build_for_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
+    """A library built for an instruction set (AVX-512 here, $TWIN_ATTENTION_MARCH for
+    another machine) on a CPU whose flags lack it (avx512f) is refused before its first call (which would die of SIGILL):
+    the kernel is unavailable, ``build_error`` names the instruction set, and the fused
+    path runs XLA's kernel instead, with the same numbers as the reference."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    isa = _cpu_kernel.instruction_set()
+    needed = _cpu_kernel._NEEDS_FLAG.get(str(isa))
+    if needed is None:
+        pytest.skip(f"this machine's build is {isa}: no x86 flag to take away")
+    name, _, listed = _cpu_kernel._cpu_flags_line().partition(":")
+    lacking = f"{name}: " + " ".join(flag for flag in listed.split() if flag != needed)
+    monkeypatch.setattr(_cpu_kernel, "_cpu_flags_line", lambda: lacking)
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    assert not _cpu_kernel.available()
+    assert f"built for {isa}" in (_cpu_kernel.build_error() or "")
+    assert f"no {needed} among its flags" in (_cpu_kernel.build_error() or "")
+    assert _cpu_kernel.auto_declines() == f"the CPU kernel is not available: {_cpu_kernel.build_error()}"
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(3, 2, 2, 20, 20, 8, 8))
+    with pytest.warns(RuntimeWarning, match="not available"):
+        fused = dot_product_attention(q, k, v, causal=True, implementation="fused")
+    np.testing.assert_allclose(np.asarray(fused),
+                               np.asarray(dot_product_attention(q, k, v, causal=True, implementation="reference")),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_can_be_turned_off_or_required(monkeypatch, tmp_path):
+    """$TWIN_ATTENTION_CPU_KERNEL: ``off`` builds and loads nothing (the fused path runs
+    XLA's kernel, without a warning, with the reference's numbers); ``require`` turns a
+    failed build into a RuntimeError at every ask instead of a fallback; another value is
+    a ValueError."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    monkeypatch.setenv("TWIN_ATTENTION_CACHE", str(tmp_path))
+    monkeypatch.setenv("TWIN_ATTENTION_CPU_KERNEL", "off")
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    assert not _cpu_kernel.available()
+    assert _cpu_kernel.build_error() == "turned off ($TWIN_ATTENTION_CPU_KERNEL=off)"
+    assert list(tmp_path.iterdir()) == []  # nothing built
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(3, 2, 2, 20, 20, 8, 8))
+    np.testing.assert_allclose(np.asarray(dot_product_attention(q, k, v, causal=True, implementation="fused")),
+                               np.asarray(dot_product_attention(q, k, v, causal=True, implementation="reference")),
+                               rtol=1e-5, atol=1e-6)
+    assert list(tmp_path.iterdir()) == []
+
+    monkeypatch.setenv("TWIN_ATTENTION_CPU_KERNEL", "require")
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    for _ in range(2):  # the same refusal at every ask, not only the first
+        with pytest.raises(RuntimeError, match=r"TWIN_ATTENTION_CPU_KERNEL=require, and the CPU kernel is not "
+                                               r"available: .*failed"):
+            _cpu_kernel.available()
+    with pytest.raises(RuntimeError, match="=require"):
+        dot_product_attention(q, k, v, causal=True, implementation="fused")
+
+    monkeypatch.setenv("TWIN_ATTENTION_CPU_KERNEL", "sometimes")
+    monkeypatch.setattr(_cpu_kernel, "_state", {})
+    with pytest.raises(ValueError, match=r"must be one of auto, off, require; got 'sometimes'"):
+        _cpu_kernel.available()
+
+
+def test_jit_and_vmap():
+    """Under jit, the same numbers as eager; under vmap, those of each slice."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention.functional import dot_product_attention
+
+    q, k, v, _ = (jnp.asarray(a, jnp.float32) for a in _inputs(3, 2, 2, 50, 50, 16, 16))
+
+    def attend(q_: Any, k_: Any, v_: Any) -> Any:
+        return dot_product_attention(q_, k_, v_, causal=True, implementation="fused")
+
+    eager = attend(q, k, v)
+    np.testing.assert_array_equal(np.asarray(jax.jit(attend)(q, k, v)), np.asarray(eager))
+    mapped = jax.vmap(attend)(q[:, None], k[:, None], v[:, None])[:, 0]
+    np.testing.assert_array_equal(np.asarray(mapped), np.asarray(eager))
+
+
+def test_only_a_fused_or_auto_call_asks_for_the_kernel(monkeypatch):
+    """The reference and blockwise paths never build (or look for) the kernel."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import dot_product_attention
+
+    def refuse() -> bool:
+        raise AssertionError("the kernel was asked for")
+
+    monkeypatch.setattr(_cpu_kernel, "available", refuse)
+    q = jnp.ones((1, 2, 5, 8), jnp.float32)
+    for path in ("reference", "blockwise"):
+        dot_product_attention(q, q, q, causal=True, implementation=path)
+    with pytest.raises(AssertionError, match="asked for"):
+        dot_product_attention(q, q, q, causal=True, implementation="auto")
+
+
+_PORTABLE_CHECK = """
+import numpy as np, jax.numpy as jnp
+from jax_attention import _cpu_kernel
+from jax_attention.functional import dot_product_attention
+assert _cpu_kernel.available(), _cpu_kernel.build_error()
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.standard_normal((2, 2, 300, 40)), jnp.float32) for _ in range(3))
+options = dict(causal=True, kv_lengths=jnp.array([300, 90]))
+got = np.asarray(dot_product_attention(q, k, v, implementation="fused", **options))
+want = np.asarray(dot_product_attention(q, k, v, implementation="reference", **options))
+np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)  # NaN fails it
+import jax
+from jax_attention.functional import linear
+x = jnp.asarray(rng.standard_normal((300, 257)), jnp.float32)
+w = jnp.asarray(rng.standard_normal((257, 70)) / 16, jnp.float32)
+def grads(path):  # x w, dy w^T and x^T dy on the kernel (fused) and on XLA (reference)
+    return jax.grad(lambda x_, w_: (linear(x_, w_, implementation=path) ** 2).sum(), (0, 1))(x, w)
+for got, want in zip(grads("fused"), grads("reference")):  # normwise, as gradients are compared
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.abs(got - want).max() <= GATOL + GRTOL * np.abs(want).max()
+print("ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def portable_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a process that builds (once, for the tests below together) and
+    runs the kernel for x86-64-v3: AVX2, no AVX-512."""
+    import os
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 target")
+    return {**os.environ, "TWIN_ATTENTION_CACHE": str(tmp_path_factory.mktemp("avx2-cache")),
+            "TWIN_ATTENTION_MARCH": "x86-64-v3", "JAX_PLATFORMS": "cpu"}
+
+
+def _run_script(script: str, env: dict[str, str]) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_portable_build_avx2(portable_cache: dict[str, str]):
+    """The kernel built for x86-64-v3 (AVX2, no AVX-512: the vector code's other
+    branch, exp and the matrix product's 6 x 16 tile included) in a process of its
+    own: the reference path's numbers."""
+    from pathlib import Path
+
+    tolerance = ORACLE["float32"]
+    gradients = GRAD_ORACLE["float32"]
+    script = (_PORTABLE_CHECK.replace("GRTOL", repr(gradients.rtol)).replace("GATOL", repr(gradients.atol))
+              .replace("RTOL", repr(tolerance.rtol)).replace("ATOL", repr(tolerance.atol)))
+    assert _run_script(script, portable_cache) == "ok"
+    assert len(list(Path(portable_cache["TWIN_ATTENTION_CACHE"]).glob("*.so"))) == 1
+
+
+# Which paths call the kernel (attention forward, matrix product), counted by spies.
+_SPIES = """
+import numpy as np, jax, jax.numpy as jnp
+from jax_attention import _cpu_kernel
+from jax_attention import functional as F
+calls = []
+for name in ("forward", "matmul"):
+    real = getattr(_cpu_kernel, name)
+    setattr(_cpu_kernel, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+def called(fn):
+    del calls[:]
+    out = fn()
+    return sorted(set(calls)), out
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.standard_normal((2, 2, 130, 32)), jnp.float32) for _ in range(3))
+x = jnp.asarray(rng.standard_normal((50, 32)), jnp.float32)
+w = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+ran = {path: called(lambda path=path: F.dot_product_attention(q, k, v, causal=True, implementation=path))
+       for path in ("auto", "fused", "blockwise")}
+linear = {path: called(lambda path=path: F.linear(x, w, implementation=path))[0] for path in ("auto", "fused")}
+"""
+
+
+def test_auto_passes_an_avx2_build_by(portable_cache: dict[str, str]):
+    """Built without AVX-512 (x86-64-v3 here), the kernel is slower than the blockwise
+    path (2-5x on a Zen 3 with AVX2): ``auto`` takes the blockwise path, bit for bit, and
+    XLA's dot for projections, and says why; an explicit ``"fused"`` still runs it."""
+    script = _SPIES + """
+assert ran["auto"][0] == [], ran["auto"][0]
+assert ran["fused"][0] == ["forward"], ran["fused"][0]
+np.testing.assert_array_equal(np.asarray(ran["auto"][1]), np.asarray(ran["blockwise"][1]))
+assert linear == {"auto": [], "fused": ["matmul"]}, linear
+assert _cpu_kernel.instruction_set() == "AVX2", _cpu_kernel.instruction_set()
+reason = _cpu_kernel.auto_declines()
+assert reason is not None and "AVX2" in reason and "blockwise" in reason, reason
+assert F.cpu_kernel_supports(q, implementation="fused") and not F.cpu_kernel_supports(q, implementation="auto")
+print("ok")
+"""
+    assert _run_script(script, portable_cache) == "ok"
+
+
+def test_auto_takes_an_avx512_build(monkeypatch):
+    """Built for this CPU where it has AVX-512 (the kernel's tuned target), ``auto`` runs
+    the kernel, for attention and projections alike."""
+    import os
+
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+    from jax_attention import functional as F
+
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    if "avx512f" not in flags or os.environ.get("TWIN_ATTENTION_MARCH"):
+        pytest.skip("a build for an AVX-512 CPU")
+    calls: list[str] = []
+    for name in ("forward", "matmul"):
+        real = getattr(_cpu_kernel, name)
+        monkeypatch.setattr(_cpu_kernel, name,
+                            lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    q = jnp.ones((1, 2, 40, 16), jnp.float32)
+    F.dot_product_attention(q, q, q, causal=True, implementation="auto")
+    F.linear(q[0, 0], jnp.ones((16, 8), jnp.float32), implementation="auto")
+    assert calls == ["forward", "matmul"], calls
+    assert _cpu_kernel.instruction_set() == "AVX-512"
+    assert _cpu_kernel.auto_declines() is None
