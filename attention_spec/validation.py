@@ -762,39 +762,3 @@ def cache_unsupported_message(variant: str) -> str:
         f"{variant} has no KV cache: decoding needs one set of key/value projections "
         "(MultiHeadAttention, CausalAttention, SelfAttention_v1/v2 or Head)"
     )
-
-
-def reach(causal: bool, window: tuple[int | None, int | None] | None) -> tuple[int | None, int | None]:
-    """(left, right): a query at key position p sees keys p - left .. p + right (None:
-    unbounded on that side); ``causal`` caps ``right`` at 0."""
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    return left, right
-
-
-def band_reach(
-    q_len: int, kv_len: int, offset: int | None, causal: bool, window: tuple[int | None, int | None] | None
-) -> tuple[int | None, int | None]:
-    """``reach``, with a side that hides no key of this (q_len x kv_len) block dropped
-    (None): one decoded query at the end, say, needs no band at all.  ``offset`` None
-    (it differs per example) keeps both sides."""
-    left, right = reach(causal, window)
-    if offset is not None:
-        if right is not None and offset + right >= kv_len - 1:
-            right = None
-        if left is not None and q_len - 1 + offset - left <= 0:
-            left = None
-    return left, right
-
-
-def key_range(
-    r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
-) -> tuple[int, int]:
-    """The keys [lo, hi) that queries r0..r1-1 (at key positions + offset) can see under
-    ``causal`` and ``window``: the blockwise paths of both twins never compute the
-    blocks outside (index arithmetic only, so it lives here once)."""
-    left, right = reach(causal, window)
-    lo = 0 if left is None else max(0, r0 + offset - left)
-    hi = kv_len if right is None else min(kv_len, r1 - 1 + offset + right + 1)
-    return lo, max(lo, hi)

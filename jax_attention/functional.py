@@ -49,8 +49,10 @@ from attention_spec import (
     resolve_implementation,
     zero_row_sum_message,
 )
+from attention_spec.geometry import band_reach
+from attention_spec.geometry import key_range as _key_range
+from attention_spec.geometry import reach as _reach
 from attention_spec.validation import (
-    band_reach,
     check_alignment,
     check_bias,
     check_implementation,
@@ -65,12 +67,6 @@ from attention_spec.validation import (
     kv_lengths_rank_message,
     kv_segment_ids_message,
     rank_message,
-)
-from attention_spec.validation import (
-    key_range as _key_range,
-)
-from attention_spec.validation import (
-    reach as _reach,
 )
 from jax_attention import _cpu_kernel
 from jax_attention.masks import _and_masks as combine_masks
