@@ -10,6 +10,7 @@ imports torch or jax; checks work on shapes (tuples of ints) and dtype names (st
 """
 
 from attention_spec.registry import REGISTRY, AttentionConfig, make_config, variant
+from attention_spec.routing import Route, resolve_implementation, resolve_route
 from attention_spec.validation import (
     ADDITIVE_BIAS_MESSAGE,
     IMPLEMENTATIONS,
@@ -32,7 +33,6 @@ from attention_spec.validation import (
     check_qkv,
     check_scale,
     dtype_name,
-    resolve_implementation,
     zero_row_sum_message,
 )
 
@@ -62,7 +62,9 @@ __all__ = [
     "check_qkv",
     "check_scale",
     "dtype_name",
+    "Route",
     "resolve_implementation",
+    "resolve_route",
     "zero_row_sum_message",
 ]
 

@@ -359,55 +359,6 @@ def check_config(
         check_implementation(implementation)
 
 
-def resolve_implementation(
-    requested: str,
-    *,
-    preference: tuple[str, ...],
-    return_weights: bool,
-    normalization: str,
-    dropout_active: bool,
-    dropout_mask_given: bool,
-    fused_draws_dropout: bool,
-    fused_blockers: tuple[str, ...] = (),
-) -> str:
-    """Which path computes a call: ``"reference"``, ``"fused"`` or ``"blockwise"``.
-
-    ``"auto"`` takes the first path of ``preference`` (the framework's fast paths on this
-    device, fastest first) that honours every option asked for, else the reference
-    math (attention weights returned, ``normalization="sum"``, dropout that the path
-    cannot draw, an explicit dropout mask, or what the framework's fused kernel lacks,
-    ``fused_blockers``).  An explicit ``"fused"`` or ``"blockwise"`` that cannot honour
-    an option raises ``ValueError`` naming it.
-    """
-    check_implementation(requested)
-
-    def blockers(path: str) -> list[str]:
-        found: list[str] = []
-        if path == "reference":
-            return found
-        if return_weights:
-            found.append("return_weights=True (the weights are never materialised)")
-        if normalization != "softmax":
-            found.append(f"normalization={normalization!r}")
-        if dropout_mask_given:
-            found.append("an explicit dropout_mask")
-        elif dropout_active and not (path == "fused" and fused_draws_dropout):
-            found.append("dropout in training mode")
-        if path == "fused":
-            found += fused_blockers
-        return found
-
-    if requested != "auto":
-        found = blockers(requested)
-        if found:
-            raise ValueError(
-                f"implementation={requested!r} cannot honour {'; '.join(found)}; "
-                "use implementation='reference' or 'auto'"
-            )
-        return requested
-    return next((path for path in preference if not blockers(path)), "reference")
-
-
 # --------------------------------------------------------------------------- modules (appended by the modules' owner)
 
 
@@ -504,6 +455,8 @@ def check_explicit_path(
     module asks it before any work, a cached call before it writes its cache.  (An
     explicit path's refusals do not depend on the preference order of ``"auto"``;
     ``fused_draws_dropout`` is the twin's: SDPA draws it, JAX's fused kernels cannot.)"""
+    from attention_spec.routing import resolve_implementation
+
     if implementation in ("auto", "reference"):
         return  # they refuse nothing: "auto" falls back to the reference math
     resolve_implementation(
