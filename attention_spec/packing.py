@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from attention_spec.registry import AttentionConfig
-from attention_spec.specs import Rule, SplitAxis, Transpose, as_numpy, check_float_arrays, run_rules
+from attention_spec.specs import Concat, Rule, SplitAxis, Transpose, as_numpy, check_float_arrays, run_rules
 
 __all__ = [
     "PACKED_LAYOUTS",
@@ -48,6 +48,7 @@ __all__ = [
     "merge_heads_out_kernel",
     "native_flax_params",
     "native_flax_rules",
+    "nn_multihead_rules",
     "pack_state_dict",
     "packed_state_dict",
     "split_heads_bias",
@@ -396,6 +397,27 @@ def merge_heads_out_kernel(kernel: Any) -> np.ndarray:
 
 
 _NATIVE = {"query": "W_query", "key": "W_key", "value": "W_value", "out": "out_proj"}
+
+
+def nn_multihead_rules(*, packed: bool, qkv_bias: bool, out_bias: bool) -> list[Rule]:
+    """The map between our ``MultiHeadAttention``'s PyTorch names and the parameters of
+    ``torch.nn.MultiheadAttention`` (the other side's paths, ``in_proj_weight``,
+    ``out_proj/weight``), as rules of the one weight map: ``W_query.weight``,
+    ``W_key.weight``, ``W_value.weight`` <-> ``in_proj_weight`` (joined along the output
+    axis; ``packed=False``: ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` as
+    they are), the three biases <-> ``in_proj_bias`` with ``qkv_bias``, ``out_proj.weight``
+    <-> ``out_proj/weight`` and, with ``out_bias``, ``out_proj.bias`` <-> ``out_proj/bias``."""
+    names = [f"{_NATIVE[role]}.weight" for role in ROLES]
+    if packed:
+        rules = [Rule(names, "in_proj_weight", (Concat(0, 3),))]
+    else:
+        rules = [Rule(name, f"{role[0]}_proj_weight") for name, role in zip(names, ROLES, strict=True)]
+    if qkv_bias:
+        rules.append(Rule([f"{_NATIVE[role]}.bias" for role in ROLES], "in_proj_bias", (Concat(0, 3),)))
+    rules.append(Rule("out_proj.weight", "out_proj/weight"))
+    if out_bias:
+        rules.append(Rule("out_proj.bias", "out_proj/bias"))
+    return rules
 
 
 def native_flax_rules(num_heads: int, *, use_bias: bool = True) -> list[Rule]:
