@@ -1,6 +1,7 @@
 """Packed q/k/v and head-shaped kernels: the layouts real checkpoints use, framework-free.
 
-Two things that ``attention_spec.conversion``'s one-name-to-one-name map cannot say:
+The layouts of other libraries' checkpoints, beside the twins' declared map
+(``attention_spec.conversion``):
 
 * **Packed q/k/v**: one weight holds the three projections side by side.
   ``layout="in_out"``: (d_in, 3*d_out), applied as ``x @ W`` (GPT-2's ``Conv1D``
@@ -17,7 +18,8 @@ Two things that ``attention_spec.conversion``'s one-name-to-one-name map cannot 
   biases (heads, head_dim), the output kernel (heads, head_dim, out) with bias (out,).
   Heads are contiguous blocks of ``head_dim`` along the width, the same split as our
   ``MultiHeadAttention``.  ``split_heads_*`` / ``merge_heads_*`` reshape one array;
-  ``native_flax_params`` / ``state_dict_from_native_flax`` convert a whole parameter tree.
+  ``native_flax_params`` / ``state_dict_from_native_flax`` convert a whole parameter tree
+  through the rules of ``native_flax_rules`` (the one weight map, ``attention_spec.specs``).
 
 Everything takes NumPy arrays (or anything ``as_numpy`` reads: torch tensors, JAX
 arrays), returns NumPy copies (never views of the input) with the input's dtype, and
@@ -33,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.conversion import as_numpy, check_float_arrays
 from attention_spec.registry import AttentionConfig
+from attention_spec.specs import Concat, Rule, SplitAxis, Transpose, as_numpy, check_float_arrays, run_rules
 
 __all__ = [
     "PACKED_LAYOUTS",
@@ -45,6 +47,8 @@ __all__ = [
     "merge_heads_kernel",
     "merge_heads_out_kernel",
     "native_flax_params",
+    "native_flax_rules",
+    "nn_multihead_rules",
     "pack_state_dict",
     "packed_state_dict",
     "split_heads_bias",
@@ -329,12 +333,31 @@ def _divides(what: str, width: int, num_heads: int) -> None:
         raise ValueError(f"{what} width {width} is not divisible by num_heads={num_heads}")
 
 
-def split_heads_kernel(kernel: Any, num_heads: int) -> np.ndarray:
-    """A q/k/v kernel (in, heads*head_dim) -> (in, heads, head_dim)."""
-    k = _float("the kernel", kernel)
+def _check_kernel(k: np.ndarray, num_heads: Any) -> int:
     _rank("the q/k/v kernel", k, 2, "(in, heads*head_dim)")
     h = _heads(num_heads)
     _divides("the q/k/v kernel's", k.shape[1], h)
+    return h
+
+
+def _check_bias(b: np.ndarray, num_heads: Any) -> int:
+    _rank("the q/k/v bias", b, 1, "(heads*head_dim,)")
+    h = _heads(num_heads)
+    _divides("the q/k/v bias's", b.shape[0], h)
+    return h
+
+
+def _check_out_kernel(k: np.ndarray, num_heads: Any) -> int:
+    _rank("the output kernel", k, 2, "(heads*head_dim, out)")
+    h = _heads(num_heads)
+    _divides("the output kernel's input", k.shape[0], h)
+    return h
+
+
+def split_heads_kernel(kernel: Any, num_heads: int) -> np.ndarray:
+    """A q/k/v kernel (in, heads*head_dim) -> (in, heads, head_dim)."""
+    k = _float("the kernel", kernel)
+    h = _check_kernel(k, num_heads)
     return np.array(k.reshape(k.shape[0], h, k.shape[1] // h))
 
 
@@ -348,9 +371,7 @@ def merge_heads_kernel(kernel: Any) -> np.ndarray:
 def split_heads_bias(bias: Any, num_heads: int) -> np.ndarray:
     """A q/k/v bias (heads*head_dim,) -> (heads, head_dim)."""
     b = _float("the bias", bias)
-    _rank("the q/k/v bias", b, 1, "(heads*head_dim,)")
-    h = _heads(num_heads)
-    _divides("the q/k/v bias's", b.shape[0], h)
+    h = _check_bias(b, num_heads)
     return np.array(b.reshape(h, b.shape[0] // h))
 
 
@@ -364,9 +385,7 @@ def merge_heads_bias(bias: Any) -> np.ndarray:
 def split_heads_out_kernel(kernel: Any, num_heads: int) -> np.ndarray:
     """An output kernel (heads*head_dim, out) -> (heads, head_dim, out)."""
     k = _float("the kernel", kernel)
-    _rank("the output kernel", k, 2, "(heads*head_dim, out)")
-    h = _heads(num_heads)
-    _divides("the output kernel's input", k.shape[0], h)
+    h = _check_out_kernel(k, num_heads)
     return np.array(k.reshape(h, k.shape[0] // h, k.shape[1]))
 
 
@@ -380,13 +399,53 @@ def merge_heads_out_kernel(kernel: Any) -> np.ndarray:
 _NATIVE = {"query": "W_query", "key": "W_key", "value": "W_value", "out": "out_proj"}
 
 
+def nn_multihead_rules(*, packed: bool, qkv_bias: bool, out_bias: bool) -> list[Rule]:
+    """The map between our ``MultiHeadAttention``'s PyTorch names and the parameters of
+    ``torch.nn.MultiheadAttention`` (the other side's paths, ``in_proj_weight``,
+    ``out_proj/weight``), as rules of the one weight map: ``W_query.weight``,
+    ``W_key.weight``, ``W_value.weight`` <-> ``in_proj_weight`` (joined along the output
+    axis; ``packed=False``: ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` as
+    they are), the three biases <-> ``in_proj_bias`` with ``qkv_bias``, ``out_proj.weight``
+    <-> ``out_proj/weight`` and, with ``out_bias``, ``out_proj.bias`` <-> ``out_proj/bias``."""
+    names = [f"{_NATIVE[role]}.weight" for role in ROLES]
+    if packed:
+        rules = [Rule(names, "in_proj_weight", (Concat(0, 3),))]
+    else:
+        rules = [Rule(name, f"{role[0]}_proj_weight") for name, role in zip(names, ROLES, strict=True)]
+    if qkv_bias:
+        rules.append(Rule([f"{_NATIVE[role]}.bias" for role in ROLES], "in_proj_bias", (Concat(0, 3),)))
+    rules.append(Rule("out_proj.weight", "out_proj/weight"))
+    if out_bias:
+        rules.append(Rule("out_proj.bias", "out_proj/bias"))
+    return rules
+
+
+def native_flax_rules(num_heads: int, *, use_bias: bool = True) -> list[Rule]:
+    """The map between our ``MultiHeadAttention``'s PyTorch names and the parameter tree
+    of Flax's own attention, as rules of the one weight map: ``W_query.weight`` (d_out,
+    d_in) <-> ``query/kernel`` (d_in, heads, head_dim) (transposed, then its width split
+    into heads), ``W_query.bias`` <-> ``query/bias`` (heads, head_dim), likewise key and
+    value; ``out_proj.weight`` <-> ``out/kernel`` (heads, head_dim, d_out),
+    ``out_proj.bias`` <-> ``out/bias``.  ``use_bias=False``: no bias rules."""
+    h = _heads(num_heads)
+    rules = []
+    for role, name in _NATIVE.items():
+        # the q/k/v kernels split their output axis into heads, the output kernel its input axis
+        heads = SplitAxis(0, (h, -1)) if role == "out" else SplitAxis(1, (h, -1))
+        rules.append(Rule(f"{name}.weight", (role, "kernel"), (Transpose(), heads)))
+        if use_bias:
+            rules.append(Rule(f"{name}.bias", (role, "bias"), () if role == "out" else (SplitAxis(0, (h, -1)),)))
+    return rules
+
+
 def native_flax_params(
     state_dict: Mapping[str, Any], num_heads: int, *, use_bias: bool = True
 ) -> dict[str, dict[str, np.ndarray]]:
     """Our ``MultiHeadAttention``'s PyTorch-named arrays (``W_query.weight`` (d_out, d_in),
     ..., ``out_proj.weight``/``.bias``) -> the parameter tree of Flax's own attention:
     {"query"|"key"|"value": {"kernel": (d_in, heads, head_dim)[, "bias": (heads, head_dim)]},
-    "out": {"kernel": (heads, head_dim, d_out)[, "bias": (d_out,)]}}.
+    "out": {"kernel": (heads, head_dim, d_out)[, "bias": (d_out,)]}}, through
+    ``native_flax_rules``.
 
     ``use_bias=False`` leaves every bias out (Flax's module then has none, the output's
     included); the caller checks that the dropped biases are zero.  Raises ValueError for
@@ -399,15 +458,14 @@ def native_flax_params(
     missing = [n for n in need if n not in arrays]
     if missing:
         raise ValueError("the state_dict lacks " + ", ".join(missing))
-    tree: dict[str, dict[str, np.ndarray]] = {}
     for role in ROLES:
-        name = _NATIVE[role]
-        tree[role] = {"kernel": split_heads_kernel(arrays[f"{name}.weight"].T, h)}
+        _check_kernel(arrays[f"{_NATIVE[role]}.weight"].T, h)
         if use_bias:
-            tree[role]["bias"] = split_heads_bias(arrays[f"{name}.bias"], h)
-    tree["out"] = {"kernel": split_heads_out_kernel(arrays["out_proj.weight"].T, h)}
-    if use_bias:
-        tree["out"]["bias"] = np.array(arrays["out_proj.bias"])
+            _check_bias(arrays[f"{_NATIVE[role]}.bias"], h)
+    _check_out_kernel(arrays["out_proj.weight"].T, h)
+    tree: dict[str, dict[str, np.ndarray]] = {}
+    for (role, name), array in run_rules(arrays, native_flax_rules(h, use_bias=use_bias), "to_flax").items():
+        tree.setdefault(role, {})[name] = np.array(array)
     widths = {tree[r]["kernel"].shape[1:] for r in ROLES} | {tree["out"]["kernel"].shape[:2]}
     if len(widths) != 1:
         raise ValueError(f"the q/k/v and output projections disagree on (heads, head_dim): {sorted(widths)}")
@@ -417,10 +475,10 @@ def native_flax_params(
 def state_dict_from_native_flax(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """The parameter tree of Flax's own attention ({"query": {"kernel", "bias"?}, "key",
     "value", "out"}, as ``native_flax_params`` gives) -> our ``MultiHeadAttention``'s
-    PyTorch-named arrays.  Biases the tree lacks (``use_bias=False``) are absent from the
-    result too.  Raises ValueError for a missing or unexpected entry, a kernel or bias of
-    the wrong rank, q/k/v/out that disagree on heads and head_dim, or biases on some
-    projections only."""
+    PyTorch-named arrays, through ``native_flax_rules``.  Biases the tree lacks
+    (``use_bias=False``) are absent from the result too.  Raises ValueError for a missing
+    or unexpected entry, a kernel or bias of the wrong rank, q/k/v/out that disagree on
+    heads and head_dim, or biases on some projections only."""
     expected = (*ROLES, "out")
     keys = set(params)
     if keys != set(expected):
@@ -428,40 +486,40 @@ def state_dict_from_native_flax(params: Mapping[str, Any]) -> dict[str, np.ndarr
             f"the attention params must hold exactly {', '.join(expected)}; "
             f"missing {sorted(set(expected) - keys)}, unexpected {sorted(map(str, keys - set(expected)))}"
         )
-    out: dict[str, np.ndarray] = {}
-    with_bias = []
+    flat: dict[tuple[str, str], np.ndarray] = {}
     heads = set()
     for role in expected:
         node = params[role]
         if not isinstance(node, Mapping) or "kernel" not in node or set(node) - {"kernel", "bias"}:
             raise ValueError(f"params[{role!r}] must be a mapping with 'kernel' and optionally 'bias'; "
                              f"got {sorted(node) if isinstance(node, Mapping) else type(node).__name__}")
-        kernel = _float(f"{role}/kernel", node["kernel"])
-        name = _NATIVE[role]
+        kernel = flat[(role, "kernel")] = _float(f"{role}/kernel", node["kernel"])
         if role == "out":
-            merged = merge_heads_out_kernel(kernel)
+            _rank("the output kernel", kernel, 3, "(heads, head_dim, out)")
             heads.add(tuple(kernel.shape[:2]))
         else:
-            merged = merge_heads_kernel(kernel)
+            _rank("the q/k/v kernel", kernel, 3, "(in, heads, head_dim)")
             heads.add(tuple(kernel.shape[1:]))
-        out[f"{name}.weight"] = np.array(merged.T)
         if "bias" in node:
-            with_bias.append(role)
-            bias = _float(f"{role}/bias", node["bias"])
-            if role == "out":
-                _rank("the output bias", bias, 1, "(out,)")
-                if bias.shape[0] != kernel.shape[2]:
-                    raise ValueError(f"the output bias {tuple(bias.shape)} does not fit the output kernel "
-                                     f"{tuple(kernel.shape)}")
-                out[f"{name}.bias"] = np.array(bias)
-            else:
-                if bias.shape != kernel.shape[1:]:
-                    raise ValueError(f"params[{role!r}]['bias'] {tuple(bias.shape)} does not fit the kernel "
-                                     f"{tuple(kernel.shape)}: expected {tuple(kernel.shape[1:])}")
-                out[f"{name}.bias"] = merge_heads_bias(bias)
+            flat[(role, "bias")] = _native_bias(role, _float(f"{role}/bias", node["bias"]), kernel)
     if len(heads) != 1:
         raise ValueError(f"the q/k/v and output kernels disagree on (heads, head_dim): {sorted(heads)}")
+    with_bias = [role for role in expected if (role, "bias") in flat]
     if with_bias and len(with_bias) != len(expected):
         raise ValueError(f"only some projections have a bias ({', '.join(with_bias)}); Flax's attention "
                          "has all or none")
-    return out
+    rules = native_flax_rules(heads.pop()[0], use_bias=bool(with_bias))
+    return {name: np.array(a) for name, a in run_rules(flat, rules, "to_torch").items()}
+
+
+def _native_bias(role: str, bias: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """A bias of Flax's own attention, checked against its kernel."""
+    if role == "out":
+        _rank("the output bias", bias, 1, "(out,)")
+        if bias.shape[0] != kernel.shape[2]:
+            raise ValueError(f"the output bias {tuple(bias.shape)} does not fit the output kernel "
+                             f"{tuple(kernel.shape)}")
+    elif bias.shape != kernel.shape[1:]:
+        raise ValueError(f"params[{role!r}]['bias'] {tuple(bias.shape)} does not fit the kernel "
+                         f"{tuple(kernel.shape)}: expected {tuple(kernel.shape[1:])}")
+    return bias

@@ -1,12 +1,15 @@
-"""Declarative conversion specs: how a real checkpoint's parameters become another's.
+"""The weight map: how one set of named parameters becomes another, both ways, exactly.
 
-``attention_spec.conversion`` maps one name to one name, transposed or not.  Real
-checkpoints need more: a packed q/k/v weight that is three kernels on the other side,
-Flax's head-shaped kernels ``(in, heads, head_dim)``, a ``module.`` prefix left by DDP.
-A ``Rule`` says, for one group of parameters, which PyTorch names (``torch``) become
-which Flax paths (``flax``) through which ``steps``; the steps are written in the
-PyTorch -> Flax direction and every one has an exact inverse, so the same rules convert
-both ways (``apply_specs(arrays, rules, "to_flax" | "to_torch")``).
+One rule type serves every conversion in the library: the twins' declared map
+(``attention_spec.conversion``: ``W_query.weight`` (out, in) <-> ``W_query/kernel`` (in,
+out)), the native importers' maps (``attention_spec.packing``: a packed q/k/v weight,
+Flax's head-shaped kernels), the checkpoint files (``attention_spec.files``) and any pair
+of modules in the harness (``param_map``).  A ``Rule`` says, for one group of
+parameters, which PyTorch names (``torch``) become which Flax paths (``flax``) through
+which ``steps``, and, where they are declared, the PyTorch-side shapes
+(``torch_shapes``; the Flax-side ones follow through the steps).  The steps are written
+in the PyTorch -> Flax direction and every one has an exact inverse, so the same rules
+convert both ways (``apply_specs(arrays, rules, "to_flax" | "to_torch")``).
 
 Steps (each acts on the list of arrays a rule carries, in order):
 
@@ -26,22 +29,22 @@ Every step permutes elements (no arithmetic), so round trips are bit-exact, and 
 gradient moves through the same rules as its parameter.  Prefixes (``module.``,
 ``transformer.h.0.attn.``) are stripped or added on the PyTorch side by ``prefix=``.
 
-Framework-free: NumPy only.  Everything is validated before any array is produced:
-a malformed rule raises ValueError/TypeError when it is built; ``apply_specs`` checks
-names (missing, unexpected, without the prefix) and shapes through every step for all
-rules, and raises one ValueError listing every problem, before converting anything.
+Framework-free: NumPy only (``as_numpy`` reads torch tensors and JAX arrays without
+importing either).  Everything is validated before any array is produced: a malformed
+rule raises ValueError/TypeError when it is built; ``apply_specs`` checks names
+(missing, unexpected, without the prefix) and shapes through every step for all rules,
+and raises one ValueError listing every problem, before converting anything; a declared
+map's converters (``attention_spec.conversion``) check names and shapes with
+``check_complete`` first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
-
-from attention_spec.conversion import as_numpy
-from attention_spec.packing import check_layout, join_qkv, split_qkv
 
 __all__ = [
     "Concat",
@@ -56,10 +59,16 @@ __all__ = [
     "Transpose",
     "add_prefix",
     "apply_specs",
+    "as_numpy",
+    "check_complete",
+    "check_float_arrays",
     "check_specs",
+    "flatten_paths",
     "linear_rules",
     "packed_qkv_rules",
     "path_text",
+    "rules_from_mapping",
+    "run_rules",
     "spec_shapes",
     "strip_prefix",
 ]
@@ -255,6 +264,13 @@ class Concat:
         return Split(self.axis, self.parts)
 
 
+def _packing() -> Any:
+    """``attention_spec.packing``, which reads arrays through this module (imported on use)."""
+    from attention_spec import packing
+
+    return packing
+
+
 @dataclass(frozen=True)
 class SplitQKV:
     """A packed q/k/v weight (``layout`` "in_out": (d_in, 3*d_out); "out_in": (3*d_out,
@@ -263,7 +279,7 @@ class SplitQKV:
     layout: str
 
     def __post_init__(self) -> None:
-        check_layout(self.layout)
+        _packing().check_layout(self.layout)
 
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         s = _one(shapes, "SplitQKV")
@@ -275,7 +291,7 @@ class SplitQKV:
         return [(packed // 3, d_in)] * 3
 
     def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        parts = split_qkv(arrays[0], layout=self.layout)
+        parts = _packing().split_qkv(arrays[0], layout=self.layout)
         return [parts[role][0] for role in ("query", "key", "value")]
 
     def inverse(self) -> JoinQKV:
@@ -289,7 +305,7 @@ class JoinQKV:
     layout: str
 
     def __post_init__(self) -> None:
-        check_layout(self.layout)
+        _packing().check_layout(self.layout)
 
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         if len(shapes) != 3 or len(set(shapes)) != 1 or len(shapes[0]) != 2:
@@ -298,7 +314,7 @@ class JoinQKV:
         return [(d_in, 3 * d_out) if self.layout == "in_out" else (3 * d_out, d_in)]
 
     def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [join_qkv(arrays[0], arrays[1], arrays[2], layout=self.layout)[0]]
+        return [_packing().join_qkv(arrays[0], arrays[1], arrays[2], layout=self.layout)[0]]
 
     def inverse(self) -> SplitQKV:
         return SplitQKV(self.layout)
@@ -347,15 +363,24 @@ class Rule:
     torch: one name (str) or a list of names (joined by a step).
     flax: one path ("a/0/b" or a tuple of keys) or a list of paths (split by a step).
     steps: written PyTorch -> Flax; each has an exact inverse for the other direction.
+    torch_shapes: the shape of each PyTorch array where the map declares it (a twin's
+      declared map does, from its config; a ``param_map`` need not), else None.  The Flax
+      shapes (``flax_shapes``) are these run through the steps.
+
+    A rule of one name and one path reads as one parameter: ``torch_name``,
+    ``flax_path``, ``torch_shape``, ``flax_shape`` and ``transpose`` (whether its only
+    step is a full transpose, a Linear weight (out, in) <-> kernel (in, out)).
 
     Raises TypeError/ValueError when built if a name or path is malformed, a step is not
-    one of the step types, or the steps do not turn ``len(torch)`` arrays into
-    ``len(flax)`` (a Split needs one array, a Concat its ``parts``).
+    one of the step types, the steps do not turn ``len(torch)`` arrays into
+    ``len(flax)`` (a Split needs one array, a Concat its ``parts``), or the declared
+    shapes are not one per name or do not go through the steps.
     """
 
     torch: Any
     flax: Any
     steps: tuple[AnyStep, ...] = field(default=())
+    torch_shapes: Any = None
 
     def __post_init__(self) -> None:
         torch_names = (self.torch,) if isinstance(self.torch, str) else self.torch
@@ -386,6 +411,18 @@ class Rule:
         object.__setattr__(self, "torch", tuple(torch_names))
         object.__setattr__(self, "flax", paths)
         object.__setattr__(self, "steps", steps)
+        if self.torch_shapes is not None:
+            self._declare_shapes()
+
+    def _declare_shapes(self) -> None:
+        shapes = tuple(tuple(_int("Rule torch_shapes", d) for d in s) for s in self.torch_shapes)
+        if len(shapes) != len(self.torch):
+            raise ValueError(f"Rule {self.describe()}: torch_shapes {shapes} must give one shape per PyTorch name")
+        try:
+            _run_shapes(self, list(shapes), "to_flax")
+        except ValueError as err:
+            raise ValueError(f"Rule {self.describe()}: the declared torch_shapes {shapes} do not fit: {err}") from None
+        object.__setattr__(self, "torch_shapes", shapes)
 
     @property
     def torch_names(self) -> tuple[str, ...]:
@@ -395,9 +432,56 @@ class Rule:
     def flax_paths(self) -> tuple[Path, ...]:
         return tuple(self.flax)
 
+    @property
+    def flax_shapes(self) -> tuple[Shape, ...] | None:
+        """The declared shapes run through the steps (None if none are declared)."""
+        if self.torch_shapes is None:
+            return None
+        return tuple(_run_shapes(self, list(self.torch_shapes), "to_flax"))
+
+    @property
+    def torch_name(self) -> str:
+        """The one PyTorch name of a one-parameter rule."""
+        return str(_single(self.torch, "PyTorch name", self))
+
+    @property
+    def flax_path(self) -> Path:
+        """The one Flax path of a one-parameter rule."""
+        return tuple(_single(self.flax, "Flax path", self))
+
+    @property
+    def torch_shape(self) -> Shape:
+        """The declared shape of a one-parameter rule's PyTorch array."""
+        return tuple(_single(self.torch_shapes or (), "declared PyTorch shape", self))
+
+    @property
+    def flax_shape(self) -> Shape:
+        """The declared shape of a one-parameter rule's Flax array."""
+        return tuple(_single(self.flax_shapes or (), "declared Flax shape", self))
+
+    @property
+    def transpose(self) -> bool:
+        """Whether the only step is a full transpose (a Linear weight <-> kernel)."""
+        return self.steps == (Transpose(),)
+
+    def steps_for(self, direction: str) -> list[AnyStep]:
+        """The steps in the order they run ``direction`` ("to_flax" or "to_torch")."""
+        return list(self.steps) if direction == "to_flax" else [s.inverse() for s in reversed(self.steps)]
+
+    def under(self, flax_prefix: Path) -> Rule:
+        """The same rule with every Flax path under ``flax_prefix`` (a model holding the
+        module at that path)."""
+        return replace(self, flax=tuple((*flax_prefix, *p) for p in self.flax))
+
     def describe(self) -> str:
         steps = f" via {', '.join(map(repr, self.steps))}" if self.steps else ""
         return f"{', '.join(map(repr, self.torch))} -> {', '.join(repr(path_text(p)) for p in self.flax)}{steps}"
+
+
+def _single(items: Sequence[Any], what: str, rule: Rule) -> Any:
+    if len(items) != 1:
+        raise ValueError(f"the rule {rule.describe()} has {len(items)} of {what}, not one")
+    return items[0]
 
 
 def check_specs(rules: Iterable[Rule]) -> list[Rule]:
@@ -431,8 +515,7 @@ def _direction(direction: Any) -> Literal["to_flax", "to_torch"]:
 
 
 def _run_shapes(rule: Rule, shapes: list[Shape], direction: str) -> list[Shape]:
-    steps = rule.steps if direction == "to_flax" else [s.inverse() for s in reversed(rule.steps)]
-    for step in steps:
+    for step in rule.steps_for(direction):
         shapes = step.shapes(shapes)
     return shapes
 
@@ -526,15 +609,24 @@ def apply_specs(
                      if k in got and got[k] != want[k]]
     if problems:
         raise ValueError(f"cannot convert {direction.replace('_', ' ')}:\n" + "\n".join(problems))
+    converted = run_rules(np_arrays, rules, direction)
+    return {(k if direction == "to_flax" else prefix + k): np.array(v) for k, v in converted.items()}
+
+
+def run_rules(arrays: Mapping[Any, np.ndarray], rules: Sequence[Rule], direction: str) -> dict[Any, np.ndarray]:
+    """Every rule's arrays through its steps, in the rules' order: {Flax path: array}
+    ("to_flax", from {PyTorch name: array}) or {PyTorch name: array} ("to_torch", from
+    {Flax path tuple: array}).  Checks nothing (the callers check names and shapes
+    first); an array that no step changes is returned as it was given, a transposed one
+    as a view."""
     out: dict[Any, np.ndarray] = {}
     for rule in rules:
         src = rule.torch_names if direction == "to_flax" else rule.flax_paths
-        dst = rule.flax_paths if direction == "to_flax" else tuple(prefix + n for n in rule.torch_names)
-        values = [np_arrays[k] for k in src]
-        steps = rule.steps if direction == "to_flax" else [s.inverse() for s in reversed(rule.steps)]
-        for step in steps:
+        dst = rule.flax_paths if direction == "to_flax" else rule.torch_names
+        values = [arrays[k] for k in src]
+        for step in rule.steps_for(direction):
             values = step.apply(values)
-        out.update({k: np.array(v) for k, v in zip(dst, values, strict=True)})
+        out.update(zip(dst, values, strict=True))
     return out
 
 
@@ -545,14 +637,28 @@ def _key(key: Any) -> str:
 # ------------------------------------------------------------------ common rule sets
 
 
-def linear_rules(torch_prefix: str, flax_prefix: str | Path, *, bias: bool = True) -> list[Rule]:
+def linear_rules(
+    torch_prefix: str, flax_prefix: str | Path, *, bias: bool = True, shape: tuple[int, int] | None = None
+) -> list[Rule]:
     """An ``nn.Linear`` (``weight`` (out, in), ``bias``) <-> an ``nnx.Linear`` (``kernel``
-    (in, out), ``bias``)."""
+    (in, out), ``bias``).  ``shape``: the weight's (out, in), to declare the shapes."""
     base = _path(flax_prefix)
-    rules = [Rule(f"{torch_prefix}.weight", (*base, "kernel"), (Transpose(),))]
+    weight_shape = None if shape is None else (tuple(shape),)
+    rules = [Rule(f"{torch_prefix}.weight", (*base, "kernel"), (Transpose(),), weight_shape)]
     if bias:
-        rules.append(Rule(f"{torch_prefix}.bias", (*base, "bias")))
+        rules.append(Rule(f"{torch_prefix}.bias", (*base, "bias"), (), None if shape is None else ((shape[0],),)))
     return rules
+
+
+def rules_from_mapping(mapping: Mapping[str, Any]) -> list[Rule]:
+    """The mapping form of a map, {PyTorch name: Flax path or (Flax path, transpose)},
+    as rules (checked as ``check_specs``)."""
+    rules = []
+    for name, target in mapping.items():
+        transpose = isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], bool)
+        path = target[0] if transpose else target
+        rules.append(Rule(name, path, (Transpose(),) if transpose and target[1] else ()))
+    return check_specs(rules)
 
 
 def packed_qkv_rules(
@@ -567,7 +673,7 @@ def packed_qkv_rules(
     the order query, key, value.  ``layout`` as ``SplitQKV``: "in_out" for GPT-2's
     ``c_attn.weight`` (d_in, 3*d_out), "out_in" for ``nn.Linear(d, 3*d)`` and
     ``in_proj_weight`` (3*d_out, d_in)."""
-    check_layout(layout)
+    _packing().check_layout(layout)
     if len(kernels) != 3 or (biases is not None and len(biases) != 3):
         raise ValueError("packed q/k/v needs three kernels (and three biases): query, key, value")
     if (bias is None) != (biases is None):
@@ -576,3 +682,100 @@ def packed_qkv_rules(
     if bias is not None and biases is not None:
         rules.append(Rule(bias, list(biases), (Split(0, 3),)))
     return rules
+
+
+# ------------------------------------------------------------------ arrays and declared layouts
+
+
+def check_complete(
+    given: Mapping[Any, tuple[int, ...]],
+    expected: Mapping[Any, tuple[int, ...]],
+    what: str,
+) -> None:
+    """Every expected name present once with its shape, nothing else; else one
+    ValueError that lists the missing, unexpected and misshaped names with shapes."""
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in expected]
+    misshaped = [k for k in expected if k in given and tuple(given[k]) != tuple(expected[k])]
+    if not (missing or unexpected or misshaped):
+        return
+    lines = [f"{what} does not match the declared weight layout:"]
+    lines += [f"  missing: {_fmt(k)} {tuple(expected[k])}" for k in missing]
+    lines += [f"  unexpected: {_fmt(k)} {tuple(given[k])}" for k in unexpected]
+    lines += [
+        f"  misshaped: {_fmt(k)} is {tuple(given[k])}, expected {tuple(expected[k])}"
+        for k in misshaped
+    ]
+    raise ValueError("\n".join(lines))
+
+
+def check_float_arrays(arrays: Mapping[Any, np.ndarray], what: str) -> None:
+    """Every array floating point (bfloat16 included); else one TypeError naming each
+    offender, raised before anything is written."""
+    bad = [f"  {_fmt(k)}: dtype {a.dtype}" for k, a in arrays.items()
+           if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16")]
+    if bad:
+        raise TypeError("\n".join([f"{what} holds arrays that are not floating point:", *bad]))
+
+
+def _fmt(key: Any) -> str:
+    return key if isinstance(key, str) else "/".join(str(p) for p in key)
+
+
+
+def as_numpy(value: Any) -> np.ndarray:
+    """A NumPy view or copy of a torch tensor, a JAX array or an array-like, exactly.
+
+    A bfloat16 tensor becomes an ``ml_dtypes.bfloat16`` array (or float32 if ml_dtypes is
+    not installed; both hold every bfloat16 value exactly).  Imports no framework.
+    """
+    if hasattr(value, "detach"):  # a torch.Tensor (torch is loaded if one exists)
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            return value.float().numpy().astype(_bfloat16())
+        return value.numpy()
+    return np.asarray(value)
+
+
+def _bfloat16() -> Any:
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - jax always brings ml_dtypes
+        return np.float32
+    return ml_dtypes.bfloat16
+
+
+def flatten_paths(arrays: Mapping[Any, Any]) -> dict[Path, np.ndarray]:
+    """{path tuple: array}, {"a/0/b": array} or a nested dict -> {path tuple: NumPy array}.
+
+    An ``nnx.State`` is a nested mapping too: its ``nnx.Param`` leaves are read, its other
+    variables (the dropout streams' ``RngKey``/``RngCount`` of a full ``nnx.state(module)``)
+    are skipped.
+    """
+    flat: dict[Path, np.ndarray] = {}
+
+    def walk(prefix: Path, node: Any) -> None:
+        if isinstance(node, Mapping):
+            for key, child in node.items():
+                if isinstance(key, tuple):
+                    walk((*prefix, *key), child)
+                elif isinstance(key, str) and "/" in key:
+                    walk((*prefix, *(int(p) if p.isdigit() else p for p in key.split("/"))), child)
+                else:
+                    walk((*prefix, key), child)
+        elif hasattr(node, "get_value"):
+            # An nnx.Variable (duck-typed: no flax import here).  A full ``nnx.state(module)``
+            # also holds the dropout streams' RngKey/RngCount (and could hold other
+            # non-parameter variables): only parameters are weights, the rest is skipped.
+            if _is_param(node):
+                flat[prefix] = as_numpy(node.get_value())
+        else:
+            flat[prefix] = as_numpy(node)
+
+    walk((), arrays)
+    return flat
+
+
+def _is_param(variable: Any) -> bool:
+    """Whether an nnx.Variable is an ``nnx.Param`` (or a subclass), without importing flax."""
+    return any(c.__name__ == "Param" and c.__module__.startswith("flax") for c in type(variable).__mro__)

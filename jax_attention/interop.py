@@ -4,7 +4,8 @@ Twin of ``torch_attention/interop.py``: both offer ``torch_state_dict``, ``flax_
 ``load_torch_state_dict``, ``load_flax_arrays`` and ``load_packed_qkv`` for their own
 modules, plus array-level converters for checkpoints.  The map is declared in
 ``attention_spec.conversion`` (names, transposes, shapes) and ``attention_spec.packing``
-(packed q/k/v, head-shaped kernels); a load checks everything before it writes
+(packed q/k/v, head-shaped kernels), both in the rules of one weight map
+(``attention_spec.specs``); a load checks everything before it writes
 anything, so a failed load leaves the module as it was.
 
 Flax's own attention, both ways: ``from_nnx_multihead`` / ``to_nnx_multihead`` for

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from attention_spec.conversion import VARIANTS, as_numpy, module_rules
-from attention_spec.specs import Rule, Transpose, apply_specs, check_specs, path_text, spec_shapes
+from attention_spec.specs import Rule, apply_specs, check_specs, path_text, rules_from_mapping, spec_shapes
 from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
 
 __all__ = [
@@ -526,12 +526,7 @@ def _as_rules(param_map: Any) -> list[Rule]:
     if isinstance(param_map, Rule):
         return [param_map]
     if isinstance(param_map, Mapping):
-        rules = []
-        for name, target in param_map.items():
-            transpose = isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], bool)
-            path = target[0] if transpose else target
-            rules.append(Rule(name, path, (Transpose(),) if transpose and target[1] else ()))
-        return check_specs(rules)
+        return rules_from_mapping(param_map)
     if isinstance(param_map, (list, tuple)):
         return check_specs(param_map)
     raise TypeError(
@@ -547,6 +542,20 @@ def _resolve_param_map(torch_module: Any, flax_module: Any, param_map: Any) -> l
 
     flax_shapes = {tuple(p): tuple(v[...].shape) for p, v in nnx.to_flat_state(nnx.state(flax_module, nnx.Param))}
     return resolve_rules(torch_module, flax_shapes, param_map)
+
+
+def _declared_rules(torch_module: Any, flax_shapes: Mapping[tuple[Any, ...], Any]) -> list[Rule]:
+    """This library's declared rules for the module, under the one prefix that a Linen
+    model holding it (``nnx.bridge.to_linen``) puts before every path, if there is one."""
+    rules = module_rules(torch_module)
+    paths = [p for r in rules for p in r.flax_paths]
+    if paths and not all(p in flax_shapes for p in paths):
+        prefixes = {fp[: len(fp) - len(p)] for fp in flax_shapes for p in paths
+                    if len(fp) >= len(p) and fp[len(fp) - len(p):] == p}
+        found = [q for q in prefixes if all((*q, *p) in flax_shapes for p in paths)]
+        if len(found) == 1:
+            rules = [r.under(found[0]) for r in rules]
+    return rules
 
 
 def resolve_rules(
@@ -568,15 +577,7 @@ def resolve_rules(
                 "pass param_map={torch name: flax path or (flax path, transpose)} or a list of "
                 "attention_spec.specs.Rule"
             )
-        declared = module_rules(torch_module)
-        paths = {r.torch_name: r.flax_path for r in declared}
-        if paths and not all(p in flax_shapes for p in paths.values()):
-            prefixes = {fp[: len(fp) - len(p)] for fp in flax_shapes for p in paths.values()
-                        if len(fp) >= len(p) and fp[len(fp) - len(p):] == p}
-            found = [q for q in prefixes if all((*q, *p) in flax_shapes for p in paths.values())]
-            if len(found) == 1:
-                paths = {n: (*found[0], *p) for n, p in paths.items()}
-        rules = [Rule(r.torch_name, paths[r.torch_name], (Transpose(),) if r.transpose else ()) for r in declared]
+        rules = _declared_rules(torch_module, flax_shapes)
     else:
         rules = _as_rules(param_map)
     names = [n for r in rules for n in r.torch_names]

@@ -7,7 +7,8 @@ array-level converters for checkpoints.  The map is declared in
 before it writes anything, so a failed load leaves the module as it was.
 
 Native PyTorch and packed checkpoints: ``from_nn_multihead`` / ``to_nn_multihead`` go
-between ``torch.nn.MultiheadAttention`` and our ``MultiHeadAttention``, and
+between ``torch.nn.MultiheadAttention`` and our ``MultiHeadAttention`` through the rules
+of ``attention_spec.packing.nn_multihead_rules``, and
 ``load_packed_qkv`` loads a packed q/k/v checkpoint (GPT-2's ``c_attn``/``c_proj``,
 ``nn.Linear`` packing) with the split of ``attention_spec.packing``.
 """
@@ -33,7 +34,8 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
-from attention_spec.packing import not_ours_message, packed_state_dict
+from attention_spec.packing import nn_multihead_rules, not_ours_message, packed_state_dict
+from attention_spec.specs import run_rules
 from torch_attention._base import AttentionModule
 from torch_attention.multihead import MultiHeadAttention
 
@@ -191,11 +193,8 @@ def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
     if mha.add_zero_attn:
         problems.append("add_zero_attn=True (a zero key/value row appended to the sequence)")
     kdim, vdim = int(mha.kdim), int(mha.vdim)
-    if mha.in_proj_weight is not None:
-        weights = list(mha.in_proj_weight.detach().chunk(3, dim=0))
-    else:
-        weights = [w.detach() for w in (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)]
-        shapes = [tuple(w.shape) for w in weights]
+    if mha.in_proj_weight is None:
+        shapes = [tuple(w.shape) for w in (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)]
         expected = [(embed_dim, embed_dim), (embed_dim, kdim), (embed_dim, vdim)]
         if not problems and shapes != expected:
             problems.append(f"q/k/v projection weights of shapes {shapes}, not {expected}")
@@ -203,26 +202,19 @@ def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
         raise ValueError(
             "this nn.MultiheadAttention cannot be expressed as MultiHeadAttention: " + "; ".join(problems)
         )
-    biases = None if mha.in_proj_bias is None else list(mha.in_proj_bias.detach().chunk(3, dim=0))
     out_weight = mha.out_proj.weight.detach()
-    out_bias = mha.out_proj.bias
     module = MultiHeadAttention(
-        embed_dim, embed_dim, None, float(mha.dropout), num_heads, qkv_bias=biases is not None,
+        embed_dim, embed_dim, None, float(mha.dropout), num_heads, qkv_bias=mha.in_proj_bias is not None,
         causal=False, kdim=None if kdim == embed_dim else kdim, vdim=None if vdim == embed_dim else vdim,
         dtype=out_weight.dtype, device="meta",
     ).to_empty(device=out_weight.device)
-    qkv, out_proj = _linears(module)
-    assert out_proj is not None
-    with torch.no_grad():
-        for i, proj in enumerate(qkv):
-            proj.weight.copy_(weights[i])
-            if biases is not None:
-                proj.bias.copy_(biases[i])
-        out_proj.weight.copy_(out_weight)
-        if out_bias is None:
-            out_proj.bias.zero_()
-        else:
-            out_proj.bias.copy_(out_bias.detach())
+    rules = nn_multihead_rules(packed=mha.in_proj_weight is not None, qkv_bias=mha.in_proj_bias is not None,
+                               out_bias=mha.out_proj.bias is not None)
+    native = {tuple(name.split(".")): as_numpy(p) for name, p in mha.named_parameters()}
+    state = run_rules(native, rules, "to_torch")
+    if mha.out_proj.bias is None:  # ours always has an output bias: a bias-free projection is a zero one
+        state["out_proj.bias"] = np.zeros(embed_dim, as_numpy(out_weight).dtype)
+    load_torch_state_dict(module, state)
     return module.train(mha.training)
 
 
@@ -285,16 +277,15 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
         spec.d_out, spec.num_heads, dropout=float(spec.dropout), bias=bool(spec.qkv_bias),
         batch_first=batch_first, kdim=spec.kdim, vdim=spec.vdim, dtype=weight.dtype, device="meta",
     ).to_empty(device=weight.device)
+    # kdim / vdim: torch keeps three separate weights instead of in_proj_weight
+    rules = nn_multihead_rules(packed=mha.in_proj_weight is not None, qkv_bias=bool(spec.qkv_bias),
+                               out_bias=bool(spec.qkv_bias))
+    params = dict(mha.named_parameters())
+    ready = {name: _tensor(array, params[name]) for name, array in
+             ((".".join(path), array) for path, array in run_rules(torch_state_dict(module), rules, "to_flax").items())}
     with torch.no_grad():
-        if mha.in_proj_weight is not None:
-            mha.in_proj_weight.copy_(torch.cat([p.weight.detach() for p in qkv], dim=0))
-        else:  # kdim / vdim: torch keeps three separate weights
-            for name, p in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), qkv, strict=True):
-                getattr(mha, name).copy_(p.weight.detach())
-        if spec.qkv_bias:
-            mha.in_proj_bias.copy_(torch.cat([p.bias.detach() for p in qkv], dim=0))
-            mha.out_proj.bias.copy_(out_proj.bias.detach())
-        mha.out_proj.weight.copy_(out_proj.weight.detach())
+        for name, tensor in ready.items():
+            params[name].copy_(tensor)
     return mha.train(module.training)
 
 
