@@ -48,7 +48,7 @@ struct Problem {
 // [r0, r0 + rows) set to -inf in s (rows x cols, ld); the padding columns past
 // n_valid too.
 static void hide(const Problem& pb, int64_t b, int64_t r0, int64_t rows, int64_t c0, int64_t n_valid,
-          int64_t cols, float* s, int64_t ld) {
+                 int64_t cols, float* s, int64_t ld) {
   const int64_t lo = pb.first(r0 + rows - 1), hi = pb.last(b, r0);  // what every row sees
   if (lo <= c0 && hi >= c0 + cols && n_valid == cols) return;
   const float neg_inf = -__builtin_inff();
@@ -95,7 +95,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& f) {
 }
 
 static bool consistent(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi::F32>& v,
-                const ffi::Buffer<ffi::S32>& lengths) {
+                       const ffi::Buffer<ffi::S32>& lengths) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   return qd.size() == 4 && kd.size() == 4 && vd.size() == 4 && kd[0] == qd[0] && vd[0] == qd[0] &&
          kd[2] == vd[2] && kd[2] > 0 && qd[2] % kd[2] == 0 && kd[1] == vd[1] && kd[3] == qd[3] &&
@@ -103,7 +103,7 @@ static bool consistent(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
 }
 
 static Problem problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi::F32>& v,
-                const ffi::Buffer<ffi::S32>& lengths, float scale, int64_t offset, int64_t left, int64_t right) {
+                       const ffi::Buffer<ffi::S32>& lengths, float scale, int64_t offset, int64_t left, int64_t right) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   return Problem{qd[0], qd[2], kd[2], qd[1], kd[1], qd[3], vd[3], scale, offset, left, right, lengths.typed_data()};
 }

@@ -115,7 +115,7 @@ static void prepare_head(const Problem& pb, const BackwardArgs& a, int64_t b, in
 // those tiles, and their share of dQ for the group's query heads.  (next_b, next_hk): the
 // unit to prefetch for, or next_b < 0.
 static void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t hk, int64_t chunk,
-                   int64_t next_b, int64_t next_hk) {
+                          int64_t next_b, int64_t next_hk) {
   const int64_t D = pb.width, Dv = pb.v_width, Dp = round_up(D, kLanes), Dvp = round_up(Dv, kLanes);
   const int64_t T = pb.q_len, G = pb.group(), R = kBwdRows, blocks = tiles_of(T, R);
   const int64_t len = pb.length(b), ldk = pb.kv_heads * D, ldv = pb.kv_heads * Dv;
@@ -204,10 +204,10 @@ static void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, i
 }
 
 static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> out,
-                    ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> row_max, ffi::Buffer<ffi::F32> row_sum,
-                    float scale, int64_t offset, int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> dq,
-                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> out,
+                           ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> row_max, ffi::Buffer<ffi::F32> row_sum,
+                           float scale, int64_t offset, int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> dq,
+                           ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
   if (!consistent(q, k, v, lengths)) return ffi::Error::InvalidArgument("twin_attention_flash_bwd: inconsistent shapes");
   const Problem pb = problem(q, k, v, lengths, scale, offset, left, right);
   // Keys past a length get zero gradients; the tiles write the rest.

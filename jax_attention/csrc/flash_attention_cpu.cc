@@ -28,7 +28,7 @@ namespace twin {
 // c = op(a) op(b), op(x) = x or x^T: a projection x W (NN) and its gradients dy W^T (NT)
 // and x^T dy (TN), on gemm.h's packed, parallel product.
 static ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, bool trans_a,
-                  bool trans_b, ffi::ResultBuffer<ffi::F32> c) {
+                         bool trans_b, ffi::ResultBuffer<ffi::F32> c) {
   const auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
   if (ad.size() != 2 || bd.size() != 2 || cd.size() != 2)
     return ffi::Error::InvalidArgument("twin_attention_matmul: operands must be matrices");

@@ -156,9 +156,9 @@ static void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, in
 }
 
 static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, float scale, int64_t offset,
-                   int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> out,
-                   ffi::ResultBuffer<ffi::F32> row_max, ffi::ResultBuffer<ffi::F32> row_sum) {
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, float scale, int64_t offset,
+                          int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::ResultBuffer<ffi::F32> row_max, ffi::ResultBuffer<ffi::F32> row_sum) {
   if (!consistent(q, k, v, lengths)) return ffi::Error::InvalidArgument("twin_attention_flash_fwd: inconsistent shapes");
   const Problem pb = problem(q, k, v, lengths, scale, offset, left, right);
   const PackedKV kv(pb, pool, k.typed_data(), v.typed_data());

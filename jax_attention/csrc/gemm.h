@@ -362,7 +362,6 @@ inline Plan make_plan(int64_t M, int64_t N, int64_t K) {
   return pl;
 }
 
-
 template <typename Run>
 void sgemm(Run&& run, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
            int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc) {
