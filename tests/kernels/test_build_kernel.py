@@ -1,6 +1,8 @@
 """The ahead-of-time build of the CPU kernel: ``python -m jax_attention.build_kernel``
 builds the library into the cache with its checksum record and prints where, so that a
 later process loads it without compiling; a build that fails exits non-zero saying why.
+And what a build is made of: the cached library's name covers every file of ``csrc``, and
+the package ships them all.
 
 The build runs with a stand-in compiler (``$CXX``, a shell script that copies the library
 this process built, or fails, as its mode file says), so no test pays for a real build;
@@ -8,6 +10,7 @@ each command and each load runs in a process of its own."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import subprocess
@@ -101,3 +104,35 @@ def test_a_failed_build_exits_non_zero_saying_why(tmp_path: Path):
     assert done.stdout == ""
     assert "the CPU kernel could not be built" in done.stderr and f"{false} -O3" in done.stderr, done.stderr
     assert not list(cache.glob("*.so*"))
+
+
+def test_the_librarys_name_covers_every_source_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A change to any file of ``csrc`` (the translation unit, a header it includes, a
+    file added beside them) names another library, so a stale build is never loaded."""
+    from jax_attention import _cpu_kernel
+
+    sources = tmp_path / "csrc"
+    shutil.copytree(_cpu_kernel._SOURCES, sources)
+    monkeypatch.setattr(_cpu_kernel, "_SOURCES", sources)
+    compiler = shutil.which("true")  # any program: only its path and --version's output are hashed
+    assert compiler is not None
+    include = tmp_path / "include"
+    names = {_cpu_kernel._library_path(compiler, include).name}
+    for header in sorted(sources.glob("*.h")):
+        header.write_text(header.read_text() + "\n")
+        names.add(_cpu_kernel._library_path(compiler, include).name)
+    (sources / "added.inc").write_text("// a file the translation unit might include\n")
+    names.add(_cpu_kernel._library_path(compiler, include).name)
+    assert len(names) == len(list(sources.glob("*.h"))) + 2
+
+
+def test_the_package_ships_every_source_file():
+    """pyproject.toml's package-data names every file of ``csrc``: an installed package
+    builds from what a checkout builds from."""
+    tomllib = pytest.importorskip("tomllib")
+    from jax_attention import _cpu_kernel
+
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["jax_attention"]
+    for source in _cpu_kernel._source_files():
+        relative = f"csrc/{source.name}"
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in patterns), f"{relative} is not in package-data"
