@@ -1,15 +1,16 @@
-"""The CPU flash-attention kernel (``csrc/flash_attention_cpu.cc``): built on first use,
-registered with XLA as FFI custom calls, and called from ``functional``'s fused path.
+"""The CPU flash-attention kernel (``csrc/``: ``flash_attention_cpu.cc``, one translation
+unit, and the headers it includes): built on first use, registered with XLA as FFI custom
+calls, and called from ``functional``'s fused path.
 
 JAX has no fused attention kernel for XLA's CPU backend (``jax.nn.dot_product_attention``
 runs the explicit math there), so the library carries one, as the other backends carry
 cuDNN (GPU) and splash attention (TPU).  Like ``torch.compile`` on CPU, it is compiled
 on the machine that runs it, once, with the machine's C++ compiler (``$CXX``, else
 ``c++``, ``g++`` or ``clang++``) at ``-O3 -march=native`` (``$TWIN_ATTENTION_MARCH``
-names another target) against the XLA FFI headers that jaxlib ships.  The shared library is cached under ``$TWIN_ATTENTION_CACHE`` (else
-``$XDG_CACHE_HOME/twin-attention``, else ``~/.cache/twin-attention``), named by a hash of
-the source, the headers, the compiler and the CPU, so a change of any of them builds
-anew.  Beside each library a record (``<name>.so.sha256``: its sha256 and size, written
+names another target) against the XLA FFI headers that jaxlib ships.  The shared
+library is cached under ``$TWIN_ATTENTION_CACHE`` (else ``$XDG_CACHE_HOME/twin-attention``,
+else ``~/.cache/twin-attention``), named by a hash of every file in ``csrc``, the FFI
+headers, the compiler and the CPU, so a change of any of them builds anew.  Beside each library a record (``<name>.so.sha256``: its sha256 and size, written
 after the library is complete and in place) vouches for it: a cached library is loaded
 only if it matches its record (a file cut short would kill the process with SIGBUS in
 the loader) and kept only if it has the kernel's symbols; otherwise it is rebuilt.  A
@@ -17,7 +18,9 @@ build is loaded and checked before it enters the cache, so a compiler that exits
 without writing, or writes something else, caches nothing.
 
 ``$TWIN_ATTENTION_CPU_KERNEL`` (``mode()``) turns it off (``off``) or makes a failure an
-error (``require``); the default, ``auto``, builds it on first use.
+error (``require``); the default, ``auto``, builds it on first use.  ``build()`` (the
+command ``python -m jax_attention.build_kernel``) builds it ahead of time, for a
+container image or an installation whose users should not compile.
 
 Where it cannot be built (no compiler, a failed build, a bad cached library that cannot
 be rebuilt, a build for an instruction set that this CPU lacks), ``available()`` is False and ``build_error()`` says why: the fused path then runs XLA's kernel, and ``"auto"`` the
@@ -43,13 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 
 _SOURCES = Path(__file__).with_name("csrc")
-_SOURCE = _SOURCES / "flash_attention_cpu.cc"  # includes its neighbours (gemm.h)
+_SOURCE = _SOURCES / "flash_attention_cpu.cc"  # the translation unit: includes the headers beside it
 _FORWARD, _BACKWARD = "twin_attention_flash_fwd", "twin_attention_flash_bwd"
 _MATMUL = "twin_attention_matmul"
 _SYMBOLS = ("TwinAttentionFlashFwd", "TwinAttentionFlashBwd", "TwinAttentionMatmul", "TwinAttentionInstructionSet")
 # The instruction sets the kernel is tuned for.  Elsewhere it is slower than the blockwise
-# path (measured on a Zen 3 with AVX2: the B4 H8 S1024 forward 390 ms against blockwise's
-# 117 ms, 2-5x over the shapes), so "auto" passes it by there; "fused" still runs it.
+# path (benchmarks.cpu_isa), so "auto" passes it by there; "fused" still runs it.
 _TUNED_FOR = ("AVX-512",)
 
 
@@ -111,9 +113,14 @@ def _check_runs_here(library: ctypes.CDLL) -> None:
                            f"(no {needed} among its flags); unset $TWIN_ATTENTION_MARCH or name this CPU's")
 
 
+def _source_files() -> list[Path]:
+    """Every file of the kernel's source: the translation unit and all it may include."""
+    return sorted(path for path in _SOURCES.iterdir() if path.is_file())
+
+
 def _library_path(compiler: str, include: Path) -> Path:
     digest = hashlib.sha256()
-    for source in sorted(_SOURCES.glob("*.[ch]*")):
+    for source in _source_files():
         digest.update(source.name.encode() + source.read_bytes())
     for header in sorted((include / "xla" / "ffi" / "api").glob("*.h")):
         digest.update(header.read_bytes())
@@ -188,7 +195,9 @@ def _build(compiler: str, include: Path, target: Path) -> ctypes.CDLL:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _load() -> ctypes.CDLL:
+def _verified() -> tuple[Path, ctypes.CDLL]:
+    """The cached library, verified and loaded, or built into the cache; checked to run
+    on this CPU."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
@@ -211,10 +220,24 @@ def _load() -> ctypes.CDLL:
     else:
         library = _build(compiler, include, target)
     _check_runs_here(library)
+    return target, library
+
+
+def _load() -> ctypes.CDLL:
+    _, library = _verified()
     jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.TwinAttentionFlashFwd), platform="cpu")
     jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(library.TwinAttentionFlashBwd), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(library.TwinAttentionMatmul), platform="cpu")
     return library
+
+
+def build() -> Path:
+    """Build the kernel into the cache (``cache_dir()``), or verify the build already
+    there, and return the library's path; this process does not register it.  Ahead of
+    time, so that later processes load it without compiling.  RuntimeError or OSError
+    saying why it cannot be had; ``mode()`` is not consulted."""
+    path, _ = _verified()
+    return path
 
 
 MODES = ("auto", "off", "require")

@@ -1,17 +1,21 @@
-// twin_gemm: self-contained single-precision GEMM (row-major), C++17 + GCC vector extensions.
+// The kernel's float32 matrix products (row-major), on one register-tiled micro-kernel
+// written with GCC's vector extensions and the compiler free to contract multiply-adds.
 //
-//   C[M x N] = op(A) op(B),  op(X) = X or X^T.  C is overwritten.
+//  * gemm():  C[M x N] = (accumulate ? C : 0) + A[M x K] B[K x N], operands read in
+//    place, one thread.  The attention's products on tiles that are already in cache.
+//  * sgemm(): C[M x N] = op(A) op(B), op(X) = X or X^T, packed and shared over a thread
+//    pool (the projections x W, dy W^T and x^T dy).
 //
-// Blocking (BLIS-like, tuned for AVX-512 cores with 48 KiB L1d / 2 MiB L2):
-//  * Register tile MR x NR (NR = 16*NV floats).  With AVX-512 the default is 6 x 64:
-//    24 zmm accumulators + 4 B vectors; A values are broadcast straight from memory
-//    (vfmadd231ps zmm, zmm, [mem]{1to16}), so no register is spent on them.
-//    Under AVX2 (x86-64-v3) a 16-float vector is two ymm registers, so the tile is 6 x 16.
+// The micro-kernel keeps an MR x NR tile of C in registers (NR = NV vectors of kv; with
+// AVX-512, 6 x 64: 24 zmm accumulators and 4 of B, A broadcast straight from memory) and
+// runs over K.  Each element of C is a sum over K in a fixed order, independent of the
+// number of threads and of scheduling.
+//
+// sgemm's blocking (BLIS-like, for AVX-512 cores with 48 KiB L1d / 2 MiB L2):
 //  * K is cut into blocks of KC.  B is packed into NR-wide panels (KC x NR, contiguous,
 //    row p of the panel = NR consecutive floats, zero padded at the N edge).  This is
-//    where trans_b is absorbed.  A KC x NR panel (64 KiB for 256 x 64) is reused by all
-//    micro-rows of a task (it streams from L1/L2), the MR x KC micro-panel of A by the
-//    NR-wide sweep.
+//    where trans_b is absorbed.  A KC x NR panel is reused by all micro-rows of a task,
+//    the MR x KC micro-panel of A by the NR-wide sweep.
 //  * A: when !trans_a the micro-kernel reads A in place (MR rows, stride lda; each
 //    broadcast walks a row contiguously), so the big-M operand of the forward / dx
 //    products is never copied.  When trans_a the A chunk (stored K x M) is copied,
@@ -20,34 +24,21 @@
 //  * Parallelism: the output is cut into tasks = (row chunk) x (column chunk).
 //    - big M (forward / dx): B is packed once (first parallel pass) and shared; tasks are
 //      row chunks of ~ 64..192 rows x all of N.
-//    - small M (dW: M, N ~ 256..768, K huge): tasks are ~128 x ~128..256 output blocks,
-//      each packing its own slices of A and B per K block (no global packing of a huge B).
-//    Every output element is computed by exactly one task with a fixed K order, so the
-//    result is independent of the number of threads and of scheduling.
-//  * Scratch: thread_local vectors, grown on demand and reused across calls; the two that
-//    grow with the operands (packed B, partial sums) are freed past 16 MiB.
+//    - small M (dW: M, N ~ 256..768, K huge): tasks are output blocks, each packing its
+//      own slices of A and B per K block (no global packing of a huge B); with few such
+//      blocks and a long K, K is split too and the partial sums added in a fixed order.
 #pragma once
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
-namespace twin_gemm {
-namespace detail {
+#include "scratch.h"
+#include "vec.h"
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
+namespace twin {
 
-// Micro-kernel vector: 16 floats (one zmm) with AVX-512; 8 floats (one ymm) otherwise, because
-// GCC keeps arrays of 64-byte vectors in memory (spills) when it has to split them into ymm halves.
-#ifdef __AVX512F__
-#define TWIN_GEMM_VW 16
-#else
-#define TWIN_GEMM_VW 8
-#endif
-typedef float kv __attribute__((vector_size(4 * TWIN_GEMM_VW)));
 #ifndef TWIN_GEMM_MR
 #ifdef __AVX512F__
 #define TWIN_GEMM_MR 6   // 6 x 64: 24 zmm accumulators
@@ -69,88 +60,147 @@ typedef float kv __attribute__((vector_size(4 * TWIN_GEMM_VW)));
 
 constexpr int kMR = TWIN_GEMM_MR;
 constexpr int kNV = TWIN_GEMM_NV;
-constexpr int kVW = TWIN_GEMM_VW;
-constexpr int kNR = kVW * kNV;
+constexpr int kNR = kKernelLanes * kNV;
 static_assert(kNR % 16 == 0, "NR must be a multiple of 16");
 constexpr int64_t kKC = TWIN_GEMM_KC;
 
-static inline vf loadu(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-static inline void storeu(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+// How a micro-kernel call meets what C holds, when it accumulates.
+enum class Accumulate {
+  kFromC,     // the sums start from C's values: C + a0 b0 + a1 b1 + ... (gemm)
+  kAddAfter,  // the sums start from zero and are added to C at the end (sgemm's K blocks)
+};
 
-#if TWIN_GEMM_VW == 16
-static inline kv ksplat(float s) { return kv{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-#else
-static inline kv ksplat(float s) { return kv{s, s, s, s, s, s, s, s}; }
-#endif
-typedef float kvu __attribute__((vector_size(4 * TWIN_GEMM_VW), aligned(4)));
-
-// Micro-kernel: C[MR x NR] (+)= A[MR x kc] * Bp[kc x NR], NR = NV vectors of kVW floats.
-//   KMAJ:  A(i,p) = a[p*lda + i]   (packed / transposed A)
-//   !KMAJ: A(i,p) = a[i*lda + p]   (row-major A read in place)
-//   Bp: packed panel, row p at b + p*NR, 64-byte aligned.
-// Inner loop (AVX-512, 6x64): 4 aligned B loads, 6 vbroadcastss, 24 vfmadd231ps, no spills.
-template <int MR, int NV, bool KMAJ>
+// C[MR x NR] (+)= A[MR x kc] B[kc x NR], NR = NV vectors; B's row p at b + p * ldb.
+//   KMAJ:  A(i, p) = a[p * lda + i]   (packed / transposed A)
+//   !KMAJ: A(i, p) = a[i * lda + p]   (row-major A read in place)
+// Inner loop (AVX-512, 6 x 64): 4 B loads, 6 broadcasts, 24 vfmadd231ps, no spills.
+template <int MR, int NV, bool KMAJ, Accumulate kMode>
 __attribute__((always_inline)) inline void micro(int64_t kc, const float* __restrict a, int64_t lda,
-                                                 const float* __restrict b, float* __restrict c,
+                                                 const float* __restrict b, int64_t ldb, float* __restrict c,
                                                  int64_t ldc, bool acc) {
-  constexpr int NR = kVW * NV;
+  constexpr int W = kKernelLanes;
   kv r[MR][NV];
 #pragma GCC unroll 32
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) r[i][j] = kv{};
+    for (int j = 0; j < NV; ++j) r[i][j] = kMode == Accumulate::kFromC && acc ? kload(c + i * ldc + W * j) : kv{};
   for (int64_t p = 0; p < kc; ++p) {
     kv bv[NV];
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) bv[j] = *reinterpret_cast<const kv*>(b + p * NR + kVW * j);
+    for (int j = 0; j < NV; ++j) bv[j] = kload(b + p * ldb + W * j);
 #pragma GCC unroll 32
     for (int i = 0; i < MR; ++i) {
-      const float s = KMAJ ? a[p * lda + i] : a[i * lda + p];
-      const kv av = ksplat(s);
+      const kv av = ksplat(KMAJ ? a[p * lda + i] : a[i * lda + p]);
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) r[i][j] += av * bv[j];
     }
   }
-  if (acc) {
 #pragma GCC unroll 32
-    for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-      for (int j = 0; j < NV; ++j) {
-        kvu* q = reinterpret_cast<kvu*>(c + i * ldc + kVW * j);
-        *q = *q + r[i][j];
+    for (int j = 0; j < NV; ++j) {
+      float* q = c + i * ldc + W * j;
+      kstore(q, kMode == Accumulate::kAddAfter && acc ? kload(q) + r[i][j] : r[i][j]);
+    }
+}
+
+// ---------------------------------------------------------------- gemm (in place)
+
+// Rows of C in 6-row micro-kernel calls, the last few in one call of their own.
+template <int NV>
+void gemm_panel(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                int64_t ldc, bool accumulate) {
+  constexpr Accumulate kMode = Accumulate::kFromC;
+  constexpr int kRows = 6;  // rows of C per call: 6 x 4 accumulators + 4 of B
+  int64_t i = 0;
+  for (; i + kRows <= M; i += kRows) micro<kRows, NV, false, kMode>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+  const float* a = A + i * lda;
+  float* c = C + i * ldc;
+  switch (M - i) {
+    case 5: micro<5, NV, false, kMode>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 4: micro<4, NV, false, kMode>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 3: micro<3, NV, false, kMode>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 2: micro<2, NV, false, kMode>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 1: micro<1, NV, false, kMode>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    default: break;
+  }
+}
+
+// C[M x N] = (accumulate ? C : 0) + A[M x K] B[K x N], N a multiple of 16.  Column
+// panels of 64 outer, rows inner: a (K x 64) panel of B stays in cache for all rows.
+inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                 float* C, int64_t ldc, bool accumulate) {
+  constexpr int kPer16 = 16 / kKernelLanes;  // kernel vectors in 16 floats
+  for (int64_t j = 0; j < N; j += 64) {
+    const float* b = B + j;
+    float* c = C + j;
+    switch (std::min<int64_t>(4, (N - j) / 16)) {
+      case 4: gemm_panel<4 * kPer16>(M, K, A, lda, b, ldb, c, ldc, accumulate); break;
+      case 3: gemm_panel<3 * kPer16>(M, K, A, lda, b, ldb, c, ldc, accumulate); break;
+      case 2: gemm_panel<2 * kPer16>(M, K, A, lda, b, ldb, c, ldc, accumulate); break;
+      default: gemm_panel<1 * kPer16>(M, K, A, lda, b, ldb, c, ldc, accumulate); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- copies
+
+#ifdef __AVX512F__
+// A whole 16 x 16 block through registers: four rounds of two-vector shuffles
+// (vpermt2ps), round d exchanging the d x d blocks off the diagonal of every 2d x 2d block.
+inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  vf r[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = load(src + i * lds);
+#pragma GCC unroll 4
+  for (int d = 8; d >= 1; d /= 2) {
+    vi lo, hi;  // lanes 0-15 from the first operand, 16-31 from the second
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = (j & d) ? 16 + j - d : j;
+      hi[j] = (j & d) ? 16 + j : j + d;
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i & d) continue;
+      const vf a = r[i], b = r[i + d];
+      r[i] = __builtin_shuffle(a, b, lo);
+      r[i + d] = __builtin_shuffle(a, b, hi);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) store(dst + i * ldd, r[i]);
+}
+#endif
+
+// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols (a copy, transposed).
+inline void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd) {
+  constexpr int64_t kB = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kB)
+    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+      const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
+#ifdef __AVX512F__
+      if (r1 - r0 == kB && c1 - c0 == kB) {
+        transpose16(src + r0 * lds + c0, lds, dst + c0 * ldd + r0, ldd);
+        continue;
       }
-  } else {
-#pragma GCC unroll 32
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-      for (int j = 0; j < NV; ++j) *reinterpret_cast<kvu*>(c + i * ldc + kVW * j) = r[i][j];
+#endif
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) dst[c * ldd + r] = src[r * lds + c];
+    }
+}
+
+// rows x cols of src into dst (ldd >= cols), the columns up to ldd and the rows up to
+// padded_rows filled with zeros.
+inline void pack(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd,
+                 int64_t padded_rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * ldd, src + r * lds, cols * sizeof(float));
+    std::fill(dst + r * ldd + cols, dst + (r + 1) * ldd, 0.0f);
   }
+  std::fill(dst + rows * ldd, dst + padded_rows * ldd, 0.0f);
 }
 
-// Thread-local scratch (slot 0: A, 1: B, 2: shared packed B, 3: edge A, 4: K-split partial
-// sums), kept between calls so that a training step's products reuse the same pages.
-inline std::vector<float>* scratch_slots() {
-  thread_local std::vector<float> bufs[5];
-  return bufs;
-}
-
-// Slots 2 and 4 (the calling thread's) grow with the operands: past kKeptFloats (16 MiB)
-// they are freed when the call returns rather than held for the life of the thread.
-constexpr size_t kKeptFloats = size_t{4} << 20;
-inline void release_large_scratch() {
-  for (int slot : {2, 4}) {
-    std::vector<float>& v = scratch_slots()[slot];
-    if (v.capacity() > kKeptFloats) std::vector<float>().swap(v);
-  }
-}
-
-// A 64-byte aligned buffer of n floats in a slot.
-inline float* scratch(int slot, size_t n) {
-  std::vector<float>& v = scratch_slots()[slot];
-  if (v.size() < n + 16) v.resize(n + 16);
-  uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
-}
+// ---------------------------------------------------------------- sgemm (packed, parallel)
 
 // Pack panel of op(B): rows [pc, pc+kc), columns [j0, j0+nr) (nr <= NR) into dst[kc x NR].
 inline void pack_b_panel(bool tb, const float* B, int64_t ldb, int64_t pc, int64_t kc, int64_t j0,
@@ -160,7 +210,7 @@ inline void pack_b_panel(bool tb, const float* B, int64_t ldb, int64_t pc, int64
       for (int64_t p = 0; p < kc; ++p) {
         const float* s = B + (pc + p) * ldb + j0;
 #pragma GCC unroll 8
-        for (int j = 0; j < kNR; j += 16) *reinterpret_cast<vf*>(dst + p * kNR + j) = loadu(s + j);
+        for (int j = 0; j < kNR; j += 16) store(dst + p * kNR + j, load(s + j));
       }
     } else {
       for (int64_t p = 0; p < kc; ++p) {
@@ -190,8 +240,6 @@ inline void pack_b_panel(bool tb, const float* B, int64_t ldb, int64_t pc, int64
 // strided sweeps through L1-aliasing rows); each micro-panel gets MR floats via one 8-float
 // (or 16-float) load and an overlapping store -- the tail written past MR is overwritten by
 // step p+1, and pstr leaves 16 floats of slack after the panel.
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf8u __attribute__((vector_size(32), aligned(4)));
 inline void pack_a_t(const float* A, int64_t lda, int64_t pc, int64_t kc, int64_t i0, int64_t i1,
                      int64_t npanels, int64_t pstr, float* __restrict dst) {
   // Panels [0, nfast) can use the wide copy: full rows and the wide load stays inside [i0, i1).
@@ -207,7 +255,7 @@ inline void pack_a_t(const float* A, int64_t lda, int64_t pc, int64_t kc, int64_
       for (; r < nfast; ++r)
         *reinterpret_cast<vf8u*>(d + r * pstr) = *reinterpret_cast<const vf8u*>(s + r * kMR);
     } else {
-      for (; r < nfast; ++r) storeu(d + r * pstr, loadu(s + r * kMR));
+      for (; r < nfast; ++r) store(d + r * pstr, load(s + r * kMR));
     }
     for (; r < npanels; ++r)
       for (int64_t i = 0; i < kMR; ++i) {
@@ -229,10 +277,10 @@ template <bool KMAJ>
 inline void tile(int64_t kc, const float* a, int64_t lda, const float* bp, float* C, int64_t ldc,
                  int64_t mr, int64_t nr, bool acc) {
   if (mr == kMR && nr == kNR) {
-    micro<kMR, kNV, KMAJ>(kc, a, lda, bp, C, ldc, acc);
+    micro<kMR, kNV, KMAJ, Accumulate::kAddAfter>(kc, a, lda, bp, kNR, C, ldc, acc);
   } else {
     alignas(64) float t[kMR * kNR];
-    micro<kMR, kNV, KMAJ>(kc, a, lda, bp, t, kNR, false);
+    micro<kMR, kNV, KMAJ, Accumulate::kAddAfter>(kc, a, lda, bp, kNR, t, kNR, false);
     for (int64_t i = 0; i < mr; ++i)
       for (int64_t j = 0; j < nr; ++j) C[i * ldc + j] = acc ? C[i * ldc + j] + t[i * kNR + j] : t[i * kNR + j];
   }
@@ -314,12 +362,9 @@ inline Plan make_plan(int64_t M, int64_t N, int64_t K) {
   return pl;
 }
 
-}  // namespace detail
-
 template <typename Run>
 void sgemm(Run&& run, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
            int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc) {
-  using namespace detail;
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * size_t(N));
@@ -331,9 +376,9 @@ void sgemm(Run&& run, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
 
   // Pass 1 (big M): pack all of op(B) once.  Layout: K block kb starts at kb*KC*npad, and
   // holds np panels of kc x NR each.
-  float* bglob = nullptr;
+  const Scratch shared_b(kGemmSharedB, pl.prepack ? size_t(K) * size_t(npad) : 0);
+  float* const bglob = shared_b.get();
   if (pl.prepack) {
-    bglob = scratch(2, size_t(K) * size_t(npad));
     const int64_t ntask = nkb * pl.np;
     run(ntask, [&](int64_t t) {
       const int64_t kb = t / pl.np, jp = t % pl.np;
@@ -343,7 +388,8 @@ void sgemm(Run&& run, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     });
   }
   // K slices s > 0 write partial sums here (M x N each); slice 0 writes C.
-  float* part = pl.ks > 1 ? scratch(4, size_t(pl.ks - 1) * size_t(M) * size_t(N)) : nullptr;
+  const Scratch partial(kGemmPartial, pl.ks > 1 ? size_t(pl.ks - 1) * size_t(M) * size_t(N) : 0);
+  float* const part = partial.get();
 
   // Pass 2: output tasks (row chunk, column chunk, K slice).
   run(pl.rc * pl.cc * pl.ks, [&](int64_t t) {
@@ -363,9 +409,13 @@ void sgemm(Run&& run, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     const int64_t rows_pad = (r1 - r0) * kMR;
     const int64_t kcmax = std::min(kKC, k1 - k0);
     const int64_t pstr = kMR * kcmax + 16;  // A micro-panel stride (with slack)
-    float* abuf = trans_a ? scratch(0, size_t(pstr) * size_t(r1 - r0)) : nullptr;
-    float* bbuf = pl.prepack ? nullptr : scratch(1, size_t((c1 - c0) * kNR) * size_t(kcmax));
-    float* ebuf = scratch(3, size_t(kMR) * size_t(kKC));
+    // A's panels with 16 floats of slack past the last: pack_a_t's wide stores overrun.
+    const Scratch a_panels(kGemmA, trans_a ? size_t(pstr) * size_t(r1 - r0) + 16 : 0);
+    const Scratch b_panels(kGemmB, pl.prepack ? 0 : size_t((c1 - c0) * kNR) * size_t(kcmax));
+    const Scratch edge_panel(kGemmEdge, size_t(kMR) * size_t(kKC));
+    float* const abuf = a_panels.get();
+    float* const bbuf = b_panels.get();
+    float* const ebuf = edge_panel.get();
     for (int64_t pc = k0; pc < k1; pc += kKC) {
       const int64_t kc = std::min(kKC, k1 - pc);
       const bool acc = pc > k0;
@@ -421,15 +471,14 @@ void sgemm(Run&& run, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
         for (int64_t s = 0; s + 1 < pl.ks; ++s) {
           const float* q = part + s * M * N + i * N;
           int64_t j = 0;
-          for (; j + 16 <= N; j += 16) storeu(c + j, loadu(c + j) + loadu(q + j));
+          for (; j + 16 <= N; j += 16) store(c + j, load(c + j) + load(q + j));
           for (; j < N; ++j) c[j] += q[j];
         }
       }
     });
   }
-  release_large_scratch();
 }
 
-}  // namespace twin_gemm
+}  // namespace twin
 
 #pragma GCC diagnostic pop
