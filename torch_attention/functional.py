@@ -18,6 +18,12 @@ Masks and lengths are canonicalised once (``canonical_mask``, ``canonical_kv_len
 before any path runs, and keys and values at key positions that no query may attend to
 (past ``kv_lengths``, or blocked for every query) are replaced by zeros with ``where``:
 a NaN or Inf stored there never reaches an output or a gradient.
+
+This module holds the public functions and ``route``; each path lives in its own private
+module (``_reference``: the explicit math; ``_fused``: SDPA; ``_blockwise``; ``_canonical``:
+masks, lengths, offsets, segments and the keys each query sees; ``_cache``; ``_linear``),
+whose public names are re-exported here.  ``dot_product_attention`` checks and plans a
+call once (``_plan``), takes the route that ``route`` reports, then runs that path.
 """
 
 from __future__ import annotations
