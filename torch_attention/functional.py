@@ -137,7 +137,8 @@ def route(
     and for ``"auto"`` why each faster path was passed by (``Route.explain()`` prints it).
 
     Checks the call exactly as ``dot_product_attention`` does (the same errors) and
-    computes nothing.  The JAX twin's ``route`` takes the same arguments.
+    computes nothing.  The JAX twin's ``route`` likewise takes its ``dot_product_attention``'s
+    arguments.
     """
     del causal  # (the same keywords as dot_product_attention: causal changes no route)
     return _plan(
