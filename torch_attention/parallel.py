@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attention_spec import dtype_name
+from attention_spec.geometry import reach, visible, within_length
 from attention_spec.parallel import (
     check_layout,
     check_ring_qkv,
@@ -182,10 +183,11 @@ def _key_blocks(n: int) -> int:
 def _allowed(ring: _Ring, q_pos: Tensor, k_pos: Tensor, lengths: Tensor | None) -> Tensor | None:
     """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
     allowed = None
-    if ring.causal:
-        allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    left, right = reach(ring.causal, None)
+    if left is not None or right is not None:
+        allowed = visible(k_pos[None, :] - q_pos[:, None], left, right)[None, None]  # key minus query position
     if lengths is not None:
-        valid = (k_pos[None, :] < lengths[:, None])[:, None, None, :]
+        valid = within_length(k_pos[None, :], lengths[:, None])[:, None, None, :]
         allowed = valid if allowed is None else allowed & valid
     return allowed
 
@@ -197,7 +199,7 @@ def _without_padding(ring: _Ring, kv: Tensor, lengths: Tensor | None) -> Tensor:
         return kv
     chunks = piece_chunks(ring.rank, ring.size, ring.layout)
     positions = torch.cat([_positions(c, ring.kv_piece, kv.device) for c in chunks])  # (L,)
-    valid = (positions[None, :] < lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
+    valid = within_length(positions[None, :], lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
     return kv.masked_fill(~valid, 0.0)
 
 

@@ -8,6 +8,7 @@ same inputs for a case.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -71,6 +72,9 @@ CASES = tuple(
     # NaN padding and fully masked rows
     Case(2, causal=False, layout="contiguous", magnitude=1e5),
     Case(2, causal=True, layout="zigzag", lengths=(29, 0), magnitude=1e5),
+    # ... and on a ring of 4, each query's maximum found on another member than its
+    # first (contiguous: the tied key on member 2; lengths within member 1's chunk)
+    Case(4, causal=False, layout="contiguous", lengths=(41, 0), magnitude=1e5),
 )
 
 
@@ -96,3 +100,29 @@ def case_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
             k[b, :, length:] = np.nan
             v[b, :, length:] = np.nan
     return {"q": q, "k": k, "v": v, "d_out": d_out}
+
+
+def oracle_output(case: Case, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The case's output by the float64 oracle (``parity_tests.reference``), in natural
+    order: what every ring must give, whatever its padding holds (read as 0 here)."""
+    from parity_tests.reference import attention
+
+    q, k, v = (np.nan_to_num(inputs[n], nan=0.0, posinf=0.0, neginf=0.0) for n in ("q", "k", "v"))
+    mask = None
+    if case.lengths is not None:
+        mask = (np.arange(case.kv_seq)[None, :] < np.asarray(case.lengths)[:, None])[:, None, None, :]
+    return attention(q, k, v, scale=1 / np.sqrt(WIDTH), mask=mask, causal=case.causal)[0]
+
+
+def oracle_error(out: np.ndarray, expected: np.ndarray) -> dict[str, Any]:
+    """For a JSON report: whether ``out`` is finite; its largest error against the
+    oracle's ``expected``, and ``expected``'s largest magnitude (for a tolerance relative
+    to the values' size); and the largest error in units of the float32 oracle tolerance
+    ``atol + rtol * |expected|`` (at most 1: within it elementwise)."""
+    from parity_tests.tolerances import ORACLE
+
+    tol = ORACLE["float32"]
+    error = np.abs(np.asarray(out, np.float64) - expected)
+    return {"finite": bool(np.isfinite(out).all()), "error": float(error.max()),
+            "scale": float(np.abs(expected).max()),
+            "units": float((error / (tol.atol + tol.rtol * np.abs(expected))).max())}

@@ -30,7 +30,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from jax_attention.functional import dot_product_attention  # noqa: E402
 from jax_attention.parallel import from_zigzag, ring_attention, to_zigzag  # noqa: E402
-from parity_tests.distributed import CASES, Case, case_inputs, twin_cases  # noqa: E402
+from parity_tests.distributed import (  # noqa: E402
+    CASES,
+    Case,
+    case_inputs,
+    oracle_error,
+    oracle_output,
+    twin_cases,
+)
 
 
 def mesh_of(n: int) -> Mesh:
@@ -122,7 +129,8 @@ def parity(out_path: str, twins_in: str | None, twins_out: str | None) -> None:
         errors = {n: float(np.abs(ring[n] - ref[n]).max()) for n in ref}
         scales = {n: float(np.abs(ref[n]).max()) for n in ref}
         finite = all(bool(np.isfinite(t).all()) for t in ring.values())
-        report["cases"].append({"id": case.id, "errors": errors, "scales": scales, "finite": finite})
+        report["cases"].append({"id": case.id, "errors": errors, "scales": scales, "finite": finite,
+                                "oracle": oracle_error(ring["out"], oracle_output(case, inputs))})
     causal_zigzag = next(c for c in CASES if c.devices == 4 and c.causal and c.layout == "zigzag")
     report["permutes"] = permutes(causal_zigzag, 4, case_inputs(causal_zigzag))
     report["errors"] = error_texts()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_attention as ta
-from parity_tests.distributed import CASES, Case, case_inputs, twin_cases
+from parity_tests.distributed import CASES, Case, case_inputs, oracle_error, oracle_output, twin_cases
 from torch_attention.functional import dot_product_attention
 from torch_attention.parallel import from_zigzag, ring_attention, to_zigzag
 
@@ -71,7 +71,9 @@ def check_case(case: Case, group: Any, rank: int) -> dict[str, Any]:
     errors = {n: float((ring[n] - local_part(ref[n], case, rank)).abs().max()) for n in NAMES}
     scales = {n: float(ref[n].abs().max()) for n in NAMES}
     finite = all(bool(torch.isfinite(t).all()) for t in ring.values())
-    return {"id": case.id, "errors": errors, "scales": scales, "finite": finite}
+    expected = local_part(torch.from_numpy(oracle_output(case, inputs)), case, rank).numpy()
+    return {"id": case.id, "errors": errors, "scales": scales, "finite": finite,
+            "oracle": oracle_error(ring["out"].numpy(), expected)}
 
 
 def gathered(t: torch.Tensor, case: Case) -> np.ndarray:

@@ -9,7 +9,9 @@ report.
 - Ring attention, JAX (2, 4, 8 devices) and PyTorch (2, 4 processes, the default group
   and subgroups): forward and gradients equal single-device attention within 1e-5,
   causal or not, contiguous or zigzag, with padding that holds NaN and fully masked rows,
-  and with q, k, v scaled by 1e5 (logits of 1e10; issue 24), relative to the values' size.
+  and with q, k, v scaled by 1e5 (logits of 1e10; issue 24), relative to the values' size;
+  and every ring output, those three regressions included, finite and within float32's
+  oracle tolerance of the float64 oracle.
 - The two rings agree with each other (and with the float64 oracle) on the same inputs.
 - The forward permutes N - 1 times; per-device memory falls with the device count;
   S = 65536 runs on 8 devices.
@@ -33,6 +35,7 @@ import pytest
 
 from parity_tests.distributed import CASES, case_inputs, twin_cases
 from parity_tests.reference import attention as oracle
+from parity_tests.tolerances import ORACLE
 from tests.support import HAS_JAX, HAS_TORCH, needs_both, needs_jax, needs_torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +131,20 @@ def _within_tolerance(case_id: str, result: dict[str, Any]) -> bool:
     return all(result["errors"][n] <= RING_TOL * max(1.0, size[n]) for n in size)
 
 
+def _matches_the_oracle(case_id: str, result: dict[str, Any]) -> bool:
+    """The ring's output is finite and within float32's oracle tolerance of the float64
+    oracle (``parity_tests.reference``): elementwise, or for inputs scaled by a huge
+    magnitude, relative to the values' largest size (``ORACLE["float32"]`` normwise)."""
+    found = result["oracle"]
+    if not found["finite"]:
+        return False
+    magnitude = next(c.magnitude for c in CASES if c.id == case_id)
+    if magnitude == 1.0:
+        return bool(found["units"] <= 1.0)
+    tol = ORACLE["float32"]
+    return bool(found["error"] <= tol.atol + tol.rtol * found["scale"])
+
+
 # --------------------------------------------------------------------------- JAX
 
 
@@ -161,6 +178,7 @@ def test_jax_ring_equals_single_device(jax_parity: dict[str, Any], case: str) ->
     for result in _case_errors(jax_parity, case):
         assert result["finite"]
         assert _within_tolerance(case, result), result
+        assert _matches_the_oracle(case, result), result["oracle"]
 
 
 @needs_jax
@@ -223,6 +241,7 @@ def test_torch_ring_two_processes(torch_world2: list[dict[str, Any]], case: str)
         for result in _case_errors(report, case):
             assert result["finite"]
             assert _within_tolerance(case, result), (report["rank"], result)
+            assert _matches_the_oracle(case, result), (report["rank"], result["oracle"])
 
 
 @needs_torch
@@ -233,6 +252,7 @@ def test_torch_ring_four_processes(torch_world4: list[dict[str, Any]], case: str
         for result in _case_errors(report, case):
             assert result["finite"]
             assert _within_tolerance(case, result), (report["rank"], result)
+            assert _matches_the_oracle(case, result), (report["rank"], result["oracle"])
 
 
 @needs_torch

@@ -259,6 +259,95 @@ def test_nan_at_padded_keys_reaches_no_output_and_no_gradient(fw, path, kind):
     np.testing.assert_allclose(grad[0], np.repeat(weights_total[0][..., None], 3, -1), rtol=1e-5, atol=1e-5)
 
 
+# --------------------------------------------------------------------------- the three, against the oracle
+
+THREE = ("huge-logit", "nan-past-lengths", "nan-at-masked-keys", "fully-masked-rows", "all-three")
+
+
+def _three_problem(kind):
+    """(q, k, v, options, magnitude) for one of ``THREE``: inputs x 1e5 (logits of about
+    1e10); NaN and Inf stored at keys past ``kv_lengths``, or at keys that the mask
+    hides from every query; rows with nothing to attend to (a masked row, an example of
+    length 0); or all three at once.  ``options`` are NumPy."""
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((2, 4, 6, 8)).astype(np.float32) for _ in range(3))
+    magnitude = 1e5 if kind in ("huge-logit", "all-three") else 1.0
+    q, k, v = q * np.float32(magnitude), k * np.float32(magnitude), v * np.float32(magnitude)
+    options = {}
+    if kind in ("nan-past-lengths", "all-three"):
+        lengths = np.array([4, 0] if kind == "all-three" else [6, 3], np.int32)
+        options["kv_lengths"] = lengths
+        for b, length in enumerate(lengths):
+            k[b, :, length:], v[b, :, length:] = np.inf, np.nan
+    if kind in ("nan-at-masked-keys", "fully-masked-rows", "all-three"):
+        mask = rng.random((2, 1, 6, 6)) > 0.3
+        if kind != "fully-masked-rows":  # key 1 hidden from every query holds garbage
+            mask[..., 1] = False
+            k[:, :, 1], v[:, :, 1] = np.nan, -np.inf
+        if kind != "nan-at-masked-keys":
+            mask[0, :, 2] = False  # query 2 of example 0 sees nothing
+        options["mask"] = mask
+    return q, k, v, options, magnitude
+
+
+def _three_oracle(q, k, v, options):
+    from parity_tests.reference import attention as reference
+
+    q, k, v = (np.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (q, k, v))
+    mask = options.get("mask", np.ones((1, 1, 1, q.shape[-2]), bool))
+    mask = np.broadcast_to(mask, (q.shape[0], 1, q.shape[-2], k.shape[-2]))
+    if "kv_lengths" in options:
+        mask = mask & (np.arange(k.shape[-2]) < options["kv_lengths"][:, None])[:, None, None, :]
+    return reference(q, k, v, scale=1 / np.sqrt(q.shape[-1]), mask=mask)[0]
+
+
+@pytest.mark.parametrize("kind", THREE)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_huge_logits_nan_padding_and_fully_masked_rows_match_the_oracle(fw, path, kind):
+    """The three numerical regressions, alone and together, on every path: finite outputs
+    within float32's oracle tolerance of the float64 oracle (relative to the values' size
+    for inputs x 1e5), zeros for a row with nothing to attend to, and a value gradient
+    that is finite everywhere and 0 at every key that holds garbage."""
+    q, k, v, options, magnitude = _three_problem(kind)
+    expected = _three_oracle(q, k, v, options)
+    tol = ORACLE["float32"]
+    if fw == "torch":
+        import torch
+
+        vt = torch.tensor(v, requires_grad=True)
+        out_t = lib(fw).dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), vt, implementation=path,
+                                              **{n: torch.from_numpy(a) for n, a in options.items()})
+        (out_t * (1.0 / magnitude)).sum().backward()
+        out, grad = to_np(out_t), vt.grad.numpy()
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        kw = {n: jnp.asarray(a) for n, a in options.items()}
+
+        def run(vv):
+            return lib(fw).dot_product_attention(jnp.asarray(q), jnp.asarray(k), vv, implementation=path, **kw)
+
+        out_j, vjp = jax.vjp(run, jnp.asarray(v))
+        out, grad = to_np(out_j), np.asarray(vjp(jnp.full(out_j.shape, 1.0 / magnitude, out_j.dtype))[0])
+    assert_close(out, expected, tol, relative_to_max=magnitude != 1.0)
+    if "mask" in options:
+        rows = ~_three_oracle_rows(options)  # (B, T): rows with nothing to attend to
+        assert (out[rows.nonzero()[0], :, rows.nonzero()[1]] == 0).all()
+    assert np.isfinite(grad).all()
+    garbage = ~np.isfinite(k) | ~np.isfinite(v)
+    assert (grad[garbage] == 0).all()
+
+
+def _three_oracle_rows(options):
+    """(B, T) bool: the rows with something to attend to (mask and lengths)."""
+    seen = np.broadcast_to(options["mask"], (2, 1, 6, 6))[:, 0]
+    if "kv_lengths" in options:
+        seen = seen & (np.arange(6) < options["kv_lengths"][:, None])[:, None, :]
+    return seen.any(-1)
+
+
 # --------------------------------------------------------------------------- low-rank masks
 
 

@@ -1,0 +1,80 @@
+"""PyTorch's blockwise path: the reference math one block of queries at a time, each
+block computing only the keys within its reach (``attention_spec.geometry``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import Tensor
+
+from attention_spec.geometry import key_range as _key_range
+from torch_attention._canonical import _band
+from torch_attention._reference import _adjust, _compute_dtype, _softmax
+from torch_attention.masks import _and_masks as combine_masks
+
+
+def default_block_size(q_len: int) -> int:
+    """Query rows per block: 128, growing so that a long sequence has at most 16 blocks."""
+    return max(128, -(-q_len // 16))
+
+
+def _blockwise(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, lengths: Tensor | None,
+    scale: float, block_size: int | None = None, bias: Tensor | None = None, softcap: float | None = None,
+    offset: int = 0, window: tuple[int | None, int | None] | None = None,
+) -> Tensor:
+    """The reference math one block of queries at a time.  A causal block of rows
+    [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
+    and at most (block, S) scores exist at once; a ``window`` (and a causal mask aligned
+    at key ``offset``) likewise restricts each block to the keys [lo, hi) within its
+    reach.  Rows are normalised exactly as in the reference path.  Twin of the JAX
+    formulation (where it is the CPU fast path).
+
+    Under autograd each block is checkpointed: the backward keeps only the inputs and
+    recomputes one block's weights at a time, so training holds O(block x S) scores,
+    not all T x S weights (the JAX twin gets the same bound from its flash backward).
+    ``mask`` has q's rank (``canonical_mask``); ``lengths`` is (B, 1, 1, S)."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    block = block_size or default_block_size(q_len)
+    ct = _compute_dtype(q.dtype)
+    # half-precision scores would overflow or lose digits, and half-precision weights
+    # would add a rounding each: everything in the compute dtype, the output rounded once
+    qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
+    recompute = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, bias)
+    )
+    outputs = []
+    for r0 in range(0, q_len, block):
+        r1 = min(r0 + block, q_len)
+        lo, hi = _key_range(r0, r1, kv_len, offset, causal, window)  # keys this block can see
+        if hi == lo:  # nothing within reach: zero rows
+            outputs.append(v.new_zeros((*q.shape[:-2], r1 - r0, v.shape[-1])))
+            continue
+        allowed = None
+        if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
+            allowed = mask[..., r0:r1, lo:hi] if mask.shape[-2] > 1 else mask[..., lo:hi]
+        allowed = combine_masks(allowed, _band(r1 - r0, hi - lo, r0 + offset - lo, causal, window, 2, q.device))
+        if lengths is not None:
+            allowed = combine_masks(allowed, lengths[..., lo:hi])
+        # a broadcast (size-1) dimension of the bias stays size 1 under the slice
+        part = None if bias is None else (bias[..., r0:r1, lo:hi] if bias.shape[-2] > 1 else bias[..., lo:hi])
+        args = (qc[..., r0:r1, :], kc[..., lo:hi, :], vc[..., lo:hi, :], allowed, part, scale, softcap)
+        if recompute:
+            out = torch.utils.checkpoint.checkpoint(_query_block, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = _query_block(*args)
+        outputs.append(out.to(v.dtype))
+    return torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]
+
+
+def _query_block(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, bias: Tensor | None, scale: float,
+    softcap: float | None,
+) -> Tensor:
+    """One block of ``_blockwise``: the reference math on the keys within its reach."""
+    scores = torch.matmul(q, k.transpose(-2, -1))  # unscaled
+    if bias is None and softcap is None:
+        weights = _softmax(scores, allowed, scale)
+    else:
+        weights = _softmax(_adjust(scores * scale, bias, softcap), allowed)
+    return torch.matmul(weights, v)

@@ -1,0 +1,44 @@
+"""The KV cache of PyTorch's decoding: its fields, and the writes that fill it."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from attention_spec import dtype_name
+
+
+class KVCache(NamedTuple):
+    """Keys and values of earlier positions for decoding: key (B, Hkv, max_len, D), value
+    (B, Hkv, max_len, Dv), and lengths (B,), how many positions of each example are
+    filled.  ``AttentionModule.init_cache`` makes one; ``append_to_cache`` fills it."""
+
+    key: Tensor
+    value: Tensor
+    lengths: Tensor
+
+
+def cache_fields(cache: Any) -> Any:
+    """(shape, dtype name) of each field, or None for something that is not a KVCache."""
+    if not isinstance(cache, KVCache) or not all(isinstance(t, Tensor) for t in cache):
+        return None
+    return tuple((tuple(t.shape), dtype_name(t.dtype)) for t in cache)
+
+
+def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KVCache:
+    """Writes k (B, Hkv, T, D) and v at positions lengths .. lengths + T - 1 of each example
+    and advances its fill by ``lengths`` (B,) (the valid tokens of this chunk; the rest,
+    padding, is overwritten by the next call).  Written in place: the same tensors, with
+    the fill advanced, are returned.  The caller makes every check of the call first (a
+    module's ``_prepare``: that T positions fit, ``check_cache_room``, and that the path
+    can honour the call, ``attention_spec.validation.check_explicit_path``), so a refused call leaves the cache as it was.
+    Autograd records the writes: a reader that keeps what it read across the next write
+    reads a copy (a module's cached step does, while autograd records)."""
+    positions = cache.lengths[:, None] + torch.arange(k.shape[-2], device=k.device)  # (B, T)
+    for store, new in ((cache.key, k), (cache.value, v)):
+        where = positions[:, None, :, None].expand(*new.shape[:-1], new.shape[-1])
+        store.scatter_(2, where, new.to(store.dtype))
+    cache.lengths.add_(lengths.to(cache.lengths.dtype))
+    return cache
