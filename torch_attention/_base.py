@@ -20,20 +20,19 @@ from attention_spec import (
     check_input,
     dtype_name,
 )
-from attention_spec.registry import AttentionConfig, Projection, make_config
-from attention_spec.validation import (
+from attention_spec.arrays import check_context, context_pair
+from attention_spec.cache import (
     cache_unsupported_message,
     check_cache,
     check_cache_call,
     check_cache_context,
     check_cache_dtype,
     check_cache_room,
-    check_context,
-    check_explicit_path,
-    check_positive_int,
-    context_pair,
-    segment_ids_pair,
 )
+from attention_spec.masks import segment_ids_pair
+from attention_spec.options import check_positive_int
+from attention_spec.planning import check_explicit_path
+from attention_spec.registry import AttentionConfig, Projection, make_config
 from torch_attention import functional
 
 

@@ -155,7 +155,7 @@ def test_config_is_frozen_hashable_and_validated() -> None:
     assert [p.name for p in spec.projections()] == ["W_query", "W_key", "W_value", "out_proj"]
     assert [p.name for p in dataclasses.replace(spec, out_proj=False).projections()] == [
         "W_query", "W_key", "W_value"]
-    # validation, the same texts as attention_spec.validation
+    # validation, the same texts as attention_spec.options
     with pytest.raises(ValueError, match=re.escape("d_out must be divisible by num_heads; got d_out=4, num_heads=3")):
         dataclasses.replace(spec, num_heads=3)
     with pytest.raises(ValueError, match=re.escape("dropout must be in [0, 1); got 1.0")):
