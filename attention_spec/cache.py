@@ -5,9 +5,12 @@ appends fit.  Shapes and dtype names in, the one error text of both twins out.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attention_spec.arrays import FLOAT_DTYPES, as_shape
+
+if TYPE_CHECKING:
+    from attention_spec.registry import AttentionConfig
 
 CACHE_NEEDS_INIT_MESSAGE = "cache must come from module.init_cache(batch_size, max_len); got {got}"
 
@@ -17,6 +20,13 @@ def cache_unsupported_message(variant: str) -> str:
         f"{variant} has no KV cache: decoding needs one set of key/value projections "
         "(MultiHeadAttention, CausalAttention, SelfAttention_v1/v2 or Head)"
     )
+
+
+def check_cacheable(spec: AttentionConfig) -> None:
+    """Only a module with one set of key/value projections has a KV cache (not a module
+    without projections, nor a wrapper of heads).  Raises TypeError."""
+    if not spec.projections() or spec.declaration.heads == "wrapper":
+        raise TypeError(cache_unsupported_message(spec.variant))
 
 
 def check_cache_call(x_shape: Any, *, batched: bool, has_context: bool) -> None:
