@@ -9,32 +9,31 @@ input gives the same exception type and the same text in both frameworks.  Nothi
 imports torch or jax; checks work on shapes (tuples of ints) and dtype names (strings).
 """
 
-from attention_spec.registry import REGISTRY, AttentionConfig, make_config, variant
-from attention_spec.routing import Route, resolve_implementation, resolve_route
-from attention_spec.validation import (
-    ADDITIVE_BIAS_MESSAGE,
+from attention_spec.arrays import (
+    check_bool,
+    check_compute_dtype,
+    check_floating,
+    check_input,
+    check_qkv,
+    dtype_name,
+)
+from attention_spec.masks import ADDITIVE_BIAS_MESSAGE, check_dropout_mask, check_kv_lengths, check_mask
+from attention_spec.options import (
     IMPLEMENTATIONS,
     MASK_STRATEGIES,
     NORMALIZATIONS,
-    check_bool,
-    check_compute_dtype,
     check_config,
-    check_dropout_mask,
     check_dropout_rate,
-    check_floating,
     check_heads,
     check_implementation,
-    check_input,
-    check_kv_lengths,
-    check_mask,
     check_mask_strategy,
     check_normalization,
     check_positive_int,
-    check_qkv,
     check_scale,
-    dtype_name,
     zero_row_sum_message,
 )
+from attention_spec.registry import REGISTRY, AttentionConfig, make_config, variant
+from attention_spec.routing import Route, resolve_implementation, resolve_route
 
 __all__ = [
     "REGISTRY",

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.validation import check_qkv
+from attention_spec.arrays import check_qkv
 
 LAYOUTS = ("contiguous", "zigzag")
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from attention_spec.validation import (
+from attention_spec.options import (
     check_alignment,
     check_dropout_rate,
     check_heads,
@@ -269,7 +269,7 @@ class AttentionConfig:
     default below (e.g. ``dropout=0.0``, ``num_heads=1`` for a single-head variant);
     setting one of them raises ``ValueError``.  ``context_length=None`` means no cap on
     the sequence length.  Raises ``TypeError``/``ValueError`` (the texts of
-    ``attention_spec.validation``) for a bad value.
+    ``attention_spec.options``) for a bad value.
     """
 
     variant: str

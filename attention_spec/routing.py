@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from attention_spec.validation import check_implementation
+from attention_spec.options import check_implementation
 
 
 class Route(NamedTuple):

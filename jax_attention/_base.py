@@ -18,27 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from attention_spec import (
-    check_compute_dtype,
-    check_dropout_mask,
-    check_implementation,
-    check_input,
-    dtype_name,
-)
+from attention_spec import dtype_name
+from attention_spec.cache import check_cache_context, check_cache_dtype, check_cache_room, check_cacheable
+from attention_spec.options import check_positive_int
+from attention_spec.planning import CallOps, plan_call
 from attention_spec.registry import AttentionConfig, Projection, make_config
-from attention_spec.validation import (
-    cache_unsupported_message,
-    check_cache,
-    check_cache_call,
-    check_cache_context,
-    check_cache_dtype,
-    check_cache_room,
-    check_context,
-    check_explicit_path,
-    check_positive_int,
-    context_pair,
-    segment_ids_pair,
-)
 from jax_attention import functional
 
 
@@ -103,6 +87,29 @@ class _Call(NamedTuple):
 def _check_room(fullest: Any, *, new: int, max_len: int) -> None:
     """``check_cache_room`` on the fill of a running jitted step (a host callback)."""
     check_cache_room(int(fullest), new, max_len)
+
+
+def _check_room_when_known(cache: Any, new: int, max_len: int) -> None:
+    """``check_cache_room`` on the fullest example's fill: now, or, under jit, when the
+    step runs (a host callback: a runtime error that carries the eager text, the fill
+    included)."""
+    fullest = jnp.max(cache.lengths)
+    if isinstance(fullest, jax.core.Tracer):
+        jax.debug.callback(functools.partial(_check_room, new=new, max_len=max_len), fullest)
+    else:
+        check_cache_room(int(fullest), new, max_len)
+
+
+# The array work that planning a call asks of this twin.
+_OPS = CallOps(
+    canonical_mask=functional.canonical_mask,
+    canonical_bias=functional.canonical_bias,
+    canonical_kv_lengths=functional.canonical_kv_lengths,
+    as_array=jnp.asarray,
+    cache_fields=functional.cache_fields,
+    check_cache_room=_check_room_when_known,
+    fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT,
+)
 
 
 def _head_slice(m: Array | None, i: int) -> Array | None:
@@ -272,7 +279,7 @@ class AttentionModule(nnx.Module):
         Raises TypeError for a dtype that is not floating point, ValueError for ``max_len``
         beyond the module's ``context_length``."""
         spec = self.spec
-        self._check_cacheable()
+        check_cacheable(spec)
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_len", max_len)
         check_cache_context(max_len, spec.context_length)
@@ -284,11 +291,6 @@ class AttentionModule(nnx.Module):
             jnp.zeros((*shape, cast(int, spec.head_dim)), dtype),
             jnp.zeros((batch_size,), jnp.int32),
         )
-
-    def _check_cacheable(self) -> None:
-        spec = self.spec
-        if not spec.projections() or spec.declaration.heads == "wrapper":
-            raise TypeError(cache_unsupported_message(spec.variant))
 
     def _prepare(
         self,
@@ -306,74 +308,21 @@ class AttentionModule(nnx.Module):
         cache: Any = None,
         return_weights: bool = False,
     ) -> _Call:
-        """Every check of one call, before any work (and before any random draw); the
-        inputs batched and canonical."""
-        spec = self.spec
+        """Every check of one call (``plan_call``), before any work (and before any random
+        draw); the inputs batched and canonical."""
         deterministic = self._deterministic(deterministic)
-        batched = check_input(x.shape, dtype_name(x.dtype), d_in=spec.d_in, context_length=spec.context_length)
-        check_compute_dtype(dtype_name(x.dtype), self._compute_dtype())
-        implementation = check_implementation(spec.implementation if implementation is None else implementation)
-        batch, seq = (x.shape[0] if batched else 1), x.shape[-2]
-        keys, values = context_pair(context)
-        for name, t, role in (("context key input", keys, "key"), ("context value input", values, "value")):
-            if t is not None:
-                width = spec.fan_in(role) if spec.projections() else x.shape[-1]
-                check_context(tuple(x.shape), tuple(t.shape), name, cast(int, width))
-                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype), name)
-        if keys is not None and values is not None and keys.shape[-2] != values.shape[-2]:
-            raise ValueError(
-                f"context key and value inputs must have the same length; got {tuple(keys.shape)} and "
-                f"{tuple(values.shape)}"
-            )
-        kv_seq = seq if keys is None else keys.shape[-2]
-        if cache is not None:
-            self._check_cacheable()
-            check_cache_call(tuple(x.shape), batched=batched, has_context=context is not None)
-            kv_seq = check_cache(functional.cache_fields(cache), batch, spec.kv_heads,
-                                 cast(int, spec.head_dim), cast(int, spec.head_dim))
-            check_cache_context(kv_seq, spec.context_length)
-        weights_shape = (batch, spec.num_heads, seq, kv_seq)
-        # Checked against the input's own rank (a 4-d mask for unbatched input is refused),
-        # then given the batch dimension.
-        mask = functional.canonical_mask(mask, weights_shape if batched else weights_shape[1:])
-        if mask is not None and not batched:
-            mask = mask[None]
-        bias = functional.canonical_bias(bias, weights_shape if batched else weights_shape[1:])
-        if bias is not None and not batched:
-            bias = bias[None]
-        if dropout_mask is not None:
-            # A variant without dropout has no train/eval distinction for it: its rate is 0.
-            check_dropout_mask(
-                dropout_mask.shape, dtype_name(dropout_mask.dtype),
-                weights_shape if batched else weights_shape[1:],
-                training=not deterministic or not spec.has_dropout, rate=spec.dropout,
-            )
-        kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq if cache is not None else kv_seq)
-        segment_ids, kv_segment_ids = segment_ids_pair(
-            segment_ids, kv_segment_ids, batched=batched, batch=batch, seq=seq, kv_seq=kv_seq,
-            cached=cache is not None, as_array=jnp.asarray,
+        plan = plan_call(
+            self.spec, _OPS, x, compute_dtype=self._compute_dtype(), training=not deterministic,
+            implementation=implementation, context=context, mask=mask, bias=bias, dropout_mask=dropout_mask,
+            kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
+            return_weights=return_weights,
         )
-        if cache is not None:
-            fullest = jnp.max(cache.lengths)
-            if isinstance(fullest, jax.core.Tracer):
-                # Under jit the fill is known when the step runs: the check runs then (a
-                # runtime error that carries the eager text, the fill included).
-                jax.debug.callback(functools.partial(_check_room, new=seq, max_len=kv_seq), fullest)
-            else:
-                check_cache_room(int(fullest), seq, kv_seq)
-        # An explicit path that cannot honour the options is refused here, not after the
-        # projections inside ``functional``.
-        check_explicit_path(
-            implementation, fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT, float64=x.dtype == jnp.float64,
-            softcap=spec.softcap, return_weights=return_weights, normalization=spec.normalization,
-            dropout_active=not deterministic and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
-        )
-        if not batched:
-            x = x[None]  # (T, C) -> (1, T, C); masks broadcast from the right
-            keys = None if keys is None else keys[None]
-            values = None if values is None else values[None]
-        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, deterministic, bias,
-                     keys, values, segment_ids, kv_segment_ids, cache)
+        keys, values, mask, bias = plan.keys, plan.values, plan.mask, plan.bias
+        if not plan.batched:  # (T, C) -> (1, T, C); masks broadcast from the right
+            x = x[None]
+            keys, values, mask, bias = (t if t is None else t[None] for t in (keys, values, mask, bias))
+        return _Call(x, mask, dropout_mask, plan.kv_lengths, plan.implementation, plan.batched, deterministic,
+                     bias, keys, values, plan.segment_ids, plan.kv_segment_ids, cache)
 
     def _draws(self, call: _Call) -> bool:
         return not call.deterministic and self.spec.dropout > 0.0 and call.dropout_mask is None

@@ -13,27 +13,11 @@ from typing import Any, ClassVar, NamedTuple, cast
 import torch
 from torch import Tensor, nn
 
-from attention_spec import (
-    check_compute_dtype,
-    check_dropout_mask,
-    check_implementation,
-    check_input,
-    dtype_name,
-)
+from attention_spec import dtype_name
+from attention_spec.cache import check_cache_context, check_cache_dtype, check_cache_room, check_cacheable
+from attention_spec.options import check_positive_int
+from attention_spec.planning import CallOps, plan_call
 from attention_spec.registry import AttentionConfig, Projection, make_config
-from attention_spec.validation import (
-    cache_unsupported_message,
-    check_cache,
-    check_cache_call,
-    check_cache_context,
-    check_cache_dtype,
-    check_cache_room,
-    check_context,
-    check_explicit_path,
-    check_positive_int,
-    context_pair,
-    segment_ids_pair,
-)
 from torch_attention import functional
 
 
@@ -58,6 +42,23 @@ def _prefix(t: Tensor | None, n: int) -> Tensor | None:
     """The first ``n`` key positions of a mask or bias broadcastable to (B, H, T, S); a
     broadcast (size-1) key dimension stays."""
     return t if t is None or t.shape[-1] == 1 else t[..., :n]
+
+
+def _check_room(cache: Any, new: int, max_len: int) -> None:
+    """``check_cache_room`` on the fullest example's fill (read from the device)."""
+    check_cache_room(int(cache.lengths.max()), new, max_len)
+
+
+# The array work that planning a call asks of this twin.
+_OPS = CallOps(
+    canonical_mask=functional.canonical_mask,
+    canonical_bias=functional.canonical_bias,
+    canonical_kv_lengths=functional.canonical_kv_lengths,
+    as_array=torch.as_tensor,
+    cache_fields=functional.cache_fields,
+    check_cache_room=_check_room,
+    fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT,
+)
 
 
 def _head_slice(m: Tensor | None, i: int) -> Tensor | None:
@@ -181,7 +182,7 @@ class AttentionModule(nn.Module):
         on the module's device.  Raises TypeError for a dtype that is not floating point,
         ValueError for ``max_len`` beyond the module's ``context_length``."""
         spec = self.spec
-        self._check_cacheable()
+        check_cacheable(spec)
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_len", max_len)
         check_cache_context(max_len, spec.context_length)
@@ -194,11 +195,6 @@ class AttentionModule(nn.Module):
             torch.zeros(*shape, self._value_head_dim(), dtype=dtype, device=p.device),
             torch.zeros(batch_size, dtype=torch.int64, device=p.device),
         )
-
-    def _check_cacheable(self) -> None:
-        spec = self.spec
-        if not spec.projections() or spec.declaration.heads == "wrapper":
-            raise TypeError(cache_unsupported_message(spec.variant))
 
     def _value_head_dim(self) -> int:
         spec = self.spec
@@ -219,70 +215,21 @@ class AttentionModule(nn.Module):
         cache: Any = None,
         return_weights: bool = False,
     ) -> _Call:
-        """Every check of one call, before any work (a cached call's included: nothing
-        after these raises for the call's input, so a refused call never writes its cache);
-        the inputs batched and canonical."""
-        spec = self.spec
-        batched = check_input(x.shape, dtype_name(x.dtype), d_in=spec.d_in, context_length=spec.context_length)
-        check_compute_dtype(dtype_name(x.dtype), self._compute_dtype())
-        implementation = check_implementation(spec.implementation if implementation is None else implementation)
-        batch, seq = (x.shape[0] if batched else 1), x.shape[-2]
-        keys, values = context_pair(context)
-        for name, t, role in (("context key input", keys, "key"), ("context value input", values, "value")):
-            if t is not None:
-                width = spec.fan_in(role) if spec.projections() else x.shape[-1]
-                check_context(tuple(x.shape), tuple(t.shape), name, cast(int, width))
-                check_compute_dtype(dtype_name(t.dtype), self._compute_dtype() or dtype_name(x.dtype), name)
-        if keys is not None and values is not None and keys.shape[-2] != values.shape[-2]:
-            raise ValueError(
-                f"context key and value inputs must have the same length; got {tuple(keys.shape)} and "
-                f"{tuple(values.shape)}"
-            )
-        kv_seq = seq if keys is None else keys.shape[-2]
-        if cache is not None:
-            self._check_cacheable()
-            check_cache_call(tuple(x.shape), batched=batched, has_context=context is not None)
-            max_len = check_cache(functional.cache_fields(cache), batch, spec.kv_heads,
-                                  cast(int, spec.head_dim), self._value_head_dim())
-            check_cache_context(max_len, spec.context_length)
-            kv_seq = max_len
-        weights_shape = (batch, spec.num_heads, seq, kv_seq)
-        # Checked against the input's own rank (a 4-d mask for unbatched input is refused),
-        # then given the batch dimension.
-        mask = functional.canonical_mask(mask, weights_shape if batched else weights_shape[1:])
-        if mask is not None and not batched:
-            mask = mask[None]
-        bias = functional.canonical_bias(bias, weights_shape if batched else weights_shape[1:])
-        if bias is not None and not batched:
-            bias = bias[None]
-        if dropout_mask is not None:
-            # A variant without dropout has no train/eval distinction for it: its rate is 0.
-            check_dropout_mask(
-                dropout_mask.shape, dtype_name(dropout_mask.dtype),
-                weights_shape if batched else weights_shape[1:],
-                training=self.training or not spec.has_dropout, rate=spec.dropout,
-            )
-        kv_lengths = functional.canonical_kv_lengths(kv_lengths, batch, seq if cache is not None else kv_seq)
-        segment_ids, kv_segment_ids = segment_ids_pair(
-            segment_ids, kv_segment_ids, batched=batched, batch=batch, seq=seq, kv_seq=kv_seq,
-            cached=cache is not None, as_array=torch.as_tensor,
+        """Every check of one call (``plan_call``), before any work (a cached call's
+        included: nothing after these raises for the call's input, so a refused call never
+        writes its cache); the inputs batched and canonical."""
+        plan = plan_call(
+            self.spec, _OPS, x, compute_dtype=self._compute_dtype(), training=self.training,
+            implementation=implementation, context=context, mask=mask, bias=bias, dropout_mask=dropout_mask,
+            kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
+            return_weights=return_weights,
         )
-        if cache is not None:
-            index = cache.lengths
-            check_cache_room(int(index.max()), seq, kv_seq)
-        # An explicit path that cannot honour the options is refused here, not after the
-        # projections (and, with a cache, after the write) inside ``functional``.
-        check_explicit_path(
-            implementation, fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT, float64=x.dtype == torch.float64,
-            softcap=spec.softcap, return_weights=return_weights, normalization=spec.normalization,
-            dropout_active=self.training and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
-        )
-        if not batched:
-            x = x.unsqueeze(0)  # (T, C) -> (1, T, C); masks broadcast from the right
-            keys = None if keys is None else keys.unsqueeze(0)
-            values = None if values is None else values.unsqueeze(0)
-        return _Call(x, mask, dropout_mask, kv_lengths, implementation, batched, bias,
-                     keys, values, segment_ids, kv_segment_ids, cache)
+        keys, values, mask, bias = plan.keys, plan.values, plan.mask, plan.bias
+        if not plan.batched:  # (T, C) -> (1, T, C); masks broadcast from the right
+            x = x.unsqueeze(0)
+            keys, values, mask, bias = (t if t is None else t.unsqueeze(0) for t in (keys, values, mask, bias))
+        return _Call(x, mask, dropout_mask, plan.kv_lengths, plan.implementation, plan.batched, bias,
+                     keys, values, plan.segment_ids, plan.kv_segment_ids, cache)
 
     def _attend(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool, **extra: Any) -> Any:
         spec = self.spec

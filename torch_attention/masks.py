@@ -11,16 +11,16 @@ import torch
 from torch import Tensor
 
 from attention_spec import ADDITIVE_BIAS_MESSAGE, check_bool, check_floating, dtype_name
-from attention_spec.validation import (
+from attention_spec.masks import (
     ADDITIVE_BLOCKED_AT,
     HF_ATTENTION_MASK_VALUES_MESSAGE,
-    alibi_slopes,
     check_hf_attention_mask,
     check_key_padding_mask,
     check_lengths_dtype,
     check_mask_lengths,
     check_masks_broadcast,
 )
+from attention_spec.positions import alibi_slopes
 
 __all__ = [
     "alibi_bias",
@@ -147,7 +147,7 @@ def alibi_bias(num_heads: int, q_len: int, kv_len: int | None = None, *, device=
     """ALiBi (Press et al.): (1, H, T, S) float32, ``bias[0, h, i, j] = slope_h * (j - i)``
     for query i and key j (top-left aligned, as ``causal_mask``): 0 on the diagonal,
     more negative the further back a key lies.  Pass it as ``bias=``.  The slopes are
-    ``attention_spec.validation.alibi_slopes`` (2^(-8 i / H) for H a power of two).
+    ``attention_spec.positions.alibi_slopes`` (2^(-8 i / H) for H a power of two).
     Raises TypeError / ValueError for lengths or a head count that are not positive ints.
     """
     kv_len = q_len if kv_len is None else kv_len

@@ -254,7 +254,7 @@ def test_bad_operands_same_text(bad: tuple[Any, ...]) -> None:
 def test_the_shared_check_knows_both_layouts() -> None:
     """check_linear reads the weight's two features by its layout, and refuses a layout it
     does not know rather than guessing one."""
-    from attention_spec.validation import check_linear
+    from attention_spec.arrays import check_linear
 
     check_linear((2, 8), (8, 3), (3,), layout="in_out")
     check_linear((2, 8), (3, 8), (3,), layout="out_in")

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec.validation import kv_segment_ids_message, rank_message
+from attention_spec.masks import kv_segment_ids_message, rank_message
 from parity_tests import reference
 from parity_tests.harness import compare, full_precision
 from parity_tests.tolerances import GRAD_ORACLE, GRAD_PARITY, ORACLE, PARITY

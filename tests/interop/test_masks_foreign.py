@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec.validation import HF_ATTENTION_MASK_VALUES_MESSAGE
+from attention_spec.masks import HF_ATTENTION_MASK_VALUES_MESSAGE
 from tests.support import HAS_JAX, HAS_TORCH, needs_both, needs_jax
 
 FRAMEWORKS = [

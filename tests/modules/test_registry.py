@@ -155,7 +155,7 @@ def test_config_is_frozen_hashable_and_validated() -> None:
     assert [p.name for p in spec.projections()] == ["W_query", "W_key", "W_value", "out_proj"]
     assert [p.name for p in dataclasses.replace(spec, out_proj=False).projections()] == [
         "W_query", "W_key", "W_value"]
-    # validation, the same texts as attention_spec.validation
+    # validation, the same texts as attention_spec.options
     with pytest.raises(ValueError, match=re.escape("d_out must be divisible by num_heads; got d_out=4, num_heads=3")):
         dataclasses.replace(spec, num_heads=3)
     with pytest.raises(ValueError, match=re.escape("dropout must be in [0, 1); got 1.0")):
@@ -249,6 +249,7 @@ def test_wrapper_checks_a_call_once() -> None:
     import jax.numpy as jnp
     import torch
 
+    import attention_spec.planning as planning
     import jax_attention._base as jb
     import torch_attention._base as tb
 
@@ -256,14 +257,14 @@ def test_wrapper_checks_a_call_once() -> None:
                              torch.from_numpy(x_array())),
                             (jb, flax_module("MultiHeadAttentionWrapper", num_heads=3), jnp.asarray(x_array()))):
         calls = []
-        original = base.check_input
+        original = planning.check_input  # both twins' calls are planned by plan_call
 
         def counting(*args: Any, original: Any = original, calls: list[int] = calls, **kwargs: Any) -> Any:
             calls.append(1)
             return original(*args, **kwargs)
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(base, "check_input", counting)
+            mp.setattr(planning, "check_input", counting)
             out = module(x, deterministic=True) if base is jb else module(x)
         assert tuple(out.shape) == (2, 5, 3 * WIDTH)
         assert len(calls) == 1

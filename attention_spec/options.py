@@ -1,0 +1,197 @@
+"""Checks of a module's configuration and of the options a call is given: positive sizes,
+heads, the dropout rate, ``scale``, ``mask_strategy``, ``normalization``,
+``implementation``, ``window``, ``alignment``, ``softcap``, ``num_kv_heads``, and the
+constructor arguments together (``check_config``).
+
+Each check takes the value as given and returns it canonical (a Python int or float),
+or raises the one TypeError / ValueError text that both twins share.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+MASK_STRATEGIES = ("fill", "renormalize")
+NORMALIZATIONS = ("softmax", "sum")
+IMPLEMENTATIONS = ("auto", "reference", "fused", "blockwise")
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        options = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {options}; got {value!r}")
+    return value
+
+
+def _is_real(value: Any) -> bool:
+    """A Python or NumPy real number (``np.float32(0.5)``, ``np.int64(2)``), not a bool
+    (``np.bool_`` is no ``numbers.Real``) and not an array."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or NumPy integer (``np.int64(2)``), or another integer-like scalar; not a
+    bool and not an array (a NumPy scalar has a shape, (), but is ``numbers.Integral``)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral) or (hasattr(value, "__index__") and not hasattr(value, "shape"))
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1; got {value}")
+    return value
+
+
+def check_optional_width(name: str, value: Any) -> int | None:
+    """``kdim`` / ``vdim``: None (= d_in) or a positive int."""
+    return None if value is None else check_positive_int(name, value)
+
+
+def check_heads(d_out: Any, num_heads: Any) -> int:
+    """Checks ``num_heads`` and that ``d_out`` splits evenly into heads; returns head_dim."""
+    check_positive_int("d_out", d_out)
+    check_positive_int("num_heads", num_heads)
+    if d_out % num_heads:
+        raise ValueError(
+            f"d_out must be divisible by num_heads; got d_out={d_out}, num_heads={num_heads}"
+        )
+    return d_out // num_heads
+
+
+def check_kv_heads(num_heads: Any, num_kv_heads: Any) -> int:
+    """``num_kv_heads`` (grouped-query attention): a positive int dividing ``num_heads``;
+    returns it (None -> ``num_heads``)."""
+    if num_kv_heads is None:
+        return int(num_heads)
+    check_positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads must be a multiple of num_kv_heads; got num_heads={num_heads}, "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    return int(num_kv_heads)
+
+
+def check_dropout_rate(rate: Any) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise TypeError(f"dropout must be a float in [0, 1); got {type(rate).__name__} {rate!r}")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout must be in [0, 1); got {rate}")
+    return float(rate)
+
+
+def check_scale(scale: Any) -> float | None:
+    """``scale``: None, or a positive finite number (a NumPy scalar included); returns a
+    Python float.  Raises TypeError (not a number, or a bool) or ValueError."""
+    if scale is None:
+        return None
+    if not _is_real(scale):
+        raise TypeError(f"scale must be None or a float; got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be None or a positive finite number; got {scale}")
+    return float(scale)
+
+
+def check_mask_strategy(value: Any) -> str:
+    return _one_of("mask_strategy", value, MASK_STRATEGIES)
+
+
+def check_normalization(value: Any) -> str:
+    return _one_of("normalization", value, NORMALIZATIONS)
+
+
+def zero_row_sum_message() -> str:
+    return (
+        "normalization='sum' divides each row of scores by its sum, and a row sums to zero; "
+        "use normalization='softmax'"
+    )
+
+
+def check_implementation(value: Any) -> str:
+    return _one_of("implementation", value, IMPLEMENTATIONS)
+
+
+def check_alignment(value: Any) -> str:
+    """Where query 0 sits among the keys for ``causal`` and ``window``: ``"top_left"`` (at
+    key 0) or ``"bottom_right"`` (at key kv_len - q_len: the last query sees the last key)."""
+    return _one_of("alignment", value, ALIGNMENTS)
+
+
+def check_window(window: Any) -> tuple[int | None, int | None] | None:
+    """``window=(left, right)``: query at position p may attend to keys p - left .. p + right
+    (inclusive); None on a side is unbounded there.  Returns the pair as Python ints, or
+    None for no window (None, or (None, None))."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints >= 0 or None; got {window!r}")
+    pair = []
+    for side, value in zip(("left", "right"), window, strict=True):
+        if value is not None and not _is_int(value):
+            raise TypeError(
+                f"window must be None or a pair (left, right) of ints >= 0 or None; got {window!r}"
+            )
+        if value is not None and value.__index__() < 0:
+            raise ValueError(f"window {side} must be >= 0 or None; got {value}")
+        pair.append(None if value is None else value.__index__())
+    left, right = pair
+    return None if left is None and right is None else (left, right)
+
+
+# Order on every path and in the oracle: s = scale * q.k; s = softcap * tanh(s / softcap)
+# (Gemma 2 caps the raw logits); s = s + bias (a position bias such as ALiBi is added to
+# the capped logits, as Gemma 2 adds its attention mask after the cap); then masking.
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap``: None (off) or a positive finite number (a NumPy scalar included);
+    returns a Python float.  Raises ValueError."""
+    if softcap is None:
+        return None
+    if not _is_real(softcap) or not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive finite float; got {softcap!r}")
+    return float(softcap)
+
+
+_UNSET: Any = object()
+
+
+def check_config(
+    *,
+    d_in: Any = _UNSET,
+    d_out: Any = _UNSET,
+    head_size: Any = _UNSET,
+    context_length: Any = _UNSET,
+    num_heads: Any = _UNSET,
+    dropout: Any = _UNSET,
+    scale: Any = _UNSET,
+    causal: Any = _UNSET,
+    mask_strategy: Any = _UNSET,
+    normalization: Any = _UNSET,
+    implementation: Any = _UNSET,
+) -> None:
+    """Checks the constructor arguments that a module has (the others stay unset)."""
+    for name, value in (
+        ("d_in", d_in), ("d_out", d_out), ("head_size", head_size),
+        ("context_length", context_length),
+    ):
+        if value is not _UNSET:
+            check_positive_int(name, value)
+    if num_heads is not _UNSET:
+        check_heads(d_out, num_heads)
+    if dropout is not _UNSET:
+        check_dropout_rate(dropout)
+    if scale is not _UNSET:
+        check_scale(scale)
+    if causal is not _UNSET and not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__} {causal!r}")
+    if mask_strategy is not _UNSET:
+        check_mask_strategy(mask_strategy)
+    if normalization is not _UNSET:
+        check_normalization(normalization)
+    if implementation is not _UNSET:
+        check_implementation(implementation)
