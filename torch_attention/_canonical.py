@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from attention_spec import check_mask, dtype_name
+from attention_spec.arrays import check_bias
 from attention_spec.geometry import band_reach, visible, within_length
 from attention_spec.geometry import key_range as _key_range
-from attention_spec.validation import (
-    check_bias,
+from attention_spec.masks import (
     check_kv_lengths_array,
     check_kv_lengths_values,
     check_q_offset_array,

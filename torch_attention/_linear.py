@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from attention_spec.validation import check_implementation, check_linear
+from attention_spec.arrays import check_linear
+from attention_spec.options import check_implementation
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, implementation: str = "auto") -> Tensor:

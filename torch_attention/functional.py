@@ -42,14 +42,10 @@ from attention_spec import (
     check_scale,
     dtype_name,
 )
+from attention_spec.masks import kv_lengths_rank_message
+from attention_spec.options import check_alignment, check_softcap, check_window
+from attention_spec.planning import fused_blockers
 from attention_spec.routing import Route, resolve_route
-from attention_spec.validation import (
-    check_alignment,
-    check_softcap,
-    check_window,
-    fused_blockers,
-    kv_lengths_rank_message,
-)
 from torch_attention._blockwise import _blockwise
 from torch_attention._blockwise import default_block_size as default_block_size
 from torch_attention._cache import KVCache as KVCache
