@@ -45,7 +45,8 @@ from jax import Array
 from attention_spec.geometry import band_reach
 from attention_spec.routing import Route, resolve_route
 from attention_spec.validation import fused_blockers
-from jax_attention import _blockwise, _cpu_fused, _fused
+from jax_attention import _cpu_fused
+from jax_attention._blockwise import blockwise as _blockwise  # the paths' entry points, by their old names
 from jax_attention._cache import KVCache as KVCache
 from jax_attention._cache import append_to_cache as append_to_cache
 from jax_attention._cache import cache_fields as cache_fields
@@ -56,7 +57,9 @@ from jax_attention._canonical import canonical_mask as canonical_mask
 from jax_attention._canonical import canonical_q_offset as canonical_q_offset
 from jax_attention._canonical import canonical_segments as canonical_segments
 from jax_attention._cpu_fused import cpu_kernel_supports as cpu_kernel_supports
+from jax_attention._fused import attend as _fused
 from jax_attention._fused import cudnn_supports as cudnn_supports
+from jax_attention._fused import kernel_for
 from jax_attention._fused import splash_attention as splash_attention
 from jax_attention._fused import splash_supports as splash_supports
 from jax_attention._linear import linear as linear
@@ -182,7 +185,7 @@ def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, imple
     if path == "blockwise":
         kernel = "blockwise" if _blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
     elif path == "fused":
-        kernel = "cpu-kernel" if cpu_kernel else _fused.kernel_for(q, k, v, plain=_plain(q, k, call, causal))
+        kernel = "cpu-kernel" if cpu_kernel else kernel_for(q, k, v, plain=_plain(q, k, call, causal))
     else:
         kernel = "reference"
     return Route(path, kernel, reasons)
@@ -310,13 +313,13 @@ def dot_product_attention(
         return _cpu_fused.attend(q, s.k, s.v, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
                                  offset=s.offset, window=s.window)
     if chosen.path == "fused":
-        return _fused.attend(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
+        return _fused(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
                              precision=precision, kernel=chosen.kernel, bias=call.bias)
     k, v = s.k, s.v
     if s.groups > 1:  # the explicit paths repeat each key/value head for its group of queries
         k, v = jnp.repeat(k, s.groups, axis=-3), jnp.repeat(v, s.groups, axis=-3)
     if chosen.path == "blockwise":
-        return _blockwise.blockwise(
+        return _blockwise(
             q, k, v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale, precision=precision,
             plan=_blockwise_plan(q.shape[-2], k.shape[-2]), bias=call.bias, softcap=call.softcap, offset=s.offset,
             window=s.window,

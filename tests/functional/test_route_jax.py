@@ -110,7 +110,7 @@ def test_route_checks_as_the_call_does(options: dict[str, Any], kind: type):
 
 def _ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Spies on every path's entry: the list of kernels that ran, as ``route`` names them."""
-    from jax_attention import _blockwise, _cpu_fused, _fused, functional
+    from jax_attention import _cpu_fused, functional
 
     ran: list[str] = []
 
@@ -121,9 +121,9 @@ def _ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return wrapper
 
     monkeypatch.setattr(functional, "attention_weights", spy(functional.attention_weights, "reference"))
-    monkeypatch.setattr(_blockwise, "blockwise", spy(
-        _blockwise.blockwise, lambda kw: "blockwise" if kw["plan"][1] is None else "blockwise-tiled"))
-    monkeypatch.setattr(_fused, "attend", spy(_fused.attend, lambda kw: kw["kernel"]))
+    monkeypatch.setattr(functional, "_blockwise", spy(
+        functional._blockwise, lambda kw: "blockwise" if kw["plan"][1] is None else "blockwise-tiled"))
+    monkeypatch.setattr(functional, "_fused", spy(functional._fused, lambda kw: kw["kernel"]))
     monkeypatch.setattr(_cpu_fused, "attend", spy(_cpu_fused.attend, "cpu-kernel"))
     return ran
 
