@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from attention_spec.geometry import band_reach
-from attention_spec.routing import Route, resolve_route
+from attention_spec.routing import Route, resolve_implementation, resolve_route
 from attention_spec.validation import fused_blockers
 from jax_attention import _cpu_fused
 from jax_attention._blockwise import blockwise as _blockwise  # the paths' entry points, by their old names
@@ -165,23 +165,22 @@ def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, imple
     ``"auto"``, where it is tuned for the CPU), else with why not; then
     ``resolve_route``'s choice by the options, and the kernel of the path."""
     backend = jax.default_backend()
-    cpu_kernel, declined = False, tuple[tuple[str, str], ...]()
+    cpu_kernel = False
+    declined: tuple[tuple[str, str], ...] = ()  # (path, why) of the fast paths this machine passes by
     if backend == "cpu" and implementation in ("fused", "auto"):
         why = _cpu_fused.declines(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset,
                                   implementation=implementation)
         cpu_kernel = why is None
         declined = () if why is None or implementation != "auto" else (("fused", why),)
-    path, reasons = resolve_route(
-        implementation,
-        preference=("fused", "blockwise") if backend in ("gpu", "tpu") or cpu_kernel else ("blockwise",),
-        declined=declined,
-        return_weights=return_weights,
-        normalization=normalization,
-        dropout_active=dropout_active,
-        dropout_mask_given=dropout_mask_given,
-        fused_draws_dropout=FUSED_DRAWS_DROPOUT,
-        fused_blockers=fused_blockers(q.dtype == jnp.float64, call.softcap),
-    )
+    options: dict[str, Any] = {
+        "preference": ("fused", "blockwise") if backend in ("gpu", "tpu") or cpu_kernel else ("blockwise",),
+        "return_weights": return_weights, "normalization": normalization, "dropout_active": dropout_active,
+        "dropout_mask_given": dropout_mask_given, "fused_draws_dropout": FUSED_DRAWS_DROPOUT,
+        "fused_blockers": fused_blockers(q.dtype == jnp.float64, call.softcap),
+    }
+    path = resolve_implementation(implementation, **options)
+    # the same policy, which also keeps why "auto" passed each faster path by
+    reasons = resolve_route(implementation, declined=declined, **options)[1] if implementation == "auto" else ()
     if path == "blockwise":
         kernel = "blockwise" if _blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
     elif path == "fused":
@@ -314,7 +313,7 @@ def dot_product_attention(
                                  offset=s.offset, window=s.window)
     if chosen.path == "fused":
         return _fused(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
-                             precision=precision, kernel=chosen.kernel, bias=call.bias)
+                      precision=precision, kernel=chosen.kernel, bias=call.bias)
     k, v = s.k, s.v
     if s.groups > 1:  # the explicit paths repeat each key/value head for its group of queries
         k, v = jnp.repeat(k, s.groups, axis=-3), jnp.repeat(v, s.groups, axis=-3)
