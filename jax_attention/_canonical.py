@@ -23,7 +23,7 @@ from attention_spec import (
     check_scale,
     dtype_name,
 )
-from attention_spec.geometry import band_reach, key_range, visible
+from attention_spec.geometry import band_reach, key_range, visible, within_length
 from attention_spec.validation import (
     check_alignment,
     check_bias,
@@ -219,7 +219,7 @@ def band(
 
 def length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
     # (B,) -> (B, 1, ..., 1, S): key positions before each example's length
-    valid = jnp.arange(kv_len)[None, :] < kv_lengths[:, None]
+    valid = within_length(jnp.arange(kv_len)[None, :], kv_lengths[:, None])
     return valid.reshape(valid.shape[:1] + (1,) * (ndim - 2) + valid.shape[1:])
 
 
