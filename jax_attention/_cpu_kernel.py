@@ -317,6 +317,77 @@ def auto_declines() -> str | None:
     return None
 
 
+def known_unavailable() -> str | None:
+    """Why the kernel cannot be had, where that is known without building it: turned off
+    (``mode()`` ``"off"``) or a build or load in this process that failed; None
+    otherwise (also where a failure would raise, ``"require"``: the call then raises)."""
+    if "ok" in _state:
+        return None if _state["ok"] or _state.get("mode") == "require" else str(_state["error"])
+    if mode() == "off":
+        return "turned off ($TWIN_ATTENTION_CPU_KERNEL=off)"
+    return None
+
+
+# The compiler's macro for each instruction set that the library reports, in its order.
+_MACROS = (("__AVX512F__", "AVX-512"), ("__AVX2__", "AVX2"), ("__AVX__", "AVX"), ("__SSE2__", "SSE2"),
+           ("__ARM_NEON", "NEON"))
+
+
+_targets: dict[tuple[str, str], str | None] = {}  # (compiler, march) -> its instruction set
+
+
+def _target_instruction_set(compiler: str, march: str) -> str | None:
+    """The instruction set of a build for ``-march=march``, from the compiler's
+    predefined macros (its preprocessor alone, on an empty file: nothing is built), asked
+    once a process; None where the compiler does not answer."""
+    if (compiler, march) not in _targets:
+        _targets[compiler, march] = _macro_instruction_set(compiler, march)
+    return _targets[compiler, march]
+
+
+def _macro_instruction_set(compiler: str, march: str) -> str | None:
+    try:
+        done = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull],
+                              capture_output=True, text=True, check=False, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    defined = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    return next((isa for macro, isa in _MACROS if macro in defined), "generic")
+
+
+def predicted_instruction_set() -> str | None:
+    """The instruction set the kernel is (or would be) compiled for, without building
+    it: the library's own word where it is loaded; for ``-march=native`` the flags of
+    this CPU (/proc/cpuinfo); else (``$TWIN_ATTENTION_MARCH``, or no flags to read) the
+    compiler's predefined macros for that target.  None where none of these can tell."""
+    if _state.get("ok"):
+        return instruction_set()
+    march = os.environ.get("TWIN_ATTENTION_MARCH") or "native"
+    flags = _cpu_flags_line().split(":", 1)[-1].split()
+    if march == "native" and flags:
+        return next((isa for isa, flag in _NEEDS_FLAG.items() if flag in flags), "generic")
+    compiler = _compiler()
+    return None if compiler is None else _target_instruction_set(compiler, march)
+
+
+def auto_would_decline() -> str | None:
+    """``auto_declines``'s answer asked without building the kernel: why
+    ``implementation="auto"`` would not run it on this machine (a kernel known to be
+    missing, or a target it is not tuned for), or None where it would.  The call that
+    then builds it asks ``auto_declines`` (the library's own word)."""
+    missing = known_unavailable()
+    if missing is not None:
+        return f"the CPU kernel is not available: {missing}"
+    isa = predicted_instruction_set()
+    if isa is None:
+        return "the CPU kernel's instruction set cannot be told without building it"
+    if isa not in _TUNED_FOR:
+        return f"the CPU kernel is not tuned for this instruction set ({isa}): blockwise is faster"
+    return None
+
+
 def _attributes(scale: float, offset: int, left: int | None, right: int | None) -> dict[str, Any]:
     # left / right None (unbounded) travel as -1.
     return {

@@ -37,6 +37,7 @@ from jax import Array
 from jax.sharding import Mesh, PartitionSpec
 
 from attention_spec import dtype_name
+from attention_spec.geometry import reach, visible, within_length
 from attention_spec.parallel import (
     check_layout,
     check_mesh_axis,
@@ -48,7 +49,7 @@ from attention_spec.parallel import (
     ungroup_rows,
     zigzag_order,
 )
-from jax_attention import functional
+from jax_attention import _online_softmax, functional
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
 
@@ -196,10 +197,10 @@ def _key_blocks(n: int) -> int:
 def _allowed(ring: _Ring, q_pos: Array, k_pos: Array, lengths: Array) -> Array | None:
     """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
     allowed = None
-    if ring.causal:
-        allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if ring.causal:  # the keys within the causal reach of each query (``attention_spec.geometry``)
+        allowed = visible(k_pos[None, :] - q_pos[:, None], *reach(True, None))[None, None]
     if ring.padded:
-        valid = (k_pos[None, :] < lengths[:, None])[:, None, None, :]
+        valid = within_length(k_pos[None, :], lengths[:, None])[:, None, None, :]
         allowed = valid if allowed is None else allowed & valid
     return allowed
 
@@ -221,7 +222,7 @@ def _without_padding(ring: _Ring, kv: Array, me: Array, lengths: Array) -> Array
         return kv
     chunks = piece_chunks(me, ring.size, ring.layout)
     positions = jnp.concatenate([_positions(c, ring.kv_piece) for c in chunks])  # (L,)
-    valid = (positions[None, :] < lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
+    valid = within_length(positions[None, :], lengths[:, None])[:, None, :, None]  # (B, 1, L, 1)
     return jnp.where(valid, kv, jnp.zeros((), kv.dtype))
 
 
@@ -296,14 +297,13 @@ def _fold(
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             scores = jnp.where(allowed, scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing yet stays at 0
-        p = jnp.exp((scores - shift[..., None]) * ring.scale)
-        correction = jnp.exp((m - shift) * ring.scale)
-        row_sum = row_sum * correction + p.sum(axis=-1)
-        mixed = ungroup_rows(_mm(group_rows(p, kv_blk.shape[1]), kv_blk[..., width:]), p.shape[1])
-        acc = acc * correction[..., None] + mixed
-        return (m_new, row_sum, acc), None
+
+        def mix(p: Array) -> Array:
+            return ungroup_rows(_mm(group_rows(p, kv_blk.shape[1]), kv_blk[..., width:]), p.shape[1])
+
+        # the library's online-softmax step; its row statistics keep a trailing axis
+        m, row_sum, acc = _online_softmax.step((m[..., None], row_sum[..., None], acc), scores, ring.scale, mix)
+        return (m[..., 0], row_sum[..., 0], acc), None
 
     state, _ = jax.lax.scan(one_block, state, (_split_blocks(kv, block), k_pos.reshape(-1, block)))
     return state
@@ -368,7 +368,7 @@ def _grads(
         allowed = _allowed(ring, q_pos, pos, lengths)
         if allowed is not None:
             scores = jnp.where(allowed, scores, -jnp.inf)
-        p = jnp.exp((scores - row_max) * ring.scale) * inv_sum
+        p = _online_softmax.probabilities(scores, row_max, ring.scale) * inv_sum
         kv_heads, heads = kv_blk.shape[1], q.shape[1]  # a group's rows sum into its key/value head
         dv = _mm(jnp.swapaxes(group_rows(p, kv_heads), -2, -1), group_rows(d_out, kv_heads))
         d_p = ungroup_rows(_mm(group_rows(d_out, kv_heads), jnp.swapaxes(v_blk, -2, -1)), heads)

@@ -1,0 +1,281 @@
+"""A call's arrays in one form before any path runs: masks, biases, lengths, the query
+offset and segment ids checked and canonicalised (``canonicalise``), then the structure
+that a path does not keep as structure turned into a dense mask and the keys that no
+query sees zeroed (``structure``).  The private half of ``functional``'s checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from attention_spec import (
+    check_dropout_mask,
+    check_dropout_rate,
+    check_mask,
+    check_mask_strategy,
+    check_normalization,
+    check_qkv,
+    check_scale,
+    dtype_name,
+)
+from attention_spec.geometry import band_reach, key_range, visible, within_length
+from attention_spec.validation import (
+    check_alignment,
+    check_bias,
+    check_kv_lengths_array,
+    check_kv_lengths_values,
+    check_q_offset_array,
+    check_segment_ids,
+    check_softcap,
+    check_window,
+    kv_lengths_rank_message,
+    kv_segment_ids_message,
+    rank_message,
+)
+from jax_attention.masks import _and_masks as combine_masks
+
+
+def compute_dtype(dtype: Any) -> Any:
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def expand_to(m: Array, ndim: int) -> Array:
+    # Explicit leading 1s: the library runs under jax_numpy_rank_promotion="raise".
+    return m.reshape((1,) * (ndim - m.ndim) + m.shape)
+
+
+def float0(a: Array | None) -> Any:
+    """The cotangent of an integer or bool input: none."""
+    return None if a is None else np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+def canonical_mask(mask: Any, weights_shape: tuple[int, ...]) -> Array | None:
+    """A bool mask (True = may attend) broadcastable to ``weights_shape`` -> the same mask
+    with leading 1s up to ``len(weights_shape)`` dimensions (0-d and 1-d masks included).
+
+    Raises ``TypeError`` (not bool) or ``ValueError`` (does not broadcast), as ``check_mask``.
+    """
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    check_mask(mask.shape, dtype_name(mask.dtype), weights_shape)
+    return expand_to(mask, len(weights_shape))
+
+
+def canonical_bias(bias: Any, weights_shape: tuple[int, ...]) -> Array | None:
+    """A floating-point bias broadcastable to ``weights_shape`` -> the same bias with
+    leading 1s up to ``len(weights_shape)`` dimensions.  Raises ``TypeError`` (not
+    floating point) or ``ValueError`` (does not broadcast), as ``check_bias``."""
+    if bias is None:
+        return None
+    bias = jnp.asarray(bias)
+    check_bias(bias.shape, dtype_name(bias.dtype), weights_shape)
+    return expand_to(bias, len(weights_shape))
+
+
+def bias_allows(bias: Array) -> Array:
+    """bool, the bias's shape: False where the bias is -inf.  Such an entry blocks its key
+    exactly as a mask does (weight 0, a row blocked throughout gets zeros, gradients
+    finite); left to the softmax, a row of -inf would give 0/0 = NaN."""
+    return bias != -jnp.inf
+
+
+def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Array | None:
+    """Valid key counts -> int32 (batch,), or None.
+
+    Accepts None, a Python int (one length for every example), a list/tuple of ints, a
+    NumPy integer array, or a JAX integer array of shape () or (batch,).  Raises
+    ``TypeError`` for non-integer values (floats, bools) and ``ValueError`` for another
+    shape or, eagerly, a length outside [0, kv_len].  Under tracing (jit, vmap) the values
+    are unknown and not checked: they are clipped to [0, kv_len], so a negative length
+    attends to nothing and one above kv_len to every key.  A list or tuple may hold traced
+    values (``[n, 5]`` with ``n`` traced); an empty list is batch 0's lengths.
+    """
+    if kv_lengths is None:
+        return None
+    if isinstance(kv_lengths, (list, tuple)) and any(
+        isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(kv_lengths)
+    ):
+        kv_lengths = jnp.asarray(kv_lengths)  # NumPy cannot hold a traced value: JAX stacks them
+    if not isinstance(kv_lengths, jax.Array):
+        array = np.asarray(kv_lengths)
+        if array.size == 0 and isinstance(kv_lengths, (list, tuple)):
+            array = array.astype(np.int32)  # NumPy makes [] float64: it holds no value of that type
+        check_kv_lengths_array(array.shape, array.dtype.name, batch)
+        kv_lengths = array
+    check_kv_lengths_array(kv_lengths.shape, dtype_name(kv_lengths.dtype), batch)
+    if not isinstance(kv_lengths, jax.core.Tracer) and kv_lengths.size:  # batch 0: nothing to check
+        # read with NumPy: inside a jit trace, even a concrete array's min() is staged out
+        values = np.asarray(kv_lengths)
+        check_kv_lengths_values(int(values.min()), int(values.max()), kv_len)
+    lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, kv_len)
+    return jnp.broadcast_to(lengths.reshape(-1), (batch,))
+
+
+def canonical_q_offset(q_offset: Any, alignment: str, q_shape: tuple[int, ...], kv_len: int) -> int | Array:
+    """The key position of query 0: a Python int (static), or int32 (B,) when it differs
+    per example.  None -> 0 (``"top_left"``) or kv_len - q_len (``"bottom_right"``)."""
+    if q_offset is None:
+        return 0 if alignment == "top_left" else kv_len - q_shape[-2]
+    if alignment != "top_left":
+        raise ValueError("give q_offset or alignment='bottom_right', not both")
+    if not isinstance(q_offset, (jax.Array, np.ndarray)) and not hasattr(q_offset, "__len__"):
+        if isinstance(q_offset, bool) or not hasattr(q_offset, "__index__"):
+            raise TypeError(f"q_offset must hold integers (the key position of query 0); got {q_offset!r}")
+        return int(q_offset)
+    array = q_offset if isinstance(q_offset, jax.Array) else np.asarray(q_offset)
+    if len(q_shape) != 4:
+        raise ValueError(rank_message("q_offset", q_shape))
+    check_q_offset_array(array.shape, dtype_name(array.dtype), q_shape[0])
+    return jnp.broadcast_to(jnp.asarray(array, jnp.int32).reshape(-1), (q_shape[0],))
+
+
+def canonical_segments(
+    segment_ids: Any, kv_segment_ids: Any, q_shape: tuple[int, ...], kv_len: int
+) -> Array | None:
+    """Segment ids (B, T) and (B, S) -> the bool mask (B, 1, T, S) of same-segment pairs."""
+    if segment_ids is None and kv_segment_ids is None:
+        return None
+    name = "segment_ids" if segment_ids is not None else "kv_segment_ids"
+    if len(q_shape) != 4:
+        raise ValueError(rank_message(name, q_shape))
+    batch, q_len = q_shape[0], q_shape[-2]
+    if segment_ids is None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries")
+    if kv_segment_ids is None:
+        if q_len != kv_len:
+            raise ValueError(kv_segment_ids_message(q_len, kv_len))
+        kv_segment_ids = segment_ids
+    seg_q, seg_k = jnp.asarray(segment_ids), jnp.asarray(kv_segment_ids)
+    check_segment_ids("segment_ids", seg_q.shape, dtype_name(seg_q.dtype), batch, q_len)
+    check_segment_ids("kv_segment_ids", seg_k.shape, dtype_name(seg_k.dtype), batch, kv_len)
+    return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
+
+
+class Canonical(NamedTuple):
+    """A call's checked options, in the form every path reads."""
+
+    mask: Array | None
+    bias: Array | None
+    softcap: float | None
+    kv_lengths: Array | None
+    window: tuple[int | None, int | None] | None
+    offset: int | Array
+    segments: Array | None
+
+
+def canonicalise(
+    q: Array, k: Array, v: Array, *, mask: Any, bias: Any, softcap: float | None, kv_lengths: Any,
+    dropout_rate: float, dropout_mask: Any, deterministic: bool, scale: float | None, mask_strategy: str,
+    normalization: str, window: Any, alignment: str, q_offset: Any, segment_ids: Any, kv_segment_ids: Any,
+) -> Canonical:
+    """Every check of ``dot_product_attention`` but the implementation's, in its order,
+    before any work; the arrays canonicalised."""
+    check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
+    weights_shape = (*q.shape[:-1], k.shape[-2])
+    mask = canonical_mask(mask, weights_shape)
+    bias = canonical_bias(bias, weights_shape)
+    softcap = check_softcap(softcap)
+    if kv_lengths is not None:
+        if q.ndim != 4:
+            raise ValueError(kv_lengths_rank_message(q.shape))
+        kv_lengths = canonical_kv_lengths(kv_lengths, q.shape[0], k.shape[-2])
+    check_dropout_rate(dropout_rate)
+    if dropout_mask is not None:
+        check_dropout_mask(
+            dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
+            training=not deterministic, rate=dropout_rate,
+        )
+    check_scale(scale)
+    check_mask_strategy(mask_strategy)
+    check_normalization(normalization)
+    window = check_window(window)
+    offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2])
+    segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2])
+    return Canonical(mask, bias, softcap, kv_lengths, window, offset, segments)
+
+
+def band(
+    q_len: int, kv_len: int, offset: int | Array, causal: bool, window: tuple[int | None, int | None] | None,
+    ndim: int,
+) -> Array | None:
+    """bool, ``ndim`` dimensions: key j is visible from query i (at key position
+    i + offset) under ``causal`` and ``window``; None if every key is."""
+    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, causal, window)
+    if left is None and right is None:
+        return None
+    if isinstance(offset, int):
+        position = jnp.arange(q_len)[:, None] + offset  # (T, 1)
+    else:  # (B,) -> (B, 1, T, 1)
+        position = (jnp.arange(q_len)[None, :] + offset[:, None])[:, None, :, None]
+    keys = jnp.arange(kv_len).reshape((1,) * (position.ndim - 1) + (kv_len,))
+    return expand_to(visible(keys - position, left, right), ndim)  # lag: key minus query position
+
+
+def length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
+    # (B,) -> (B, 1, ..., 1, S): key positions before each example's length
+    valid = within_length(jnp.arange(kv_len)[None, :], kv_lengths[:, None])
+    return valid.reshape(valid.shape[:1] + (1,) * (ndim - 2) + valid.shape[1:])
+
+
+def live_keys(
+    mask: Array | None, causal: bool, kv_lengths: Array | None, q_len: int, kv_len: int, ndim: int,
+    *, offset: int = 0, window: tuple[int | None, int | None] | None = None,
+) -> Array | None:
+    """(..., S, 1) bool, ``ndim`` dimensions: key positions that some query may attend
+    to; None if all may.  ``mask`` has ``ndim`` dimensions (``canonical_mask``)."""
+    live = None
+    if mask is not None:
+        reach = band(q_len, kv_len, offset, causal, window, ndim)
+        seen = mask if reach is None else mask & reach
+        live = seen.any(axis=-2)  # (..., S), size-1 dimensions kept
+    elif causal or window is not None:  # the keys within reach of the first to the last query
+        lo, hi = key_range(0, q_len, kv_len, offset, causal, window)
+        if lo > 0 or hi < kv_len:
+            positions = jnp.arange(kv_len)
+            live = expand_to((positions >= lo) & (positions < hi), ndim - 1)
+    if kv_lengths is not None:
+        valid = length_mask(kv_lengths, kv_len, ndim)[..., 0, :]
+        live = valid if live is None else live & valid
+    return None if live is None else live[..., None]
+
+
+class Structure(NamedTuple):
+    """What a path computes from: the dense mask, the keys and values with those that no
+    query sees zeroed, the structure it keeps (offset, causal, window) and the heads per
+    key/value head."""
+
+    mask: Array | None
+    k: Array
+    v: Array
+    offset: int
+    causal: bool
+    window: tuple[int | None, int | None] | None
+    groups: int
+
+
+def structure(q: Array, k: Array, v: Array, call: Canonical, causal: bool, structural: bool) -> Structure:
+    """Segments, and positions that differ per example, are a dense mask on every path; a
+    static offset and the window stay structural where a path can use them
+    (``structural``).  Keys and values that no query may attend to become zeros."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    mask, offset, window = call.mask, call.offset, call.window
+    if call.segments is not None:
+        mask = combine_masks(mask, call.segments)
+    if call.bias is not None:  # a -inf entry blocks its key, as a mask does (``bias_allows``)
+        mask = combine_masks(mask, bias_allows(call.bias))
+    if not isinstance(offset, int) or (not structural and (window is not None or (causal and offset))):
+        mask = combine_masks(mask, band(q_len, kv_len, offset, causal, window, q.ndim))
+        offset, causal, window = 0, False, None
+    live = live_keys(mask, causal, call.kv_lengths, q_len, kv_len, q.ndim, offset=offset, window=window)
+    groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+    if live is not None:
+        if groups > 1 and live.shape[-3] > 1:  # a key is live if any head of its group sees it
+            live = live.reshape(*live.shape[:-3], -1, groups, kv_len, 1).any(axis=-3)
+        k, v = jnp.where(live, k, jnp.zeros((), k.dtype)), jnp.where(live, v, jnp.zeros((), v.dtype))
+    return Structure(mask, k, v, offset, causal, window, groups)

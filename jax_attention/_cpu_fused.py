@@ -1,0 +1,142 @@
+"""The fused path on CPU: the library's own FlashAttention kernel (``_cpu_kernel``, which
+builds and loads it) behind a ``jax.custom_vjp``, and the questions ``functional.route``
+asks of it (``declines``), answered without building it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from attention_spec import dtype_name
+from attention_spec.geometry import reach
+from jax_attention import _cpu_kernel
+from jax_attention._canonical import float0
+from jax_attention._fused import bthd
+
+
+def fits(q: Array, *, mask: Array | None = None, bias: Array | None = None, segments: Array | None = None,
+         offset: int | Array = 0) -> str | None:
+    """Why the kernel cannot compute a call whatever the machine (None: it can): it takes
+    float32, bfloat16 or float16 inputs (computed in float32), no dense mask, bias or
+    segment ids, and one query offset for every example; causal, window, ``kv_lengths``
+    and grouped heads are its own."""
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"the CPU kernel takes float32, bfloat16 or float16, not {dtype_name(q.dtype)}"
+    if mask is not None or bias is not None or segments is not None:
+        return "the CPU kernel takes no dense mask, bias or segment ids"
+    if not isinstance(offset, int):
+        return "the CPU kernel takes one query offset for every example"
+    return None
+
+
+def declines(q: Array, *, mask: Array | None = None, bias: Array | None = None, segments: Array | None = None,
+             offset: int | Array = 0, implementation: str = "fused") -> str | None:
+    """Why ``implementation`` (``"fused"`` or ``"auto"``) does not run the kernel for a
+    call on XLA's CPU backend (None: it does), asked without building it: the call
+    (``fits``), then the machine: a kernel known not to be had (turned off, or a build
+    that failed), and for ``"auto"`` one built for another instruction set than the one
+    it is tuned for (``_cpu_kernel.auto_would_decline``)."""
+    why = fits(q, mask=mask, bias=bias, segments=segments, offset=offset)
+    if why is not None:
+        return why
+    if implementation == "auto":
+        return _cpu_kernel.auto_would_decline()
+    missing = _cpu_kernel.known_unavailable()
+    return None if missing is None else f"the CPU kernel is not available: {missing}"
+
+
+def cpu_kernel_supports(q: Array, *, mask: Array | None = None, bias: Array | None = None,
+                        segments: Array | None = None, offset: int | Array = 0,
+                        implementation: str = "fused") -> bool:
+    """Whether ``implementation`` (``"fused"`` or ``"auto"``) runs the library's CPU
+    kernel (``_cpu_kernel``) for a call, asked without building it: XLA's CPU backend,
+    float32, bfloat16 or float16 inputs (computed in float32), no dense mask, bias or
+    segment ids, one query offset for every example (causal, window, ``kv_lengths`` and
+    grouped heads are the kernel's own), and a kernel not known to be missing (turned
+    off, or a build that failed); for ``"auto"`` also a kernel for the instruction set it
+    is tuned for (AVX-512; elsewhere the blockwise path is faster, and
+    ``_cpu_kernel.auto_declines()`` says so), told from the build's target without
+    building.  Elsewhere the fused path is ``jax.nn.dot_product_attention``.  The call
+    builds the kernel on first use; where only the kernel itself is missing (a failed
+    build) an explicit ``"fused"`` says so with a ``RuntimeWarning``."""
+    return jax.default_backend() == "cpu" and declines(
+        q, mask=mask, bias=bias, segments=segments, offset=offset, implementation=implementation) is None
+
+
+def candidate(q: Array, implementation: str, *, mask: Array | None = None, bias: Array | None = None,
+              segments: Array | None = None, offset: int | Array = 0) -> bool:
+    """Whether a call would run the kernel if it could be had: an explicit ``"fused"``
+    on CPU that the kernel ``fits``, or an ``"auto"`` that ``cpu_kernel_supports``."""
+    if jax.default_backend() != "cpu" or implementation not in ("fused", "auto"):
+        return False
+    if implementation == "fused":
+        return fits(q, mask=mask, bias=bias, segments=segments, offset=offset) is None
+    return cpu_kernel_supports(q, mask=mask, bias=bias, segments=segments, offset=offset, implementation="auto")
+
+
+def confirm(implementation: str) -> bool:
+    """Whether the kernel runs a call that was routed to it (or, for an explicit
+    ``"fused"``, would be): it is built and loaded, building it on its first use, and
+    for ``"auto"`` built for the instruction set it is tuned for.  An explicit
+    ``"fused"`` that cannot have it says so (``_cpu_kernel.warn_fallback``, naming the
+    caller of this function's caller)."""
+    if not _cpu_kernel.available():
+        if implementation == "fused":
+            _cpu_kernel.warn_fallback()
+        return False
+    return implementation != "auto" or _cpu_kernel.auto_declines() is None
+
+
+class _KernelStatic(NamedTuple):
+    """The static part of a CPU-kernel call: query 0 at key position ``offset``; a query
+    at p sees keys p - left .. p + right (None: unbounded)."""
+
+    scale: float
+    offset: int
+    left: int | None
+    right: int | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_attention(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array) -> Array:
+    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,) ->
+    (B, T, H, Dv): the CPU kernel, with its FlashAttention backward."""
+    return _kernel_attention_fwd(st, q, k, v, lengths)[0]
+
+
+def _kernel_attention_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, Any]:
+    out, row_max, row_sum = _cpu_kernel.forward(q, k, v, lengths, **st._asdict())
+    return out, (q, k, v, lengths, out, row_max, row_sum)
+
+
+def _kernel_attention_bwd(st: _KernelStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
+    q, k, v, lengths, out, row_max, row_sum = residuals
+    dq, dk, dv = _cpu_kernel.backward(q, k, v, lengths, out, d_out, row_max, row_sum, **st._asdict())
+    return dq, dk, dv, float0(lengths)
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+def attend(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | None, scale: float,
+               offset: int, window: tuple[int | None, int | None] | None) -> Array:
+    """The fused path on CPU: the library's kernel on (..., H, T, D) inputs (leading
+    dimensions flattened into one batch), in float32, the output in v's dtype.  Causal,
+    window and lengths stay structural: hidden tiles are skipped, a query that sees no
+    key gets a zero row, and keys past a length are never read.
+
+    The kernel takes tokens before heads, (B, T, H, D): a module's head split (a
+    transpose to (B, H, T, D)) and the transpose back here cancel under jit, so the
+    projections feed the kernel with no copy in between."""
+    batch, kv_len = math.prod(q.shape[:-3]), k.shape[-2]
+    lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    left, right = reach(causal, window)
+    q4, k4, v4 = (bthd(t, batch).astype(jnp.float32) for t in (q, k, v))
+    out = _kernel_attention(_KernelStatic(scale, offset, left, right), q4, k4, v4, lengths)  # (B, T, H, Dv)
+    return jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)

@@ -1,0 +1,59 @@
+"""Projections: ``linear`` (x @ kernel + bias, as ``nnx.Linear``), on XLA's dot or, for
+``"fused"`` / ``"auto"`` on CPU, on the library's matrix-product kernel with its own
+``jax.custom_vjp``.  Re-exported by ``functional``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from attention_spec.validation import check_implementation, check_linear
+from jax_attention import _cpu_kernel
+from jax_attention._cpu_fused import candidate, confirm
+from jax_attention._reference import Precision
+
+
+def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = None,
+           precision: Precision = None, implementation: str = "auto") -> Array:
+    """A projection, x (..., d_in) @ kernel (d_in, d_out) (+ bias (d_out,)), as
+    ``nnx.Linear`` computes it: the operands promoted to ``dtype`` (None: their common
+    type), the bias added after the product.
+
+    ``implementation`` is the attention call's.  ``"fused"`` (and ``"auto"`` where the
+    kernel is tuned for the CPU, AVX-512) run a float32 product on the library's CPU
+    matrix-product kernel (``_cpu_kernel.matmul``, built with the attention kernel on
+    first use; see ``cpu_kernel_supports``), forward and backward; every other case is XLA's dot at
+    ``precision``.  The two differ only in the order of the sums."""
+    implementation = check_implementation(implementation)
+    check_linear(tuple(x.shape), tuple(kernel.shape), None if bias is None else tuple(bias.shape), layout="in_out")
+    operands = (x, kernel) if bias is None else (x, kernel, bias)
+    dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*operands)
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    if candidate(x, implementation) and confirm(implementation) and dtype == jnp.float32:
+        y = _kernel_linear(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
+    else:
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    return y if bias is None else y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+@jax.custom_vjp
+def _kernel_linear(x: Array, kernel: Array) -> Array:
+    """float32 x (M, d_in) @ kernel (d_in, d_out) on the CPU kernel, and its gradients
+    (dx = dy kernel^T, dkernel = x^T dy) on the same kernel, with no transposed copies."""
+    return _cpu_kernel.matmul(x, kernel)
+
+
+def _kernel_linear_fwd(x: Array, kernel: Array) -> tuple[Array, Any]:
+    return _cpu_kernel.matmul(x, kernel), (x, kernel)
+
+
+def _kernel_linear_bwd(residuals: Any, dy: Array) -> tuple[Array, Array]:
+    x, kernel = residuals
+    return _cpu_kernel.matmul(dy, kernel, trans_b=True), _cpu_kernel.matmul(x, dy, trans_a=True)
+
+
+_kernel_linear.defvjp(_kernel_linear_fwd, _kernel_linear_bwd)

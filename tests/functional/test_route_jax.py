@@ -1,0 +1,265 @@
+"""``jax_attention.functional.route``: which path and kernel a call takes, and why not a
+faster one.  It checks its arguments as ``dot_product_attention`` does (the same errors),
+the call runs the route it names (spied here), and asking builds nothing (a process with
+an empty kernel cache asks, and the cache stays empty)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.support import needs_jax
+
+pytestmark = needs_jax
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _qkv(q_len: int = 20, kv_len: int = 20, dtype: str = "float32", heads: int = 2, kv_heads: int = 2) -> Any:
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    return (jnp.asarray(rng.standard_normal((2, heads, q_len, 8)), dtype),
+            jnp.asarray(rng.standard_normal((2, kv_heads, kv_len, 8)), dtype),
+            jnp.asarray(rng.standard_normal((2, kv_heads, kv_len, 8)), dtype))
+
+
+def test_auto_on_cpu_float32_follows_the_machine():
+    """float32 ``auto`` on CPU: the CPU kernel where it is tuned for this machine's
+    target (AVX-512), else blockwise, with the kernel's reason."""
+    import jax
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import route
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU route")
+    got = route(*_qkv(), causal=True)
+    why = _cpu_kernel.auto_would_decline()
+    if why is None:
+        assert (got.path, got.kernel, got.reasons) == ("fused", "cpu-kernel", ())
+    else:
+        assert (got.path, got.kernel, got.reasons) == ("blockwise", "blockwise", (f"fused: {why}",))
+    masked = route(*_qkv(), mask=np.tril(np.ones((20, 20), bool)))  # a dense mask: not the kernel's
+    assert (masked.path, masked.kernel) == ("blockwise", "blockwise")
+    assert masked.reasons == ("fused: the CPU kernel takes no dense mask, bias or segment ids",)
+    assert route(*_qkv(), implementation="reference") == ("reference", "reference", ())
+    assert route(*_qkv(), implementation="blockwise").kernel == "blockwise"
+
+
+def test_float64_takes_the_blockwise_path():
+    import jax
+
+    from jax_attention.functional import route
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU route")
+    with jax.enable_x64(True):
+        got = route(*_qkv(dtype="float64"), causal=True)
+    assert (got.path, got.kernel) == ("blockwise", "blockwise")
+    assert got.reasons == ("fused: the CPU kernel takes float32, bfloat16 or float16, not float64",)
+
+
+def test_return_weights_takes_the_reference_path_and_says_why():
+    from jax_attention.functional import route
+
+    got = route(*_qkv(), causal=True, return_weights=True)
+    assert (got.path, got.kernel) == ("reference", "reference")
+    assert any(r.startswith("blockwise: ") and "return_weights" in r for r in got.reasons), got.reasons
+    assert got.explain().splitlines()[0] == "reference (reference)"
+
+
+def test_long_keys_take_the_tiled_loops():
+    from jax_attention.functional import _LONG_SEQUENCE, route
+
+    got = route(*_qkv(q_len=1, kv_len=_LONG_SEQUENCE), implementation="blockwise")
+    assert (got.path, got.kernel) == ("blockwise", "blockwise-tiled")
+    assert route(*_qkv(q_len=1, kv_len=_LONG_SEQUENCE - 1), implementation="blockwise").kernel == "blockwise"
+
+
+BAD_CALLS = [
+    ({"softcap": 5.0, "implementation": "fused"}, ValueError),
+    ({"implementation": "fast"}, ValueError),
+    ({"mask": np.ones((20, 20), np.float32)}, TypeError),
+    ({"kv_lengths": [3, 30]}, ValueError),
+    ({"window": (-1, 2)}, ValueError),
+    ({"q_offset": 1, "alignment": "bottom_right"}, ValueError),
+    ({"return_weights": True, "implementation": "blockwise"}, ValueError),
+]
+
+
+@pytest.mark.parametrize(("options", "kind"), BAD_CALLS, ids=[str(sorted(o)) for o, _ in BAD_CALLS])
+def test_route_checks_as_the_call_does(options: dict[str, Any], kind: type):
+    """The same exception, with the same text, from ``route`` as from the call."""
+    from jax_attention.functional import dot_product_attention, route
+
+    q, k, v = _qkv()
+    with pytest.raises(kind) as asked:
+        route(q, k, v, **options)
+    with pytest.raises(kind) as called:
+        dot_product_attention(q, k, v, **options)
+    assert str(asked.value) == str(called.value)
+
+
+def _ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Spies on every path's entry: the list of kernels that ran, as ``route`` names them."""
+    from jax_attention import _cpu_fused, functional
+
+    ran: list[str] = []
+
+    def spy(real: Any, name: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            ran.append(name(kwargs) if callable(name) else name)
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(functional, "attention_weights", spy(functional.attention_weights, "reference"))
+    monkeypatch.setattr(functional, "_blockwise", spy(
+        functional._blockwise, lambda kw: "blockwise" if kw["plan"][1] is None else "blockwise-tiled"))
+    monkeypatch.setattr(functional, "_fused", spy(functional._fused, lambda kw: kw["kernel"]))
+    monkeypatch.setattr(_cpu_fused, "attend", spy(_cpu_fused.attend, "cpu-kernel"))
+    return ran
+
+
+CALLS = [
+    {"causal": True},
+    {"window": (3, 2), "alignment": "bottom_right"},
+    {"kv_lengths": [20, 7]},
+    {"mask": np.tril(np.ones((20, 20), bool))},
+    {"bias": np.zeros((20, 20), np.float32), "softcap": 4.0},
+    {"q_offset": [0, 3], "causal": True},
+    {"segment_ids": np.repeat(np.arange(2)[None], 10, axis=1)},
+    {"return_weights": True},
+    {"dropout_rate": 0.5, "deterministic": False, "dropout_mask": np.ones((20, 20), bool)},
+    {"normalization": "sum"},
+]
+
+
+@pytest.mark.parametrize("implementation", ["auto", "fused", "blockwise", "reference"])
+@pytest.mark.parametrize("options", CALLS, ids=[str(sorted(o)) for o in CALLS])
+def test_the_call_runs_its_route(monkeypatch, implementation: str, options: dict[str, Any]):
+    """Whatever ``route`` names is the one kernel the call runs (grouped heads here)."""
+    from jax_attention.functional import dot_product_attention, route
+
+    q, k, v = _qkv(heads=4, kv_heads=2)
+    try:
+        said = route(q, k, v, implementation=implementation, **options)
+    except ValueError:  # an explicit path that cannot honour an option: the call refuses too
+        with pytest.raises(ValueError):
+            dot_product_attention(q, k, v, implementation=implementation, **options)
+        return
+    ran = _ran(monkeypatch)
+    dot_product_attention(q, k, v, implementation=implementation, **options)
+    assert ran == [said.kernel], (said, ran)
+
+
+def test_the_tiled_loops_run_where_route_says(monkeypatch):
+    from jax_attention import functional
+    from jax_attention.functional import dot_product_attention, route
+
+    monkeypatch.setattr(functional, "_LONG_SEQUENCE", 16)
+    monkeypatch.setattr(functional, "_LONG_TILE", (8, 8))
+    monkeypatch.setattr(functional, "_LONG_BACKWARD_TILE", (8, 8))
+    q, k, v = _qkv()
+    said = route(q, k, v, causal=True, implementation="blockwise")
+    ran = _ran(monkeypatch)
+    dot_product_attention(q, k, v, causal=True, implementation="blockwise")
+    assert said.kernel == "blockwise-tiled" and ran == ["blockwise-tiled"]
+
+
+# Asks every question of the kernel in a process of its own, with an empty cache: nothing
+# may be built (nor the kernel loaded); then, where asked, a call that builds it.
+_ASK = """
+import json, os, sys, warnings, numpy as np, jax.numpy as jnp
+from jax_attention import _cpu_kernel
+from jax_attention.functional import cpu_kernel_supports, dot_product_attention, route
+q = jnp.ones((1, 2, 16, 8), jnp.float32)
+asked = {i: list(route(q, q, q, causal=True, implementation=i)) for i in ("auto", "fused", "blockwise", "reference")}
+asked["supports"] = [cpu_kernel_supports(q, implementation=i) for i in ("fused", "auto")]
+result = {"asked": asked, "cache": sorted(os.listdir(os.environ["TWIN_ATTENTION_CACHE"])),
+          "state": sorted(_cpu_kernel._state), "predicted": _cpu_kernel.predicted_instruction_set()}
+if sys.argv[1] == "call":
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dot_product_attention(q, q, q, causal=True, implementation="fused")
+    result["warned"] = [str(w.message) for w in caught]
+    result["after"] = {i: list(route(q, q, q, causal=True, implementation=i)) for i in ("auto", "fused")}
+print(json.dumps(result))
+"""
+
+
+def _ask(tmp_path: Path, then: str = "ask", **env: str) -> dict[str, Any]:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    environment = {**os.environ, "TWIN_ATTENTION_CACHE": str(cache), "JAX_PLATFORMS": "cpu",
+                   "PYTHONPATH": str(REPO), **env}
+    environment.pop("TWIN_ATTENTION_CPU_KERNEL", None)
+    environment.update(env)
+    done = subprocess.run([sys.executable, "-c", _ASK, then], env=environment, capture_output=True, text=True,
+                          timeout=300, check=False, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_asking_builds_nothing(tmp_path):
+    """``route`` and ``cpu_kernel_supports``, for every implementation, in a process with
+    an empty cache: the cache stays empty and the kernel is neither built nor loaded;
+    the explicit ``"fused"`` names the CPU kernel (the call would build it)."""
+    got = _ask(tmp_path)
+    assert got["cache"] == [] and "ok" not in got["state"], got
+    assert got["asked"]["fused"] == ["fused", "cpu-kernel", []]
+    assert got["asked"]["reference"] == ["reference", "reference", []]
+    assert got["asked"]["supports"][0] is True
+    auto = got["asked"]["auto"]
+    if got["predicted"] == "AVX-512":
+        assert auto == ["fused", "cpu-kernel", []] and got["asked"]["supports"][1] is True
+    else:
+        assert auto[:2] == ["blockwise", "blockwise"] and got["asked"]["supports"][1] is False
+
+
+def test_asking_for_another_target_builds_nothing(tmp_path):
+    """With ``$TWIN_ATTENTION_MARCH`` naming an AVX2 target (x86-64-v3), the compiler's
+    preprocessor tells the target: ``auto`` passes the kernel by, saying why, and still
+    nothing is built."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 target")
+    got = _ask(tmp_path, TWIN_ATTENTION_MARCH="x86-64-v3")
+    assert got["cache"] == [] and "ok" not in got["state"], got
+    assert got["predicted"] == "AVX2"
+    assert got["asked"]["auto"] == [
+        "blockwise", "blockwise",
+        ["fused: the CPU kernel is not tuned for this instruction set (AVX2): blockwise is faster"]]
+    assert got["asked"]["supports"] == [True, False]
+
+
+def test_a_build_that_fails_at_the_call_falls_back(tmp_path):
+    """The route names the CPU kernel; the call builds it, the build fails (a compiler
+    that fails), and the call runs XLA's kernel with the RuntimeWarning; from then on
+    the route says so without building: XLA's kernel for ``"fused"``, blockwise for
+    ``"auto"``, with the build's error as the reason."""
+    got = _ask(tmp_path, "call", CXX="false")
+    assert got["asked"]["fused"] == ["fused", "cpu-kernel", []]
+    assert len(got["warned"]) == 1 and "runs XLA's kernel" in got["warned"][0], got["warned"]
+    assert got["after"]["fused"] == ["fused", "xla", []]
+    path, kernel, reasons = got["after"]["auto"]
+    assert (path, kernel) == ("blockwise", "blockwise")
+    assert len(reasons) == 1 and reasons[0].startswith("fused: the CPU kernel is not available: ") and "failed" in reasons[0]
+    assert got["cache"] == []
+
+
+def test_turned_off_the_route_says_so(tmp_path):
+    got = _ask(tmp_path, TWIN_ATTENTION_CPU_KERNEL="off")
+    assert got["asked"]["fused"] == ["fused", "xla", []]
+    assert got["asked"]["auto"] == [
+        "blockwise", "blockwise",
+        ["fused: the CPU kernel is not available: turned off ($TWIN_ATTENTION_CPU_KERNEL=off)"]]
+    assert got["cache"] == []
