@@ -23,20 +23,18 @@ from attention_spec import (
     check_scale,
     dtype_name,
 )
+from attention_spec.arrays import check_bias
 from attention_spec.geometry import band_reach, key_range, visible, within_length
-from attention_spec.validation import (
-    check_alignment,
-    check_bias,
+from attention_spec.masks import (
     check_kv_lengths_array,
     check_kv_lengths_values,
     check_q_offset_array,
     check_segment_ids,
-    check_softcap,
-    check_window,
     kv_lengths_rank_message,
     kv_segment_ids_message,
     rank_message,
 )
+from attention_spec.options import check_alignment, check_softcap, check_window
 from jax_attention.masks import _and_masks as combine_masks
 
 

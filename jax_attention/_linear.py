@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from attention_spec.validation import check_implementation, check_linear
+from attention_spec.arrays import check_linear
+from attention_spec.options import check_implementation
 from jax_attention import _cpu_kernel
 from jax_attention._cpu_fused import candidate, confirm
 from jax_attention._reference import Precision

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from jax import Array
 
 from attention_spec.geometry import band_reach
+from attention_spec.planning import fused_blockers
 from attention_spec.routing import Route, resolve_implementation, resolve_route
-from attention_spec.validation import fused_blockers
 from jax_attention import _cpu_fused
 from jax_attention._blockwise import blockwise as _blockwise  # the paths' entry points, by their old names
 from jax_attention._cache import KVCache as KVCache

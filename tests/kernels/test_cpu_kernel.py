@@ -310,7 +310,8 @@ def test_jit_and_vmap():
 
 
 def test_only_a_fused_or_auto_call_asks_for_the_kernel(monkeypatch):
-    """The reference and blockwise paths never build (or look for) the kernel."""
+    """The reference and blockwise paths never build (or look for) the kernel; an explicit
+    fused call does, and auto does where the kernel is tuned for the CPU (and only there)."""
     import jax.numpy as jnp
 
     from jax_attention import _cpu_kernel
@@ -324,6 +325,11 @@ def test_only_a_fused_or_auto_call_asks_for_the_kernel(monkeypatch):
     for path in ("reference", "blockwise"):
         dot_product_attention(q, q, q, causal=True, implementation=path)
     with pytest.raises(AssertionError, match="asked for"):
+        dot_product_attention(q, q, q, causal=True, implementation="fused")
+    if _cpu_kernel.auto_would_decline() is None:  # auto takes the kernel only where it is tuned
+        with pytest.raises(AssertionError, match="asked for"):
+            dot_product_attention(q, q, q, causal=True, implementation="auto")
+    else:
         dot_product_attention(q, q, q, causal=True, implementation="auto")
 
 
