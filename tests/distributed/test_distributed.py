@@ -1,4 +1,4 @@
-"""Scale-out (issue 11), all on one CPU machine: JAX on 8 simulated devices, PyTorch as 2
+"""Scale-out, all on one CPU machine: JAX on 8 simulated devices, PyTorch as 2
 and 4 gloo processes.  The work runs in subprocesses (``parity_tests/distributed/``):
 this process has initialised JAX with one device, and the device count is fixed when
 jax is imported.  Each subprocess runs once per module (fixtures); the tests read its
@@ -9,14 +9,14 @@ report.
 - Ring attention, JAX (2, 4, 8 devices) and PyTorch (2, 4 processes, the default group
   and subgroups): forward and gradients equal single-device attention within 1e-5,
   causal or not, contiguous or zigzag, with padding that holds NaN and fully masked rows,
-  and with q, k, v scaled by 1e5 (logits of 1e10; issue 24), relative to the values' size.
+  and with q, k, v scaled by 1e5 (logits of 1e10), relative to the values' size.
 - The two rings agree with each other (and with the float64 oracle) on the same inputs.
 - The forward permutes N - 1 times; per-device memory falls with the device count;
   S = 65536 runs on 8 devices.
 - Bad input: the same error texts from both rings.
 
 Measured on the 2-core CPU machine (float32): every ring error <= 1.5e-6, the sharded
-step <= 2e-7; the 1e-5 and 1e-6 tolerances are the issue's.
+step <= 2e-7, within the tolerances (1e-5 for the rings, 1e-6 for the step).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from parity_tests.reference import attention as oracle
 from tests.support import HAS_JAX, HAS_TORCH, needs_both, needs_jax, needs_torch
 
 ROOT = Path(__file__).resolve().parents[2]
-RING_TOL = 1e-5  # the issue's float32 bound; measured <= 1.5e-6
-STEP_TOL = 1e-6  # the issue's bound for the sharded training step; measured <= 2e-7
+RING_TOL = 1e-5  # the float32 bound for a ring against one device; measured <= 1.5e-6
+STEP_TOL = 1e-6  # the bound for the sharded training step; measured <= 2e-7
 TIMEOUT = 300
 
 

@@ -9,7 +9,7 @@ kv_len is.  Where q_len != kv_len, bottom-right alignment (query i sees keys
 aligned it that way would fail; ``test_the_table_would_catch_a_flipped_causal_alignment``
 checks that this stays true of the table.
 
-The structure block (issue 9: grouped-query heads, ``window=``, ``alignment=``,
+The structure block (grouped-query heads, ``window=``, ``alignment=``,
 per-example ``q_offset=`` arrays, ``segment_ids=``) is appended to the table with ids
 that name the options (``-kv1-win2_inf-bottomright-seg``); the cases before it keep their
 ids.  ``test_the_structure_block_covers_every_option_on_every_path`` and

@@ -1,4 +1,4 @@
-"""Numerical edges of issue 24, in both frameworks, against the float64 loop oracle
+"""Numerical edges, in both frameworks, against the float64 loop oracle
 (``reference.py``) or against finite differences of it:
 
 * a ``-inf`` bias entry blocks its key as a mask does: weight 0, a row that is ``-inf``
@@ -7,7 +7,7 @@
   decoding step into a long cache), with a bias, soft-capping, a mask and lengths;
 * NumPy scalars where Python numbers are accepted (``window``, ``softcap``, ``scale``).
 
-The rings' huge-logit cases run with the distributed tests (``parity_tests/distributed``).
+The rings' huge-logit cases run with the distributed tests (``tests/distributed``).
 """
 
 from __future__ import annotations

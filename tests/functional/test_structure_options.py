@@ -1,4 +1,4 @@
-"""The structure options of the functional cores (issue 9), in both frameworks, on every path.
+"""The structure options of the functional cores, in both frameworks, on every path.
 
 ``dot_product_attention`` takes grouped-query key/value heads (k and v with fewer heads
 than q), ``window=(left, right)``, ``alignment="top_left" | "bottom_right"``,

@@ -1,4 +1,4 @@
-"""The modules with what training stacks use (issue 9): cross-attention (``context=``,
+"""The modules with what training stacks use: cross-attention (``context=``,
 ``kdim``/``vdim``), grouped-query heads (``num_kv_heads``), windows and bottom-right
 alignment as module options, packed sequences (``segment_ids``) and KV-cache decoding.
 
