@@ -188,7 +188,8 @@ def _flax_grads(m: Any, x: np.ndarray, cot: np.ndarray, path: str, chunks: list[
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("path", PATHS)
+# the quick tier (``-m "not slow"``) differentiates through the cache on the default path only
+@pytest.mark.parametrize("path", [p if p == "auto" else pytest.param(p, marks=pytest.mark.slow) for p in PATHS])
 def test_backward_through_cached_steps_equals_the_full_forward(fw: str, path: str) -> None:
     """A prompt of 3, one token, a chunk of 2: the gradients of the decoded outputs w.r.t.
     x and every parameter are those of one causal forward (PyTorch raised "modified by
