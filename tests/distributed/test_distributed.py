@@ -15,6 +15,10 @@ report.
   S = 65536 runs on 8 devices.
 - Bad input: the same error texts from both rings.
 
+The quick tier (``-m "not slow"``) leaves out the tests that read the JAX rings' and the
+four-process PyTorch ring's subprocesses (minutes); the sharded step, the two-process ring,
+DDP, the one-device JAX ring and the zigzag helpers stay.
+
 Measured on the 2-core CPU machine (float32): every ring error <= 1.5e-6, the sharded
 step <= 2e-7, within the tolerances (1e-5 for the rings, 1e-6 for the step).
 """
@@ -156,6 +160,7 @@ def _sharded_step_report() -> dict[str, Any]:
 
 
 @needs_jax
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c.id for c in CASES])
 def test_jax_ring_equals_single_device(jax_parity: dict[str, Any], case: str) -> None:
     for result in _case_errors(jax_parity, case):
@@ -164,6 +169,7 @@ def test_jax_ring_equals_single_device(jax_parity: dict[str, Any], case: str) ->
 
 
 @needs_jax
+@pytest.mark.slow
 def test_jax_ring_permutes_n_minus_1_times_forward(jax_parity: dict[str, Any]) -> None:
     """k and v travel packed in one array: N - 1 permutes forward (jaxpr and compiled HLO);
     the backward moves k, v, dk, dv packed N - 1 times and dk/dv home once more."""
@@ -175,6 +181,7 @@ def test_jax_ring_permutes_n_minus_1_times_forward(jax_parity: dict[str, Any]) -
 
 
 @needs_jax
+@pytest.mark.slow
 def test_jax_ring_memory_per_device_falls(jax_scale: dict[str, Any]) -> None:
     """S = 8192, causal zigzag: XLA's per-device memory (temporaries + arguments + output)
     for 1, 2, 4, 8 devices: each at most 0.6 of the one before (the arguments and output
@@ -186,6 +193,7 @@ def test_jax_ring_memory_per_device_falls(jax_scale: dict[str, Any]) -> None:
 
 
 @needs_jax
+@pytest.mark.slow
 def test_jax_ring_runs_65536_positions_on_8_devices(jax_scale: dict[str, Any]) -> None:
     long = jax_scale["long"]
     assert long["seq"] == 65536 and long["devices"] == 8
@@ -226,6 +234,7 @@ def test_torch_ring_two_processes(torch_world2: list[dict[str, Any]], case: str)
 
 
 @needs_torch
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c.id for c in CASES if c.devices in (2, 4)])
 def test_torch_ring_four_processes(torch_world4: list[dict[str, Any]], case: str) -> None:
     """Rings of 4 on the default group, and rings of 2 on the subgroups {0, 1}, {2, 3}."""
@@ -272,6 +281,7 @@ def test_jax_zigzag_helpers() -> None:
 
 
 @needs_both
+@pytest.mark.slow
 def test_rings_are_twins(jax_parity: dict[str, Any], torch_world4: list[dict[str, Any]], workdir: Path) -> None:
     """The same inputs through the JAX ring (4 devices) and the PyTorch ring (4 ranks):
     outputs and gradients agree, and the outputs equal the float64 oracle."""
@@ -295,6 +305,7 @@ def _check_twins(jax_out: Any, torch_out: Any, inputs: Any) -> None:
 
 
 @needs_both
+@pytest.mark.slow
 def test_rings_raise_the_same_errors(jax_parity: dict[str, Any], torch_world4: list[dict[str, Any]]) -> None:
     jax_texts, torch_texts = jax_parity["errors"], torch_world4[0]["errors"]
     assert set(torch_texts) == {"layout", "zigzag_length", "to_zigzag", "shapes", "heads"}
