@@ -43,6 +43,7 @@ from parity_tests.cases import (
 from tests.support import needs_both
 
 CASES = functional_matrix()
+QUICK = {c.id for c in quick_functional()}
 
 
 def test_every_pair_of_axis_values_is_covered():
@@ -120,7 +121,11 @@ def test_the_structure_block_would_catch_an_ignored_option():
 
 
 @needs_both
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    # the quick tier (``-m "not slow"``) runs the --quick subset: every path, causal and windowed
+    [pytest.param(c, id=c.id, marks=() if c.id in QUICK else pytest.mark.slow) for c in CASES],
+)
 def test_case(case):
     from parity_tests.matrix import run_case
 

@@ -222,6 +222,11 @@ def _scenarios() -> list[Scenario]:
 
 
 SCENARIOS = {s.id: s for s in _scenarios()}
+# The quick tier (``-m "not slow"``) runs each scenario on one path, the paths in turn.
+SCENARIO_PATHS = [
+    pytest.param(name, path, id=f"{name}-{path}", marks=() if path == PATHS[i % len(PATHS)] else pytest.mark.slow)
+    for i, name in enumerate(SCENARIOS) for path in PATHS
+]
 
 
 @functools.cache
@@ -290,8 +295,7 @@ def test_the_oracle_gradients_match_finite_differences():
             assert abs((up - down) / (2 * eps) - grads[name][index]) < 1e-6, (name, index)
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize(("name", "path"), SCENARIO_PATHS)
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_against_the_oracle(fw: str, name: str, path: str):
     got, want = _got(fw, name, path), _expected(name)
@@ -311,8 +315,7 @@ def test_blockwise_tiles_against_the_oracle(name: str):
 
 
 @needs_both
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize(("name", "path"), SCENARIO_PATHS)
 def test_twin_against_twin(name: str, path: str):
     t, f = _got("torch", name, path), _got("jax", name, path)
     findings = [compare(key, t[key], f[key], (GRAD_PARITY if key.startswith("grad") else PARITY)["float32"])
