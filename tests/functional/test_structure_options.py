@@ -306,7 +306,9 @@ def test_against_the_oracle(fw: str, name: str, path: str):
 
 
 @needs_jax
-@pytest.mark.parametrize("name", list(SCENARIOS))
+# the quick tier (``-m "not slow"``) runs every fourth scenario
+@pytest.mark.parametrize("name", [n if i % 4 == 0 else pytest.param(n, marks=pytest.mark.slow)
+                                  for i, n in enumerate(SCENARIOS)])
 def test_blockwise_tiles_against_the_oracle(name: str):
     """The long-sequence form of JAX's blockwise path (loops over key tiles), which
     ``auto`` takes from 4096 keys on, in tiles of 4 x 8 so that every scenario crosses
