@@ -9,8 +9,8 @@ the multi-GB CUDA build.  The pin comes from the environment variable ``TORCH_SP
 supplies the CPU wheel for it), e.g. ``TORCH_SPEC="torch==2.13.0" nox -s tests``.
 
 Plain ``nox`` runs the CPU sessions (tests, tests-torch, tests-jax, x64, lint);
-tests-distributed (CPU, also part of ``tests``), tests-cuda, tests-tpu and bench run only
-when named with ``-s``.
+quick (the tests not marked ``slow``, a few minutes), tests-distributed (CPU, also part of
+``tests``), tests-cuda, tests-tpu and bench run only when named with ``-s``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ def tests(session: nox.Session) -> None:
     """CPU, both frameworks: the whole suite (arguments after ``--`` go to pytest)."""
     _install_all(session)
     session.run("pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def quick(session: nox.Session) -> None:
+    """CPU, both frameworks: the quick tier, ``pytest -m "not slow"``: every feature at
+    least once, the larger grids and the longest tests left out (``tests`` runs them)."""
+    _install_all(session)
+    session.run("pytest", "-m", "not slow", *session.posargs)
 
 
 @nox.session(name="tests-torch", python=PYTHON)

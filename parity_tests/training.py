@@ -80,7 +80,15 @@ import numpy as np
 
 from attention_spec.conversion import as_numpy
 from attention_spec.specs import apply_specs
-from parity_tests.harness import Finding, _is_ours, compare, full_precision, module_dtype, resolve_rules
+from parity_tests.harness import (
+    Finding,
+    _check_pair,
+    _is_ours,
+    compare,
+    full_precision,
+    module_dtype,
+    resolve_rules,
+)
 from parity_tests.tolerances import TRAINING_PARITY, Tolerance
 
 __all__ = [
@@ -289,7 +297,260 @@ def _losses(loss: Any) -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], 
     return torch_mse, flax_mse
 
 
+# --------------------------------------------------------------------------- checks
+
+def _check_steps(batches: Sequence[Any], steps: int | None) -> int:
+    """The number of steps to run: ``steps``, or one per batch."""
+    if not batches:
+        raise ValueError("batches is empty: give at least one input array or (input, target)")
+    n_steps = len(batches) if steps is None else int(steps)
+    if n_steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}")
+    return n_steps
+
+
+def _check_modules(
+    torch_module: Any, flax_module: Any, *, linen: bool, flax_variables: Any, training: bool,
+    dropout_masks: Sequence[Any] | None, n_steps: int, implementation: str | None,
+) -> bool:
+    """Refuses a pair that cannot be trained side by side: a Linen module without its
+    variables (or variables for an NNX module), dropout in training mode without masks (or
+    too few), ``implementation=`` for modules that are not this library's, and, as
+    ``check_parity`` refuses them, different variants, configurations or parameter dtypes
+    of this library's modules.  Returns whether the PyTorch module is one of this
+    library's with dropout > 0."""
+    if linen and flax_variables is None:
+        raise ValueError("a Linen flax_module needs flax_variables= (what model.init returned)")
+    if not linen and flax_variables is not None:
+        raise ValueError("flax_variables= is for a Linen flax_module; an NNX module holds its own")
+    ours = _is_ours(torch_module)
+    has_dropout = ours and float(torch_module.config.get("dropout", 0.0) or 0.0) > 0
+    if training and has_dropout and dropout_masks is None:
+        raise ValueError(
+            "training mode with dropout > 0 needs dropout_masks= (one bool keep-mask per step, "
+            "True = keep): the two frameworks cannot share a random stream"
+        )
+    if dropout_masks is not None:
+        if not training:
+            raise ValueError("dropout_masks= applies in training mode only: pass training=True")
+        if len(dropout_masks) < n_steps:
+            raise ValueError(f"dropout_masks has {len(dropout_masks)} masks for {n_steps} steps: give one per step")
+    if implementation is not None and not ours:
+        raise ValueError("implementation= applies to this library's modules only")
+    if not linen:
+        _check_pair(torch_module, flax_module)
+    return has_dropout
+
+
+def _check_dtypes(torch_module: Any, flax_params: Mapping[tuple[Any, ...], Any]) -> str:
+    """The parameter dtype both sides share (any pair, Linen included); raises ValueError
+    if they differ."""
+    dtype = module_dtype(torch_module)
+    flax_dtype = str(np.asarray(next(iter(flax_params.values()))).dtype) if flax_params else dtype
+    if flax_dtype != dtype:
+        raise ValueError(f"the modules have different parameter dtypes: torch {dtype} vs flax {flax_dtype}")
+    return dtype
+
+
+def _training_tolerance(dtype: str, rtol: float | None, atol: float | None) -> Tolerance:
+    """``tolerances.TRAINING_PARITY`` for the dtype (normwise), with ``rtol`` / ``atol``
+    overriding it; a dtype without a measured tolerance needs both."""
+    if dtype not in TRAINING_PARITY and (rtol is None or atol is None):
+        raise ValueError(
+            f"no training tolerance is measured for {dtype} (only for {', '.join(TRAINING_PARITY)}): "
+            "pass rtol= and atol="
+        )
+    default = TRAINING_PARITY.get(dtype, Tolerance(0.0, 0.0, normwise=True))
+    return default._replace(rtol=default.rtol if rtol is None else rtol, atol=default.atol if atol is None else atol)
+
+
+def _static_kwargs(ours: bool, linen: bool, has_dropout: bool, training: bool,
+                   implementation: str | None) -> dict[str, Any]:
+    """The keywords every call of this library's modules gets: the path
+    (``implementation=``) and, for an NNX module with dropout, ``deterministic=``."""
+    static: dict[str, Any] = {}
+    if ours:
+        if implementation is not None:
+            static["implementation"] = implementation
+        if not linen and has_dropout:
+            static["deterministic"] = not training
+    return static
+
+
+# --------------------------------------------------------------------------- the two steppers
+
+class _TorchStepper:
+    """A copy of the PyTorch module in the requested mode, and its optimiser over the
+    copy's trainable parameters."""
+
+    def __init__(self, torch_module: Any, factory: Callable[[Any], Any],
+                 loss: Callable[[Any, Any], Any], training: bool, dtype: str) -> None:
+        import torch
+
+        self.module = copy.deepcopy(torch_module)
+        self.module.train(training)
+        self.optimizer = factory([p for p in self.module.parameters() if p.requires_grad])
+        self.loss = loss
+        self.dtype = getattr(torch, dtype)
+
+    def step(self, x: np.ndarray, target: np.ndarray | None, kwargs: dict[str, Any]) -> float:
+        """One step (gradient, optimiser update) on a batch; returns the loss before it."""
+        import torch
+
+        x_t = torch.tensor(x, dtype=self.dtype)
+        target_t = None if target is None else torch.tensor(target, dtype=self.dtype)
+        self.optimizer.zero_grad(set_to_none=True)
+        value = self.loss(_first(self.module(x_t, **kwargs)), target_t)
+        value.backward()
+        self.optimizer.step()
+        return float(value.detach())
+
+    def parameters(self) -> dict[str, Any]:
+        """The copy's parameters by name, as they are now."""
+        return {name: p.detach() for name, p in self.module.named_parameters()}
+
+
+class _FlaxStepper:
+    """The Flax module as a pure function of its parameter pytree (NNX split, or a Linen
+    model's ``"params"`` collection), and the optax state that trains it: one step is a
+    single ``jax.jit`` of forward, gradient and update.  Only the parameters change."""
+
+    def __init__(self, flax_module: Any, flax_variables: Any, linen: bool) -> None:
+        self.module = flax_module
+        self.linen = linen
+        if linen:
+            from flax.core import unfreeze
+
+            variables = unfreeze(flax_variables)
+            self.params: Any = variables["params"]
+            self.others = {k: v for k, v in variables.items() if k != "params"}
+        else:
+            from flax import nnx
+
+            graphdef, params, rest = nnx.split(flax_module, nnx.Param, ...)
+            self.graphdef: Any = graphdef
+            self.params = params
+            self.rest: Any = rest
+        self.tx: Any = None
+        self.dtype: Any = None
+        self.opt_state: Any = None
+        self._step: Any = None
+
+    def apply(self, params: Any, x: Any, kwargs: dict[str, Any]) -> Any:
+        """The module's output with these parameters."""
+        if self.linen:
+            return self.module.apply({**self.others, "params": params}, x, **kwargs)
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, params, self.rest)(x, **kwargs)
+
+    def flat(self) -> dict[tuple[Any, ...], Any]:
+        """{path: array} of the parameters as they are now."""
+        if self.linen:
+            return _flat_params(self.params)
+        from flax import nnx
+
+        return {tuple(p): v[...] for p, v in nnx.to_flat_state(self.params)}
+
+    def compile(self, tx: Any, loss: Callable[[Any, Any], Any], static: dict[str, Any], dtype: str) -> None:
+        """The jitted step, with ``static`` keywords passed to every call."""
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        def flax_step(params: Any, opt_state: Any, x: Any, target: Any, arrays: dict[str, Any]) -> Any:
+            def objective(p: Any) -> Any:
+                return loss(_first(self.apply(p, x, {**arrays, **static})), target)
+
+            value, grads = jax.value_and_grad(objective)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        self.tx = tx
+        self.dtype = getattr(jnp, dtype)
+        self._step = jax.jit(flax_step)
+
+    def step(self, x: np.ndarray, target: np.ndarray | None, arrays: dict[str, Any]) -> float:
+        """One step on a batch (the optimiser state made on the first); returns the loss
+        before it."""
+        import jax.numpy as jnp
+
+        if self.opt_state is None:
+            self.opt_state = self.tx.init(self.params)
+        x_j = jnp.asarray(x).astype(self.dtype)
+        target_j = None if target is None else jnp.asarray(target).astype(self.dtype)
+        self.params, self.opt_state, value = self._step(self.params, self.opt_state, x_j, target_j, arrays)
+        return float(value)
+
+    def store(self, report: TrainingReport, deterministic: bool | None) -> None:
+        """The trained model into the report: the Linen variables, or the NNX module
+        (with ``deterministic`` set on its dropout, unless None)."""
+        if self.linen:
+            report.flax_variables = {**self.others, "params": self.params}
+            return
+        from flax import nnx
+
+        trained = nnx.merge(self.graphdef, self.params, self.rest)
+        if deterministic is not None:
+            trained.set_attributes(deterministic=deterministic, raise_if_not_found=False)
+        report.flax_module = trained
+
+
 # --------------------------------------------------------------------------- the run
+
+def _step_keywords(static: dict[str, Any], mask: np.ndarray | None,
+                   keep: np.ndarray | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The PyTorch call's keywords and the arrays the jitted Flax step is given: the same
+    ``mask=`` and ``dropout_mask=`` to both."""
+    import jax.numpy as jnp
+    import torch
+
+    t_kwargs: dict[str, Any] = dict(static)
+    t_kwargs.pop("deterministic", None)
+    f_arrays: dict[str, Any] = {}
+    if mask is not None:
+        t_kwargs["mask"], f_arrays["mask"] = torch.tensor(mask), jnp.asarray(mask)
+    if keep is not None:
+        t_kwargs["dropout_mask"], f_arrays["dropout_mask"] = torch.tensor(keep), jnp.asarray(keep)
+    return t_kwargs, f_arrays
+
+
+def _compare_step(step: int, torch_side: _TorchStepper, flax_side: _FlaxStepper, losses: tuple[float, float],
+                  rules: Sequence[Any], tol: Tolerance) -> StepRecord:
+    """Both losses (elementwise) and every parameter (normwise) after one step; the Flax
+    parameters are carried through the rules into PyTorch's names and layouts."""
+    t_value, f_value = losses
+    findings = [compare("loss", t_value, f_value, tol._replace(normwise=False))]
+    flat = flax_side.flat()
+    as_torch = apply_specs({p: np.asarray(flat[p]) for r in rules for p in r.flax_paths}, rules, "to_torch")
+    t_params = torch_side.parameters()
+    for t_name in (n for r in rules for n in r.torch_names):
+        findings.append(compare(t_name, t_params[t_name], as_torch[t_name], tol))
+    return StepRecord(step, t_value, f_value, findings)
+
+
+def _train(
+    torch_side: _TorchStepper, flax_side: _FlaxStepper, batches: Sequence[Any], n_steps: int, *,
+    static: dict[str, Any], mask: Any, dropout_masks: Sequence[Any] | None, rules: Sequence[Any],
+    tol: Tolerance, name: str,
+) -> TrainingReport:
+    """The loop: step ``k`` trains both sides on ``batches[k % len(batches)]`` (and its
+    dropout mask), then compares them; all in ``full_precision()``."""
+    report = TrainingReport(optimizer=name)
+    mask_np = None if mask is None else np.asarray(as_numpy(mask), dtype=bool)
+    with full_precision():
+        for k in range(n_steps):
+            x_np, target_np = _split_batch(batches[k % len(batches)])
+            keep = None if dropout_masks is None else np.asarray(as_numpy(dropout_masks[k]), dtype=bool)
+            t_kwargs, f_arrays = _step_keywords(static, mask_np, keep)
+            x_src, tgt_src = _source(x_np), None if target_np is None else _source(target_np)
+            t_value = torch_side.step(x_src, tgt_src, t_kwargs)
+            f_value = flax_side.step(x_src, tgt_src, f_arrays)
+            report.steps.append(_compare_step(k + 1, torch_side, flax_side, (t_value, f_value), rules, tol))
+    return report
+
+
+# --------------------------------------------------------------------------- the entry points
 
 def check_training_parity(
     torch_module: Any,
@@ -354,154 +615,28 @@ def check_training_parity(
     but no ``dropout_masks`` (or too few), a Linen module without ``flax_variables``, and
     whatever the modules raise for their inputs.
     """
-    import jax
-    import jax.numpy as jnp
-    import optax
-    import torch
-
-    if not batches:
-        raise ValueError("batches is empty: give at least one input array or (input, target)")
-    n_steps = len(batches) if steps is None else int(steps)
-    if n_steps < 1:
-        raise ValueError(f"steps must be at least 1; got {steps}")
+    n_steps = _check_steps(batches, steps)
     name, torch_factory, tx = _optimizers(optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           momentum=momentum, nesterov=nesterov)
     torch_loss, flax_loss = _losses(loss)
     linen = _is_linen(flax_module)
-    if linen and flax_variables is None:
-        raise ValueError("a Linen flax_module needs flax_variables= (what model.init returned)")
-    if not linen and flax_variables is not None:
-        raise ValueError("flax_variables= is for a Linen flax_module; an NNX module holds its own")
-    ours = _is_ours(torch_module)
-    has_dropout = ours and float(torch_module.config.get("dropout", 0.0) or 0.0) > 0
-    if training and has_dropout and dropout_masks is None:
-        raise ValueError(
-            "training mode with dropout > 0 needs dropout_masks= (one bool keep-mask per step, "
-            "True = keep): the two frameworks cannot share a random stream"
-        )
-    if dropout_masks is not None:
-        if not training:
-            raise ValueError("dropout_masks= applies in training mode only: pass training=True")
-        if len(dropout_masks) < n_steps:
-            raise ValueError(f"dropout_masks has {len(dropout_masks)} masks for {n_steps} steps: give one per step")
-    if implementation is not None and not ours:
-        raise ValueError("implementation= applies to this library's modules only")
-    if ours and not linen and _is_ours(flax_module) and type(flax_module).__name__ != type(torch_module).__name__:
-        raise ValueError(f"the modules are different variants: torch {type(torch_module).__name__} "
-                         f"vs flax {type(flax_module).__name__}")
-    if ours and type(flax_module).__name__ == type(torch_module).__name__:
-        diff = sorted(k for k in set(torch_module.config) | set(flax_module.config)
-                      if torch_module.config.get(k) != flax_module.config.get(k))
-        if diff:
-            raise ValueError(f"the {type(torch_module).__name__} modules have different configurations: "
-                             + ", ".join(diff))
-
-    # --- the Flax side, as a pure function of its parameter pytree
-    if linen:
-        from flax.core import unfreeze
-
-        variables = unfreeze(flax_variables)
-        params0 = variables["params"]
-        others = {k: v for k, v in variables.items() if k != "params"}
-
-        def apply(params: Any, x: Any, kwargs: dict[str, Any]) -> Any:
-            return flax_module.apply({**others, "params": params}, x, **kwargs)
-
-        flat0 = _flat_params(params0)
-    else:
-        from flax import nnx
-
-        graphdef, params0, rest = nnx.split(flax_module, nnx.Param, ...)
-
-        def apply(params: Any, x: Any, kwargs: dict[str, Any]) -> Any:
-            return nnx.merge(graphdef, params, rest)(x, **kwargs)
-
-        flat0 = {tuple(p): v[...] for p, v in nnx.to_flat_state(params0)}
+    has_dropout = _check_modules(torch_module, flax_module, linen=linen, flax_variables=flax_variables,
+                                 training=training, dropout_masks=dropout_masks, n_steps=n_steps,
+                                 implementation=implementation)
+    flax_side = _FlaxStepper(flax_module, flax_variables, linen)
+    flat0 = flax_side.flat()
     rules = resolve_rules(torch_module, {p: tuple(np.shape(v)) for p, v in flat0.items()}, param_map,
                           trainable_only=True)
-    dtype = module_dtype(torch_module)
-    flax_dtype = str(np.asarray(next(iter(flat0.values()))).dtype) if flat0 else dtype
-    if flax_dtype != dtype:
-        raise ValueError(f"the modules have different parameter dtypes: torch {dtype} vs flax {flax_dtype}")
+    dtype = _check_dtypes(torch_module, flat0)
+    static = _static_kwargs(_is_ours(torch_module), linen, has_dropout, training, implementation)
+    flax_side.compile(tx, flax_loss, static, dtype)
+    torch_side = _TorchStepper(torch_module, torch_factory, torch_loss, training, dtype)
+    tol = _training_tolerance(dtype, rtol, atol)
 
-    static: dict[str, Any] = {}
-    if ours:
-        if implementation is not None:
-            static["implementation"] = implementation
-        if not linen and has_dropout:
-            static["deterministic"] = not training
-
-    def flax_step(params: Any, opt_state: Any, x: Any, target: Any, arrays: dict[str, Any]) -> Any:
-        def objective(p: Any) -> Any:
-            return flax_loss(_first(apply(p, x, {**arrays, **static})), target)
-
-        value, grads = jax.value_and_grad(objective)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    step_fn = jax.jit(flax_step)
-
-    # --- the PyTorch side: a copy, in the requested mode
-    pt = copy.deepcopy(torch_module)
-    pt.train(training)
-    torch_opt = torch_factory([p for p in pt.parameters() if p.requires_grad])
-    t_dtype = getattr(torch, dtype)
-    j_dtype = getattr(jnp, dtype)
-
-    if dtype not in TRAINING_PARITY and (rtol is None or atol is None):
-        raise ValueError(
-            f"no training tolerance is measured for {dtype} (only for {', '.join(TRAINING_PARITY)}): "
-            "pass rtol= and atol="
-        )
-    default = TRAINING_PARITY.get(dtype, Tolerance(0.0, 0.0, normwise=True))
-    tol = default._replace(rtol=default.rtol if rtol is None else rtol, atol=default.atol if atol is None else atol)
-    loss_tol = tol._replace(normwise=False)
-
-    report = TrainingReport(optimizer=name)
-    mask_np = None if mask is None else np.asarray(as_numpy(mask), dtype=bool)
-    with full_precision():
-        params = params0
-        opt_state = tx.init(params)
-        for k in range(n_steps):
-            x_np, target_np = _split_batch(batches[k % len(batches)])
-            keep = None if dropout_masks is None else np.asarray(as_numpy(dropout_masks[k]), dtype=bool)
-            t_kwargs: dict[str, Any] = dict(static)
-            t_kwargs.pop("deterministic", None)
-            f_arrays: dict[str, Any] = {}
-            if mask_np is not None:
-                t_kwargs["mask"], f_arrays["mask"] = torch.tensor(mask_np), jnp.asarray(mask_np)
-            if keep is not None:
-                t_kwargs["dropout_mask"], f_arrays["dropout_mask"] = torch.tensor(keep), jnp.asarray(keep)
-
-            x_src, tgt_src = _source(x_np), None if target_np is None else _source(target_np)
-            x_t = torch.tensor(x_src, dtype=t_dtype)
-            tgt_t = None if tgt_src is None else torch.tensor(tgt_src, dtype=t_dtype)
-            torch_opt.zero_grad(set_to_none=True)
-            t_value = torch_loss(_first(pt(x_t, **t_kwargs)), tgt_t)
-            t_value.backward()
-            torch_opt.step()
-
-            x_j = jnp.asarray(x_src).astype(j_dtype)
-            tgt_j = None if tgt_src is None else jnp.asarray(tgt_src).astype(j_dtype)
-            params, opt_state, f_value = step_fn(params, opt_state, x_j, tgt_j, f_arrays)
-
-            flat = _flat_params(params) if linen else {tuple(p): v[...] for p, v in nnx.to_flat_state(params)}
-            t_params = dict(pt.named_parameters())
-            findings = [compare("loss", float(t_value.detach()), float(f_value), loss_tol)]
-            # the Flax parameters carried through the rules into PyTorch's names and layouts
-            as_torch = apply_specs({p: np.asarray(flat[p]) for r in rules for p in r.flax_paths}, rules, "to_torch")
-            for t_name in (n for r in rules for n in r.torch_names):
-                findings.append(compare(t_name, t_params[t_name].detach(), as_torch[t_name], tol))
-            report.steps.append(StepRecord(k + 1, float(t_value.detach()), float(f_value), findings))
-
-    report.torch_module = pt
-    if linen:
-        report.flax_variables = {**others, "params": params}
-    else:
-        trained = nnx.merge(graphdef, params, rest)
-        if has_dropout:
-            trained.set_attributes(deterministic=not training, raise_if_not_found=False)
-        report.flax_module = trained
+    report = _train(torch_side, flax_side, batches, n_steps, static=static, mask=mask,
+                    dropout_masks=dropout_masks, rules=rules, tol=tol, name=name)
+    report.torch_module = torch_side.module
+    flax_side.store(report, deterministic=not training if has_dropout else None)
     if plot is not None:
         plot_trajectory(report, plot, tolerance=tol)
     return report

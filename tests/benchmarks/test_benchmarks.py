@@ -94,6 +94,7 @@ def test_tiny_run_writes_json_table_and_plot(tmp_path) -> None:
 
 
 @needs_both
+@pytest.mark.slow  # five systems, each compiled forward and backward; the tiny run covers the machinery
 def test_core_systems_time_the_function_alone(tmp_path) -> None:
     # The kernels alone: no projection FLOPs; a backend that cannot run (SDPA's cuDNN
     # and memory-efficient kernels on CPU) is a recorded error, not a crash.

@@ -1,5 +1,5 @@
-"""Issue 9 items 4 and 7: an additive ``bias=`` at call time (with ALiBi) and logit
-soft-capping (``softcap=``), in both twins, on every path, against the float64 oracle.
+"""An additive ``bias=`` at call time (with ALiBi) and logit soft-capping (``softcap=``),
+in both twins, on every path, against the float64 oracle.
 
 Order everywhere (oracle included): s = scale * q.k; s = softcap * tanh(s / softcap); s += bias;
 then the mask.  The fused paths refuse ``softcap`` by name; ``auto`` then takes another path.

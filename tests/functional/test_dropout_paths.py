@@ -120,7 +120,7 @@ def test_torch_dropout_is_drawn_afresh_and_seeded() -> None:
 
 @needs_torch
 def test_the_checks_catch_a_halved_sdpa_rate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mutation the issue names: SDPA handed dropout_p = rate / 2.  Both checks must
+    """A plausible mutation: SDPA handed dropout_p = rate / 2.  Both checks must
     fail, on the fused path and on auto (which is SDPA in PyTorch)."""
     import torch.nn.functional as F
 
@@ -380,7 +380,7 @@ def test_flax_module_fast_paths_refuse_random_dropout(path: str, how: str) -> No
 @needs_jax
 def test_flax_wrapper_with_a_raw_key_draws_per_head() -> None:
     """A raw key handed to ``MultiHeadAttentionWrapper`` must still give each head its own
-    dropout draw (issue 7, item 3)."""
+    dropout draw."""
     import jax
     import jax.numpy as jnp
     from flax import nnx

@@ -20,10 +20,13 @@ from tests.support import needs_both
 pytestmark = needs_both
 
 # Every variant on the reference path, with and without a mask; every variant on each
-# other path with a mask (rows fully masked included).
+# other path with a mask (rows fully masked included).  The quick tier (``-m "not slow"``)
+# runs the masked case of each variant on one path, the paths in turn.
+PATHS = ("reference", "blockwise", "fused", "auto")
 PARAMS = [
-    pytest.param(v, masked, impl, id=f"{v}-{'mask' if masked else 'nomask'}-{impl}")
-    for v in VARIANTS
+    pytest.param(v, masked, impl, id=f"{v}-{'mask' if masked else 'nomask'}-{impl}",
+                 marks=() if masked and impl == PATHS[i % len(PATHS)] else pytest.mark.slow)
+    for i, v in enumerate(VARIANTS)
     for impl in ("reference", "blockwise", "fused", "auto")
     for masked in ((False, True) if impl == "reference" else (True,))
     if VARIANTS[v].runs_on(impl)

@@ -9,7 +9,7 @@ kv_len is.  Where q_len != kv_len, bottom-right alignment (query i sees keys
 aligned it that way would fail; ``test_the_table_would_catch_a_flipped_causal_alignment``
 checks that this stays true of the table.
 
-The structure block (issue 9: grouped-query heads, ``window=``, ``alignment=``,
+The structure block (grouped-query heads, ``window=``, ``alignment=``,
 per-example ``q_offset=`` arrays, ``segment_ids=``) is appended to the table with ids
 that name the options (``-kv1-win2_inf-bottomright-seg``); the cases before it keep their
 ids.  ``test_the_structure_block_covers_every_option_on_every_path`` and
@@ -43,6 +43,7 @@ from parity_tests.cases import (
 from tests.support import needs_both
 
 CASES = functional_matrix()
+QUICK = {c.id for c in quick_functional()}
 
 
 def test_every_pair_of_axis_values_is_covered():
@@ -120,7 +121,11 @@ def test_the_structure_block_would_catch_an_ignored_option():
 
 
 @needs_both
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    # the quick tier (``-m "not slow"``) runs the --quick subset: every path, causal and windowed
+    [pytest.param(c, id=c.id, marks=() if c.id in QUICK else pytest.mark.slow) for c in CASES],
+)
 def test_case(case):
     from parity_tests.matrix import run_case
 

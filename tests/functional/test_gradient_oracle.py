@@ -48,9 +48,11 @@ def _within(ad: float, fd: float, magnitude: float, dtype: str) -> tuple[bool, f
 # --------------------------------------------------------------------------- modules
 
 
+# The quick tier (``-m "not slow"``) runs each variant on one path, the paths in turn.
 MODULE_CASES = [
-    pytest.param(v, path, id=f"{v}-{path}")
-    for v in VARIANTS for path in IMPLEMENTATIONS if VARIANTS[v].runs_on(path)
+    pytest.param(v, path, id=f"{v}-{path}",
+                 marks=() if path == IMPLEMENTATIONS[i % len(IMPLEMENTATIONS)] else pytest.mark.slow)
+    for i, v in enumerate(VARIANTS) for path in IMPLEMENTATIONS if VARIANTS[v].runs_on(path)
 ]
 
 

@@ -1,4 +1,4 @@
-"""Long sequences on JAX's CPU paths (issue 10): the blockwise path's tiles from 4096 keys on.
+"""Long sequences on JAX's CPU paths: the blockwise path's tiles from 4096 keys on.
 
 From ``_LONG_SEQUENCE`` keys, the blockwise path walks (rows, keys) tiles in loops with
 an online softmax, forward and backward.  Its memory then does not grow with S x S: the

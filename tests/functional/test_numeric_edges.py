@@ -1,4 +1,4 @@
-"""Numerical edges of issue 24, in both frameworks, against the float64 loop oracle
+"""Numerical edges, in both frameworks, against the float64 loop oracle
 (``reference.py``) or against finite differences of it:
 
 * a ``-inf`` bias entry blocks its key as a mask does: weight 0, a row that is ``-inf``
@@ -7,7 +7,7 @@
   decoding step into a long cache), with a bias, soft-capping, a mask and lengths;
 * NumPy scalars where Python numbers are accepted (``window``, ``softcap``, ``scale``).
 
-The rings' huge-logit cases run with the distributed tests (``parity_tests/distributed``).
+The rings' huge-logit cases run with the distributed tests (``tests/distributed``).
 """
 
 from __future__ import annotations
@@ -109,7 +109,9 @@ PATH_SOFTCAP = [pytest.param(path, softcap, id=f"{path}-{'softcap' if softcap el
                 for path in PATHS for softcap in (None, 2.0) if not (path == "fused" and softcap)]
 
 
-@pytest.mark.parametrize("kind", ["row", "part", "both"])
+# the quick tier (``-m "not slow"``) runs "both" (a row blocked throughout and a key blocked in part)
+@pytest.mark.parametrize("kind", [pytest.param("row", marks=pytest.mark.slow),
+                                  pytest.param("part", marks=pytest.mark.slow), "both"])
 @pytest.mark.parametrize(("path", "softcap"), PATH_SOFTCAP)
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_neg_inf_bias_blocks_its_key_on_every_path(fw: str, path: str, kind: str, softcap: float | None) -> None:
@@ -253,9 +255,10 @@ def _long_problem(q_len: int, option: str) -> tuple[dict[str, np.ndarray], dict[
     return arrays, call, want
 
 
-@pytest.mark.parametrize("q_len", [1, 3])
+# the quick tier (``-m "not slow"``) runs one query on the blockwise path
+@pytest.mark.parametrize("q_len", [1, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("option", ["plain", "bias", "softcap", "mask", "lengths", "causal"])
-@pytest.mark.parametrize("path", ["blockwise", "auto"])
+@pytest.mark.parametrize("path", ["blockwise", pytest.param("auto", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_few_queries_over_long_keys(fw: str, path: str, option: str, q_len: int) -> None:
     """One (or three) queries over 4096 keys, fewer than a tile's rows: outputs against the

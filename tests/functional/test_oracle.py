@@ -33,9 +33,11 @@ def problem(variant_id, batch, seq, heads, mask_kind, seed=0):
     return spec, config, x, mask
 
 
+# The quick tier (``-m "not slow"``) runs each variant once, on the first shape, the masks in turn.
 PARAMS = [
-    pytest.param(v, *shape, m, id=f"{v}-b{shape[0]}-T{shape[1]}-h{shape[2]}-{m}")
-    for v in VARIANTS
+    pytest.param(v, *shape, m, id=f"{v}-b{shape[0]}-T{shape[1]}-h{shape[2]}-{m}",
+                 marks=() if shape == SHAPES[0] and m == MASKS[i % len(MASKS)] else pytest.mark.slow)
+    for i, v in enumerate(VARIANTS)
     for shape in SHAPES
     for m in MASKS
     if VARIANTS[v].multihead or shape[2] == 1 or shape == (2, 6, 2)

@@ -132,7 +132,7 @@ def attend(
 
 @functools.cache
 def refuses(fw: str, path: str, mask_strategy: str) -> bool:
-    """Whether a path refuses a mask strategy (allowed, naming the option: issue 7); the
+    """Whether a path refuses a mask strategy (a path may, naming the option); the
     properties then hold vacuously."""
     q = np.zeros((1, 1, 1, 1), np.float32)
     try:

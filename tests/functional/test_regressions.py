@@ -1,7 +1,9 @@
-"""One regression test per numerical defect of issue 7 (item 3), in both frameworks and,
-where the defect concerns the functional cores, on every path of
-``dot_product_attention``.  Each test asserts against float64 numbers computed here with
-NumPy (independently of the code under test) or against exact numbers."""
+"""One regression test per defect once found in the numerics and input handling of
+attention (float16 overflow, bfloat16 rounding, huge logits, NaN at padded keys, mask,
+bias and ``kv_lengths`` forms), in both frameworks and, where the defect concerns the
+functional cores, on every path of ``dot_product_attention``.  Each test asserts against
+float64 numbers computed here with NumPy (independently of the code under test) or
+against exact numbers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The structure options of the functional cores (issue 9), in both frameworks, on every path.
+"""The structure options of the functional cores, in both frameworks, on every path.
 
 ``dot_product_attention`` takes grouped-query key/value heads (k and v with fewer heads
 than q), ``window=(left, right)``, ``alignment="top_left" | "bottom_right"``,
@@ -222,6 +222,11 @@ def _scenarios() -> list[Scenario]:
 
 
 SCENARIOS = {s.id: s for s in _scenarios()}
+# The quick tier (``-m "not slow"``) runs each scenario on one path, the paths in turn.
+SCENARIO_PATHS = [
+    pytest.param(name, path, id=f"{name}-{path}", marks=() if path == PATHS[i % len(PATHS)] else pytest.mark.slow)
+    for i, name in enumerate(SCENARIOS) for path in PATHS
+]
 
 
 @functools.cache
@@ -290,8 +295,7 @@ def test_the_oracle_gradients_match_finite_differences():
             assert abs((up - down) / (2 * eps) - grads[name][index]) < 1e-6, (name, index)
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize(("name", "path"), SCENARIO_PATHS)
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_against_the_oracle(fw: str, name: str, path: str):
     got, want = _got(fw, name, path), _expected(name)
@@ -302,7 +306,9 @@ def test_against_the_oracle(fw: str, name: str, path: str):
 
 
 @needs_jax
-@pytest.mark.parametrize("name", list(SCENARIOS))
+# the quick tier (``-m "not slow"``) runs every fourth scenario
+@pytest.mark.parametrize("name", [n if i % 4 == 0 else pytest.param(n, marks=pytest.mark.slow)
+                                  for i, n in enumerate(SCENARIOS)])
 def test_blockwise_tiles_against_the_oracle(name: str):
     """The long-sequence form of JAX's blockwise path (loops over key tiles), which
     ``auto`` takes from 4096 keys on, in tiles of 4 x 8 so that every scenario crosses
@@ -311,8 +317,7 @@ def test_blockwise_tiles_against_the_oracle(name: str):
 
 
 @needs_both
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize(("name", "path"), SCENARIO_PATHS)
 def test_twin_against_twin(name: str, path: str):
     t, f = _got("torch", name, path), _got("jax", name, path)
     findings = [compare(key, t[key], f[key], (GRAD_PARITY if key.startswith("grad") else PARITY)["float32"])

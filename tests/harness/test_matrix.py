@@ -26,6 +26,7 @@ from parity_tests.cases import (
 from tests.support import needs_both
 
 CASES = matrix()
+QUICK = {c.id for c in quick()}
 NUMBERS = [c for c in CASES if c.refusal is None]
 
 
@@ -72,7 +73,11 @@ def test_quick_runs_every_path_and_every_variant():
 
 
 @needs_both
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    # the quick tier (``-m "not slow"``) runs the --quick subset: each variant once, every path
+    [pytest.param(c, id=c.id, marks=() if c.id in QUICK else pytest.mark.slow) for c in CASES],
+)
 def test_case(case):
     from parity_tests.matrix import run_case
 

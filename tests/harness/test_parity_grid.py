@@ -17,15 +17,22 @@ pytestmark = needs_both
 CONTEXT_LENGTH = 8
 
 
+def heads_of(spec):
+    return (1, 2, 4) if spec.multihead else (1,)
+
+
 def grid():
     for variant_id, spec in VARIANTS.items():
         for batch in (1, 3):
             for seq in (1, 5, CONTEXT_LENGTH):
-                for heads in (1, 2, 4) if spec.multihead else (1,):
+                for heads in heads_of(spec):
                     for masked in (False, True):
+                        # the quick tier (``-m "not slow"``) runs one point per variant
+                        quick = (batch, seq, masked) == (3, 5, True) and heads == max(heads_of(spec))
                         yield pytest.param(
                             variant_id, batch, seq, heads, masked,
                             id=f"{variant_id}-b{batch}-T{seq}-h{heads}-{'mask' if masked else 'nomask'}",
+                            marks=() if quick else pytest.mark.slow,
                         )
 
 

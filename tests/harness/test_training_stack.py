@@ -1,4 +1,4 @@
-"""The modules with what training stacks use (issue 9): cross-attention (``context=``,
+"""The modules with what training stacks use: cross-attention (``context=``,
 ``kdim``/``vdim``), grouped-query heads (``num_kv_heads``), windows and bottom-right
 alignment as module options, packed sequences (``segment_ids``) and KV-cache decoding.
 
@@ -109,9 +109,17 @@ def _torch_module(options: dict[str, Any]) -> Any:
     return torch_attention.MultiHeadAttention(D_IN, D_OUT, None, 0.0, HEADS, True, **options).eval()
 
 
+# The quick tier (``-m "not slow"``) runs each option once, the fast paths in turn.
+QUICK_OPTIONS = {("cross-kdim-vdim-gqa", "blockwise"), ("cross-causal-bottom-right", "fused"),
+                 ("packed-causal-window", "auto"), ("window-two-sided", "blockwise")}
+
+
 @needs_both
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [pytest.param(c, p, id=f"{c[0]}-{p}", marks=() if (c[0], p) in QUICK_OPTIONS else pytest.mark.slow)
+     for c in CONFIGS for p in PATHS],
+)
 def test_module_options(config: tuple[Any, ...], path: str) -> None:
     import torch
 
@@ -220,8 +228,8 @@ def _valid_rows(outs: list[np.ndarray], b: int) -> np.ndarray:
 
 
 @needs_both
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", [p if p == "auto" else pytest.param(p, marks=pytest.mark.slow) for p in PATHS])
 def test_decode_equals_full_forward(path: str, dtype: str) -> None:
     """Padded prompt + 64 tokens + a chunk, GQA (4 query heads, 2 kv heads), a window:
     both frameworks equal their own full causal forward, and each other."""
@@ -317,7 +325,9 @@ def test_gqa_projections_are_sized_for_kv_heads_and_convert() -> None:
 
 
 @needs_both
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "path", [p if p in ("blockwise", "auto") else pytest.param(p, marks=pytest.mark.slow) for p in PATHS]
+)
 def test_cached_step_with_mask_bias_and_weights_matches_the_twin(path: str) -> None:
     """A decode step with a mask and a bias over the cache's positions and
     return_weights: the same output and (B, H, T, max_len) weights in both frameworks

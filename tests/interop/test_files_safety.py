@@ -1,4 +1,4 @@
-"""Checkpoint writers never lose what they did not write (issue 24, items 5, 13 and 17).
+"""Checkpoint writers never lose what they did not write.
 
 Real files in ``tmp_path``: an existing directory that is not an Orbax checkpoint of
 ours is refused (``.`` as OUT included), a directory where a file is expected is refused,
@@ -72,7 +72,7 @@ def umask() -> Iterator[Any]:
         os.umask(old)
 
 
-# --------------------------------------------------------------------------- item 5: directories
+# --------------------------------------------------------------------------- directories
 
 
 def _foreign_dir(path: Path) -> dict[str, bytes | None]:
@@ -213,7 +213,7 @@ def test_a_fifo_is_not_replaced(tmp_path: Path) -> None:
     assert stat.S_ISFIFO(os.lstat(out).st_mode)
 
 
-# --------------------------------------------------------------------------- item 13: errors name the user's path
+# --------------------------------------------------------------------------- errors name the user's path
 
 
 @needs_both
@@ -322,7 +322,7 @@ def test_the_cli_names_the_bad_entry(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert not out.exists()
 
 
-# --------------------------------------------------------------------------- item 17: modes and symlinks
+# --------------------------------------------------------------------------- modes and symlinks
 
 
 def _mode(path: Path) -> int:

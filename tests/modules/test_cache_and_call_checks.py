@@ -1,4 +1,4 @@
-"""KV-cache decoding and the checks of a module call, in both frameworks (issue 24).
+"""KV-cache decoding and the checks of a module call, in both frameworks.
 
 A refused cached call changes nothing, its cache included, and does no work; a cache
 holds floating-point keys and values and never more than ``context_length`` positions;
@@ -71,7 +71,7 @@ def _error(fn: Any) -> Exception:
     raise AssertionError("no error raised")
 
 
-# --------------------------------------------------------------------------- item 1: refused step
+# --------------------------------------------------------------------------- a refused cached call
 
 
 REFUSALS = [
@@ -110,7 +110,7 @@ def test_refused_cached_call_writes_nothing_and_does_no_work(
     assert _np(cache.lengths).tolist() == [6, 6]
 
 
-# --------------------------------------------------------------------------- item 3: cache dtype
+# --------------------------------------------------------------------------- the cache's dtype
 
 
 CACHE_DTYPE_TEXT = "a KV cache must hold floating-point keys and values; got dtype {}"
@@ -146,7 +146,7 @@ def test_a_hand_made_integer_cache_is_refused_at_the_call(fw: str) -> None:
         m(_array(fw, _x()), cache=bad)
 
 
-# --------------------------------------------------------------------------- item 8: gradients
+# --------------------------------------------------------------------------- gradients through cached steps
 
 
 def _torch_grads(m: Any, x: np.ndarray, cot: np.ndarray, path: str, chunks: list[tuple[int, int]] | None) -> Any:
@@ -188,7 +188,8 @@ def _flax_grads(m: Any, x: np.ndarray, cot: np.ndarray, path: str, chunks: list[
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("path", PATHS)
+# the quick tier (``-m "not slow"``) differentiates through the cache on the default path only
+@pytest.mark.parametrize("path", [p if p == "auto" else pytest.param(p, marks=pytest.mark.slow) for p in PATHS])
 def test_backward_through_cached_steps_equals_the_full_forward(fw: str, path: str) -> None:
     """A prompt of 3, one token, a chunk of 2: the gradients of the decoded outputs w.r.t.
     x and every parameter are those of one causal forward (PyTorch raised "modified by
@@ -219,7 +220,7 @@ def test_cached_steps_with_grad_still_write_the_callers_cache() -> None:
     np.testing.assert_allclose(out.detach().numpy(), m(x).detach().numpy()[:, 4:], rtol=1e-5, atol=1e-5)
 
 
-# --------------------------------------------------------------------------- items 9, 12: jit
+# --------------------------------------------------------------------------- a full cache under jit, donated or not
 
 
 ROOM_TEXT = "the KV cache holds 3 of max_len=4 positions and cannot take 2 more; init_cache with a larger max_len"
@@ -268,7 +269,7 @@ def test_a_donated_cache_is_gone_after_a_failed_step_as_documented() -> None:
     assert "donate_argnums" in cache_doc
 
 
-# --------------------------------------------------------------------------- item 10: traced lists
+# --------------------------------------------------------------------------- kv_lengths as a list of traced values
 
 
 @needs_jax
@@ -301,7 +302,7 @@ def test_kv_lengths_list_holding_traced_values_under_jit() -> None:
         jax.jit(lambda x, n: m(x, kv_lengths=[n, 5]))(x, 3.0)
 
 
-# --------------------------------------------------------------------------- item 11: context dtype
+# --------------------------------------------------------------------------- the context's dtype
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -316,7 +317,7 @@ def test_context_in_the_wrong_dtype_is_named_as_the_context(fw: str) -> None:
         m(_array(fw, _x()), context=(_array(fw, _x(2, 4)), context))
 
 
-# --------------------------------------------------------------------------- item 15: context_length
+# --------------------------------------------------------------------------- a cache longer than context_length
 
 CONTEXT_TEXT = (
     "a KV cache of max_len={} does not fit context_length 4: the module attends over at most "
@@ -344,7 +345,7 @@ def test_a_cache_never_decodes_past_context_length(fw: str) -> None:
         m(x[:, 3:], cache=cache)
 
 
-# --------------------------------------------------------------------------- item 16: batch 0
+# --------------------------------------------------------------------------- batch 0
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

@@ -409,7 +409,7 @@ CASES = [
         lambda fw, m: m(fw.array([[[1.0, 2.0], [3.0, 1.0]], ORTHOGONAL_X])),
         before_work=False,
     ),
-    # ---- issue 9: cross-attention, grouped heads, KV cache, windows, packed sequences
+    # ---- cross-attention, grouped heads, KV cache, windows, packed sequences
     ErrorCase(
         "context-batch-differs", ValueError,
         re.escape("context key input and x must have the same batch size; got 3 and 2"),
@@ -468,7 +468,7 @@ CASES = [
         re.escape("MultiHeadAttentionWrapper has no KV cache"),
         mha_wrapper, lambda fw, m: m.init_cache(2, 6),
     ),
-    # ---- issue 24: cache and call checks
+    # ---- KV-cache and call checks
     ErrorCase(
         "cache-dtype-not-floating", TypeError,
         re.escape("a KV cache must hold floating-point keys and values; got dtype int32"),
