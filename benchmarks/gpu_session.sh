@@ -38,6 +38,7 @@ case "$phase" in
     # the GPU did not fit one 10-minute command), with JAX on the GPU: the module matrix's
     # "auto" and "fused" cases take cuDNN there.
     tests_on_gpu
+    python -m benchmarks.routes 2>&1 | tee "$log/routes.log"  # what auto takes here, and why
     python -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 tests/kernels/test_gpu.py \
       --junitxml="$log/gpu-table.xml" 2>&1 | tee "$log/gpu-table.log" | tail -40
     table=${PIPESTATUS[0]}

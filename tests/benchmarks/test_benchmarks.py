@@ -234,3 +234,23 @@ def test_time_floors_add_warmup_and_runs() -> None:
     capped = _time(call, runs=3, warmup=0, flops=1, projection_flops=0, timed_s=1000.0)
     assert capped["runs"] == MAX_RUNS
 
+
+
+@needs_both
+def test_routes_gives_each_twins_route_per_case(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m benchmarks.routes``: each twin's route for every dtype, length and case,
+    as ``functional.route`` gives it (the weights only on the reference path, a softcap
+    never on the fused one), one printed line each."""
+    from benchmarks import routes
+
+    found = routes.rows()
+    assert len(found) == 2 * 2 * 4 * 2
+    for _dtype, _seq, case, _twin, route in found:
+        assert route.path in ("reference", "fused", "blockwise")
+        if case == "return_weights":
+            assert (route.path, route.kernel) == ("reference", "reference")
+            assert any(reason.startswith("fused: return_weights=True") for reason in route.reasons)
+        if case.startswith("softcap"):
+            assert route.path != "fused"
+    routes.main()
+    assert len(capsys.readouterr().out.splitlines()) == 1 + len(found)
