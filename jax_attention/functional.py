@@ -44,7 +44,7 @@ from jax import Array
 
 from attention_spec.geometry import band_reach
 from attention_spec.planning import fused_blockers
-from attention_spec.routing import Route, resolve_implementation, resolve_route
+from attention_spec.routing import Route, resolve_route
 from jax_attention import _cpu_fused
 from jax_attention._blockwise import blockwise as _blockwise  # the paths' entry points, by their old names
 from jax_attention._cache import KVCache as KVCache
@@ -172,15 +172,17 @@ def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, imple
                                   implementation=implementation)
         cpu_kernel = why is None
         declined = () if why is None or implementation != "auto" else (("fused", why),)
-    options: dict[str, Any] = {
-        "preference": ("fused", "blockwise") if backend in ("gpu", "tpu") or cpu_kernel else ("blockwise",),
-        "return_weights": return_weights, "normalization": normalization, "dropout_active": dropout_active,
-        "dropout_mask_given": dropout_mask_given, "fused_draws_dropout": FUSED_DRAWS_DROPOUT,
-        "fused_blockers": fused_blockers(q.dtype == jnp.float64, call.softcap),
-    }
-    path = resolve_implementation(implementation, **options)
-    # the same policy, which also keeps why "auto" passed each faster path by
-    reasons = resolve_route(implementation, declined=declined, **options)[1] if implementation == "auto" else ()
+    path, reasons = resolve_route(
+        implementation,
+        preference=("fused", "blockwise") if backend in ("gpu", "tpu") or cpu_kernel else ("blockwise",),
+        declined=declined,
+        return_weights=return_weights,
+        normalization=normalization,
+        dropout_active=dropout_active,
+        dropout_mask_given=dropout_mask_given,
+        fused_draws_dropout=FUSED_DRAWS_DROPOUT,
+        fused_blockers=fused_blockers(q.dtype == jnp.float64, call.softcap),
+    )
     if path == "blockwise":
         kernel = "blockwise" if _blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
     elif path == "fused":

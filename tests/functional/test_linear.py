@@ -119,9 +119,9 @@ def test_linear_against_the_oracle(path: str, with_bias: bool) -> None:
     operands = tuple(jnp.asarray(a) for a in (x, w) + (() if bias is None else (bias,)))
 
     def loss(*operands_: Any) -> Any:
-        return jnp.sum(linear(*operands_, implementation=path) * cot)
+        return jnp.sum(linear(*operands_, implementation=path, precision="highest") * cot)
 
-    y = linear(*operands, implementation=path)
+    y = linear(*operands, implementation=path, precision="highest")
     grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(operands)))))(*operands)
     want = _oracle(x.astype(np.float64), w.astype(np.float64), None if bias is None else bias.astype(np.float64),
                    cot.astype(np.float64))
@@ -200,9 +200,9 @@ def test_twins_agree(path: str) -> None:
     (yt * torch.from_numpy(cot)).sum().backward()
 
     def loss(x_: Any, w_: Any, b_: Any) -> Any:
-        return jnp.sum(linear(x_, w_, b_, implementation=path) * cot)
+        return jnp.sum(linear(x_, w_, b_, implementation=path, precision="highest") * cot)
 
-    yj = linear(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), implementation=path)
+    yj = linear(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), implementation=path, precision="highest")
     gx, gw, gb = jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias))
     labels = ("torch", "flax")
     _check("y", yt.detach().numpy(), np.asarray(yj), PARITY["float32"], labels)

@@ -417,14 +417,14 @@ def _record_paths(monkeypatch: Any) -> dict[str, list[str]]:
 
     seen: dict[str, list[str]] = {"torch": [], "flax": []}
     for side, module in (("torch", tf), ("flax", jf)):
-        real = module.resolve_implementation
+        real = module.resolve_route
 
-        def spy(*args: Any, _real: Any = real, _side: str = side, **kwargs: Any) -> str:
-            path = _real(*args, **kwargs)
+        def spy(*args: Any, _real: Any = real, _side: str = side, **kwargs: Any) -> tuple[str, tuple[str, ...]]:
+            path, reasons = _real(*args, **kwargs)
             seen[_side].append(path)
-            return path
+            return path, reasons
 
-        monkeypatch.setattr(module, "resolve_implementation", spy)
+        monkeypatch.setattr(module, "resolve_route", spy)
     return seen
 
 
