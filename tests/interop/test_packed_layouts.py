@@ -399,3 +399,30 @@ def test_window_matches_mistral_attention() -> None:
             outputs[window] = ours(x)
     _close(outputs[(width - 1, 0)], want)
     assert (outputs[(width, 0)] - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_softcap_scale_and_kv_heads_match_gemma2(framework: str) -> None:
+    """The table's rows for Gemma 2: attn_logit_softcapping=c -> softcap=c,
+    query_pre_attn_scalar=s -> scale=s**-0.5, num_key_value_heads -> num_kv_heads (repeat_kv),
+    through Gemma 2's own eager attention function."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    head_dim, cap, scalar = 4, 2.0, 24.0
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((B, HEADS, T, head_dim)).astype(np.float32) * 3  # large scores: the cap bites
+    k, v = (rng.standard_normal((B, KV_HEADS, T, head_dim)).astype(np.float32) for _ in range(2))
+    layer = SimpleNamespace(head_dim=head_dim, num_key_value_groups=HEADS // KV_HEADS, training=False)
+    want, _ = eager_attention_forward(layer, *map(torch.from_numpy, (q, k, v)), _causal_additive(),
+                                      scaling=scalar**-0.5, softcap=cap)
+    want = want.transpose(1, 2)  # HF returns (B, T, heads, head_dim)
+    options = {"causal": True, "scale": scalar**-0.5, "softcap": cap}
+    if framework == "torch":
+        got = ta.dot_product_attention(*map(torch.from_numpy, (q, k, v)), **options)
+    else:
+        got = ja.dot_product_attention(*map(jnp.asarray, (q, k, v)), **options)
+    _close(got, want)
+    uncapped = ta.dot_product_attention(*map(torch.from_numpy, (q, k, v)), causal=True, scale=scalar**-0.5)
+    assert (uncapped - want).abs().max() > 1e-2  # the cap changed the answer: it was honoured
