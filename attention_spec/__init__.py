@@ -17,6 +17,7 @@ from attention_spec.arrays import (
     check_qkv,
     dtype_name,
 )
+from attention_spec.huggingface import window_from_hf
 from attention_spec.masks import ADDITIVE_BIAS_MESSAGE, check_dropout_mask, check_kv_lengths, check_mask
 from attention_spec.options import (
     IMPLEMENTATIONS,
@@ -65,6 +66,7 @@ __all__ = [
     "resolve_implementation",
     "resolve_route",
     "zero_row_sum_message",
+    "window_from_hf",
 ]
 
 from attention_spec import conversion  # noqa: E402, F401  (the declared weight map)

@@ -146,6 +146,7 @@ def load_packed_qkv(
     qkv_bias: Any = None,
     *,
     layout: str,
+    packing: str = "thirds",
     out_weight: Any = None,
     out_bias: Any = None,
 ) -> nnx.Module:
@@ -155,19 +156,22 @@ def load_packed_qkv(
     ``layout`` (keyword, required: a square packed weight would be ambiguous) applies to
     both weights: ``"in_out"``: qkv_weight (d_in, 3*d_out), out_weight (d_out, d_out)
     applied as ``x @ W`` (GPT-2's ``Conv1D``); ``"out_in"``: (3*d_out, d_in) and (out,
-    in), as ``nn.Linear``.  Biases: qkv_bias (3*d_out,), out_bias (d_out,).  Packed order
-    query, key, value.  Without ``out_weight`` the output projection is left as it is;
-    ``out_weight`` without ``out_bias`` loads a zero bias (our projection always has one).
-    Arrays are cast to the module's parameter dtype.
+    in), as ``nn.Linear``.  Biases: qkv_bias (3*d_out,), out_bias (d_out,).  ``packing``
+    orders the packed axis: ``"thirds"`` (the default, ``[q; k; v]`` in equal blocks),
+    ``"per_head"`` (each head's q, k, v in turn: GPT-NeoX) or ``"grouped"`` (``[q; k; v]``
+    with the module's num_heads and num_kv_heads: Phi-3), as the PyTorch twin's.  Without
+    ``out_weight`` the output projection is left as it is; ``out_weight`` without
+    ``out_bias`` loads a zero bias (our projection always has one).  Arrays are cast to
+    the module's parameter dtype.
 
     Raises ValueError (``attention_spec.packing.packed_state_dict``'s checks: layout,
-    shapes, widths against the module, a qkv_bias the module lacks or needs) and
+    packing, shapes, widths against the module, a qkv_bias the module lacks or needs) and
     TypeError (non-floating arrays) before writing anything.  Returns the module.
     """
     if not isinstance(module, AttentionModule):
         raise TypeError(not_ours_message(module))
-    arrays = packed_state_dict(module.spec, qkv_weight, qkv_bias, layout=layout, out_weight=out_weight,
-                               out_bias=out_bias)
+    arrays = packed_state_dict(module.spec, qkv_weight, qkv_bias, layout=layout, packing=packing,
+                               out_weight=out_weight, out_bias=out_bias)
     state = torch_state_dict(module)
     state.update(arrays)
     return load_torch_state_dict(module, state)  # checks names, shapes, dtypes before any write

@@ -123,6 +123,7 @@ def load_packed_qkv(
     qkv_bias: Any = None,
     *,
     layout: str,
+    packing: str = "thirds",
     out_weight: Any = None,
     out_bias: Any = None,
 ) -> nn.Module:
@@ -135,14 +136,23 @@ def load_packed_qkv(
       applied as ``x @ W``: GPT-2's ``Conv1D`` (``c_attn.weight``, ``c_proj.weight``);
       ``"out_in"``: ``qkv_weight`` (3*d_out, d_in), ``out_weight`` as (out, in), applied as
       ``x @ W.T``: ``nn.Linear`` and ``nn.MultiheadAttention.in_proj_weight``.
-    The packed axis holds query, key, value in that order, heads contiguous within each.
+    ``packing`` orders the packed axis (``attention_spec.packing.split_qkv``):
+      ``"thirds"`` (the default): ``[q; k; v]`` in equal blocks, heads contiguous within
+      each (GPT-2, ``nn.MultiheadAttention``); ``"per_head"``: each head's query, key and
+      value rows in turn, ``(num_heads, 3, head_dim)`` (GPT-NeoX's ``query_key_value``,
+      ``layout="out_in"``); ``"grouped"``: ``[q; k; v]`` with the module's ``num_heads``
+      query heads and ``num_kv_heads`` key/value heads (Phi-3's ``qkv_proj``,
+      ``layout="out_in"``).  ``qkv_weight`` is then (num_heads + 2*num_kv_heads)*head_dim
+      wide along the packed axis.
     ``qkv_bias`` (3*d_out,) must be given exactly when the module has q/k/v biases.
     ``out_weight=None`` leaves ``out_proj`` as it is; ``out_weight`` without ``out_bias``
     loads a zero bias (our ``out_proj`` always has one).
 
     Everything is checked before anything is written (a failure leaves the module as it
     was): TypeError for a module that is not one of ours or non-floating arrays;
-    ValueError for a bad ``layout``, shapes that do not fit the module (d_in, d_out), a
+    ValueError for a bad ``layout`` or ``packing``, shapes that do not fit the module
+    (d_in, d_out; the packed shape that ``packing`` expects), ``"thirds"`` for a module
+    with grouped-query heads, a
     ``qkv_bias`` for a module without q/k/v biases or none for one with them, an
     ``out_weight`` for a module without ``out_proj``, an ``out_bias`` without ``out_weight``,
     or a variant without q/k/v projections of its own.
@@ -150,7 +160,8 @@ def load_packed_qkv(
     if not isinstance(module, AttentionModule):
         raise TypeError(not_ours_message(module))
     parts = packed_state_dict(
-        module.spec, qkv_weight, qkv_bias, layout=layout, out_weight=out_weight, out_bias=out_bias
+        module.spec, qkv_weight, qkv_bias, layout=layout, packing=packing, out_weight=out_weight,
+        out_bias=out_bias,
     )
     # The parts not in the checkpoint (out_proj when out_weight is None) keep their values;
     # load_torch_state_dict checks the whole set again and writes only after every check.
