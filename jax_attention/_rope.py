@@ -38,7 +38,7 @@ def _freqs(
     """The inverse frequencies in the ``work`` dtype (rounded from float64: constants) and
     the attention factor; for longrope with traced positions and no ``seq_len``, the short
     or long ones, chosen from the positions."""
-    if seq_len is None and needs_seq_len(config):
+    if seq_len is None and needs_seq_len(config) and positions.size:
         if not isinstance(positions, jax.core.Tracer):
             seq_len = int(np.max(np.asarray(positions))) + 1
         elif config.scaling == "dynamic":

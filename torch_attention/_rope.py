@@ -18,7 +18,7 @@ from attention_spec.rope import RopeConfig, check_rope, check_rope_call, inv_fre
 
 
 def _seq_len(positions: Tensor, config: RopeConfig, seq_len: int | None) -> int | None:
-    if seq_len is not None or not needs_seq_len(config):
+    if seq_len is not None or not needs_seq_len(config) or positions.numel() == 0:
         return seq_len
     return int(positions.max()) + 1
 

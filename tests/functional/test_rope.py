@@ -667,6 +667,14 @@ def test_shared_positions_broadcast_over_the_batch() -> None:
         )
 
 
+@needs_both
+def test_an_empty_sequence_passes_through() -> None:
+    x, positions = np.zeros((2, 1, 0, HEAD_DIM)), np.zeros((2, 0), dtype=np.int64)
+    for name in ("default", "dynamic", "longrope"):
+        assert run_torch(x, positions, CONFIGS[name]).shape == x.shape
+        assert run_jax(x, positions, CONFIGS[name]).shape == x.shape
+
+
 # transformers' layers ---------------------------------------------------------------
 
 
@@ -744,6 +752,32 @@ def test_gpt_neox_partial_rotary() -> None:
     np.testing.assert_array_equal(
         run_torch(x, positions, config), apply_rotary_pos_emb(xt, xt, cos, sin)[0].numpy()
     )
+
+
+@needs_both
+def test_phi_partial_rotary_factor() -> None:
+    """Phi's partial_rotary_factor (its attention turns ``q[..., :rotary_ndims]`` and
+    passes the rest): head_dim 80 x 0.4 = 32 features turn."""
+    import torch
+    from transformers import PhiConfig
+    from transformers.models.phi.modeling_phi import PhiRotaryEmbedding, apply_rotary_pos_emb
+
+    hf = PhiConfig(
+        hidden_size=160, num_attention_heads=2, partial_rotary_factor=0.4, max_position_embeddings=2048
+    )
+    config = rope_from_hf(hf)
+    assert config == RopeConfig(partial_rotary_factor=0.4)
+    x, positions = make_inputs(14, head_dim=80)
+    xt, pt = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(positions)
+    rotary = PhiRotaryEmbedding(hf)
+    ours, factor = inv_freq(config, 80)
+    assert ours.shape == (16,)
+    rotary.inv_freq = torch.as_tensor(ours, dtype=torch.float32)
+    cos, sin = rotary(xt, pt)
+    rot = apply_rotary_pos_emb(xt[..., :32], xt[..., :32], cos, sin)[0]
+    theirs = torch.cat((rot, xt[..., 32:]), dim=-1).double().numpy()
+    np.testing.assert_array_equal(run_torch(x, positions, config), theirs)
+    assert_within(run_jax(x, positions, config), theirs, PARITY["float32"])
 
 
 @needs_both
