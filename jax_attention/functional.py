@@ -44,6 +44,7 @@ from jax import Array
 
 from attention_spec.geometry import band_reach
 from attention_spec.planning import fused_blockers
+from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import Route, resolve_route
 from jax_attention import _cpu_fused
 from jax_attention._blockwise import blockwise as _blockwise  # the paths' entry points, by their old names
@@ -69,8 +70,11 @@ from jax_attention._reference import attention_weights as attention_weights
 from jax_attention._reference import dropout_weights as dropout_weights
 from jax_attention._reference import normalize_scores as normalize_scores
 from jax_attention._reference import resolve_scale as resolve_scale
+from jax_attention._rope import apply_rope as apply_rope
 
 __all__ = [
+    "RopeConfig",
+    "apply_rope",
     "attention_scores",
     "attention_weights",
     "canonical_bias",

@@ -45,6 +45,7 @@ from attention_spec import (
 from attention_spec.masks import kv_lengths_rank_message
 from attention_spec.options import check_alignment, check_softcap, check_window
 from attention_spec.planning import fused_blockers
+from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import Route, resolve_route
 from torch_attention._blockwise import _blockwise
 from torch_attention._blockwise import default_block_size as default_block_size
@@ -67,9 +68,12 @@ from torch_attention._linear import linear as linear
 from torch_attention._reference import attention_scores as attention_scores
 from torch_attention._reference import attention_weights, dropout_weights, resolve_scale
 from torch_attention._reference import normalize_scores as normalize_scores
+from torch_attention._rope import apply_rope as apply_rope
 from torch_attention.masks import _and_masks as combine_masks
 
 __all__ = [
+    "RopeConfig",
+    "apply_rope",
     "attention_scores",
     "attention_weights",
     "canonical_bias",

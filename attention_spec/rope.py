@@ -1,0 +1,421 @@
+"""Rotary position embeddings (RoPE), framework-free: the configuration both twins share
+(``RopeConfig``), its checks with the one text of each error (``check_rope``,
+``check_rope_call``), the inverse frequencies of every scaling in float64
+(``inv_freq``), and ``rope_from_hf``, which reads a ``transformers`` config.
+
+A rotation of the first ``rotary_dim`` features of each head (the rest pass through):
+feature pair ``i`` at position ``p`` turns by the angle ``p * inv_freq[i]``.  The pairs
+are ``(x[i], x[i + rotary_dim / 2])`` in the layout ``"half"`` (Llama, GPT-NeoX:
+``rotate_half``) and ``(x[2i], x[2i + 1])`` in the layout ``"interleaved"`` (GPT-J's
+``rotate_every_two``, DeepSeek's ``rope_interleave``).
+
+The scalings, as ``transformers.modeling_rope_utils`` computes them (``rope_type``):
+
+- ``None``: ``inv_freq[i] = theta ** (-2i / rotary_dim)``;
+- ``"linear"`` (position interpolation): ``inv_freq / factor``;
+- ``"dynamic"`` (dynamic NTK): the base grows with the sequence length seen,
+  ``theta * (factor * L / L0 - (factor - 1)) ** (d / (d - 2))`` with
+  ``L = max(seq_len, L0)`` and ``L0 = original_max_position_embeddings``;
+- ``"llama3"``: low frequencies divided by ``factor``, high ones kept, a smooth ramp
+  between (``low_freq_factor``, ``high_freq_factor``);
+- ``"yarn"``: a ramp between interpolated and extrapolated frequencies over the
+  dimensions between ``beta_fast`` and ``beta_slow`` rotations, and an attention factor
+  (``0.1 ln(factor) + 1``, or the ratio of ``mscale`` / ``mscale_all_dim``'s) that
+  scales cos and sin;
+- ``"longrope"``: one rescale factor per frequency, ``short_factor`` up to
+  ``original_max_position_embeddings`` positions and ``long_factor`` beyond, and the
+  attention factor ``sqrt(1 + ln(factor) / ln(L0))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from attention_spec.options import _is_int, _is_real
+
+LAYOUTS = ("half", "interleaved")
+SCALINGS = (None, "linear", "dynamic", "llama3", "yarn", "longrope")
+
+# The parameters each scaling takes, and those of them it needs.
+_TAKES: dict[str | None, tuple[str, ...]] = {
+    None: (),
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+    ),
+    "longrope": (
+        "short_factor",
+        "long_factor",
+        "original_max_position_embeddings",
+        "factor",
+        "attention_factor",
+    ),
+}
+_NEEDS: dict[str | None, tuple[str, ...]] = {
+    None: (),
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "llama3": _TAKES["llama3"],
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+_SCALING_PARAMETERS = tuple(dict.fromkeys(p for ps in _TAKES.values() for p in ps))
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """How q and k are rotated: frozen and hashable (static under ``jax.jit``); checked
+    when built (``check_rope``).
+
+    ``theta``: the base.  ``rotary_dim`` (a number of features) or
+    ``partial_rotary_factor`` (a fraction of ``head_dim``, rounded down as
+    ``int(head_dim * factor)``): how many leading features turn; neither = all.
+    ``layout``: ``"half"`` or ``"interleaved"``.  ``scaling`` and its parameters: see the
+    module docstring; a parameter that the scaling does not take must stay None.
+    ``yarn_truncate``: YaRN's ``truncate`` (round the ramp's bounds to whole dimensions).
+    """
+
+    theta: float = 10000.0
+    rotary_dim: int | None = None
+    partial_rotary_factor: float | None = None
+    layout: str = "half"
+    scaling: str | None = None
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    yarn_truncate: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if isinstance(value, (list, np.ndarray)):  # lists from a config: hashable tuples
+                object.__setattr__(self, name, tuple(float(v) for v in value))
+        check_rope(self)
+
+
+def _positive_real(name: str, value: Any) -> None:
+    if not _is_real(value):
+        raise TypeError(f"rope {name} must be a real number; got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"rope {name} must be a finite number > 0; got {value!r}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not _is_int(value):
+        raise TypeError(f"rope {name} must be an int; got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"rope {name} must be >= 1; got {value!r}")
+
+
+def _check_factors(name: str, value: Any) -> None:
+    if not isinstance(value, tuple) or not value:
+        raise TypeError(f"rope {name} must be a non-empty list or tuple of numbers; got {value!r}")
+    for v in value:
+        _positive_real(name + " entries", v)
+
+
+def _check_scaling(config: RopeConfig) -> None:
+    scaling = config.scaling
+    if scaling not in SCALINGS:
+        options = ", ".join(repr(s) for s in SCALINGS)
+        raise ValueError(f"rope scaling must be one of {options}; got {scaling!r}")
+    takes = _TAKES[scaling]
+    for name in _SCALING_PARAMETERS:
+        value = getattr(config, name)
+        if value is not None and name not in takes:
+            allowed = ", ".join(takes) or "no parameters"
+            raise ValueError(
+                f"rope scaling {scaling!r} does not take {name} (it takes {allowed}); got {value!r}"
+            )
+        if value is None and name in _NEEDS[scaling]:
+            raise ValueError(f"rope scaling {scaling!r} needs {name}")
+    if not isinstance(config.yarn_truncate, bool):
+        raise TypeError(f"rope yarn_truncate must be a bool; got {config.yarn_truncate!r}")
+    if not config.yarn_truncate and scaling != "yarn":
+        raise ValueError(f"rope yarn_truncate=False applies to scaling 'yarn' only; got scaling {scaling!r}")
+    for name in takes:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if name == "original_max_position_embeddings":
+            _positive_int(name, value)
+        elif name in ("short_factor", "long_factor"):
+            _check_factors(name, value)
+        else:
+            _positive_real(name, value)
+    if scaling == "llama3" and not config.high_freq_factor > config.low_freq_factor:  # type: ignore[operator]
+        raise ValueError(
+            "rope scaling 'llama3' needs high_freq_factor > low_freq_factor; got "
+            f"{config.high_freq_factor!r} and {config.low_freq_factor!r}"
+        )
+    if scaling == "longrope" and len(config.short_factor) != len(config.long_factor):  # type: ignore[arg-type]
+        raise ValueError(
+            "rope short_factor and long_factor must have the same length; got "
+            f"{len(config.short_factor)} and {len(config.long_factor)}"  # type: ignore[arg-type]
+        )
+
+
+def check_rope(config: Any, head_dim: int | None = None) -> RopeConfig:
+    """Checks a RoPE configuration (and, given ``head_dim``, that its rotary dimension
+    fits the heads); returns it.  Raises TypeError / ValueError with the one text both
+    twins share."""
+    if not isinstance(config, RopeConfig):
+        raise TypeError(f"rope must be a RopeConfig; got {type(config).__name__}")
+    _positive_real("theta", config.theta)
+    if config.layout not in LAYOUTS:
+        raise ValueError(f"rope layout must be one of 'half', 'interleaved'; got {config.layout!r}")
+    if config.rotary_dim is not None and config.partial_rotary_factor is not None:
+        raise ValueError(
+            "rope takes rotary_dim or partial_rotary_factor, not both; got "
+            f"{config.rotary_dim!r} and {config.partial_rotary_factor!r}"
+        )
+    if config.rotary_dim is not None:
+        _positive_int("rotary_dim", config.rotary_dim)
+    if config.partial_rotary_factor is not None:
+        _positive_real("partial_rotary_factor", config.partial_rotary_factor)
+        if config.partial_rotary_factor > 1:
+            raise ValueError(f"rope partial_rotary_factor must be <= 1; got {config.partial_rotary_factor!r}")
+    _check_scaling(config)
+    if head_dim is not None:
+        rotary_dim(config, head_dim)
+    return config
+
+
+def rotary_dim(config: RopeConfig, head_dim: int) -> int:
+    """How many leading features of a head of ``head_dim`` turn: even, >= 2, <= head_dim
+    (and, for longrope, twice the number of rescale factors)."""
+    _positive_int("head_dim", head_dim)
+    if config.rotary_dim is not None:
+        dim = int(config.rotary_dim)
+    elif config.partial_rotary_factor is not None:
+        dim = int(head_dim * config.partial_rotary_factor)
+    else:
+        dim = int(head_dim)
+    if dim > head_dim:
+        raise ValueError(f"rope rotary_dim must be <= head_dim {head_dim}; got {dim}")
+    if dim < 2 or dim % 2:
+        raise ValueError(f"rope rotary dimension must be even and >= 2; got {dim} (head_dim {head_dim})")
+    if config.short_factor is not None and len(config.short_factor) != dim // 2:
+        raise ValueError(
+            f"rope short_factor and long_factor need rotary_dim / 2 = {dim // 2} entries; "
+            f"got {len(config.short_factor)}"
+        )
+    return dim
+
+
+def needs_seq_len(config: RopeConfig) -> bool:
+    """Whether the frequencies depend on the sequence length seen (dynamic, longrope)."""
+    return config.scaling in ("dynamic", "longrope")
+
+
+def _yarn(config: RopeConfig, base_freq: np.ndarray, dim: int) -> tuple[np.ndarray, float]:
+    """YaRN (Peng et al. 2023), as its reference code and ``transformers`` compute it."""
+    factor = float(config.factor)  # type: ignore[arg-type]
+    original = int(config.original_max_position_embeddings)  # type: ignore[arg-type]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = config.attention_factor
+    if attention_factor is None:
+        if config.mscale and config.mscale_all_dim:
+            attention_factor = mscale(factor, config.mscale) / mscale(factor, config.mscale_all_dim)
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = 32.0 if config.beta_fast is None else float(config.beta_fast)
+    beta_slow = 1.0 if config.beta_slow is None else float(config.beta_slow)
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(config.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if config.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as the reference: no division by zero
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolation = 1.0 - ramp
+    inv = (base_freq / factor) * (1.0 - extrapolation) + base_freq * extrapolation
+    return inv, float(attention_factor)
+
+
+def _llama3(config: RopeConfig, base_freq: np.ndarray) -> np.ndarray:
+    factor, low, high = float(config.factor), float(config.low_freq_factor), float(config.high_freq_factor)  # type: ignore[arg-type]
+    original = float(config.original_max_position_embeddings)  # type: ignore[arg-type]
+    wavelen = 2 * math.pi / base_freq
+    scaled = np.where(wavelen > original / low, base_freq / factor, base_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def _longrope(config: RopeConfig, base_freq: np.ndarray, seq_len: int | None) -> tuple[np.ndarray, float]:
+    original = int(config.original_max_position_embeddings)  # type: ignore[arg-type]
+    long = seq_len is not None and seq_len > original
+    factors = np.asarray(config.long_factor if long else config.short_factor, dtype=np.float64)
+    attention_factor = config.attention_factor
+    if attention_factor is None:
+        factor = 1.0 if config.factor is None else float(config.factor)
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return base_freq / factors, float(attention_factor)
+
+
+def inv_freq(config: RopeConfig, head_dim: int, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+    """The inverse frequencies (float64, ``rotary_dim / 2`` of them) and the attention
+    factor that scales cos and sin (1.0 but for yarn and longrope).  ``seq_len``: the
+    sequence length seen (the largest position + 1), which the dynamic and longrope
+    scalings depend on; None = at most the original length."""
+    check_rope(config, head_dim)
+    if seq_len is not None:
+        _positive_int("seq_len", seq_len)
+    dim = rotary_dim(config, head_dim)
+    theta = float(config.theta)
+    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+    scaling = config.scaling
+    if scaling == "dynamic":
+        factor, original = float(config.factor), int(config.original_max_position_embeddings)  # type: ignore[arg-type]
+        length = original if seq_len is None else max(int(seq_len), original)
+        theta = theta * (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
+    base_freq = 1.0 / theta**exponents
+    if scaling == "linear":
+        return base_freq / float(config.factor), 1.0  # type: ignore[arg-type]
+    if scaling == "llama3":
+        return _llama3(config, base_freq), 1.0
+    if scaling == "yarn":
+        return _yarn(config, base_freq, dim)
+    if scaling == "longrope":
+        return _longrope(config, base_freq, seq_len)
+    return base_freq, 1.0
+
+
+def check_rope_call(x_shape: tuple[int, ...], positions_shape: tuple[int, ...], positions_dtype: str) -> None:
+    """``apply_rope``'s arguments: x ``(B, H, T, D)``; positions integers ``(B, T)`` (or
+    ``(1, T)``, shared by every example)."""
+    if len(x_shape) != 4:
+        raise ValueError(f"apply_rope expects x of shape (batch, heads, seq, head_dim); got shape {x_shape}")
+    if "int" not in positions_dtype:
+        raise TypeError(f"rope positions must be integers; got dtype {positions_dtype}")
+    batch, _, seq, _ = x_shape
+    if len(positions_shape) != 2 or positions_shape[1] != seq or positions_shape[0] not in (1, batch):
+        raise ValueError(
+            f"rope positions must have shape (batch, seq) = ({batch}, {seq}) (or (1, {seq})); "
+            f"got shape {positions_shape}"
+        )
+
+
+TRACED_SEQ_LEN = (
+    "rope scaling {scaling!r} depends on the sequence length seen: pass seq_len= (the largest "
+    "position + 1) when the positions are traced (under jit)"
+)
+
+_HF_TYPES = {
+    "default": None,
+    "linear": "linear",
+    "dynamic": "dynamic",
+    "llama3": "llama3",
+    "yarn": "yarn",
+    "longrope": "longrope",
+}
+_INTERLEAVED_MODELS = ("gptj", "codegen")  # rotate_every_two
+
+
+def _hf_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
+    """The rope parameters dict of a transformers config, old (``rope_scaling``) or new
+    (``rope_parameters``), the one of ``layer_type`` where they are per layer type."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    labels = tuple(getattr(config, "layer_types", None) or ()) + tuple(params)
+    nested = {k: v for k, v in params.items() if isinstance(v, dict) and k in labels}
+    if nested:
+        if layer_type not in nested:
+            raise ValueError(
+                f"rope_from_hf: this config has rope parameters per layer type ({', '.join(nested)}): "
+                f"pass layer_type= one of them; got {layer_type!r}"
+            )
+        params = nested[layer_type]
+    elif layer_type is not None and params:
+        raise ValueError(
+            f"rope_from_hf: this config has one set of rope parameters; got layer_type={layer_type!r}"
+        )
+    return dict(params)
+
+
+def _hf_partial(config: Any, params: dict[str, Any]) -> tuple[int | None, float | None]:
+    factor = params.get("partial_rotary_factor")
+    for name in ("partial_rotary_factor", "rotary_pct"):
+        if factor is None:
+            factor = getattr(config, name, None)
+    if factor is not None:
+        return None, (None if float(factor) == 1.0 else float(factor))
+    dim = getattr(config, "rotary_dim", None)
+    return (None if dim is None else int(dim)), None
+
+
+def rope_from_hf(config: Any, layer_type: str | None = None) -> RopeConfig:
+    """The ``RopeConfig`` of a ``transformers`` model config (read by attribute, without
+    importing transformers): ``rope_theta``; ``partial_rotary_factor`` / ``rotary_pct``
+    / ``rotary_dim``; the ``rope_parameters`` (or older ``rope_scaling``) dict and its
+    ``rope_type``; the interleaved layout of GPT-J and CodeGen and of ``rope_interleave``.
+    Where the config has rope parameters per layer type (Gemma 3), ``layer_type`` picks
+    one.  A yarn or longrope ``factor`` left out is ``max_position_embeddings /
+    original_max_position_embeddings``, as transformers computes it; the dynamic NTK's
+    original length is the config's ``max_position_embeddings``."""
+    params = _hf_parameters(config, layer_type)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _HF_TYPES:
+        supported = ", ".join(repr(t) for t in _HF_TYPES)
+        raise ValueError(f"rope_from_hf: rope_type {rope_type!r} is not supported (supported: {supported})")
+    scaling = _HF_TYPES[rope_type]
+    theta: Any = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        theta = getattr(config, "default_theta", 10000.0)
+    interleaved = bool(getattr(config, "rope_interleave", False))
+    interleaved = interleaved or getattr(config, "model_type", None) in _INTERLEAVED_MODELS
+    dim, partial = _hf_partial(config, params)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    original = original or max_positions
+    fields: dict[str, Any] = {}
+    if scaling == "dynamic":
+        original = max_positions
+    if scaling is not None:
+        for name in _TAKES[scaling]:
+            if params.get(name) is not None:
+                fields[name] = params[name]
+        if "original_max_position_embeddings" in _TAKES[scaling]:
+            fields["original_max_position_embeddings"] = None if original is None else int(original)
+        if scaling in ("yarn", "longrope") and fields.get("factor") is None and original and max_positions:
+            fields["factor"] = max_positions / original
+    if scaling == "yarn" and params.get("truncate") is not None:
+        fields["yarn_truncate"] = bool(params["truncate"])
+    return RopeConfig(
+        theta=float(theta),
+        rotary_dim=dim,
+        partial_rotary_factor=partial,
+        layout="interleaved" if interleaved else "half",
+        scaling=scaling,
+        **fields,
+    )
