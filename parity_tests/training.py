@@ -51,6 +51,10 @@ Decisions:
   an input array or ``(input, target)``; a batch without a target trains ``"mse"``
   towards zeros (a callable pair receives ``target=None``).  A module returning a tuple
   is trained on its first element.
+- A module whose call is not ``module(x, mask=..., ...)`` (a Hugging Face layer with its
+  mask and positions) is trained through ``torch_call`` / ``flax_call``,
+  ``(module, x, **kwargs) -> output``; ``rows=`` (bool ``(batch, seq)``) builds the loss
+  from those query rows only, so that padded rows train neither model.
 - A Linen model (for example one that holds our NNX module through
   ``flax.nnx.bridge.to_linen``) is accepted as the Flax side with its variables,
   ``flax_variables=model.init(...)``: only the ``"params"`` collection is trained, and
