@@ -9,7 +9,8 @@ same path (``implementation=``), and compares outputs, attention weights (when a
 any pair (a user's own modules, Hugging Face's, PyTorch's or Flax's own) with a
 ``param_map`` (a name-to-path mapping or ``attention_spec.specs.Rule``s: packed q/k/v,
 reshapes, transposes) and ``torch_call`` / ``flax_call`` to adapt call signatures and
-outputs; ``copy_params`` copies the weights through the same map.  Neither changes a global flag: the
+outputs, and ``rows=`` to compare only some query rows (padding left out);
+``copy_params`` copies the weights through the same map.  Neither changes a global flag: the
 full-precision matmuls they need are set in a context (``full_precision``).
 """
 
@@ -194,13 +195,16 @@ class Finding:
     needed: float = 0.0
     # max |a - b| / (atol + rtol * magnitude): above 1 fails; how findings are ranked.
     tolerance_used: float = 0.0
+    # How many query rows (``rows=``) this tensor was compared without.
+    rows_left_out: int = 0
 
     def describe(self) -> str:
         a, b = self.labels
+        left_out = f"; {self.rows_left_out} query rows left out" if self.rows_left_out else ""
         return (
             f"{self.name}{list(self.index)}: {a} {self.torch_value!r} vs {b} {self.flax_value!r} "
             f"(abs err {self.max_abs:.3g}, rel err {self.max_rel:.3g}; "
-            f"tolerance rtol={self.rtol:g}, atol={self.atol:g})"
+            f"tolerance rtol={self.rtol:g}, atol={self.atol:g}{left_out})"
         )
 
 
@@ -211,6 +215,9 @@ class ParityReport:
     findings: list[Finding] = field(default_factory=list)
     torch_results: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     flax_results: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    # rows=: how many of how many (batch x seq) query rows were left out of the comparison
+    rows_left_out: int = 0
+    rows_total: int = 0
 
     @property
     def ok(self) -> bool:
@@ -225,9 +232,10 @@ class ParityReport:
         return max(self.failures or self.findings, key=lambda f: f.tolerance_used, default=None)
 
     def message(self) -> str:
+        rows = f" ({self.rows_left_out} of {self.rows_total} query rows left out)" if self.rows_left_out else ""
         if self.ok:
-            return f"parity holds for {len(self.findings)} tensors"
-        lines = [f"parity fails for {len(self.failures)} of {len(self.findings)} tensors; worst:"]
+            return f"parity holds for {len(self.findings)} tensors{rows}"
+        lines = [f"parity fails for {len(self.failures)} of {len(self.findings)} tensors{rows}; worst:"]
         lines += ["  " + f.describe() for f in sorted(self.failures, key=lambda f: -f.tolerance_used)]
         return "\n".join(lines)
 
@@ -239,16 +247,24 @@ class ParityError(AssertionError):
 
 
 def compare(
-    name: str, torch_value: Any, flax_value: Any, tol: Tolerance, labels: tuple[str, str] = ("torch", "flax")
+    name: str, torch_value: Any, flax_value: Any, tol: Tolerance, labels: tuple[str, str] = ("torch", "flax"),
+    *, where: Any = None, rows_left_out: int = 0,
 ) -> Finding:
     """Compares two arrays elementwise: ``|a - b| <= atol + rtol * |b|`` (or, for a
-    normwise tolerance, ``rtol * max|b|``)."""
+    normwise tolerance, ``rtol * max|b|``).  ``where``: a bool array broadcastable to
+    their shape; only the elements where it is True are compared (and give the scale of
+    a normwise tolerance); the finding's index is still one into the whole array.
+    ``rows_left_out`` is recorded in the finding (how many query rows ``where`` left out)."""
     a = np.asarray(as_numpy(torch_value), dtype=np.float64)
     b = np.asarray(as_numpy(flax_value), dtype=np.float64)
     if a.shape != b.shape:
         raise ValueError(f"{name}: torch gives shape {a.shape} but flax gives shape {b.shape}")
-    if a.size == 0:
-        return Finding(name, True, 0.0, 0.0, (), 0.0, 0.0, tol.rtol, tol.atol, a.shape, labels)
+    keep = None if where is None else np.broadcast_to(np.asarray(where, dtype=bool), a.shape)
+    if a.size == 0 or (keep is not None and not keep.any()):
+        return Finding(name, True, 0.0, 0.0, (), 0.0, 0.0, tol.rtol, tol.atol, a.shape, labels,
+                       rows_left_out=rows_left_out)
+    if keep is not None:  # left-out elements: equal zeros, which neither fail nor set a scale
+        a, b = np.where(keep, a, 0.0), np.where(keep, b, 0.0)
     diff = np.abs(a - b)
     nan = np.isnan(a) != np.isnan(b)
     diff = np.where(np.isnan(a) & np.isnan(b), 0.0, np.where(nan, np.inf, diff))
@@ -257,7 +273,8 @@ def compare(
     excess = diff - (tol.atol + tol.rtol * magnitude)
     needed = float(np.max(diff / (1.0 + magnitude)))
     tolerance_used = float(np.max(diff / np.maximum(tol.atol + tol.rtol * magnitude, 1e-300)))
-    flat = int(np.nanargmax(np.where(np.isnan(excess), np.inf, excess)))
+    ranked = np.where(np.isnan(excess), np.inf, excess)
+    flat = int(np.nanargmax(ranked if keep is None else np.where(keep, ranked, -np.inf)))
     index = tuple(int(i) for i in np.unravel_index(flat, a.shape))
     # A tensor that is zero in exact arithmetic (the gradient of a key bias, say) has no
     # scale of its own; atol stands in for it there.
@@ -277,6 +294,7 @@ def compare(
         labels=labels,
         needed=needed,
         tolerance_used=tolerance_used,
+        rows_left_out=rows_left_out,
     )
 
 
@@ -356,10 +374,12 @@ def run_torch(
     implementation: str | None = None,
     weights: bool = False,
     call: Any = None,
+    rows: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Runs a PyTorch module; returns outputs and gradients (of ``sum(out * cotangent)``
     with respect to every float input and the named parameters) as NumPy arrays.
-    ``implementation``, ``weights`` and ``call`` (``torch_call``) as in ``check_parity``."""
+    ``implementation``, ``weights``, ``call`` (``torch_call``) and ``rows`` (the cotangent
+    is zero at the rows it leaves out) as in ``check_parity``."""
     import torch
 
     dtype = torch_dtype(module_dtype(module, inputs))
@@ -387,7 +407,7 @@ def run_torch(
     result = {name: as_numpy(value) for name, value in outputs.items()}
     if grads:
         primary = next(iter(outputs.values()))
-        cot = torch.tensor(_cotangent(cotangent, primary.shape), dtype=torch.float32)
+        cot = torch.tensor(_cotangent(cotangent, tuple(primary.shape), rows), dtype=torch.float32)
         (primary.float() * cot).sum().backward()
         for i, x in enumerate(xs):
             if x.requires_grad:
@@ -412,6 +432,7 @@ def run_flax(
     implementation: str | None = None,
     weights: bool = False,
     call: Any = None,
+    rows: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Runs a Flax NNX module like ``run_torch``; parameter gradients are reported under
     the names of ``param_paths`` (transposed when ``transposed`` says so).  ``call`` is
@@ -445,7 +466,7 @@ def run_flax(
             lambda p, xs_, a: _flax_call(graphdef, p, rest, xs_, a, static, split_weights, call)[0],
             params, xs, arrays
         ).shape
-        cot = jnp.asarray(_cotangent(cotangent, primary_shape))
+        cot = jnp.asarray(_cotangent(cotangent, tuple(primary_shape), rows))
         outputs, gradients = _flax_run(
             graphdef, params, rest, xs, arrays, cot, static=static, ours=split_weights,
             float_positions=float_positions if grads else None, call=call,
@@ -510,12 +531,90 @@ def _is_float(x: Any) -> bool:
     return np.issubdtype(as_numpy(x).dtype, np.floating) or as_numpy(x).dtype.name == "bfloat16"
 
 
-def _cotangent(cotangent: np.ndarray | None, shape: Any) -> np.ndarray:
+def _cotangent(cotangent: np.ndarray | None, shape: Any, rows: np.ndarray | None = None) -> np.ndarray:
+    """The cotangent of the first output: the given one, or a fixed varied one; zero at
+    the query rows that ``rows`` leaves out, so that they add nothing to any gradient."""
     if cotangent is not None:
-        return np.asarray(cotangent, dtype=np.float32)
-    # Fixed and varied (not all ones), so a wrong permutation of outputs cannot cancel
-    # under the sum; positive, so a bias gradient (a plain sum of it) does not cancel.
-    return np.random.default_rng(1234).uniform(0.5, 1.5, tuple(shape)).astype(np.float32)
+        cot = np.asarray(cotangent, dtype=np.float32)
+    else:
+        # Fixed and varied (not all ones), so a wrong permutation of outputs cannot cancel
+        # under the sum; positive, so a bias gradient (a plain sum of it) does not cancel.
+        cot = np.random.default_rng(1234).uniform(0.5, 1.5, tuple(shape)).astype(np.float32)
+    if rows is None:
+        return cot
+    keep = _row_mask("the first output", tuple(shape), rows, output=True)
+    return np.where(keep, cot, np.float32(0.0)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- rows
+
+def _check_rows(rows: Any, inputs: Sequence[np.ndarray]) -> np.ndarray | None:
+    """``rows=`` as a bool NumPy array (batch, seq) matching the first input's two
+    leading axes; None stays None.  Raises ValueError otherwise, or if no row is kept."""
+    if rows is None:
+        return None
+    array = as_numpy(rows)
+    expected = tuple(inputs[0].shape[:2]) if inputs and np.ndim(inputs[0]) >= 2 else None
+    if array.dtype != np.bool_ or array.ndim != 2 or (expected is not None and array.shape != expected):
+        want = f"(batch, seq) = {expected}" if expected is not None else "(batch, seq)"
+        raise ValueError(
+            f"rows= is a bool array {want}, the first input's two leading axes, of the query rows to "
+            f"compare (True = compare); got {array.dtype} of shape {array.shape}"
+        )
+    if not array.any():
+        raise ValueError("rows= leaves out every query row: nothing would be compared")
+    return array
+
+
+def _row_axes(shape: tuple[int, ...], rows_shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The axes of a tensor that are (batch, query): axes 0 and 2 of a rank-4 tensor
+    shaped like attention weights, (batch, heads, seq, keys); otherwise the two leading
+    axes when they are (batch, seq); None when the tensor has no such axes."""
+    b, t = rows_shape
+    if len(shape) == 4 and (shape[0], shape[2]) == (b, t):
+        return (0, 2)
+    if len(shape) >= 2 and (shape[0], shape[1]) == (b, t):
+        return (0, 1)
+    return None
+
+
+def _row_mask(name: str, shape: tuple[int, ...], rows: np.ndarray, *, output: bool) -> np.ndarray | None:
+    """``rows`` (batch, seq) as a bool array broadcastable to a tensor of ``shape``, True
+    where it is compared.  An output without (batch, seq) axes raises ValueError (it
+    cannot be compared at the rows); any other tensor without them is compared whole
+    (None)."""
+    axes = _row_axes(shape, rows.shape)
+    if axes is None:
+        if output:
+            raise ValueError(
+                f"rows= {rows.shape} cannot be applied to {name} of shape {shape}: an output is "
+                "compared at the rows when it is shaped (batch, seq, ...) or, like attention "
+                "weights, (batch, heads, seq, keys); pass torch_call / flax_call that return such outputs"
+            )
+        return None
+    index = [None] * len(shape)
+    index[axes[0]], index[axes[1]] = slice(None), slice(None)
+    return rows[tuple(index)]
+
+
+def _compare_results(t: Mapping[str, np.ndarray], f: Mapping[str, np.ndarray], dtype: str,
+                     rtol: float | None, atol: float | None, rows: np.ndarray | None) -> list[Finding]:
+    """Every tensor both runs gave, compared at the dtype's tolerance (``rtol`` / ``atol``
+    overriding it); with ``rows``, outputs and input gradients at those query rows only."""
+    findings = []
+    left_out = 0 if rows is None else int(rows.size - rows.sum())
+    for name in t:
+        if name not in f:
+            raise ValueError(f"torch returned {name} but flax did not (flax gave {sorted(f)})")
+        default = (GRAD_PARITY if name.startswith("grad") else PARITY)[dtype]
+        tol = default._replace(rtol=default.rtol if rtol is None else rtol,
+                               atol=default.atol if atol is None else atol)
+        where = None
+        if rows is not None and (not name.startswith("grad ") or name.startswith("grad input[")):
+            where = _row_mask(name, np.shape(t[name]), rows, output=not name.startswith("grad "))
+        findings.append(compare(name, t[name], f[name], tol, where=where,
+                                rows_left_out=left_out if where is not None else 0))
+    return findings
 
 
 # --------------------------------------------------------------------------- parity
@@ -671,6 +770,7 @@ def check_parity(
     weights: bool = False,
     torch_call: Any = None,
     flax_call: Any = None,
+    rows: Any = None,
 ) -> ParityReport:
     """Runs both modules on the same inputs in the same mode and compares everything.
 
@@ -706,6 +806,17 @@ def check_parity(
         default because only the reference path materialises them: asking for them would
         move a module off the path under test.  With an explicit "fused" or "blockwise"
         the modules raise ValueError, naming the option.
+      rows: bool ``(batch, seq)``, True = compare this query row; None (the default)
+        compares every row.  For rows that differ by convention and mean nothing, such as
+        a padded query that may attend to no key (zeros here, an average of the values in
+        Hugging Face's layers): outputs are compared at the kept rows only (an output
+        ``(batch, seq, ...)`` on its two leading axes; a rank-4 one shaped like attention
+        weights, ``(batch, heads, seq, keys)``, on axes 0 and 2; any other output shape
+        raises ValueError), the cotangent is zero at the left-out rows so that they add
+        nothing to any gradient, and input gradients shaped ``(batch, seq, ...)`` are
+        compared at the kept rows (other input gradients and parameter gradients whole).
+        ``(batch, seq)`` must be the first input's two leading axes.  The report and its
+        findings say how many rows were left out.
 
     Both runs happen in ``full_precision()`` (JAX matmul precision "highest", PyTorch
     TF32 off); the global flags are as they were afterwards.
@@ -734,11 +845,12 @@ def check_parity(
             "the two frameworks cannot share a random stream"
         )
     np_inputs = [as_numpy(x) for x in inputs]
+    np_rows = _check_rows(rows, np_inputs)
     np_mask = None if mask is None else as_numpy(mask)
     np_keep = None if dropout_mask is None else as_numpy(dropout_mask)
     common = {"mask": np_mask, "dropout_mask": np_keep, "training": training, "grads": grads,
               "cotangent": None if cotangent is None else as_numpy(cotangent),
-              "implementation": implementation, "weights": weights}
+              "implementation": implementation, "weights": weights, "rows": np_rows}
     with full_precision():
         t = run_torch(torch_module, np_inputs, param_names=[n for r in rules for n in r.torch_names],
                       call=torch_call, **common)
@@ -750,13 +862,9 @@ def check_parity(
         f.update({f"grad {n}": g for n, g in apply_specs(flax_grads, rules, "to_torch").items()})
     dtype = module_dtype(torch_module, np_inputs)
     report = ParityReport(torch_results=t, flax_results=f)
-    for name in t:
-        if name not in f:
-            raise ValueError(f"torch returned {name} but flax did not (flax gave {sorted(f)})")
-        default = (GRAD_PARITY if name.startswith("grad") else PARITY)[dtype]
-        tol = default._replace(rtol=default.rtol if rtol is None else rtol,
-                               atol=default.atol if atol is None else atol)
-        report.findings.append(compare(name, t[name], f[name], tol))
+    if np_rows is not None:
+        report.rows_left_out, report.rows_total = int(np_rows.size - np_rows.sum()), int(np_rows.size)
+    report.findings.extend(_compare_results(t, f, dtype, rtol, atol, np_rows))
     return report
 
 
@@ -776,13 +884,14 @@ def assert_parity(
     weights: bool = False,
     torch_call: Any = None,
     flax_call: Any = None,
+    rows: Any = None,
 ) -> ParityReport:
     """As ``check_parity``, but raises ``ParityError`` (an AssertionError) on any
     mismatch, naming the worst element: tensor, index, both values, errors, tolerance."""
     report = check_parity(
         torch_module, flax_module, *inputs, mask=mask, grads=grads, rtol=rtol, atol=atol,
         param_map=param_map, training=training, dropout_mask=dropout_mask, cotangent=cotangent,
-        implementation=implementation, weights=weights, torch_call=torch_call, flax_call=flax_call,
+        implementation=implementation, weights=weights, torch_call=torch_call, flax_call=flax_call, rows=rows,
     )
     if not report.ok:
         raise ParityError(report)

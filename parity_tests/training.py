@@ -51,6 +51,10 @@ Decisions:
   an input array or ``(input, target)``; a batch without a target trains ``"mse"``
   towards zeros (a callable pair receives ``target=None``).  A module returning a tuple
   is trained on its first element.
+- A module whose call is not ``module(x, mask=..., ...)`` (a Hugging Face layer with its
+  mask and positions) is trained through ``torch_call`` / ``flax_call``,
+  ``(module, x, **kwargs) -> output``; ``rows=`` (bool ``(batch, seq)``) builds the loss
+  from those query rows only, so that padded rows train neither model.
 - A Linen model (for example one that holds our NNX module through
   ``flax.nnx.bridge.to_linen``) is accepted as the Flax side with its variables,
   ``flax_variables=model.init(...)``: only the ``"params"`` collection is trained, and
@@ -83,6 +87,7 @@ from attention_spec.specs import apply_specs
 from parity_tests.harness import (
     Finding,
     _check_pair,
+    _check_rows,
     _is_ours,
     compare,
     full_precision,
@@ -226,6 +231,39 @@ def _source(array: np.ndarray) -> np.ndarray:
 
 def _first(output: Any) -> Any:
     return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _kept_rows(output: Any, target: Any, rows: Any) -> tuple[Any, Any]:
+    """The output and target at the query rows that ``rows`` (batch, seq) keeps, as
+    ``(kept rows, ...)`` arrays (boolean indexing, which both frameworks share); both
+    as they are without ``rows``."""
+    if rows is None:
+        return output, target
+    if tuple(output.shape[:2]) != tuple(rows.shape):
+        raise ValueError(
+            f"rows= {tuple(rows.shape)} cannot be applied to an output of shape {tuple(output.shape)}: "
+            "the output must be shaped (batch, seq, ...)"
+        )
+    return output[rows], None if target is None else target[rows]
+
+
+def _check_calls(torch_call: Any, flax_call: Any) -> None:
+    for what, call in (("torch_call", torch_call), ("flax_call", flax_call)):
+        if call is not None and not callable(call):
+            raise TypeError(f"{what} must be a callable (module, x, **kwargs) -> output; got {call!r}")
+
+
+def _check_training_rows(rows: Any, batches: Sequence[Any]) -> np.ndarray | None:
+    """``rows=`` as a bool array (batch, seq) that matches every batch's input; None
+    stays None."""
+    if rows is None:
+        return None
+    shapes = {tuple(_split_batch(b)[0].shape[:2]) for b in batches}
+    first = _split_batch(batches[0])[0]
+    array = _check_rows(rows, [first])
+    if len(shapes) > 1:
+        raise ValueError(f"rows= applies to every batch, but the batches have (batch, seq) {sorted(shapes)}")
+    return array
 
 
 def _flat_params(tree: Any) -> dict[tuple[Any, ...], Any]:
@@ -384,7 +422,8 @@ class _TorchStepper:
     copy's trainable parameters."""
 
     def __init__(self, torch_module: Any, factory: Callable[[Any], Any],
-                 loss: Callable[[Any, Any], Any], training: bool, dtype: str) -> None:
+                 loss: Callable[[Any, Any], Any], training: bool, dtype: str, *,
+                 call: Callable[..., Any] | None = None, rows: np.ndarray | None = None) -> None:
         import torch
 
         self.module = copy.deepcopy(torch_module)
@@ -392,6 +431,8 @@ class _TorchStepper:
         self.optimizer = factory([p for p in self.module.parameters() if p.requires_grad])
         self.loss = loss
         self.dtype = getattr(torch, dtype)
+        self.call = call
+        self.rows = None if rows is None else torch.from_numpy(rows)
 
     def step(self, x: np.ndarray, target: np.ndarray | None, kwargs: dict[str, Any]) -> float:
         """One step (gradient, optimiser update) on a batch; returns the loss before it."""
@@ -400,7 +441,8 @@ class _TorchStepper:
         x_t = torch.tensor(x, dtype=self.dtype)
         target_t = None if target is None else torch.tensor(target, dtype=self.dtype)
         self.optimizer.zero_grad(set_to_none=True)
-        value = self.loss(_first(self.module(x_t, **kwargs)), target_t)
+        output = self.module(x_t, **kwargs) if self.call is None else self.call(self.module, x_t, **kwargs)
+        value = self.loss(*_kept_rows(_first(output), target_t, self.rows))
         value.backward()
         self.optimizer.step()
         return float(value.detach())
@@ -415,9 +457,12 @@ class _FlaxStepper:
     model's ``"params"`` collection), and the optax state that trains it: one step is a
     single ``jax.jit`` of forward, gradient and update.  Only the parameters change."""
 
-    def __init__(self, flax_module: Any, flax_variables: Any, linen: bool) -> None:
+    def __init__(self, flax_module: Any, flax_variables: Any, linen: bool, *,
+                 call: Callable[..., Any] | None = None, rows: np.ndarray | None = None) -> None:
         self.module = flax_module
         self.linen = linen
+        self.call = call
+        self.rows = rows
         if linen:
             from flax.core import unfreeze
 
@@ -437,12 +482,17 @@ class _FlaxStepper:
         self._step: Any = None
 
     def apply(self, params: Any, x: Any, kwargs: dict[str, Any]) -> Any:
-        """The module's output with these parameters."""
+        """The module's output with these parameters (through ``flax_call`` if given)."""
+        call = self.call
         if self.linen:
-            return self.module.apply({**self.others, "params": params}, x, **kwargs)
+            variables = {**self.others, "params": params}
+            if call is None:
+                return self.module.apply(variables, x, **kwargs)
+            return self.module.apply(variables, x, method=lambda m, x_, **kw: call(m, x_, **kw), **kwargs)
         from flax import nnx
 
-        return nnx.merge(self.graphdef, params, self.rest)(x, **kwargs)
+        module = nnx.merge(self.graphdef, params, self.rest)
+        return module(x, **kwargs) if call is None else call(module, x, **kwargs)
 
     def flat(self) -> dict[tuple[Any, ...], Any]:
         """{path: array} of the parameters as they are now."""
@@ -460,7 +510,7 @@ class _FlaxStepper:
 
         def flax_step(params: Any, opt_state: Any, x: Any, target: Any, arrays: dict[str, Any]) -> Any:
             def objective(p: Any) -> Any:
-                return loss(_first(self.apply(p, x, {**arrays, **static})), target)
+                return loss(*_kept_rows(_first(self.apply(p, x, {**arrays, **static})), target, self.rows))
 
             value, grads = jax.value_and_grad(objective)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -575,6 +625,9 @@ def check_training_parity(
     dropout_masks: Sequence[Any] | None = None,
     implementation: str | None = None,
     plot: str | None = None,
+    torch_call: Callable[..., Any] | None = None,
+    flax_call: Callable[..., Any] | None = None,
+    rows: Any = None,
 ) -> TrainingReport:
     """Trains copies of both modules side by side and compares their parameters after
     every step.
@@ -606,6 +659,16 @@ def check_training_parity(
         attention weights (B, H, T, S).
       implementation: the path both of this library's modules compute on (None = own).
       plot: write a PNG of the divergence per step (log scale) to this path.
+      torch_call, flax_call: ``(module, x, **kwargs) -> output`` to call a module whose
+        signature is not ours at every step, e.g. a Hugging Face layer with its mask and
+        positions; ``kwargs`` are what the harness would pass the module itself (``mask=``,
+        ``dropout_mask=``, and for this library's modules ``implementation=`` and
+        ``deterministic=``).  ``flax_call`` runs inside ``jax.jit``; for a Linen model it
+        receives the bound model.  Default: ``module(x, **kwargs)``.
+      rows: bool ``(batch, seq)`` (the same for every batch), True = this query row
+        counts: the loss sees only the kept rows of the output and target, as
+        ``(kept rows, ...)`` arrays (``"mse"`` is then their mean), so that padded rows
+        do not train either model.  None (the default): every row.
 
     Returns a ``TrainingReport`` (raises nothing on divergence; see
     ``assert_training_parity``).  The modules passed in are not changed.
@@ -616,6 +679,8 @@ def check_training_parity(
     whatever the modules raise for their inputs.
     """
     n_steps = _check_steps(batches, steps)
+    _check_calls(torch_call, flax_call)
+    np_rows = _check_training_rows(rows, batches)
     name, torch_factory, tx = _optimizers(optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           momentum=momentum, nesterov=nesterov)
     torch_loss, flax_loss = _losses(loss)
@@ -623,14 +688,15 @@ def check_training_parity(
     has_dropout = _check_modules(torch_module, flax_module, linen=linen, flax_variables=flax_variables,
                                  training=training, dropout_masks=dropout_masks, n_steps=n_steps,
                                  implementation=implementation)
-    flax_side = _FlaxStepper(flax_module, flax_variables, linen)
+    flax_side = _FlaxStepper(flax_module, flax_variables, linen, call=flax_call, rows=np_rows)
     flat0 = flax_side.flat()
     rules = resolve_rules(torch_module, {p: tuple(np.shape(v)) for p, v in flat0.items()}, param_map,
                           trainable_only=True)
     dtype = _check_dtypes(torch_module, flat0)
     static = _static_kwargs(_is_ours(torch_module), linen, has_dropout, training, implementation)
     flax_side.compile(tx, flax_loss, static, dtype)
-    torch_side = _TorchStepper(torch_module, torch_factory, torch_loss, training, dtype)
+    torch_side = _TorchStepper(torch_module, torch_factory, torch_loss, training, dtype,
+                               call=torch_call, rows=np_rows)
     tol = _training_tolerance(dtype, rtol, atol)
 
     report = _train(torch_side, flax_side, batches, n_steps, static=static, mask=mask,
