@@ -17,7 +17,7 @@ import pytest
 from attention_spec.conversion import rules_for, torch_shapes
 from parity_tests.cases import IMPLEMENTATIONS, Case
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import needs_both, needs_torch
+from tests.support import needs_both, needs_jax, needs_torch
 
 D_IN = 40
 BASE = {"d_in": D_IN, "d_out": D_IN, "context_length": 16, "dropout": 0.0, "num_heads": 4}
@@ -306,3 +306,48 @@ def test_llama_attention_with_the_same_weights() -> None:
     assert torch.allclose(x_ours.grad, x.grad, rtol=tol.rtol, atol=tol.atol)
     report = check_parity(ours, flax_m, x.detach().numpy())
     assert report.ok, report
+
+
+# --------------------------------------------------------------------------- native modules
+
+
+@needs_torch
+def test_nn_multihead_takes_a_bias_free_module_and_refuses_free_widths() -> None:
+    import torch
+
+    import torch_attention
+    from torch_attention.interop import to_nn_multihead
+
+    torch.manual_seed(9)
+    ours = torch_attention.MultiHeadAttention(**{**BASE, "causal": False, "out_bias": False}).eval()
+    native = to_nn_multihead(ours)
+    assert native.out_proj.bias is None and native.in_proj_bias is None
+    x = torch.from_numpy(_x(seed=10))
+    tol = PARITY["float32"]
+    assert torch.allclose(native(x, x, x, need_weights=False)[0], ours(x), rtol=tol.rtol, atol=tol.atol)
+    for options, problem in (
+        ({"head_dim": 16}, "head_dim=16, out_features=40 with d_out=40"),
+        ({"out_features": 24}, "head_dim=10, out_features=24 with d_out=40"),
+        ({"qkv_bias": True, "out_bias": False}, "out_bias=False with qkv_bias=True"),
+    ):
+        module = torch_attention.MultiHeadAttention(**{**BASE, "causal": False, **options})
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            to_nn_multihead(module)
+
+
+@needs_jax
+@pytest.mark.parametrize("name", ["gemma-like", "out-features"])
+def test_nnx_multihead_takes_free_widths(name: str) -> None:
+    """Flax's own attention has qkv_features and out_features: the export is exact (a
+    zero output bias where ours has none)."""
+    from flax import nnx
+
+    import jax_attention
+    from jax_attention.interop import to_nnx_multihead
+
+    ours = jax_attention.MultiHeadAttention(**{**_config(name), "causal": False}, rngs=nnx.Rngs(11))
+    native = to_nnx_multihead(ours)
+    assert (native.qkv_features, native.out_features) == (ours.spec.width, CONFIGS[name][2])
+    x = _x(seed=12)
+    tol = PARITY["float32"]
+    assert np.allclose(np.asarray(native(x)), np.asarray(ours(x)), rtol=tol.rtol, atol=tol.atol)
