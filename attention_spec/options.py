@@ -1,5 +1,5 @@
 """Checks of a module's configuration and of the options a call is given: positive sizes,
-heads, the dropout rate, ``scale``, ``mask_strategy``, ``normalization``,
+heads and their widths (``head_dim``, ``out_features``), the dropout rate, ``scale``, ``mask_strategy``, ``normalization``,
 ``implementation``, ``window``, ``alignment``, ``softcap``, ``num_kv_heads``, and the
 constructor arguments together (``check_config``).
 
@@ -49,7 +49,8 @@ def check_positive_int(name: str, value: Any) -> int:
 
 
 def check_optional_width(name: str, value: Any) -> int | None:
-    """``kdim`` / ``vdim``: None (= d_in) or a positive int."""
+    """``kdim`` / ``vdim`` (None: d_in), ``out_features`` (None: d_out): None or a
+    positive int."""
     return None if value is None else check_positive_int(name, value)
 
 
@@ -62,6 +63,38 @@ def check_heads(d_out: Any, num_heads: Any) -> int:
             f"d_out must be divisible by num_heads; got d_out={d_out}, num_heads={num_heads}"
         )
     return d_out // num_heads
+
+
+def check_head_dim(d_out: Any, num_heads: Any, head_dim: Any) -> int:
+    """``head_dim``, the width of one head: None (``d_out // num_heads``: ``d_out`` must
+    split evenly, ``check_heads``) or a positive int (the q/k/v projections are then
+    ``num_heads * head_dim`` wide, whatever ``d_out``); returns the head width."""
+    if head_dim is None:
+        return check_heads(d_out, num_heads)
+    check_positive_int("d_out", d_out)
+    check_positive_int("num_heads", num_heads)
+    return check_positive_int("head_dim", head_dim)
+
+
+def check_out_width(d_out: int, num_heads: int, head_dim: int, *, out_proj: bool, out_features: Any) -> int:
+    """The module's output width.  With ``out_proj``: ``out_features`` (None: ``d_out``),
+    the width that ``out_proj`` maps the merged heads (``num_heads * head_dim``) to.
+    Without it the output is the merged heads themselves: ``out_features`` must be None
+    and ``num_heads * head_dim`` must equal ``d_out``."""
+    check_optional_width("out_features", out_features)
+    if out_proj:
+        return d_out if out_features is None else int(out_features)
+    if out_features is not None:
+        raise ValueError(
+            f"out_features is the width out_proj maps to, and out_proj=False has none; got "
+            f"out_features={out_features} (without out_proj the output is the merged heads, d_out wide)"
+        )
+    if num_heads * head_dim != d_out:
+        raise ValueError(
+            f"with out_proj=False the output is the merged heads: num_heads * head_dim must equal d_out; "
+            f"got num_heads={num_heads}, head_dim={head_dim}, d_out={d_out}"
+        )
+    return d_out
 
 
 def check_kv_heads(num_heads: Any, num_kv_heads: Any) -> int:

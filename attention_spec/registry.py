@@ -13,7 +13,7 @@ Reading the registry::
 
     v = variant("MultiHeadAttention")
     v.positional          # ("d_in", "d_out", "context_length", "dropout", "num_heads", "qkv_bias")
-    v.defaults            # {"qkv_bias": False, "out_proj": True, "scale": None, "causal": True, ...}
+    v.defaults            # {"qkv_bias": False, "out_proj": True, "out_bias": True, "scale": None, ...}
     v.has_dropout         # True
     v.projections         # (Projection("W_query", "query", "linear", "qkv_bias"), ...)
     config = make_config("Head", {"d_in": 4, "head_size": 2, "context_length": 8})
@@ -26,17 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 from attention_spec.options import (
     check_alignment,
     check_dropout_rate,
-    check_heads,
+    check_head_dim,
     check_implementation,
     check_kv_heads,
     check_mask_strategy,
     check_normalization,
     check_optional_width,
+    check_out_width,
     check_positive_int,
     check_scale,
     check_softcap,
@@ -54,6 +55,13 @@ __all__ = [
     "make_config",
     "variant",
 ]
+
+
+# Options held under another field name: the config's ``head_dim`` is the resolved width
+# of one head (the option, or d_out // num_heads), so the option as given (None or an
+# int) is the field ``head_dim_option``.
+_FIELDS = {"head_dim": "head_dim_option"}
+_OPTIONS = {field: option for option, field in _FIELDS.items()}
 
 
 class _Required:
@@ -81,11 +89,11 @@ class Projection:
     name: the attribute and the parameter prefix (``W_query``: ``W_query.weight`` in
       PyTorch, ``("W_query", "kernel")`` in Flax).
     role: ``"query"``, ``"key"``, ``"value"`` (from ``x``: (d_in, width)) or ``"out"``
-      (mixes the merged heads: (width, width)).
+      (mixes the merged heads: (width, out width); see ``AttentionConfig.fan_out``).
     layout: ``"linear"`` (``nn.Linear`` / ``nnx.Linear``: PyTorch weight (out, in), Flax
       kernel (in, out)) or ``"matrix"`` (a raw (d_in, width) parameter used as ``x @ W``,
       the same array in both frameworks, drawn from N(0, 1)).
-    bias: ``"qkv_bias"`` (the option decides), ``"always"`` or ``"never"``.
+    bias: ``"qkv_bias"`` or ``"out_bias"`` (that option decides), ``"always"`` or ``"never"``.
     when: the bool option that must be True for the projection to exist (None: always).
     """
 
@@ -99,8 +107,8 @@ class Projection:
         return self.when is None or bool(_get(config, self.when, True))
 
     def has_bias(self, config: Mapping[str, Any] | AttentionConfig) -> bool:
-        if self.bias == "qkv_bias":
-            return bool(_get(config, "qkv_bias", False))
+        if self.bias in ("qkv_bias", "out_bias"):
+            return bool(_get(config, self.bias, self.bias == "out_bias"))
         return self.bias == "always"
 
 
@@ -112,7 +120,7 @@ class Variant:
       ``param_dtype``, ``device``, ``precision`` and ``rngs``).
     projections: in creation order (PyTorch draws its initial weights in that order).
     heads: ``"single"`` (one head), ``"split"`` (one projection split into ``num_heads``
-      heads of ``d_out // num_heads``) or ``"wrapper"`` (``num_heads`` copies of
+      heads of ``head_dim``, by default ``d_out // num_heads``) or ``"wrapper"`` (``num_heads`` copies of
       ``head_variant``, outputs concatenated).
     width: the option that gives the projections' output width (``d_out``/``head_size``),
       None for a variant without projections (its q, k, v are ``x`` itself).
@@ -238,8 +246,10 @@ REGISTRY: dict[str, Variant] = {
             (Option("d_in"), Option("d_out"), Option("context_length"), Option("dropout"),
              Option("num_heads"), Option("qkv_bias", False), Option("out_proj", True, True),
              Option("num_kv_heads", None, True), Option("kdim", None, True), Option("vdim", None, True),
+             # free widths: Gemma's heads x head_dim != hidden, Llama's bias-free o_proj
+             Option("head_dim", None, True), Option("out_features", None, True), Option("out_bias", True, True),
              *_common(causal=True)),
-            projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "always", when="out_proj")),
+            projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "out_bias", when="out_proj")),
             has_dropout=True,
             heads="split",
         ),
@@ -268,8 +278,9 @@ class AttentionConfig:
     Fields that the variant does not expose hold the variant's fixed value or the neutral
     default below (e.g. ``dropout=0.0``, ``num_heads=1`` for a single-head variant);
     setting one of them raises ``ValueError``.  ``context_length=None`` means no cap on
-    the sequence length.  Raises ``TypeError``/``ValueError`` (the texts of
-    ``attention_spec.options``) for a bad value.
+    the sequence length.  The ``head_dim=`` option is held as ``head_dim_option`` (None
+    or the int given); ``head_dim`` is the resolved width of one head.  Raises
+    ``TypeError``/``ValueError`` (the texts of ``attention_spec.options``) for a bad value.
     """
 
     variant: str
@@ -292,36 +303,43 @@ class AttentionConfig:
     num_kv_heads: int | None = None
     kdim: int | None = None
     vdim: int | None = None
+    head_dim_option: int | None = None  # the ``head_dim=`` option as given (``head_dim``: resolved)
+    out_features: int | None = None
+    out_bias: bool = False
 
     def __post_init__(self) -> None:
         decl = variant(self.variant)
-        exposed = set(decl.options)
+        exposed = {_FIELDS.get(name, name) for name in decl.options}
         fixed = dict(decl.fixed)
         for f in fields(self):
             if f.name == "variant" or f.name in exposed:
                 continue
             neutral = fixed.get(f.name, f.default)
             if getattr(self, f.name) != neutral:
-                raise ValueError(f"{self.variant} has no option {f.name!r}")
+                raise ValueError(f"{self.variant} has no option {_OPTIONS.get(f.name, f.name)!r}")
         set_ = object.__setattr__  # frozen: normalised values are written once, here
         for name in ("d_in", "d_out", "head_size"):
             if name in exposed:
                 check_positive_int(name, getattr(self, name))
         if "context_length" in exposed and self.context_length is not None:
             check_positive_int("context_length", self.context_length)
+        head_dim = 0  # split heads: the resolved width of one head
         if "num_heads" in exposed:
             if decl.heads == "split":
-                check_heads(self.d_out, self.num_heads)
+                head_dim = check_head_dim(self.d_out, self.num_heads, self.head_dim_option)
             else:  # each wrapped head has its own width d_out: num_heads need not divide it
                 check_positive_int("num_heads", self.num_heads)
         if "dropout" in exposed:
             set_(self, "dropout", check_dropout_rate(self.dropout))
         if "scale" in exposed:
             set_(self, "scale", check_scale(self.scale))
-        for name in ("causal", "qkv_bias", "out_proj"):
+        for name in ("causal", "qkv_bias", "out_proj", "out_bias"):
             value = getattr(self, name)
             if name in exposed and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
+        if "out_features" in exposed:
+            check_out_width(cast(int, self.d_out), self.num_heads, head_dim,
+                            out_proj=self.out_proj, out_features=self.out_features)
         check_mask_strategy(self.mask_strategy)
         check_normalization(self.normalization)
         check_implementation(self.implementation)
@@ -345,13 +363,19 @@ class AttentionConfig:
 
     @property
     def width(self) -> int | None:
-        """Output width of the q/k/v projections (``d_out`` or ``head_size``)."""
+        """Output width of the query projection, the merged heads (``d_out`` or
+        ``head_size``; ``num_heads * head_dim`` when ``head_dim`` is given)."""
+        if self.head_dim_option is not None:
+            return self.num_heads * self.head_dim_option
         name = self.declaration.width
         return None if name is None else getattr(self, name)
 
     @property
     def head_dim(self) -> int | None:
-        """Width of one head's queries and keys."""
+        """Width of one head's queries, keys and values: the ``head_dim`` option, else
+        ``d_out // num_heads`` (split heads), the projections' width, or ``d_in``."""
+        if self.head_dim_option is not None:
+            return self.head_dim_option
         width = self.width
         if width is None:
             return self.d_in
@@ -376,16 +400,19 @@ class AttentionConfig:
 
     def fan_out(self, role: str) -> int | None:
         """Output width of the projection of ``role``: key/value projections are sized for
-        ``kv_heads`` heads of ``head_dim``."""
+        ``kv_heads`` heads of ``head_dim``; ``out`` maps to ``out_features`` (None:
+        ``d_out``); query to the merged heads' width."""
         width = self.width
+        if role == "out":
+            return self.d_out if self.out_features is None else self.out_features
         if role in ("key", "value") and width is not None and self.kv_heads != self.num_heads:
-            return width // self.num_heads * self.kv_heads
+            return cast(int, self.head_dim) * self.kv_heads
         return width
 
     def options(self) -> dict[str, Any]:
         """The constructor keywords, in signature order: ``cls(**config.options())``
         rebuilds the module (with the framework's own dtype/device/rngs)."""
-        return {name: getattr(self, name) for name in self.declaration.options}
+        return {name: getattr(self, _FIELDS.get(name, name)) for name in self.declaration.options}
 
     def projections(self) -> tuple[Projection, ...]:
         """The projections this configuration creates, in creation order."""
@@ -414,10 +441,11 @@ def make_config(name: str, options: Mapping[str, Any]) -> AttentionConfig:
     decl = variant(name)
     values: dict[str, Any] = {}
     for option in decl.signature:
+        field = _FIELDS.get(option.name, option.name)
         if option.name in options:
-            values[option.name] = options[option.name]
+            values[field] = options[option.name]
         elif option.default is REQUIRED:
             raise TypeError(f"{name}() missing required argument: {option.name!r}")
         else:
-            values[option.name] = option.default
+            values[field] = option.default
     return AttentionConfig(name, **dict(decl.fixed), **values)

@@ -237,7 +237,8 @@ class AttentionModule(nnx.Module):
         kv_segment_ids: Any = None,
         cache: Any = None,
     ) -> Any:
-        """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out); with
+        """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out) (``out_features``
+        when a ``MultiHeadAttention`` is built with it); with
         ``return_weights`` also the attention weights (B, H, T, S) or (H, T, S).
 
         ``context``: cross-attention, keys and values from another sequence: one array
@@ -275,7 +276,7 @@ class AttentionModule(nnx.Module):
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
-        examples: zeros in ``dtype`` (floating point; None: the module's compute dtype).
+        examples, (batch_size, kv_heads, max_len, head_dim) for keys and values: zeros in ``dtype`` (floating point; None: the module's compute dtype).
         Raises TypeError for a dtype that is not floating point, ValueError for ``max_len``
         beyond the module's ``context_length``."""
         spec = self.spec

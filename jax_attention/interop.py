@@ -345,7 +345,9 @@ def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: s
     _refuse(f"our MultiHeadAttention options that {what} cannot express", problems)
     if bias and not spec.qkv_bias:  # exact: a zero bias adds nothing
         for name in ("W_query", "W_key", "W_value"):
-            state[f"{name}.bias"] = np.zeros(cast(int, spec.d_out), state[f"{name}.weight"].dtype)
+            state[f"{name}.bias"] = np.zeros(cast(int, spec.width), state[f"{name}.weight"].dtype)
+    if bias and not spec.out_bias:  # out_bias=False: likewise a zero output bias
+        state["out_proj.bias"] = np.zeros(cast(int, spec.fan_out("out")), state["out_proj.weight"].dtype)
     return native_flax_params(state, spec.num_heads, use_bias=bias), bias
 
 
@@ -357,13 +359,14 @@ def to_nnx_multihead(
     rngs: nnx.Rngs | None = None,
 ) -> nnx.MultiHeadAttention:
     """An ``nnx.MultiHeadAttention`` (``decode=False``) with our ``MultiHeadAttention``'s
-    weights: ``in_features=d_in``, ``qkv_features=out_features=d_out``, ``num_heads``,
+    weights: ``in_features=d_in``, ``qkv_features=out_features=d_out`` (free widths:
+    ``qkv_features=num_heads * head_dim``, ``out_features`` ours), ``num_heads``,
     ``dropout_rate``, ``dtype``, ``param_dtype``, ``precision``, ``deterministic`` (from
     the module's mode).  ``from_nnx_multihead`` undoes it bit-exactly.
 
     ``use_bias``: None = ``qkv_bias``.  With ``qkv_bias=False`` our ``out_proj`` still
     has a bias: a nonzero one is refused unless ``use_bias=True``, which exports zero
-    q/k/v biases (exact).  ``allow_causal``: a causal module is refused unless given,
+    q/k/v biases (exact); likewise a zero output bias for ``out_bias=False``.  ``allow_causal``: a causal module is refused unless given,
     since the native module has no causal setting: call it with ``is_causal=True`` (or
     ``mask=causal_mask(T)``) every time.  ``context_length`` is not carried (Flax's
     module has no cap).  ``rngs``: needed when ``dropout > 0``.
@@ -377,7 +380,7 @@ def to_nnx_multihead(
     rngs = _rngs_for(spec.dropout, rngs, "the module")
     dropout = getattr(module, "dropout", None)
     m = nnx.MultiHeadAttention(
-        num_heads=spec.num_heads, in_features=spec.d_in, qkv_features=spec.d_out, out_features=spec.d_out,
+        num_heads=spec.num_heads, in_features=spec.d_in, qkv_features=spec.width, out_features=spec.fan_out("out"),
         in_kv_features=spec.kdim,
         dtype=module.dtype, param_dtype=module.param_dtype, dropout_rate=spec.dropout,
         deterministic=None if dropout is None else dropout.deterministic,
@@ -457,7 +460,7 @@ def to_linen_multihead(module: Any, *, use_bias: bool | None = None,
     spec = module.spec
     linen = nn.MultiHeadDotProductAttention(
         num_heads=spec.num_heads, dtype=module.dtype, param_dtype=module.param_dtype,
-        qkv_features=spec.d_out, out_features=spec.d_out, dropout_rate=spec.dropout,
+        qkv_features=spec.width, out_features=spec.fan_out("out"), dropout_rate=spec.dropout,
         precision=module.precision, use_bias="bias" in params["query"], decode=False,
     )
     return linen, {"params": params}

@@ -6,7 +6,7 @@ Module cases: variant x batch {1, 2, 7} x heads {1, 2, 4, 8} x seq {1, 6, 17, 64
 {none, causal, padding, causal+padding, random, rows fully masked} x dtype {float32,
 bfloat16, float16} x direction (PyTorch -> Flax, Flax -> PyTorch) x path {reference,
 fused, blockwise, auto}.  The full product is ~69k cases; one greedy pairwise covering
-design over all eight axes (83 cases with the refusals) holds every pair of values that
+design over all eight axes (95 cases with the refusals) holds every pair of values that
 can go together at least once: every variant meets every path, mask, dtype, size and
 direction; every path meets every mask, dtype, size and direction.  Constraints: a
 single-head variant has one head, and a variant runs only on the paths that can honour
@@ -78,6 +78,9 @@ class Variant:
     # |x|: for normalization="sum", whose row sums of x @ x^T must stay away from 0 (a row
     # summing to 0 is an error; near 0 the result is ill-conditioned, not wrong).
     positive: bool = False
+    # Grouped-query attention at every head count: num_kv_heads = max(1, heads // kv_group)
+    # (0: the variant's own num_kv_heads, if any).
+    kv_group: int = 0
 
     @property
     def multihead(self) -> bool:
@@ -95,6 +98,8 @@ class Variant:
         if decl.width is not None:
             values[decl.width] = width
         config = {name: value for name, value in values.items() if name in decl.options}
+        if self.kv_group:
+            config["num_kv_heads"] = max(1, heads // self.kv_group)
         return {**config, **dict(self.extra)}
 
     def refusal(self, implementation: str) -> str | None:
@@ -132,6 +137,11 @@ VARIANTS: dict[str, Variant] = {
         Variant("mqa", "MultiHeadAttention", (("num_kv_heads", 1),)),
         Variant("mha-window", "MultiHeadAttention", (("window", (3, None)),)),
         Variant("sa2-window", "SelfAttention_v2", (("window", (2, 1)),)),
+        # free widths: heads of 2 * HEAD_DIM (q/k/v 2x as wide as d_out) in groups of 2
+        # key/value heads, out_proj back to d_out (Gemma's heads x head_dim != hidden);
+        # out_proj without bias to a width of its own (Llama's o_proj)
+        Variant("mha-headdim-gqa", "MultiHeadAttention", (("head_dim", 2 * HEAD_DIM),), kv_group=2),
+        Variant("mha-outwidth-nobias", "MultiHeadAttention", (("out_features", D_IN + HEAD_DIM), ("out_bias", False))),
     )
 }
 

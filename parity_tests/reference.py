@@ -125,8 +125,11 @@ def _linear(params: Mapping[str, np.ndarray], name: str, x: np.ndarray) -> np.nd
     return y if bias is None else y + np.asarray(bias, np.float64)
 
 
-def _heads(t: np.ndarray, num_heads: int) -> np.ndarray:
+def _heads(t: np.ndarray, num_heads: int, head_dim: int | None = None) -> np.ndarray:
+    """(B, T, heads * D) -> (B, heads, T, D); a ``head_dim`` given must be the width's."""
     b, n, width = t.shape
+    if head_dim is not None and width != num_heads * head_dim:
+        raise ValueError(f"a projection of width {width} is not {num_heads} heads of head_dim={head_dim}")
     return t.reshape(b, n, num_heads, width // num_heads).transpose(0, 2, 1, 3)
 
 
@@ -146,7 +149,8 @@ def forward(
     from the variant registry, ``attention_spec.registry``.  ``keep`` is the dropout
     keep-mask of a training-mode call (None = eval mode); ``bias`` the additive bias of the
     call (broadcastable to (B, H, T, T)); ``config["softcap"]`` soft-caps the scores.  Weights are (B, H, T, T), the
-    ones that mixed the values.
+    ones that mixed the values.  Widths come from the parameters' shapes (``head_dim``,
+    when given, is checked against them); ``out_bias=False``: ``out_proj`` has no bias.
     """
     from attention_spec.registry import variant as declaration
 
@@ -187,15 +191,18 @@ def forward(
         by_role = {"query": x, "key": x, "value": x}
     num_heads = int(options.get("num_heads", 1)) if decl.heads == "split" else 1
     kv_heads = int(options.get("num_kv_heads") or num_heads)  # grouped-query: fewer k/v heads
-    q = _heads(by_role["query"], num_heads)  # (B, H, T, D)
-    k, v = (_heads(by_role[r], kv_heads) for r in ("key", "value"))  # (B, Hkv, T, D)
+    head_dim = options.get("head_dim")  # free widths: None = the projections' width / heads
+    q = _heads(by_role["query"], num_heads, head_dim)  # (B, H, T, D)
+    k, v = (_heads(by_role[r], kv_heads, head_dim) for r in ("key", "value"))  # (B, Hkv, T, D)
     scale = options.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, weights = attention(q, k, v, scale=scale, **common)
     b, h, n, d = out.shape
     out = out.transpose(0, 2, 1, 3).reshape(b, n, h * d)
     for p in projections:
-        if p.role == "out":
+        if p.role == "out":  # out_features / out_bias: out_proj's (out, in) weight and bias, if any
+            if p.has_bias(options) != (f"{p.name}.bias" in params):
+                raise ValueError(f"{p.name}.bias: the config says bias={p.has_bias(options)}, the parameters differ")
             out = _linear(params, p.name, out)
     return out, weights
 

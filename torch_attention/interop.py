@@ -248,7 +248,9 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
     ``nn.MultiheadAttention`` cannot express: ``causal=True`` (it takes the causal mask per
     call: pass ``attn_mask``/``is_causal`` there, or build ours with ``causal=False``),
     ``out_proj=False``, ``d_in != d_out``, a ``scale`` other than 1/sqrt(head_dim), a
-    nonzero ``out_proj`` bias with ``qkv_bias=False``.  Nothing is built before every
+    nonzero ``out_proj`` bias with ``qkv_bias=False``, ``out_bias=False`` with
+    ``qkv_bias=True``, a ``head_dim`` or ``out_features`` other than
+    ``d_out``'s.  Nothing is built before every
     check passed; the call draws no random numbers.
     """
     if not isinstance(module, MultiHeadAttention):
@@ -275,7 +277,16 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
             f"num_kv_heads={spec.num_kv_heads} (grouped-query heads; nn.MultiheadAttention has one key/value "
             "head per query head)"
         )
-    if not spec.qkv_bias and out_proj is not None and bool(out_proj.bias.detach().ne(0).any()):
+    if spec.width != spec.d_out or spec.fan_out("out") != spec.d_out:
+        problems.append(
+            f"head_dim={head_dim}, out_features={spec.fan_out('out')} with d_out={spec.d_out} "
+            "(nn.MultiheadAttention's heads split embed_dim, and its out_proj maps embed_dim to embed_dim)"
+        )
+    if spec.qkv_bias and not spec.out_bias:
+        problems.append("out_bias=False with qkv_bias=True (nn.MultiheadAttention's one bias switch gives "
+                        "both or neither)")
+    if not spec.qkv_bias and out_proj is not None and out_proj.bias is not None and bool(
+            out_proj.bias.detach().ne(0).any()):
         problems.append(
             "a nonzero out_proj bias with qkv_bias=False (nn.MultiheadAttention's one bias switch "
             "gives both or neither)"

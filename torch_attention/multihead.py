@@ -91,7 +91,14 @@ class MultiHeadAttention(AttentionModule):
     ``d_out // num_heads``, heads mixed by ``out_proj`` (``nn.Linear(d_out, d_out)``).
     ``out_proj=False`` only concatenates the heads (seed 000).
 
-    (B, T, d_in) -> (B, T, d_out); weights (B, num_heads, T, T).
+    Free widths: ``head_dim=`` sets the width of one head (q/k/v then map d_in to
+    ``num_heads * head_dim``, k/v ``num_kv_heads * head_dim``; d_out need not be a
+    multiple of num_heads), ``out_features=`` the width ``out_proj`` maps the merged
+    heads to (None: d_out; Gemma: 8 heads x 256 -> 2304), ``out_bias=False`` drops
+    ``out_proj``'s bias (Llama's ``o_proj``).  Without ``out_proj`` the output is the
+    merged heads, so ``num_heads * head_dim`` must equal d_out.
+
+    (B, T, d_in) -> (B, T, out_features or d_out); weights (B, num_heads, T, T).
     Scale None = 1/sqrt(head_dim).  ``context_length=None``: no cap on T (a port of
     ``nn.MultiheadAttention``).  ``dtype``/``device`` as ``nn.Linear``'s.
     """
@@ -111,6 +118,9 @@ class MultiHeadAttention(AttentionModule):
         num_kv_heads: int | None = None,
         kdim: int | None = None,
         vdim: int | None = None,
+        head_dim: int | None = None,
+        out_features: int | None = None,
+        out_bias: bool = True,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",

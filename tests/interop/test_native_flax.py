@@ -138,7 +138,8 @@ def test_from_nnx_matches_native(use_bias: bool, mask: str) -> None:
                            "num_heads": HEADS, "qkv_bias": use_bias, "out_proj": True, "scale": None,
                            "causal": False, "mask_strategy": "fill", "implementation": "auto",
                            "softcap": None, "num_kv_heads": None, "kdim": None, "vdim": None,
-                           "window": None, "alignment": "top_left"}
+                           "window": None, "alignment": "top_left", "head_dim": None, "out_features": None,
+                           "out_bias": True}
     m = _masks()[mask]
     _compare_modules(native, lambda mod, x: mod(x, mask=m), ours, lambda mod, x: mod(x, m), use_bias, _x())
 
