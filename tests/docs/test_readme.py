@@ -41,3 +41,16 @@ def test_example_runs(page: str, index: int, tmp_path: Path, monkeypatch: pytest
     code = compile(source, f"{page} example {index}", "exec")
     if not source.startswith("# sketch:"):
         exec(code, {"__name__": "__readme__"})
+
+
+def test_the_stated_case_counts_are_the_reports() -> None:
+    """The README and docs/parity.md state how many cases the report runs, whole and
+    ``--quick``: the module matrix plus the functional one, as ``python -m parity_tests``
+    counts them."""
+    from parity_tests.cases import functional_matrix, matrix, quick, quick_functional
+
+    whole, fast = len(matrix()) + len(functional_matrix()), len(quick()) + len(quick_functional())
+    for page in ("README.md", "docs/parity.md"):
+        text = " ".join((ROOT / page).read_text().split())
+        assert f"{whole} cases in about" in text, page
+        assert f"(`--quick`: {fast} cases," in text, page
