@@ -43,6 +43,7 @@ from attention_spec.options import (
     check_softcap,
     check_window,
 )
+from attention_spec.rope import check_rope
 
 __all__ = [
     "REGISTRY",
@@ -248,6 +249,7 @@ REGISTRY: dict[str, Variant] = {
              Option("num_kv_heads", None, True), Option("kdim", None, True), Option("vdim", None, True),
              # free widths: Gemma's heads x head_dim != hidden, Llama's bias-free o_proj
              Option("head_dim", None, True), Option("out_features", None, True), Option("out_bias", True, True),
+             Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              *_common(causal=True)),
             projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "out_bias", when="out_proj")),
             has_dropout=True,
@@ -306,6 +308,7 @@ class AttentionConfig:
     head_dim_option: int | None = None  # the ``head_dim=`` option as given (``head_dim``: resolved)
     out_features: int | None = None
     out_bias: bool = False
+    rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
 
     def __post_init__(self) -> None:
         decl = variant(self.variant)
@@ -350,6 +353,8 @@ class AttentionConfig:
             check_kv_heads(self.num_heads, self.num_kv_heads)
         for name in ("kdim", "vdim"):
             check_optional_width(name, getattr(self, name))
+        if self.rope is not None:  # its rotary dimension must fit the heads
+            check_rope(self.rope, head_dim)
 
     # ------------------------------------------------------------------ reading it
 

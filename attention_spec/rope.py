@@ -419,3 +419,40 @@ def rope_from_hf(config: Any, layer_type: str | None = None) -> RopeConfig:
         scaling=scaling,
         **fields,
     )
+
+
+def check_inv_freq(shape: tuple[int, ...], dtype: str, dim: int) -> None:
+    """``apply_rope``'s ``inv_freq=`` override: floating point, ``rotary_dim / 2`` of them."""
+    if "float" not in dtype:
+        raise TypeError(f"rope inv_freq must be floating point; got dtype {dtype}")
+    if tuple(shape) != (dim // 2,):
+        raise ValueError(f"rope inv_freq must have shape (rotary_dim / 2,) = ({dim // 2},); got shape {tuple(shape)}")
+
+
+ROPE_WITH_CONTEXT = (
+    "rope= rotates the queries and keys of self-attention: a call with context= (cross-attention) has "
+    "no positions for its keys"
+)
+
+
+def check_module_positions(
+    has_rope: bool, positions_shape: tuple[int, ...] | None, positions_dtype: str | None,
+    x_shape: tuple[int, ...], *, context: bool,
+) -> None:
+    """A module call's ``positions=``: only for a module built with ``rope=``; integers of
+    shape ``(batch, seq)`` (or ``(1, seq)``; ``(seq,)`` for an unbatched x)."""
+    if not has_rope:
+        if positions_shape is not None:
+            raise ValueError("positions= needs a module built with rope= (rotary position embeddings); this one has none")
+        return
+    if context:
+        raise ValueError(ROPE_WITH_CONTEXT)
+    if positions_shape is None:
+        return
+    if "int" not in str(positions_dtype):
+        raise TypeError(f"rope positions must be integers; got dtype {positions_dtype}")
+    lead = tuple(x_shape[:-1])
+    allowed = [lead] + ([(1, lead[1])] if len(lead) == 2 else [])
+    if tuple(positions_shape) not in allowed:
+        want = " or ".join(str(s) for s in allowed)
+        raise ValueError(f"positions must have shape {want} (x's leading dimensions); got shape {tuple(positions_shape)}")

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import Array
 
@@ -23,6 +24,7 @@ from attention_spec.cache import check_cache_context, check_cache_dtype, check_c
 from attention_spec.options import check_positive_int
 from attention_spec.planning import CallOps, plan_call
 from attention_spec.registry import AttentionConfig, Projection, make_config
+from attention_spec.rope import check_module_positions
 from jax_attention import functional
 
 
@@ -82,6 +84,7 @@ class _Call(NamedTuple):
     segment_ids: Array | None = None  # int (B, T)
     kv_segment_ids: Array | None = None  # int (B, S)
     cache: Any = None  # functional.KVCache
+    positions: Array | None = None  # int (B, T) or (1, T): rope's positions (None: the default)
 
 
 def _check_room(fullest: Any, *, new: int, max_len: int) -> None:
@@ -236,6 +239,7 @@ class AttentionModule(nnx.Module):
         segment_ids: Any = None,
         kv_segment_ids: Any = None,
         cache: Any = None,
+        positions: Any = None,
     ) -> Any:
         """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out) (``out_features``
         when a ``MultiHeadAttention`` is built with it); with
@@ -265,10 +269,13 @@ class AttentionModule(nnx.Module):
         ``donate_argnums`` hands the cache's buffers to the step before it runs, so after
         a failed donated step they are deleted.  Before a donated step that may not fit,
         check ``int(cache.lengths.max()) + T <= max_len`` eagerly, or do not donate).
+        ``positions``: integers (B, T) (or (1, T); (T,) for an unbatched x), the positions
+        at which a module built with ``rope=`` rotates q and k; None: 0..T-1, with a cache
+        each example's fill onward.
         """
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache, return_weights=return_weights)
+                             cache=cache, return_weights=return_weights, positions=positions)
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
         if call.cache is not None:
             return self._run_cached(call, return_weights, key)
@@ -308,6 +315,7 @@ class AttentionModule(nnx.Module):
         kv_segment_ids: Any = None,
         cache: Any = None,
         return_weights: bool = False,
+        positions: Any = None,
     ) -> _Call:
         """Every check of one call (``plan_call``), before any work (and before any random
         draw); the inputs batched and canonical."""
@@ -318,12 +326,36 @@ class AttentionModule(nnx.Module):
             kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
             return_weights=return_weights,
         )
+        positions = self._check_positions(positions, x, context)
         keys, values, mask, bias = plan.keys, plan.values, plan.mask, plan.bias
         if not plan.batched:  # (T, C) -> (1, T, C); masks broadcast from the right
             x = x[None]
-            keys, values, mask, bias = (t if t is None else t[None] for t in (keys, values, mask, bias))
+            keys, values, mask, bias, positions = (
+                t if t is None else t[None] for t in (keys, values, mask, bias, positions))
         return _Call(x, mask, dropout_mask, plan.kv_lengths, plan.implementation, plan.batched, deterministic,
-                     bias, keys, values, plan.segment_ids, plan.kv_segment_ids, cache)
+                     bias, keys, values, plan.segment_ids, plan.kv_segment_ids, cache, positions)
+
+    # ------------------------------------------------------------------ rotary positions
+
+    def _check_positions(self, positions: Any, x: Array, context: Any) -> Array | None:
+        """A call's ``positions=`` checked (``check_module_positions``), as an array."""
+        if positions is not None:
+            positions = jnp.asarray(positions)
+        shape = None if positions is None else tuple(positions.shape)
+        dtype = None if positions is None else dtype_name(positions.dtype)
+        check_module_positions(self.spec.rope is not None, shape, dtype, tuple(x.shape), context=context is not None)
+        return positions
+
+    def _rotate(self, q: Array, k: Array, positions: Array | None, start: Array | None = None) -> tuple[Array, Array]:
+        """q and k turned by rope at ``positions`` (None: ``start`` + 0..T-1, start 0
+        without a cache: constants); unchanged for a module without rope."""
+        rope = self.spec.rope
+        if rope is None:
+            return q, k
+        if positions is None:
+            steps = np.arange(q.shape[2])[None]
+            positions = steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
+        return functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
 
     def _draws(self, call: _Call) -> bool:
         return not call.deterministic and self.spec.dropout > 0.0 and call.dropout_mask is None
@@ -370,6 +402,7 @@ class AttentionModule(nnx.Module):
         """The work, on checked input: project, attend, merge.  Batched in and out."""
         # q (B, H, T, D), k and v (B, Hkv, S, D)
         q, k, v = self._project(call.x, call.keys, call.values, call.implementation)
+        q, k = self._rotate(q, k, call.positions)
         result = self._attend(call, q, k, v, return_weights, key)
         if return_weights:
             out, weights = cast(tuple[Array, Array], result)
@@ -384,6 +417,7 @@ class AttentionModule(nnx.Module):
         batch, seq = call.x.shape[0], call.x.shape[1]
         lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((batch,), seq, jnp.int32)
         start = cache.lengths
+        q, k = self._rotate(q, k, call.positions, start)
         cache = functional.append_to_cache(cache, k, v, lengths)
         result = self._attend(call, q, cache.key.astype(q.dtype), cache.value.astype(q.dtype), return_weights,
                               key, kv_lengths=start + lengths, q_offset=start, alignment="top_left")

@@ -15,6 +15,8 @@ positions.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ from attention_spec.arrays import dtype_name
 from attention_spec.rope import (
     TRACED_SEQ_LEN,
     RopeConfig,
+    check_inv_freq,
     check_rope,
     check_rope_call,
     inv_freq,
@@ -54,11 +57,21 @@ def _freqs(
 
 
 def rope_cos_sin(
-    positions: Array, config: RopeConfig, head_dim: int, *, dtype: jnp.dtype, seq_len: int | None = None
+    positions: Array,
+    config: RopeConfig,
+    head_dim: int,
+    *,
+    dtype: jnp.dtype,
+    seq_len: int | None = None,
+    inv_freq_override: Array | None = None,
 ) -> tuple[Array, Array]:
-    """cos and sin of every position's angles, ``(B, T, rotary_dim / 2)``, in ``dtype``."""
+    """cos and sin of every position's angles, ``(B, T, rotary_dim / 2)``, in ``dtype``
+    (from ``inv_freq_override`` instead of the config's frequencies when given)."""
     work = np.float64 if jnp.dtype(dtype) == jnp.float64 else np.float32
-    freqs, attention_factor = _freqs(positions, config, head_dim, seq_len, work)
+    if inv_freq_override is not None:
+        freqs, attention_factor = inv_freq_override.astype(work), inv_freq(config, head_dim, None)[1]
+    else:
+        freqs, attention_factor = _freqs(positions, config, head_dim, seq_len, work)
     angles = positions[..., None].astype(work) * freqs[None, None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if attention_factor != 1.0:
@@ -66,18 +79,27 @@ def rope_cos_sin(
     return cos.astype(dtype), sin.astype(dtype)
 
 
-def apply_rope(x: Array, positions: Array, config: RopeConfig, *, seq_len: int | None = None) -> Array:
+def apply_rope(
+    x: Array, positions: Array, config: RopeConfig, *, seq_len: int | None = None, inv_freq: Any = None
+) -> Array:
     """Rotary position embedding of ``x`` (q or k, ``(B, H, T, D)``) at ``positions``
     (integers, ``(B, T)`` or ``(1, T)``): feature pairs of the first ``rotary_dim``
     features turn by ``position * inv_freq``, the rest pass through.  ``seq_len``: the
     sequence length the dynamic and longrope scalings see (default: the largest position
-    + 1)."""
+    + 1).  ``inv_freq``: float frequencies, ``(rotary_dim / 2,)``, to use instead of the
+    config's (a ported layer's own buffer: ``transformers`` computes its frequencies in
+    float32 arithmetic, a few ulps from the float64 ones rounded once); the attention
+    factor still comes from the config."""
     check_rope(config)
     positions = jnp.asarray(positions)
     check_rope_call(tuple(x.shape), tuple(positions.shape), dtype_name(positions.dtype))
     head_dim = int(x.shape[-1])
     dim = rotary_dim(config, head_dim)
-    cos, sin = rope_cos_sin(positions, config, head_dim, dtype=x.dtype, seq_len=seq_len)
+    override = None
+    if inv_freq is not None:
+        override = jnp.asarray(inv_freq)
+        check_inv_freq(tuple(override.shape), dtype_name(override.dtype), dim)
+    cos, sin = rope_cos_sin(positions, config, head_dim, dtype=x.dtype, seq_len=seq_len, inv_freq_override=override)
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, dim / 2): one angle per pair, every head
     x_rot, x_pass = x[..., :dim], x[..., dim:]
     if config.layout == "half":

@@ -18,6 +18,7 @@ from attention_spec.cache import check_cache_context, check_cache_dtype, check_c
 from attention_spec.options import check_positive_int
 from attention_spec.planning import CallOps, plan_call
 from attention_spec.registry import AttentionConfig, Projection, make_config
+from attention_spec.rope import check_module_positions
 from torch_attention import functional
 
 
@@ -36,6 +37,7 @@ class _Call(NamedTuple):
     segment_ids: Tensor | None = None  # int (B, T)
     kv_segment_ids: Tensor | None = None  # int (B, S)
     cache: Any = None  # functional.KVCache
+    positions: Tensor | None = None  # int (B, T) or (1, T): rope's positions (None: the default)
 
 
 def _prefix(t: Tensor | None, n: int) -> Tensor | None:
@@ -147,6 +149,7 @@ class AttentionModule(nn.Module):
         segment_ids: Any = None,
         kv_segment_ids: Any = None,
         cache: Any = None,
+        positions: Any = None,
     ) -> Any:
         """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out) (``out_features``
         when a ``MultiHeadAttention`` is built with it); with
@@ -168,11 +171,14 @@ class AttentionModule(nn.Module):
         it (in place) and x attends to every cached position, causally aligned at each
         example's fill; returns ``(out, cache)`` (``(out, weights, cache)`` with
         ``return_weights``).  Autograd differentiates through several cached steps.
+        ``positions``: integers (B, T) (or (1, T); (T,) for an unbatched x), the positions
+        at which a module built with ``rope=`` rotates q and k; None: 0..T-1, with a cache
+        each example's fill onward.
         Raises ValueError/TypeError before any work (and before the cache is written).
         """
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache, return_weights=return_weights)
+                             cache=cache, return_weights=return_weights, positions=positions)
         if call.cache is not None:
             return self._run_cached(call, return_weights)
         return self._unbatch(self._run(call, return_weights), call.batched)
@@ -215,6 +221,7 @@ class AttentionModule(nn.Module):
         kv_segment_ids: Any = None,
         cache: Any = None,
         return_weights: bool = False,
+        positions: Any = None,
     ) -> _Call:
         """Every check of one call (``plan_call``), before any work (a cached call's
         included: nothing after these raises for the call's input, so a refused call never
@@ -225,12 +232,38 @@ class AttentionModule(nn.Module):
             kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
             return_weights=return_weights,
         )
+        positions = self._check_positions(positions, x, context)
         keys, values, mask, bias = plan.keys, plan.values, plan.mask, plan.bias
         if not plan.batched:  # (T, C) -> (1, T, C); masks broadcast from the right
             x = x.unsqueeze(0)
-            keys, values, mask, bias = (t if t is None else t.unsqueeze(0) for t in (keys, values, mask, bias))
+            keys, values, mask, bias, positions = (
+                t if t is None else t.unsqueeze(0) for t in (keys, values, mask, bias, positions))
         return _Call(x, mask, dropout_mask, plan.kv_lengths, plan.implementation, plan.batched, bias,
-                     keys, values, plan.segment_ids, plan.kv_segment_ids, cache)
+                     keys, values, plan.segment_ids, plan.kv_segment_ids, cache, positions)
+
+    # ------------------------------------------------------------------ rotary positions
+
+    def _check_positions(self, positions: Any, x: Tensor, context: Any) -> Tensor | None:
+        """A call's ``positions=`` checked (``check_module_positions``), as a tensor."""
+        if positions is not None:
+            positions = torch.as_tensor(positions, device=x.device)
+        shape = None if positions is None else tuple(positions.shape)
+        dtype = None if positions is None else dtype_name(positions.dtype)
+        check_module_positions(self.spec.rope is not None, shape, dtype, tuple(x.shape), context=context is not None)
+        return positions
+
+    def _rotate(
+        self, q: Tensor, k: Tensor, positions: Tensor | None, start: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """q and k turned by rope at ``positions`` (None: ``start`` + 0..T-1, start 0
+        without a cache); unchanged for a module without rope."""
+        rope = self.spec.rope
+        if rope is None:
+            return q, k
+        if positions is None:
+            steps = torch.arange(q.shape[2], device=q.device)[None]
+            positions = steps if start is None else start.to(q.device)[:, None] + steps
+        return functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
 
     def _attend(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool, **extra: Any) -> Any:
         spec = self.spec
@@ -260,6 +293,7 @@ class AttentionModule(nn.Module):
         """The work, on checked input: project, attend, merge.  Batched in and out."""
         # q (B, H, T, D), k and v (B, Hkv, S, D)
         q, k, v = self._project(call.x, call.keys, call.values, call.implementation)
+        q, k = self._rotate(q, k, call.positions)
         result = self._attend(call, q, k, v, return_weights)
         if return_weights:
             out, weights = cast(tuple[Tensor, Tensor], result)
@@ -275,6 +309,7 @@ class AttentionModule(nn.Module):
         lengths = call.kv_lengths if call.kv_lengths is not None else torch.full(
             (batch,), seq, dtype=torch.int64, device=q.device)
         start = cache.lengths.clone()
+        q, k = self._rotate(q, k, call.positions, start)
         cache = functional.append_to_cache(cache, k, v, lengths.to(q.device))
         # Eager shapes may change per step: attend over the filled prefix only (the twin
         # keeps max_len, the fixed shape that lets one compilation serve every step).

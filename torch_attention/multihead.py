@@ -98,6 +98,11 @@ class MultiHeadAttention(AttentionModule):
     ``out_proj``'s bias (Llama's ``o_proj``).  Without ``out_proj`` the output is the
     merged heads, so ``num_heads * head_dim`` must equal d_out.
 
+    Rotary position embeddings: ``rope=`` (an ``attention_spec.rope.RopeConfig``) turns q and k
+    after the head split, before attention, at the call's ``positions=`` (integers
+    (B, T); None: 0..T-1, or, with a cache, each example's fill onward); the frequencies
+    are computed from the config (no parameter).  Self-attention only (no ``context=``).
+
     (B, T, d_in) -> (B, T, out_features or d_out); weights (B, num_heads, T, T).
     Scale None = 1/sqrt(head_dim).  ``context_length=None``: no cap on T (a port of
     ``nn.MultiheadAttention``).  ``dtype``/``device`` as ``nn.Linear``'s.
@@ -121,6 +126,7 @@ class MultiHeadAttention(AttentionModule):
         head_dim: int | None = None,
         out_features: int | None = None,
         out_bias: bool = True,
+        rope: Any = None,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
