@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from attention_spec.registry import variant as declaration
+from attention_spec.rope import RopeConfig
 
 D_IN = 16
 HEAD_DIM = 8
@@ -142,6 +143,9 @@ VARIANTS: dict[str, Variant] = {
         # out_proj without bias to a width of its own (Llama's o_proj)
         Variant("mha-headdim-gqa", "MultiHeadAttention", (("head_dim", 2 * HEAD_DIM),), kv_group=2),
         Variant("mha-outwidth-nobias", "MultiHeadAttention", (("out_features", D_IN + HEAD_DIM), ("out_bias", False))),
+        # rotary position embeddings (Llama's theta and layout), half of each head turning
+        # (partial rotary, as Phi and GPT-NeoX): q and k turned after the head split
+        Variant("mha-rope", "MultiHeadAttention", (("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.5)),)),
     )
 }
 

@@ -141,6 +141,7 @@ def forward(
     mask: np.ndarray | None = None,
     keep: np.ndarray | None = None,
     bias: np.ndarray | None = None,
+    positions: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The oracle for one module: (out, weights) for x (B, T, d_in) or (T, d_in).
 
@@ -151,12 +152,15 @@ def forward(
     call (broadcastable to (B, H, T, T)); ``config["softcap"]`` soft-caps the scores.  Weights are (B, H, T, T), the
     ones that mixed the values.  Widths come from the parameters' shapes (``head_dim``,
     when given, is checked against them); ``out_bias=False``: ``out_proj`` has no bias.
+    ``config["rope"]`` (a ``RopeConfig``) turns q and k at ``positions`` (integers (B, T)
+    or (1, T); None: 0..T-1), in float64 (``rope``).
     """
     from attention_spec.registry import variant as declaration
 
     x = np.asarray(x, dtype=np.float64)
     if x.ndim == 2:
-        out, weights = forward(variant, config, params, x[None], mask, keep, bias)
+        out, weights = forward(variant, config, params, x[None], mask, keep, bias,
+                               None if positions is None else np.asarray(positions)[None])
         return out[0], weights[0]
     decl = declaration(variant)
     options = {**decl.defaults, **dict(decl.fixed), **config}
@@ -194,6 +198,9 @@ def forward(
     head_dim = options.get("head_dim")  # free widths: None = the projections' width / heads
     q = _heads(by_role["query"], num_heads, head_dim)  # (B, H, T, D)
     k, v = (_heads(by_role[r], kv_heads, head_dim) for r in ("key", "value"))  # (B, Hkv, T, D)
+    if options.get("rope") is not None:
+        pos = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
+        q, k = rope(q, pos, options["rope"]), rope(k, pos, options["rope"])
     scale = options.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, weights = attention(q, k, v, scale=scale, **common)
@@ -205,6 +212,29 @@ def forward(
                 raise ValueError(f"{p.name}.bias: the config says bias={p.has_bias(options)}, the parameters differ")
             out = _linear(params, p.name, out)
     return out, weights
+
+
+def rope(t: np.ndarray, positions: np.ndarray, config: Any) -> np.ndarray:
+    """Rotary position embedding in float64, pair by pair: t (B, H, T, D), positions
+    (B, T) or (1, T); pair i of the first ``rotary_dim`` features of the token at position
+    p turns by ``p * inv_freq[i]`` (``attention_spec.rope.inv_freq``, float64), cos and sin
+    times the attention factor; the pairs are ``(i, i + rotary_dim / 2)`` (layout
+    ``"half"``) or ``(2i, 2i + 1)`` (``"interleaved"``)."""
+    from attention_spec.rope import inv_freq, needs_seq_len, rotary_dim
+
+    t = np.asarray(t, np.float64)
+    positions = np.broadcast_to(np.asarray(positions), (t.shape[0], t.shape[2]))
+    dim = rotary_dim(config, t.shape[-1])
+    seq_len = int(positions.max()) + 1 if needs_seq_len(config) and positions.size else None
+    freqs, factor = inv_freq(config, t.shape[-1], seq_len)
+    out = t.copy()
+    for i in range(dim // 2):
+        a, b = (i, i + dim // 2) if config.layout == "half" else (2 * i, 2 * i + 1)
+        angle = positions[:, None, :].astype(np.float64) * freqs[i]  # (B, 1, T)
+        cos, sin = np.cos(angle) * factor, np.sin(angle) * factor
+        out[..., a] = t[..., a] * cos - t[..., b] * sin
+        out[..., b] = t[..., b] * cos + t[..., a] * sin
+    return out
 
 
 def _head(m: np.ndarray, i: int) -> np.ndarray:
