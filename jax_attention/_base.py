@@ -352,10 +352,11 @@ class AttentionModule(nnx.Module):
         rope = self.spec.rope
         if rope is None:
             return q, k
-        if positions is None:
+        at: Any = positions
+        if at is None:
             steps = np.arange(q.shape[2])[None]
-            positions = steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
-        return functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
+            at = steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
+        return functional.apply_rope(q, at, rope), functional.apply_rope(k, at, rope)
 
     def _draws(self, call: _Call) -> bool:
         return not call.deterministic and self.spec.dropout > 0.0 and call.dropout_mask is None

@@ -78,10 +78,11 @@ class MultiHeadAttentionWrapper(AttentionModule):
         segment_ids: Any = None,
         kv_segment_ids: Any = None,
         cache: Any = None,
+        positions: Any = None,
     ) -> Array | tuple[Array, Array]:
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache, return_weights=return_weights)
+                             cache=cache, return_weights=return_weights, positions=positions)
         results = []
         for i, head in enumerate(cast(list[CausalAttention], self.heads)):
             head_call = call._replace(

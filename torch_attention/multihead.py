@@ -64,10 +64,11 @@ class MultiHeadAttentionWrapper(AttentionModule):
         segment_ids: Any = None,
         kv_segment_ids: Any = None,
         cache: Any = None,
+        positions: Any = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias, context=context,
                              segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
-                             return_weights=return_weights)
+                             return_weights=return_weights, positions=positions)
         results = [
             cast(CausalAttention, head)._run(
                 call._replace(mask=_head_slice(call.mask, i), dropout_mask=_head_slice(call.dropout_mask, i),
