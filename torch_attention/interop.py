@@ -282,6 +282,8 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
             f"head_dim={head_dim}, out_features={spec.fan_out('out')} with d_out={spec.d_out} "
             "(nn.MultiheadAttention's heads split embed_dim, and its out_proj maps embed_dim to embed_dim)"
         )
+    if spec.rope is not None:
+        problems.append("rope= (nn.MultiheadAttention has no rotary position embeddings)")
     if spec.qkv_bias and not spec.out_bias:
         problems.append("out_bias=False with qkv_bias=True (nn.MultiheadAttention's one bias switch gives "
                         "both or neither)")

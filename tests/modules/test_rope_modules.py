@@ -349,3 +349,17 @@ def test_llama_attention_with_the_same_weights_at_positions_beyond_400() -> None
                                rtol=tol.rtol, atol=tol.atol)
     grad_f = np.asarray(jax.grad(lambda x_: (flax_m(x_, positions=pos) * cot).sum())(xs))
     assert np.abs(grad_f - x.grad.numpy()).max() <= gtol.atol + gtol.rtol * np.abs(x.grad.numpy()).max()
+
+
+@needs_both
+def test_the_native_exports_refuse_rope() -> None:
+    """nn.MultiheadAttention and Flax's attention have no rotary embedding: an export of a
+    module built with rope= is refused, naming it."""
+    from jax_attention import interop as jax_interop
+    from torch_attention import interop as torch_interop
+
+    torch_m, flax_m = _pair(num_kv_heads=None, head_dim=None, out_bias=True, causal=False)
+    with pytest.raises(ValueError, match=re.escape("rope= (nn.MultiheadAttention has no rotary")):
+        torch_interop.to_nn_multihead(torch_m)
+    with pytest.raises(ValueError, match=re.escape("rope= (Flax's MultiHeadAttention has no rotary")):
+        jax_interop.to_nnx_multihead(flax_m)
