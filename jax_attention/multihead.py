@@ -116,6 +116,11 @@ class MultiHeadAttention(AttentionModule):
     ``out_proj``'s bias (Llama's ``o_proj``).  Without ``out_proj`` the output is the
     merged heads, so ``num_heads * head_dim`` must equal d_out.
 
+    qk-norm: ``qk_norm="rms"`` or ``"layer"`` normalises the projected queries and keys
+    (``q_norm``, ``k_norm``: a learnable weight, and a bias for ``"layer"``; ``eps`` =
+    ``qk_norm_eps``) before attention, per head over head_dim (``qk_norm_scope="head"``:
+    Qwen3, Phi's ``qk_layernorm``) or over all heads together (``"all"``: OLMo 2).
+
     (B, T, d_in) -> (B, T, out_features or d_out); weights (B, num_heads, T, T).
     Scale None = 1/sqrt(head_dim).  ``context_length=None``: no cap on T.
     dtypes as ``CausalAttention`` (``param_dtype`` storage, ``dtype`` computation).
@@ -139,6 +144,9 @@ class MultiHeadAttention(AttentionModule):
         head_dim: int | None = None,
         out_features: int | None = None,
         out_bias: bool = True,
+        qk_norm: str | None = None,
+        qk_norm_scope: str = "head",
+        qk_norm_eps: float = 1e-6,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
