@@ -446,14 +446,14 @@ class AttentionModule(nnx.Module):
         norm = next((getattr(self, n) for n, r, _ in spec.qk_norms() if r == role), None)
         if norm is None:
             return t
-        scale = norm.scale[...]
-        x = t.reshape(*t.shape[:-1], -1, scale.shape[0]).astype(jnp.float32)
+        scale = norm.scale[...].reshape((1,) * t.ndim + (-1,))  # explicit rank: no implicit promotion
+        x = t.reshape(*t.shape[:-1], -1, scale.shape[-1]).astype(jnp.float32)
         if spec.qk_norm == "layer":
             x = x - x.mean(-1, keepdims=True)
         x = (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + spec.qk_norm_eps)).astype(t.dtype)
         x = x * scale.astype(t.dtype)
         if spec.qk_norm == "layer":
-            x = x + norm.bias[...].astype(t.dtype)
+            x = x + norm.bias[...].reshape(scale.shape).astype(t.dtype)
         return x.reshape(t.shape)
 
     def _split_heads(self, t: Array, heads: int | None = None) -> Array:

@@ -142,6 +142,10 @@ VARIANTS: dict[str, Variant] = {
         # out_proj without bias to a width of its own (Llama's o_proj)
         Variant("mha-headdim-gqa", "MultiHeadAttention", (("head_dim", 2 * HEAD_DIM),), kv_group=2),
         Variant("mha-outwidth-nobias", "MultiHeadAttention", (("out_features", D_IN + HEAD_DIM), ("out_bias", False))),
+        # qk-norm: Qwen3's RMSNorm of each head with grouped heads; OLMo-2-like norm across
+        # all heads, here a LayerNorm (weight and bias)
+        Variant("mha-qknorm-rms-gqa", "MultiHeadAttention", (("qk_norm", "rms"),), kv_group=2),
+        Variant("mha-qknorm-layer-all", "MultiHeadAttention", (("qk_norm", "layer"), ("qk_norm_scope", "all"))),
     )
 }
 
