@@ -6,7 +6,7 @@ Module cases: variant x batch {1, 2, 7} x heads {1, 2, 4, 8} x seq {1, 6, 17, 64
 {none, causal, padding, causal+padding, random, rows fully masked} x dtype {float32,
 bfloat16, float16} x direction (PyTorch -> Flax, Flax -> PyTorch) x path {reference,
 fused, blockwise, auto}.  The full product is ~69k cases; one greedy pairwise covering
-design over all eight axes (95 cases with the refusals) holds every pair of values that
+design over all eight axes (107 cases with the refusals) holds every pair of values that
 can go together at least once: every variant meets every path, mask, dtype, size and
 direction; every path meets every mask, dtype, size and direction.  Constraints: a
 single-head variant has one head, and a variant runs only on the paths that can honour
