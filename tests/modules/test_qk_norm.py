@@ -207,6 +207,27 @@ def test_decoding_with_the_cache_equals_the_full_forward(name: str) -> None:
         assert np.allclose(np.concatenate(steps, axis=1), full, rtol=tol.rtol, atol=tol.atol)
 
 
+@needs_jax
+@pytest.mark.parametrize("name", ["rms-all", "layer-head"])
+def test_flax_under_jit_equals_eager(name: str) -> None:
+    """The options are static under ``nnx.jit``; the norms' scale and bias are traced."""
+    from flax import nnx
+
+    import jax_attention
+
+    module = jax_attention.MultiHeadAttention(**_config(name), rngs=nnx.Rngs(5))
+    rng = np.random.default_rng(7)
+    for norm in (module.q_norm, module.k_norm):
+        norm.scale[...] = rng.standard_normal(norm.scale.shape).astype(np.float32)
+    x = _x(seed=6)
+    eager = np.asarray(module(x))
+    jitted = np.asarray(nnx.jit(lambda m, inputs: m(inputs))(module, x))
+    tol = PARITY["float32"]
+    assert np.allclose(jitted, eager, rtol=tol.rtol, atol=tol.atol)
+    module.q_norm.scale[...] = module.q_norm.scale[...] * 2.0  # a traced parameter: the next call sees it
+    assert not np.allclose(np.asarray(nnx.jit(lambda m, inputs: m(inputs))(module, x)), eager, atol=1e-4)
+
+
 @needs_both
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("variant", ["mha-qknorm-rms-gqa", "mha-qknorm-layer-all"])
