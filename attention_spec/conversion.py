@@ -100,6 +100,10 @@ def rules_for(
             rules.append(Rule(name, path, (), ((fan_in, width),)))
         else:
             rules += linear_rules(name, path, bias=proj.has_bias(spec), shape=(width, fan_in))
+    for name, _, width in spec.qk_norms():  # weight <-> scale (and bias), the same (width,) array
+        path = (*prefix, name)
+        tail = (("weight", "scale"), ("bias", "bias")) if spec.qk_norm == "layer" else (("weight", "scale"),)
+        rules += [Rule(".".join(map(str, (*path, t))), (*path, f), (), ((width,),)) for t, f in tail]
     return rules
 
 

@@ -17,6 +17,8 @@ MASK_STRATEGIES = ("fill", "renormalize")
 NORMALIZATIONS = ("softmax", "sum")
 IMPLEMENTATIONS = ("auto", "reference", "fused", "blockwise")
 ALIGNMENTS = ("top_left", "bottom_right")
+QK_NORMS = ("rms", "layer")
+QK_NORM_SCOPES = ("head", "all")
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -95,6 +97,19 @@ def check_out_width(d_out: int, num_heads: int, head_dim: int, *, out_proj: bool
             f"got num_heads={num_heads}, head_dim={head_dim}, d_out={d_out}"
         )
     return d_out
+
+
+def check_qk_norm(qk_norm: Any, scope: Any, eps: Any) -> tuple[str | None, str, float]:
+    """``qk_norm`` (None: off, ``"rms"`` or ``"layer"``: RMSNorm / LayerNorm of the
+    projected queries and keys), ``qk_norm_scope`` (``"head"``: over each head's
+    head_dim, as Qwen3 and Phi; ``"all"``: over all heads together, as OLMo 2) and
+    ``qk_norm_eps`` (a positive finite number); returns them canonical."""
+    if qk_norm is not None:
+        _one_of("qk_norm", qk_norm, (None, *QK_NORMS))  # type: ignore[arg-type]
+    _one_of("qk_norm_scope", scope, QK_NORM_SCOPES)
+    if not _is_real(eps) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"qk_norm_eps must be a positive finite float; got {eps!r}")
+    return qk_norm, scope, float(eps)
 
 
 def check_kv_heads(num_heads: Any, num_kv_heads: Any) -> int:

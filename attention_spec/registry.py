@@ -39,6 +39,7 @@ from attention_spec.options import (
     check_optional_width,
     check_out_width,
     check_positive_int,
+    check_qk_norm,
     check_scale,
     check_softcap,
     check_window,
@@ -249,6 +250,8 @@ REGISTRY: dict[str, Variant] = {
              Option("num_kv_heads", None, True), Option("kdim", None, True), Option("vdim", None, True),
              # free widths: Gemma's heads x head_dim != hidden, Llama's bias-free o_proj
              Option("head_dim", None, True), Option("out_features", None, True), Option("out_bias", True, True),
+             # qk-norm: Qwen3's / Phi's per-head q_norm and k_norm, OLMo 2's across heads
+             Option("qk_norm", None, True), Option("qk_norm_scope", "head", True), Option("qk_norm_eps", 1e-6, True),
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              *_common(causal=True)),
             projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "out_bias", when="out_proj")),
@@ -308,6 +311,9 @@ class AttentionConfig:
     head_dim_option: int | None = None  # the ``head_dim=`` option as given (``head_dim``: resolved)
     out_features: int | None = None
     out_bias: bool = False
+    qk_norm: str | None = None
+    qk_norm_scope: str = "head"
+    qk_norm_eps: float = 1e-6
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
 
     def __post_init__(self) -> None:
@@ -353,6 +359,9 @@ class AttentionConfig:
             check_kv_heads(self.num_heads, self.num_kv_heads)
         for name in ("kdim", "vdim"):
             check_optional_width(name, getattr(self, name))
+        if "qk_norm" in exposed:
+            _, _, eps = check_qk_norm(self.qk_norm, self.qk_norm_scope, self.qk_norm_eps)
+            set_(self, "qk_norm_eps", eps)
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)
 
@@ -413,6 +422,17 @@ class AttentionConfig:
         if role in ("key", "value") and width is not None and self.kv_heads != self.num_heads:
             return cast(int, self.head_dim) * self.kv_heads
         return width
+
+    def qk_norms(self) -> tuple[tuple[str, str, int], ...]:
+        """The query/key norms this config creates, ``(name, role, width)``: none without
+        ``qk_norm``; ``q_norm`` and ``k_norm`` (Hugging Face's names), each ``head_dim``
+        wide (``qk_norm_scope="head"``) or as wide as its projection (``"all"``)."""
+        if self.qk_norm is None:
+            return ()
+        return tuple(
+            (name, role, cast(int, self.head_dim if self.qk_norm_scope == "head" else self.fan_out(role)))
+            for name, role in (("q_norm", "query"), ("k_norm", "key"))
+        )
 
     def options(self) -> dict[str, Any]:
         """The constructor keywords, in signature order: ``cls(**config.options())``

@@ -156,6 +156,10 @@ class AttentionModule(nnx.Module):
         self.precision = precision
         for proj in spec.declaration.projections:
             setattr(self, proj.name, self._projection(proj, cast(nnx.Rngs, rngs)) if proj.exists(spec) else None)
+        for name, _, width in spec.qk_norms():  # scale ones (and bias zeros), as PyTorch's
+            norm = nnx.RMSNorm if spec.qk_norm == "rms" else nnx.LayerNorm
+            setattr(self, name, norm(width, epsilon=spec.qk_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                                     rngs=cast(nnx.Rngs, rngs)))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
             # Rate 0 never draws: no 'dropout' stream is taken, so the module initialises
             # from a params key alone (nnx.bridge.to_linen(...).init), as nnx.MultiHeadAttention.
@@ -462,11 +466,30 @@ class AttentionModule(nnx.Module):
 
         def project(role: str, inputs: Array, heads: int) -> Array:
             layer = getattr(self, cast(Projection, spec.projection(role)).name)
-            y = self._linear(layer, inputs, implementation)
+            y = self._normalise_qk(role, self._linear(layer, inputs, implementation))
             return self._split_heads(y, heads)  # (B, T, heads * D) -> (B, heads, T, D)
 
         kv_heads = spec.kv_heads
         return project("query", x, spec.num_heads), project("key", keys, kv_heads), project("value", values, kv_heads)
+
+    def _normalise_qk(self, role: str, t: Array) -> Array:
+        """qk-norm of projected queries or keys (B, T, heads * D), before attention (and
+        before any position encoding): each head's D (``qk_norm_scope="head"``) or the
+        whole width (``"all"``) normalised as Hugging Face does, in float32, cast back,
+        then times the scale (LayerNorm: plus the bias).  Other roles pass through."""
+        spec = self.spec
+        norm = next((getattr(self, n) for n, r, _ in spec.qk_norms() if r == role), None)
+        if norm is None:
+            return t
+        scale = norm.scale[...].reshape((1,) * t.ndim + (-1,))  # explicit rank: no implicit promotion
+        x = t.reshape(*t.shape[:-1], -1, scale.shape[-1]).astype(jnp.float32)
+        if spec.qk_norm == "layer":
+            x = x - x.mean(-1, keepdims=True)
+        x = (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + spec.qk_norm_eps)).astype(t.dtype)
+        x = x * scale.astype(t.dtype)
+        if spec.qk_norm == "layer":
+            x = x + norm.bias[...].reshape(scale.shape).astype(t.dtype)
+        return x.reshape(t.shape)
 
     def _split_heads(self, t: Array, heads: int | None = None) -> Array:
         b, num_tokens, width = t.shape

@@ -329,6 +329,8 @@ def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: s
     if spec.kv_heads != spec.num_heads:
         problems.append(f"num_kv_heads={spec.num_kv_heads} (grouped-query heads; Flax's "
                         "MultiHeadAttention has one key/value head per query head)")
+    if spec.qk_norm is not None:
+        problems.append(f"qk_norm={spec.qk_norm!r} (Flax's attention has no query/key norm)")
     if spec.rope is not None:
         problems.append("rope= (Flax's MultiHeadAttention has no rotary position embeddings)")
     head_dim = cast(int, spec.head_dim)

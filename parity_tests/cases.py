@@ -6,7 +6,7 @@ Module cases: variant x batch {1, 2, 7} x heads {1, 2, 4, 8} x seq {1, 6, 17, 64
 {none, causal, padding, causal+padding, random, rows fully masked} x dtype {float32,
 bfloat16, float16} x direction (PyTorch -> Flax, Flax -> PyTorch) x path {reference,
 fused, blockwise, auto}.  The full product is ~69k cases; one greedy pairwise covering
-design over all eight axes (95 cases with the refusals) holds every pair of values that
+design over all eight axes (107 cases with the refusals) holds every pair of values that
 can go together at least once: every variant meets every path, mask, dtype, size and
 direction; every path meets every mask, dtype, size and direction.  Constraints: a
 single-head variant has one head, and a variant runs only on the paths that can honour
@@ -143,6 +143,10 @@ VARIANTS: dict[str, Variant] = {
         # out_proj without bias to a width of its own (Llama's o_proj)
         Variant("mha-headdim-gqa", "MultiHeadAttention", (("head_dim", 2 * HEAD_DIM),), kv_group=2),
         Variant("mha-outwidth-nobias", "MultiHeadAttention", (("out_features", D_IN + HEAD_DIM), ("out_bias", False))),
+        # qk-norm: Qwen3's RMSNorm of each head with grouped heads; OLMo-2-like norm across
+        # all heads, here a LayerNorm (weight and bias)
+        Variant("mha-qknorm-rms-gqa", "MultiHeadAttention", (("qk_norm", "rms"),), kv_group=2),
+        Variant("mha-qknorm-layer-all", "MultiHeadAttention", (("qk_norm", "layer"), ("qk_norm_scope", "all"))),
         # rotary position embeddings (Llama's theta and layout), half of each head turning
         # (partial rotary, as Phi and GPT-NeoX): q and k turned after the head split
         Variant("mha-rope", "MultiHeadAttention", (("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.5)),)),

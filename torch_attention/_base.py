@@ -97,6 +97,9 @@ class AttentionModule(nn.Module):
         # Creation order is the registry's: torch's RNG draws the tutorials' weights in it.
         for proj in spec.declaration.projections:
             setattr(self, proj.name, self._projection(proj, factory) if proj.exists(spec) else None)
+        for name, _, width in spec.qk_norms():  # weight ones (and bias zeros), as Hugging Face's
+            norm = nn.RMSNorm if spec.qk_norm == "rms" else nn.LayerNorm
+            setattr(self, name, norm(width, eps=spec.qk_norm_eps, **factory))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
             self.dropout = nn.Dropout(spec.dropout)
 
@@ -368,10 +371,27 @@ class AttentionModule(nn.Module):
         def project(role: str, inputs: Tensor, heads: int) -> Tensor:
             layer = getattr(self, cast(Projection, spec.projection(role)).name)
             # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
-            return self._split_heads(self._linear(layer, inputs, implementation), heads)
+            return self._split_heads(self._normalise_qk(role, self._linear(layer, inputs, implementation)), heads)
 
         kv_heads = spec.kv_heads
         return project("query", x, spec.num_heads), project("key", keys, kv_heads), project("value", values, kv_heads)
+
+    def _normalise_qk(self, role: str, t: Tensor) -> Tensor:
+        """qk-norm of projected queries or keys (B, T, heads * D), before attention (and
+        before any position encoding): each head's D (``qk_norm_scope="head"``) or the
+        whole width (``"all"``) normalised as Hugging Face does, in float32, cast back,
+        then times the weight (LayerNorm: plus the bias).  Other roles pass through."""
+        spec = self.spec
+        norm = next((getattr(self, n) for n, r, _ in spec.qk_norms() if r == role), None)
+        if norm is None:
+            return t
+        x = t.unflatten(-1, (-1, norm.weight.shape[0])).float()
+        if spec.qk_norm == "layer":
+            x = x - x.mean(-1, keepdim=True)
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.qk_norm_eps)).to(t.dtype) * norm.weight
+        if spec.qk_norm == "layer":
+            x = x + norm.bias
+        return x.flatten(-2)
 
     def _split_heads(self, t: Tensor, heads: int | None = None) -> Tensor:
         b, num_tokens, width = t.shape

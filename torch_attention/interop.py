@@ -267,6 +267,8 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
         problems.append("out_proj=False (nn.MultiheadAttention always has an output projection)")
     if spec.d_in != spec.d_out:
         problems.append(f"d_in={spec.d_in} != d_out={spec.d_out} (nn.MultiheadAttention maps embed_dim to embed_dim)")
+    if spec.qk_norm is not None:
+        problems.append(f"qk_norm={spec.qk_norm!r} (nn.MultiheadAttention has no query/key norm)")
     head_dim = cast(int, spec.head_dim)
     if spec.scale is not None and not math.isclose(spec.scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
         problems.append(

@@ -99,6 +99,10 @@ class MultiHeadAttention(AttentionModule):
     ``out_proj``'s bias (Llama's ``o_proj``).  Without ``out_proj`` the output is the
     merged heads, so ``num_heads * head_dim`` must equal d_out.
 
+    qk-norm: ``qk_norm="rms"`` or ``"layer"`` normalises the projected queries and keys
+    (``q_norm``, ``k_norm``: a learnable weight, and a bias for ``"layer"``; ``eps`` =
+    ``qk_norm_eps``) before attention, per head over head_dim (``qk_norm_scope="head"``:
+    Qwen3, Phi's ``qk_layernorm``) or over all heads together (``"all"``: OLMo 2).
     Rotary position embeddings: ``rope=`` (an ``attention_spec.rope.RopeConfig``) turns q and k
     after the head split, before attention, at the call's ``positions=`` (integers
     (B, T); None: 0..T-1, or, with a cache, each example's fill onward); the frequencies
@@ -127,6 +131,9 @@ class MultiHeadAttention(AttentionModule):
         head_dim: int | None = None,
         out_features: int | None = None,
         out_bias: bool = True,
+        qk_norm: str | None = None,
+        qk_norm_scope: str = "head",
+        qk_norm_eps: float = 1e-6,
         rope: Any = None,
         scale: float | None = None,
         causal: bool = True,

@@ -139,7 +139,8 @@ def test_from_nnx_matches_native(use_bias: bool, mask: str) -> None:
                            "causal": False, "mask_strategy": "fill", "implementation": "auto",
                            "softcap": None, "num_kv_heads": None, "kdim": None, "vdim": None,
                            "window": None, "alignment": "top_left", "head_dim": None, "out_features": None,
-                           "out_bias": True, "rope": None}
+                           "out_bias": True, "qk_norm": None, "qk_norm_scope": "head", "qk_norm_eps": 1e-6,
+                           "rope": None}
     m = _masks()[mask]
     _compare_modules(native, lambda mod, x: mod(x, mask=m), ours, lambda mod, x: mod(x, m), use_bias, _x())
 
