@@ -363,3 +363,24 @@ def test_the_native_exports_refuse_rope() -> None:
         torch_interop.to_nn_multihead(torch_m)
     with pytest.raises(ValueError, match=re.escape("rope= (Flax's MultiHeadAttention has no rotary")):
         jax_interop.to_nnx_multihead(flax_m)
+
+
+@needs_both
+def test_with_qk_norm_the_norm_comes_first() -> None:
+    """qk-norm then RoPE (Qwen3's order): both twins against the float64 oracle, which
+    normalises the projections and then turns the heads."""
+    import torch
+
+    module, flax_m = _pair(seed=11, qk_norm="rms")
+    with torch.no_grad():
+        module.q_norm.weight.uniform_(0.5, 1.5)
+        module.k_norm.weight.uniform_(0.5, 1.5)
+    from parity_tests import to_flax
+
+    flax_m = to_flax(module)
+    x, pos = _x(seed=12), _positions()
+    want = _oracle(module, x, pos)
+    tol = ORACLE["float32"]
+    np.testing.assert_allclose(module(torch.from_numpy(x), positions=torch.from_numpy(pos)).detach().numpy(),
+                               want, rtol=tol.rtol, atol=tol.atol)
+    np.testing.assert_allclose(np.asarray(flax_m(x, positions=pos)), want, rtol=tol.rtol, atol=tol.atol)
