@@ -199,6 +199,17 @@ def test_under_nnx_jit_positions_are_traced() -> None:
     np.testing.assert_allclose(np.asarray(step(module, x, pos + 5)), np.asarray(module(x, positions=pos + 5)),
                                rtol=2e-6, atol=2e-6)
 
+    @nnx.jit
+    def decode(m: Any, x: Any, cache: Any) -> Any:  # the positions follow the traced fill
+        return m(x, cache=cache)
+
+    cache, outs = module.init_cache(2, 8), []
+    for start, stop in ((0, 3), (3, 4), (4, 6)):
+        out, cache = decode(module, x[:, start:stop], cache)
+        outs.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), np.asarray(module(x)),
+                               rtol=PARITY["float32"].rtol, atol=PARITY["float32"].atol)
+
 
 # --------------------------------------------------------------------------- errors
 
