@@ -475,14 +475,15 @@ class AttentionModule(nnx.Module):
     def _normalise_qk(self, role: str, t: Array) -> Array:
         """qk-norm of projected queries or keys (B, T, heads * D), before attention (and
         before any position encoding): each head's D (``qk_norm_scope="head"``) or the
-        whole width (``"all"``) normalised as Hugging Face does, in float32, cast back,
-        then times the scale (LayerNorm: plus the bias).  Other roles pass through."""
+        whole width (``"all"``) normalised as Hugging Face does, in float32 (float64
+        for float64), cast back, then times the scale (LayerNorm: plus the bias).  Other roles pass through."""
         spec = self.spec
         norm = next((getattr(self, n) for n, r, _ in spec.qk_norms() if r == role), None)
         if norm is None:
             return t
         scale = norm.scale[...].reshape((1,) * t.ndim + (-1,))  # explicit rank: no implicit promotion
-        x = t.reshape(*t.shape[:-1], -1, scale.shape[-1]).astype(jnp.float32)
+        x = t.reshape(*t.shape[:-1], -1, scale.shape[-1])
+        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # float32 at least: float64 stays
         if spec.qk_norm == "layer":
             x = x - x.mean(-1, keepdims=True)
         x = (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + spec.qk_norm_eps)).astype(t.dtype)

@@ -379,13 +379,14 @@ class AttentionModule(nn.Module):
     def _normalise_qk(self, role: str, t: Tensor) -> Tensor:
         """qk-norm of projected queries or keys (B, T, heads * D), before attention (and
         before any position encoding): each head's D (``qk_norm_scope="head"``) or the
-        whole width (``"all"``) normalised as Hugging Face does, in float32, cast back,
-        then times the weight (LayerNorm: plus the bias).  Other roles pass through."""
+        whole width (``"all"``) normalised as Hugging Face does, in float32 (float64
+        for float64), cast back, then times the weight (LayerNorm: plus the bias).  Other roles pass through."""
         spec = self.spec
         norm = next((getattr(self, n) for n, r, _ in spec.qk_norms() if r == role), None)
         if norm is None:
             return t
-        x = t.unflatten(-1, (-1, norm.weight.shape[0])).float()
+        x = t.unflatten(-1, (-1, norm.weight.shape[0]))
+        x = x.to(torch.promote_types(x.dtype, torch.float32))  # float32 at least: float64 stays
         if spec.qk_norm == "layer":
             x = x - x.mean(-1, keepdim=True)
         x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.qk_norm_eps)).to(t.dtype) * norm.weight
