@@ -162,3 +162,19 @@ def check_bias(shape: Any, dtype: str, target: Any) -> None:
     if not broadcasts(shape, target):
         names = "(batch, heads, q_len, kv_len)" if len(target) == 4 else "(heads, q_len, kv_len)"
         raise ValueError(f"bias of shape {shape} does not broadcast to {names} = {target}")
+
+
+def check_sinks(shape: Any, dtype: str, q_shape: Any, normalization: str) -> None:
+    """Attention sinks (gpt-oss): one logit per query head, a floating array of shape
+    (H,) where q is (..., H, T, D); only a softmax has a denominator to join."""
+    check_floating("sinks", dtype)
+    q_shape = as_shape(q_shape)
+    heads = q_shape[-3] if len(q_shape) >= 3 else None
+    if heads is None:
+        raise ValueError(f"sinks need q with a heads axis, (..., H, T, D); got q of shape {q_shape}")
+    if as_shape(shape) != (heads,):
+        raise ValueError(f"sinks must have shape ({heads},), one logit per query head; got {as_shape(shape)}")
+    if normalization != "softmax":
+        raise ValueError(
+            f"sinks need normalization='softmax' (a sink joins the softmax's denominator); got {normalization!r}"
+        )

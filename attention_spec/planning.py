@@ -32,11 +32,18 @@ FUSED_FLOAT64_BLOCKER = "float64 inputs (the fused kernel does not guarantee flo
 
 SOFTCAP_FUSED_BLOCKER = "softcap (the fused kernel has no logit soft-capping)"
 
+SINKS_FUSED_BLOCKER = "sinks (the fused kernel has no attention sinks)"
 
-def fused_blockers(float64: bool, softcap: float | None) -> tuple[str, ...]:
+
+def fused_blockers(float64: bool, softcap: float | None, sinks: bool = False) -> tuple[str, ...]:
     """What the fused kernels of both twins cannot honour beyond ``resolve_implementation``'s
-    common list: float64 inputs (``float64``) and soft-capping."""
-    return ((FUSED_FLOAT64_BLOCKER,) if float64 else ()) + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
+    common list: float64 inputs (``float64``), soft-capping and attention sinks (``sinks``:
+    given; the library's CPU kernel honours them, so the JAX twin passes False for it)."""
+    return (
+        ((FUSED_FLOAT64_BLOCKER,) if float64 else ())
+        + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
+        + ((SINKS_FUSED_BLOCKER,) if sinks else ())
+    )
 
 
 def check_explicit_path(

@@ -34,6 +34,7 @@ def attention(
     offset: int | np.ndarray = 0,
     segment_ids: np.ndarray | None = None,
     kv_segment_ids: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """q (..., T, D), k (..., S, D), v (..., S, Dv) -> out (..., T, Dv), weights (..., T, S).
 
@@ -51,6 +52,11 @@ def attention(
     (default: ``segment_ids``) block keys of another segment.  Grouped-query attention:
     k and v (..., Hkv, S, D) with Hkv dividing q's H; query head h reads kv head
     h // (H // Hkv).  Per-example options index the first axis (B).
+
+    Attention sinks (gpt-oss): ``sinks`` (H,), one logit per query head, joins every
+    softmax's denominator as a key with no value: a row's weights are
+    ``exp(s_j) / (sum_j exp(s_j) + exp(sink))`` and sum to less than 1.  A row that sees
+    no key stays zeros (its whole weight on the sink).
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     lead = q.shape[:-2]
@@ -71,6 +77,7 @@ def attention(
         allowed = allowed & np.broadcast_to(mask, allowed.shape)
     keep_b = None if keep is None else np.broadcast_to(keep, allowed.shape)
     bias_b = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), allowed.shape)
+    sink_logits = None if sinks is None else np.asarray(sinks, np.float64)
     out = np.zeros((*lead, t_len, v.shape[-1]))
     weights = np.zeros((*lead, t_len, s_len))
     for idx in np.ndindex(*lead):
@@ -105,9 +112,10 @@ def attention(
                     raise ValueError("row sums to zero")
                 row = [0.0 if s is None else s / total for s in scores]
             else:
-                top = max(live)
+                sink = None if sink_logits is None else float(sink_logits[idx[-1]])
+                top = max(live) if sink is None else max(*live, sink)
                 exps = [0.0 if s is None else math.exp(s - top) for s in scores]
-                total = math.fsum(exps)
+                total = math.fsum(exps + ([] if sink is None else [math.exp(sink - top)]))
                 row = [e / total for e in exps]
             if keep_b is not None:
                 row = [w / (1.0 - rate) if keep_b[idx + (i, j)] else 0.0 for j, w in enumerate(row)]
