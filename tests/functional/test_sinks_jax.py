@@ -98,7 +98,7 @@ def _run(path: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks: np.ndarr
 
     from jax_attention.functional import dot_product_attention
 
-    arrays = {name: jnp.asarray(a) if isinstance(a, np.ndarray) else a for name, a in options.items()}
+    arrays: dict[str, Any] = {name: jnp.asarray(a) if isinstance(a, np.ndarray) else a for name, a in options.items()}
     implementation = "blockwise" if path == "blockwise-tiles" else path
 
     def attend(q_: Any, k_: Any, v_: Any, s_: Any) -> Any:
@@ -221,7 +221,7 @@ def test_the_float64_reference_path_is_the_oracle(case_id: str):
     k_rep, v_rep = np.repeat(k, groups, 1), np.repeat(v, groups, 1)
     out, weights = reference.attention(q, k_rep, v_rep, scale=1 / math.sqrt(D), sinks=SINKS, **case.oracle)
     with jax.enable_x64(True):
-        arrays = {n: jnp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in case.call.items()}
+        arrays: dict[str, Any] = {n: jnp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in case.call.items()}
         got_out, got_weights = dot_product_attention(*(jnp.asarray(a) for a in (q, k, v)), sinks=jnp.asarray(SINKS),
                                                      implementation="reference", return_weights=True, **arrays)
         got = _run("reference", q, k, v, SINKS, cot, "float64", **case.call)
