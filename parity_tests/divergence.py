@@ -544,7 +544,9 @@ def _paths_text(paths: Sequence[Path]) -> str:
 
 def _compare_outputs(t: Sequence[tuple[Path, Any]], f: Sequence[tuple[Path, Any]],
                      table: Mapping[str, Tolerance], rtol: float | None, atol: float | None) -> Error:
-    """Outputs leaf by leaf, by path; different structures are a divergence, reported."""
+    """Outputs leaf by leaf, by path (in path order: JAX flattens a dict by sorted keys,
+    PyTorch in insertion order); different structures are a divergence, reported."""
+    t, f = sorted(t, key=lambda leaf: leaf[0]), sorted(f, key=lambda leaf: leaf[0])
     t_paths, f_paths = [p for p, _ in t], [p for p, _ in f]
     if t_paths != f_paths:
         return Error(False, float("inf"),
