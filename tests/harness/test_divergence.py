@@ -21,7 +21,7 @@ from torch import nn
 import jax_attention as ja
 import torch_attention as ta
 from attention_spec.rope import RopeConfig
-from parity_tests import copy_params, locate_divergence
+from parity_tests import copy_params, locate_divergence, to_flax
 from parity_tests.tolerances import PARITY
 
 D, HEADS, VOCAB, CONTEXT, BLOCKS = 16, 2, 32, 32, 3
@@ -345,3 +345,16 @@ def test_a_module_called_several_times_is_compared_call_by_call() -> None:
     assert [(p.torch_name, p.call) for p in report.pairs] == [("", 0), ("layer", 0), ("layer", 1), ("layer", 2)]
     assert report.first is not None and (report.first.torch_name, report.first.call) == ("layer", 1)
     assert report.pairs[1].output.ok and not report.pairs[3].inputs.ok
+
+
+def test_qk_norms_are_seen_as_submodules_and_located() -> None:
+    torch.manual_seed(0)
+    pt = ta.MultiHeadAttention(8, 8, 16, 0.0, 2, qk_norm="rms").eval()
+    fx = to_flax(pt)
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    clean = locate_divergence(pt, fx, x)
+    assert clean.ok, str(clean)
+    assert [p.torch_name for p in clean.pairs] == ["", "W_query", "q_norm", "W_key", "k_norm", "W_value", "out_proj"]
+    fx.k_norm.scale[...] = fx.k_norm.scale[...].at[1].multiply(1.01)
+    report = locate_divergence(pt, fx, x)
+    assert report.first is not None and (report.first.torch_name, report.first.direction) == ("k_norm", "forward")
