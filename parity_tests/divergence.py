@@ -14,7 +14,10 @@ through ``functional.linear`` rather than by calling their ``nn.Linear`` / ``nnx
 children, so those calls fire no hook: the module's ``_linear``, ``_rotate`` and
 ``_normalise_qk`` are wrapped on the instance, which records ``W_query``, ``W_key``,
 ``W_value``, ``out_proj``, ``rope`` (the rotation of q and k) and the qk-norms as
-submodules of the attention module in both twins, without changing a number.
+submodules of the attention module in both twins, without changing a number.  (These
+are private methods of ``torch_attention/_base.py`` and ``jax_attention/_base.py``, the
+same names and signatures in both; ``tests/harness/test_divergence.py`` fails if they
+change.)
 
 How backward is localised.  The cotangent that reaches a module's output, and the one it
 hands back to its inputs (through this module alone, not through a residual that also
@@ -30,6 +33,9 @@ cotangents compare leaf for leaf.
 
 The models run eagerly (no ``jax.jit``, so that each call can be recorded) in
 ``full_precision()``; put both in the mode to compare (``eval()`` for no dropout) first.
+For backward the Flax model runs a second time, under ``jax.grad``: it must call the same
+modules on arrays of the same shapes again, and write no ``nnx.Variable`` as it runs
+(batch statistics in training mode, a cache held in the module).
 """
 
 from __future__ import annotations
@@ -416,9 +422,10 @@ def _run_torch(model: Any, inputs: Sequence[Any], call: Any, track: bool) -> tup
     import torch
 
     dtype = getattr(torch, module_dtype(model, [x for x in inputs if _is_array(x)]))
+    device = next((p.device for p in model.parameters()), None)
     xs = [
-        (torch.tensor(_numpy_source(x), dtype=dtype, requires_grad=track) if _is_float(x)
-         else torch.as_tensor(as_numpy(x))) if _is_array(x) else x
+        (torch.tensor(_numpy_source(x), dtype=dtype, device=device, requires_grad=track) if _is_float(x)
+         else torch.as_tensor(as_numpy(x), device=device)) if _is_array(x) else x
         for x in inputs
     ]
     recorder = _TorchRecorder(track)
@@ -463,7 +470,7 @@ def _torch_cotangents(recorder: _TorchRecorder, out: Any, projections: Mapping[P
     for path, leaf in leaves:
         if path in projections and leaf.requires_grad:
             acc = torch.float64 if leaf.dtype == torch.float64 else torch.float32
-            terms.append((leaf.to(acc) * torch.as_tensor(projections[path], dtype=acc)).sum())
+            terms.append((leaf.to(acc) * torch.as_tensor(projections[path], dtype=acc, device=leaf.device)).sum())
     nodes = [n for r in recorder.records for n in (*r.in_nodes, *r.out_nodes) if n is not None]
     grads = iter(torch.autograd.grad(sum(terms), nodes, allow_unused=True) if terms and nodes else [])
 
