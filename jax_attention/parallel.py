@@ -153,12 +153,7 @@ def ring_attention(
         check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), "softmax")
     check_ring_rope(q_len, kv_len, rope, positions is not None)
     if rope is not None:
-        check_rope(rope)
-        if positions is None:
-            positions = layout_positions(q_len, ring_size, layout)[None]  # (1, T), in q's order
-        positions = jnp.asarray(positions)
-        check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
-        q, k = functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
+        q, k = _turned(q, k, rope, positions, ring_size, layout)
     ring = _Ring(axis_name, ring_size, layout, q_piece, kv_piece, causal, lengths is not None,
                  functional.resolve_scale(scale, head_dim), sinks is not None)
     sharded, replicated = PartitionSpec(None, None, axis_name, None), PartitionSpec()
@@ -168,6 +163,19 @@ def ring_attention(
     )
     return local(q, k, v, jnp.zeros((batch,), jnp.int32) if lengths is None else lengths,
                  jnp.zeros((q.shape[1],), jnp.float32) if sinks is None else sinks)
+
+
+def _turned(q: Array, k: Array, rope: RopeConfig, positions: Any, ring_size: int, layout: str) -> tuple[Array, Array]:
+    """q and k (B, H or Hkv, T, D), in the layout's order, turned by rope at their tokens'
+    global positions: ``positions`` (B or 1, T) in that order, or by default the layout's
+    order of 0..T-1.  Elementwise along the sequence: on sharded arrays each device turns
+    its own rows.  The positions are checked (``check_rope_call``) before any work."""
+    check_rope(rope)
+    if positions is None:
+        positions = layout_positions(q.shape[2], ring_size, layout)[None]  # (1, T), in q's order
+    positions = jnp.asarray(positions)
+    check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
+    return functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
 
 
 def _shard_map(f: Any, *, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:

@@ -141,13 +141,7 @@ def ring_attention(
     kv_piece = check_ring_sequence(kv_local * size, size, layout)
     lengths = functional.canonical_kv_lengths(kv_lengths, batch, kv_local * size)
     lengths = None if lengths is None else lengths.to(q.device)
-    if sinks is not None:
-        check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), "softmax")
-    check_ring_rope(q_local * size, kv_local * size, rope, positions is not None)
-    if rope is not None:
-        check_rope(rope)
-        if positions is not None:
-            check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
+    _check_extras(q, (q_local * size, kv_local * size), sinks, rope, positions)
     ring = _Ring(
         group, size, rank, dist.get_global_rank(group, (rank + 1) % size),
         dist.get_global_rank(group, (rank - 1) % size), layout, q_piece, kv_piece, causal,
@@ -156,6 +150,20 @@ def ring_attention(
     if rope is not None:
         q, k = _turned(ring, q, k, rope, positions)
     return _RingAttention.apply(q, k, v, lengths, sinks, ring)
+
+
+def _check_extras(
+    q: Tensor, seq_lens: tuple[int, int], sinks: Tensor | None, rope: RopeConfig | None, positions: Tensor | None
+) -> None:
+    """The checks of ``sinks``, ``rope`` and ``positions`` (the JAX twin's texts), before
+    any work; ``seq_lens``: (T, S) of the whole sequences."""
+    if sinks is not None:
+        check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), "softmax")
+    check_ring_rope(*seq_lens, rope, positions is not None)
+    if rope is not None:
+        check_rope(rope)
+        if positions is not None:
+            check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
 
 
 def _turned(ring: _Ring, q: Tensor, k: Tensor, rope: RopeConfig, positions: Tensor | None) -> tuple[Tensor, Tensor]:
