@@ -141,6 +141,8 @@ def ring_attention(
     kv_piece = check_ring_sequence(kv_local * size, size, layout)
     lengths = functional.canonical_kv_lengths(kv_lengths, batch, kv_local * size)
     lengths = None if lengths is None else lengths.to(q.device)
+    if sinks is not None:
+        sinks = (sinks if isinstance(sinks, Tensor) else torch.as_tensor(sinks)).to(q.device)
     _check_extras(q, (q_local * size, kv_local * size), sinks, rope, positions)
     ring = _Ring(
         group, size, rank, dist.get_global_rank(group, (rank + 1) % size),
