@@ -191,22 +191,25 @@ def test_gradients_match_float64(case: str, path: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("path", ("reference", "blockwise"))
-@pytest.mark.parametrize("case", ("causal", "gqa", "softcap-bias", "masked-rows"))
+@pytest.mark.parametrize("case", ("causal", "gqa", "softcap-bias", "masked-rows", "large-sinks"))
 def test_gradcheck_float64(case: str, path: str) -> None:
-    """``torch.autograd.gradcheck`` (finite differences) on a small float64 case, the
-    sinks included."""
+    """``torch.autograd.gradcheck`` (finite differences) of the output w.r.t. the sinks on
+    a small float64 case (q, k and v: ``test_gradients_match_float64``)."""
     import torch
 
     from torch_attention import functional
 
     arrays, options = case_inputs(case)
-    _, _, leaves = torch_call(arrays, options, "float64", path)
+    _, _, (q, k, v, sinks) = torch_call(arrays, options, "float64", path)
     kwargs: dict[str, Any] = {n: torch.from_numpy(o) if isinstance(o, np.ndarray) else o for n, o in options.items()}
 
-    def f(q, k, v, sinks):
-        return functional.dot_product_attention(q, k, v, sinks=sinks, implementation=path, **kwargs)
+    def f(sinks: torch.Tensor) -> torch.Tensor:
+        out = functional.dot_product_attention(q.detach(), k.detach(), v.detach(), sinks=sinks, implementation=path,
+                                               **kwargs)
+        assert isinstance(out, torch.Tensor)
+        return out
 
-    assert torch.autograd.gradcheck(f, tuple(t.detach().requires_grad_() for t in leaves))
+    assert torch.autograd.gradcheck(f, (sinks.detach().requires_grad_(),))
 
 
 def test_fused_refuses_sinks_by_name_and_auto_routes_around() -> None:
