@@ -124,7 +124,7 @@ class Variant:
         it, e.g. ``normalization='sum'``), or None if the path runs it."""
         for (option, value), paths in REFUSED.items():
             if dict(self.extra).get(option) == value and implementation in paths:
-                return f"{option}={value!r}"
+                return option if value is True else f"{option}={value!r}"  # a switch is named alone
         return None
 
     def may_honour(self, side: str) -> bool:
