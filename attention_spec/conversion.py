@@ -104,6 +104,8 @@ def rules_for(
         path = (*prefix, name)
         tail = (("weight", "scale"), ("bias", "bias")) if spec.qk_norm == "layer" else (("weight", "scale"),)
         rules += [Rule(".".join(map(str, (*path, t))), (*path, f), (), ((width,),)) for t, f in tail]
+    if spec.sinks:  # one logit per query head, the same (num_heads,) array
+        rules.append(Rule(".".join(map(str, (*prefix, "sinks"))), (*prefix, "sinks"), (), ((spec.num_heads,),)))
     return rules
 
 

@@ -52,6 +52,7 @@ def check_explicit_path(
     fused_draws_dropout: bool,
     float64: bool,
     softcap: float | None,
+    sinks: bool = False,
     return_weights: bool,
     normalization: str,
     dropout_active: bool,
@@ -67,7 +68,7 @@ def check_explicit_path(
     resolve_implementation(
         implementation, preference=(), return_weights=return_weights, normalization=normalization,
         dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
-        fused_draws_dropout=fused_draws_dropout, fused_blockers=fused_blockers(float64, softcap),
+        fused_draws_dropout=fused_draws_dropout, fused_blockers=fused_blockers(float64, softcap, sinks),
     )
 
 
@@ -82,6 +83,7 @@ class CallOps(NamedTuple):
     cache_fields: Callable[[Any], Any]  # cache -> each field's (shape, dtype name); None: no cache
     check_cache_room: Callable[[Any, int, int], None]  # (cache, new, max_len): reads the fill
     fused_draws_dropout: bool  # whether the twin's fused kernel draws dropout
+    fused_takes_sinks: Callable[[], bool]  # whether the twin's fused path can honour sinks here
 
 
 class CallPlan(NamedTuple):
@@ -168,7 +170,8 @@ def plan_call(
     # projections (and, with a cache, after the write) inside ``functional``.
     check_explicit_path(
         implementation, fused_draws_dropout=ops.fused_draws_dropout, float64=x_dtype == "float64",
-        softcap=spec.softcap, return_weights=return_weights, normalization=spec.normalization,
+        softcap=spec.softcap, sinks=spec.sinks and not ops.fused_takes_sinks(),
+        return_weights=return_weights, normalization=spec.normalization,
         dropout_active=training and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
     )
     return CallPlan(batched, implementation, batch, seq, kv_seq, keys, values, mask, bias, kv_lengths,

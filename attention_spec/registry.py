@@ -253,6 +253,7 @@ REGISTRY: dict[str, Variant] = {
              # qk-norm: Qwen3's / Phi's per-head q_norm and k_norm, OLMo 2's across heads
              Option("qk_norm", None, True), Option("qk_norm_scope", "head", True), Option("qk_norm_eps", 1e-6, True),
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
+             Option("sinks", False, True),  # gpt-oss's attention sinks: one learned logit per head
              *_common(causal=True)),
             projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "out_bias", when="out_proj")),
             has_dropout=True,
@@ -315,6 +316,7 @@ class AttentionConfig:
     qk_norm_scope: str = "head"
     qk_norm_eps: float = 1e-6
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
+    sinks: bool = False  # a parameter ``sinks`` (num_heads,): each head's logit in every softmax
 
     def __post_init__(self) -> None:
         decl = variant(self.variant)
@@ -342,7 +344,7 @@ class AttentionConfig:
             set_(self, "dropout", check_dropout_rate(self.dropout))
         if "scale" in exposed:
             set_(self, "scale", check_scale(self.scale))
-        for name in ("causal", "qkv_bias", "out_proj", "out_bias"):
+        for name in ("causal", "qkv_bias", "out_proj", "out_bias", "sinks"):
             value = getattr(self, name)
             if name in exposed and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
@@ -364,6 +366,11 @@ class AttentionConfig:
             set_(self, "qk_norm_eps", eps)
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)
+        if self.sinks and self.normalization != "softmax":
+            raise ValueError(
+                "sinks need normalization='softmax' (a sink joins the softmax's denominator); "
+                f"got {self.normalization!r}"
+            )
 
     # ------------------------------------------------------------------ reading it
 

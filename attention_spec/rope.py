@@ -85,6 +85,13 @@ class RopeConfig:
     ``layout``: ``"half"`` or ``"interleaved"``.  ``scaling`` and its parameters: see the
     module docstring; a parameter that the scaling does not take must stay None.
     ``yarn_truncate``: YaRN's ``truncate`` (round the ramp's bounds to whole dimensions).
+    ``inv_freq``: the frequencies themselves, ``rotary_dim / 2`` positive numbers, to use
+    instead of the scaling's (the attention factor still comes from the scaling): a
+    ported layer's own, which ``transformers`` computes in float32 arithmetic a few ulps
+    from the float64 formula rounded once (4e-4 apart at position 1500).  Configuration,
+    not state: the numbers travel with the module's config to its twin, and no dtype
+    cast of a module rounds them.  Not with the dynamic and longrope scalings, whose
+    frequencies follow the sequence length.
     """
 
     theta: float = 10000.0
@@ -104,9 +111,10 @@ class RopeConfig:
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
     yarn_truncate: bool = True
+    inv_freq: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("short_factor", "long_factor"):
+        for name in ("short_factor", "long_factor", "inv_freq"):
             value = getattr(self, name)
             if isinstance(value, (list, np.ndarray)):  # lists from a config: hashable tuples
                 object.__setattr__(self, name, tuple(float(v) for v in value))
@@ -196,6 +204,13 @@ def check_rope(config: Any, head_dim: int | None = None) -> RopeConfig:
         if config.partial_rotary_factor > 1:
             raise ValueError(f"rope partial_rotary_factor must be <= 1; got {config.partial_rotary_factor!r}")
     _check_scaling(config)
+    if config.inv_freq is not None:
+        _check_factors("inv_freq", config.inv_freq)
+        if needs_seq_len(config):
+            raise ValueError(
+                f"rope inv_freq cannot be fixed with scaling {config.scaling!r}: its frequencies follow the "
+                "sequence length"
+            )
     if head_dim is not None:
         rotary_dim(config, head_dim)
     return config
@@ -219,6 +234,10 @@ def rotary_dim(config: RopeConfig, head_dim: int) -> int:
         raise ValueError(
             f"rope short_factor and long_factor need rotary_dim / 2 = {dim // 2} entries; "
             f"got {len(config.short_factor)}"
+        )
+    if config.inv_freq is not None and len(config.inv_freq) != dim // 2:
+        raise ValueError(
+            f"rope inv_freq needs rotary_dim / 2 = {dim // 2} entries; got {len(config.inv_freq)}"
         )
     return dim
 
@@ -282,6 +301,13 @@ def _longrope(config: RopeConfig, base_freq: np.ndarray, seq_len: int | None) ->
     return base_freq / factors, float(attention_factor)
 
 
+def _attention_factor(config: RopeConfig, head_dim: int) -> float:
+    """The attention factor of a static scaling (yarn's; 1.0 for the others)."""
+    if config.scaling != "yarn":
+        return 1.0
+    return inv_freq(dataclasses.replace(config, inv_freq=None), head_dim)[1]
+
+
 def inv_freq(config: RopeConfig, head_dim: int, seq_len: int | None = None) -> tuple[np.ndarray, float]:
     """The inverse frequencies (float64, ``rotary_dim / 2`` of them) and the attention
     factor that scales cos and sin (1.0 but for yarn and longrope).  ``seq_len``: the
@@ -291,6 +317,8 @@ def inv_freq(config: RopeConfig, head_dim: int, seq_len: int | None = None) -> t
     if seq_len is not None:
         _positive_int("seq_len", seq_len)
     dim = rotary_dim(config, head_dim)
+    if config.inv_freq is not None:
+        return np.asarray(config.inv_freq, dtype=np.float64), _attention_factor(config, head_dim)
     theta = float(config.theta)
     exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
     scaling = config.scaling

@@ -112,6 +112,8 @@ _OPS = CallOps(
     cache_fields=functional.cache_fields,
     check_cache_room=_check_room_when_known,
     fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT,
+    # the library's CPU kernel takes sinks; jax.nn.dot_product_attention does not
+    fused_takes_sinks=lambda: jax.default_backend() == "cpu",
 )
 
 
@@ -160,6 +162,8 @@ class AttentionModule(nnx.Module):
             norm = nnx.RMSNorm if spec.qk_norm == "rms" else nnx.LayerNorm
             setattr(self, name, norm(width, epsilon=spec.qk_norm_eps, dtype=dtype, param_dtype=param_dtype,
                                      rngs=cast(nnx.Rngs, rngs)))
+        if spec.sinks:  # zeros: each head starts with a sink of logit 0, as the PyTorch twin
+            self.sinks = nnx.Param(jnp.zeros((spec.num_heads,), param_dtype))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
             # Rate 0 never draws: no 'dropout' stream is taken, so the module initialises
             # from a params key alone (nnx.bridge.to_linen(...).init), as nnx.MultiHeadAttention.
@@ -396,6 +400,7 @@ class AttentionModule(nnx.Module):
             precision=self.precision,
             bias=call.bias,
             softcap=spec.softcap,
+            **({"sinks": self.sinks[...]} if spec.sinks else {}),  # TEMP until functional sinks land
             window=spec.window,
             alignment=extra.pop("alignment", spec.alignment),
             segment_ids=call.segment_ids,

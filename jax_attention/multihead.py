@@ -124,7 +124,11 @@ class MultiHeadAttention(AttentionModule):
     Rotary position embeddings: ``rope=`` (an ``attention_spec.rope.RopeConfig``) turns q and k
     after the head split, before attention, at the call's ``positions=`` (integers
     (B, T); None: 0..T-1, or, with a cache, each example's fill onward); the frequencies
-    are computed from the config (no parameter).  Self-attention only (no ``context=``).
+    are computed from the config, or are a port's own (``RopeConfig(inv_freq=...)``); no
+    parameter.  Self-attention only (no ``context=``).
+    Attention sinks (gpt-oss): ``sinks=True`` adds a parameter ``sinks`` of shape
+    (num_heads,), zeros at first: each head's learned logit joins every softmax's
+    denominator as a key without a value, so a query's weights sum to less than 1.
 
     (B, T, d_in) -> (B, T, out_features or d_out); weights (B, num_heads, T, T).
     Scale None = 1/sqrt(head_dim).  ``context_length=None``: no cap on T.
@@ -153,6 +157,7 @@ class MultiHeadAttention(AttentionModule):
         qk_norm_scope: str = "head",
         qk_norm_eps: float = 1e-6,
         rope: Any = None,
+        sinks: bool = False,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",

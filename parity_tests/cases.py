@@ -60,6 +60,13 @@ DTYPE_IDS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": 
 # every path computes it, stably; the causal-renorm variant runs on all four.)
 REFUSED: dict[tuple[str, Any], tuple[str, ...]] = {
     ("normalization", "sum"): ("fused", "blockwise"),
+    ("sinks", True): ("fused",),  # SDPA and jax.nn.dot_product_attention have no sinks
+}
+# The refusals that one framework may honour instead, where its path can: the JAX twin's
+# "fused" on CPU is the library's kernel, which takes sinks (its refusal case then checks
+# the JAX output against the oracle instead).
+MAY_HONOUR: dict[tuple[str, Any], tuple[str, ...]] = {
+    ("sinks", True): ("flax",),
 }
 
 
@@ -82,6 +89,15 @@ class Variant:
     # Grouped-query attention at every head count: num_kv_heads = max(1, heads // kv_group)
     # (0: the variant's own num_kv_heads, if any).
     kv_group: int = 0
+    # Rotary variants are called at positions from here on (beyond 400, where RoPE's
+    # errors show), example b shifted by 7b: ``positions(batch, seq)``.
+    first_position: int | None = None
+
+    def positions(self, batch: int, seq: int) -> np.ndarray | None:
+        """The ``positions=`` of a call, integers (B, T), or None (the variant takes none)."""
+        if self.first_position is None:
+            return None
+        return self.first_position + 7 * np.arange(batch)[:, None] + np.arange(seq)[None]
 
     @property
     def multihead(self) -> bool:
@@ -110,6 +126,12 @@ class Variant:
             if dict(self.extra).get(option) == value and implementation in paths:
                 return f"{option}={value!r}"
         return None
+
+    def may_honour(self, side: str) -> bool:
+        """Whether ``side`` ("torch" or "flax") may run this variant's refused path
+        instead of refusing it (``MAY_HONOUR``)."""
+        return any(dict(self.extra).get(option) == value and side in sides
+                   for (option, value), sides in MAY_HONOUR.items())
 
     def runs_on(self, implementation: str) -> bool:
         return self.refusal(implementation) is None
@@ -149,7 +171,14 @@ VARIANTS: dict[str, Variant] = {
         Variant("mha-qknorm-layer-all", "MultiHeadAttention", (("qk_norm", "layer"), ("qk_norm_scope", "all"))),
         # rotary position embeddings (Llama's theta and layout), half of each head turning
         # (partial rotary, as Phi and GPT-NeoX): q and k turned after the head split
-        Variant("mha-rope", "MultiHeadAttention", (("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.5)),)),
+        Variant("mha-rope", "MultiHeadAttention", (("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.5)),),
+                first_position=480),
+        # GPT-J / DeepSeek's interleaved pairs with YaRN's frequencies and attention factor
+        Variant("mha-rope-yarn", "MultiHeadAttention",
+                (("rope", RopeConfig(theta=500.0, layout="interleaved", scaling="yarn", factor=4.0,
+                                     original_max_position_embeddings=128)),), first_position=480),
+        # gpt-oss's attention sinks (one logit per head in every softmax) with grouped heads
+        Variant("mha-sinks-gqa", "MultiHeadAttention", (("sinks", True),), kv_group=2),
     )
 }
 

@@ -98,15 +98,17 @@ def run_case(case: Case | FunctionalCase, *, grads: bool = True) -> CaseResult:
     x = _in_dtype(x, case.dtype)  # so that a module without parameters runs in it too
     result = CaseResult(case)
     if case.refusal is not None:
-        return _expect_refusal(result, torch_m, flax_m, x, mask, case.refusal, case.implementation)
-    report = check_parity(torch_m, flax_m, x, mask=mask, grads=grads,
-                          implementation=case.implementation, weights=case.weights)
+        return _expect_refusal(result, torch_m, flax_m, x, mask, case)
+    positions = case.spec.positions(case.batch, case.seq)
+    torch_call, flax_call = _calls_at(positions)
+    report = check_parity(torch_m, flax_m, x, mask=mask, grads=grads, implementation=case.implementation,
+                          weights=case.weights, torch_call=torch_call, flax_call=flax_call)
     result.parity = report.findings
 
     # The float64 references see exactly the inputs and weights the twins saw.
     x_seen = x.astype(np.float64)
     params = {k: v.astype(np.float64) for k, v in torch_state_dict(torch_m).items()}
-    out64, weights64 = reference.forward(case.spec.cls, case.config, params, x_seen, mask)
+    out64, weights64 = reference.forward(case.spec.cls, case.config, params, x_seen, mask, positions=positions)
     t, f = report.torch_results, report.flax_results
     tol = ORACLE[case.dtype]
     for side, got in (("torch", t), ("flax", f)):
@@ -116,7 +118,7 @@ def run_case(case: Case | FunctionalCase, *, grads: bool = True) -> CaseResult:
             result.oracle.append(
                 compare(f"{side} weights vs oracle", got["attention weights"], weights64, tol, labels))
     if grads:
-        ref = _torch_float64_grads(torch_m, x_seen, mask)
+        ref = _torch_float64_grads(torch_m, x_seen, mask, torch_call)
         grad_tol = GRAD_ORACLE[case.dtype]
         for side, got in (("torch", t), ("flax", f)):
             for name, value in ref.items():
@@ -127,21 +129,32 @@ def run_case(case: Case | FunctionalCase, *, grads: bool = True) -> CaseResult:
 
 
 def _expect_refusal(result: CaseResult, torch_m: Any, flax_m: Any, x: np.ndarray, mask: Any,
-                    option: str, implementation: str) -> CaseResult:
-    """Each framework, asked to run ``implementation``, must raise ValueError naming
-    ``option`` (before computing anything)."""
+                    case: Case) -> CaseResult:
+    """Each framework, asked to run the case's path, must raise ValueError naming the
+    option it refuses (before computing anything); a framework that may honour it there
+    (``Variant.may_honour``) either refuses so or runs, and its output then matches the
+    float64 oracle."""
+    option, implementation = case.refusal, case.implementation
     for side, run, module in (("torch", run_torch, torch_m), ("flax", run_flax, flax_m)):
         try:
             with full_precision():
-                run(module, [x], mask=mask, grads=False, implementation=implementation)
+                got = run(module, [x], mask=mask, grads=False, implementation=implementation)
         except ValueError as err:
             result.refusals[side] = str(err)
-            if option not in str(err):
+            if option is None or option not in str(err):
                 result.problems.append(f"{side} refused implementation={implementation!r} without naming "
                                        f"{option}: {err}")
         else:
-            result.problems.append(f"{side} ran implementation={implementation!r} with {option} "
-                                   "instead of refusing it")
+            if not case.spec.may_honour(side):
+                result.problems.append(f"{side} ran implementation={implementation!r} with {option} "
+                                       "instead of refusing it")
+                continue
+            from torch_attention.interop import torch_state_dict
+
+            params = {k: v.astype(np.float64) for k, v in torch_state_dict(torch_m).items()}
+            want = reference.forward(case.spec.cls, case.config, params, x.astype(np.float64), mask)[0]
+            result.oracle.append(compare(f"{side} output vs oracle", got["output"], want, ORACLE[case.dtype],
+                                         (side, "oracle")))
     return result
 
 
@@ -154,7 +167,7 @@ def _in_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(dtype)
 
 
-def _torch_float64_grads(torch_m: Any, x: np.ndarray, mask: Any) -> dict[str, np.ndarray]:
+def _torch_float64_grads(torch_m: Any, x: np.ndarray, mask: Any, call: Any = None) -> dict[str, np.ndarray]:
     """Gradients of the same module and loss in float64 on the reference path: the
     reference for gradients on every path."""
     import copy
@@ -162,7 +175,24 @@ def _torch_float64_grads(torch_m: Any, x: np.ndarray, mask: Any) -> dict[str, np
     import torch
 
     m64 = copy.deepcopy(torch_m).to(torch.float64)
-    return run_torch(m64, [x.astype(np.float64)], mask=mask, grads=True, implementation="reference")
+    return run_torch(m64, [x.astype(np.float64)], mask=mask, grads=True, implementation="reference", call=call)
+
+
+def _calls_at(positions: np.ndarray | None) -> tuple[Any, Any]:
+    """(torch_call, flax_call) that call our modules at ``positions`` (None: the default
+    call of each)."""
+    if positions is None:
+        return None, None
+    import jax.numpy as jnp
+    import torch
+
+    def torch_call(module: Any, *inputs: Any, **kwargs: Any) -> Any:
+        return module(*inputs, positions=torch.from_numpy(positions), **kwargs)
+
+    def flax_call(module: Any, *inputs: Any, **kwargs: Any) -> Any:
+        return module(*inputs, positions=jnp.asarray(positions), **kwargs)
+
+    return torch_call, flax_call
 
 
 # --------------------------------------------------------------------------- functional cases

@@ -189,7 +189,8 @@ def forward(
     rate = float(options.get("dropout", 0.0))
     common = {"mask": mask, "causal": bool(options.get("causal", False)), "keep": keep, "rate": rate,
               "normalization": options.get("normalization", "softmax"), "bias": bias,
-              "softcap": options.get("softcap"), "window": options.get("window")}
+              "softcap": options.get("softcap"), "window": options.get("window"),
+              "sinks": params.get("sinks") if options.get("sinks") else None}
     projections = [p for p in decl.projections if p.exists(options)]
     by_role: dict[str, np.ndarray] = {}
     for p in projections:

@@ -60,6 +60,7 @@ _OPS = CallOps(
     cache_fields=functional.cache_fields,
     check_cache_room=_check_room,
     fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT,
+    fused_takes_sinks=lambda: False,  # SDPA has no sinks
 )
 
 
@@ -100,6 +101,8 @@ class AttentionModule(nn.Module):
         for name, _, width in spec.qk_norms():  # weight ones (and bias zeros), as Hugging Face's
             norm = nn.RMSNorm if spec.qk_norm == "rms" else nn.LayerNorm
             setattr(self, name, norm(width, eps=spec.qk_norm_eps, **factory))
+        if spec.sinks:  # zeros: each head starts with a sink of logit 0 (gpt-oss draws its own)
+            self.sinks = nn.Parameter(torch.zeros(spec.num_heads, **factory))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
             self.dropout = nn.Dropout(spec.dropout)
 
@@ -285,6 +288,7 @@ class AttentionModule(nn.Module):
             implementation=call.implementation,
             bias=call.bias,
             softcap=spec.softcap,
+            **({"sinks": self.sinks} if spec.sinks else {}),  # TEMP until functional sinks land
             window=spec.window,
             alignment=extra.pop("alignment", spec.alignment),
             segment_ids=call.segment_ids,

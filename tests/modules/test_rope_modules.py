@@ -362,6 +362,85 @@ def test_llama_attention_with_the_same_weights_at_positions_beyond_400() -> None
     assert np.abs(grad_f - x.grad.numpy()).max() <= gtol.atol + gtol.rtol * np.abs(x.grad.numpy()).max()
 
 
+@needs_torch
+@needs_both
+def test_a_ports_own_inv_freq_in_the_config_turns_as_llama_does_at_position_1500() -> None:
+    """``RopeConfig(inv_freq=...)`` with transformers' own float32 frequencies (Llama 3's
+    theta): the module's rotation of q and k is transformers' bit for bit at positions
+    1490..1497, where the float64 formula rounded once is up to 1e-3 away; the whole layer
+    (reference path) is then closer to LlamaAttention than without them.  The frequencies
+    are configuration: the Flax twin (``to_flax``) turns by them too, and a module cast to
+    bfloat16 keeps them whole."""
+    import copy
+    import dataclasses
+
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaAttention,
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    from attention_spec.rope import rope_from_hf
+    from parity_tests import to_flax
+    from torch_attention.functional import apply_rope
+
+    config = LlamaConfig(hidden_size=D_IN, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         attention_bias=False, attention_dropout=0.0, rope_theta=500000.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(6)
+    llama = LlamaAttention(config, layer_idx=0).eval()
+    rotary = LlamaRotaryEmbedding(config)
+    rope = dataclasses.replace(rope_from_hf(config), inv_freq=tuple(rotary.inv_freq.tolist()))
+    weights = {"W_query.weight": llama.q_proj.weight * 4, "W_key.weight": llama.k_proj.weight * 4,
+               "W_value.weight": llama.v_proj.weight, "out_proj.weight": llama.o_proj.weight}
+    with torch.no_grad():
+        llama.q_proj.weight.mul_(4)
+        llama.k_proj.weight.mul_(4)
+    ours, _ = _pair(rope, causal=False, implementation="reference")
+    plain, _ = _pair(rope_from_hf(config), causal=False, implementation="reference")
+    for m in (ours, plain):
+        m.load_state_dict(weights)
+    x = torch.from_numpy(_x(seed=7))
+    positions = torch.arange(1490, 1490 + x.shape[1])[None]
+    with torch.no_grad():
+        q = llama.q_proj(x).view(2, -1, 4, 16).transpose(1, 2)
+        cos, sin = rotary(x, positions)
+        want_q = apply_rotary_pos_emb(q, q, cos, sin)[0]
+        assert torch.equal(apply_rope(q, positions, ours.spec.rope), want_q)
+        assert (apply_rope(q, positions, plain.spec.rope) - want_q).abs().max() > 1e-5
+        want = llama(x, position_embeddings=(cos, sin), attention_mask=None)[0]
+        error = (ours(x, positions=positions) - want).abs().max()
+        assert error < (plain(x, positions=positions) - want).abs().max()
+        assert copy.deepcopy(ours).to(torch.bfloat16).spec.rope.inv_freq == rope.inv_freq
+    tol = PARITY["float32"]
+    assert error <= tol.atol + tol.rtol * want.abs().max()
+    flax_m = to_flax(ours)
+    assert flax_m.spec.rope == rope
+    np.testing.assert_allclose(np.asarray(flax_m(x.numpy(), positions=positions.numpy())), want.numpy(),
+                               rtol=tol.rtol, atol=tol.atol)
+
+
+def test_inv_freq_in_the_config_is_checked() -> None:
+    """The frequencies of a RopeConfig: positive numbers, rotary_dim / 2 of them, not
+    with a scaling that follows the sequence length; the attention factor stays yarn's."""
+    from attention_spec.rope import inv_freq
+
+    with pytest.raises(ValueError, match=re.escape("rope inv_freq needs rotary_dim / 2 = 8 entries; got 3")):
+        inv_freq(RopeConfig(inv_freq=(1.0, 0.5, 0.25)), 16)
+    with pytest.raises(ValueError, match="rope inv_freq entries must be a finite number > 0"):
+        RopeConfig(inv_freq=(1.0, -0.5))
+    with pytest.raises(ValueError, match="rope inv_freq cannot be fixed with scaling 'dynamic'"):
+        RopeConfig(scaling="dynamic", factor=2.0, original_max_position_embeddings=8, inv_freq=(1.0,) * 8)
+    yarn = RopeConfig(scaling="yarn", factor=4.0, original_max_position_embeddings=64)
+    freqs, factor = inv_freq(yarn, 16)
+    fixed = RopeConfig(scaling="yarn", factor=4.0, original_max_position_embeddings=64,
+                       inv_freq=np.float32(freqs).tolist())
+    got, got_factor = inv_freq(fixed, 16)
+    assert got_factor == factor and np.array_equal(got, np.float32(freqs).astype(np.float64))
+
+
 @needs_both
 def test_the_native_exports_refuse_rope() -> None:
     """nn.MultiheadAttention and Flax's attention have no rotary embedding: an export of a
