@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch import nn
 from attention_spec.conversion import as_numpy
 from attention_spec.huggingface import window_from_hf
 from attention_spec.packing import pack_state_dict, packed_state_dict
-from attention_spec.rope import rope_from_hf
+from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
 from torch_attention.multihead import MultiHeadAttention
 
 __all__ = ["from_hf", "supported_hf_classes", "to_hf"]
@@ -54,6 +55,7 @@ class _Family:
     norm_offset: bool = False  # Gemma 3's RMSNorm scales by (1 + weight)
     rope: bool = True
     attention: str = ""  # the sub-module with is_causal / scaling ("self" for BERT)
+    sinks: bool = False  # gpt-oss: one learned sink logit per head, ``sinks``
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -72,6 +74,7 @@ _FAMILIES: dict[str, _Family] = {
     "BertAttention": _Family("BERT", q="self.query", k="self.key", v="self.value", o="output.dense", rope=False,
                              attention="self"),
     "ViTAttention": _Family("ViT", rope=False),
+    "GptOssAttention": _Family("gpt-oss", sinks=True),
 }
 
 
@@ -108,14 +111,34 @@ def _layer_type(layer: nn.Module, attention: Any) -> str | None:
     return None if not types or index is None else str(types[index])
 
 
-def _rope(layer: nn.Module, attention: Any) -> Any:
+def _rope(layer: nn.Module, attention: Any) -> RopeConfig:
     """``rope_from_hf`` of the layer's config, for its layer type where the config keeps
-    rope parameters per layer type (Gemma 3: local and global)."""
+    rope parameters per layer type (Gemma 3: local and global), with the frequencies of
+    the family's own rotary embedding (``inv_freq``: computed in float32 arithmetic, a
+    few ulps from the float64 formula) where they do not follow the sequence length."""
     config = attention.config
     layer_type = _layer_type(layer, attention)
     params = getattr(config, "rope_parameters", None) or {}
     nested = layer_type is not None and isinstance(params.get(layer_type), Mapping)
-    return rope_from_hf(config, layer_type if nested else None)
+    rope = rope_from_hf(config, layer_type if nested else None)
+    if needs_seq_len(rope):  # dynamic NTK, longrope: HF recomputes them per call as we do
+        return rope
+    own = _hf_inv_freq(layer, config, layer_type if nested else None)
+    return dataclasses.replace(rope, inv_freq=tuple(float(f) for f in own.tolist()))
+
+
+def _hf_inv_freq(layer: nn.Module, config: Any, layer_type: str | None) -> torch.Tensor:
+    """The ``inv_freq`` buffer of the family's ``<Family>RotaryEmbedding`` built from the
+    layer's config (Gemma 3 keeps one per layer type, ``<layer_type>_inv_freq``)."""
+    module = sys.modules[type(layer).__module__]
+    name = type(layer).__name__.removesuffix("Attention") + "RotaryEmbedding"
+    rotary_class = getattr(module, name, None)
+    if rotary_class is None:
+        raise ValueError(f"from_hf: {type(layer).__module__} has no {name} to read the rotary frequencies from")
+    with torch.device("cpu"):
+        rotary = rotary_class(config)
+    buffer = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+    return buffer.detach().float()
 
 
 def _window(layer: nn.Module, attention: Any) -> tuple[int, int] | None:
@@ -182,7 +205,7 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
         if dropout is None and isinstance(getattr(attention, name, None), nn.Dropout):
             dropout = getattr(attention, name).p
     options.update(
-        context_length=None, dropout=float(dropout or 0.0), causal=bool(getattr(attention, "is_causal", False)),
+        sinks=family.sinks, context_length=None, dropout=float(dropout or 0.0), causal=bool(getattr(attention, "is_causal", False)),
         scale=float(attention.scaling), softcap=getattr(attention, "attn_logit_softcapping", None),
         window=_window(layer, attention), rope=_rope(layer, attention) if family.rope else None,
     )
@@ -200,6 +223,8 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
 def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
     """{our parameter name: HF parameter name} for the weights copied one to one."""
     names = {"out_proj.weight": f"{family.o}.weight"}
+    if family.sinks:
+        names["sinks"] = "sinks"
     if options["out_bias"]:
         names["out_proj.bias"] = f"{family.o}.bias"
     if family.packed is None:
@@ -300,11 +325,12 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     implementation, mask_strategy and context_length change no result of an eval call)."""
     mine, theirs = ours.spec, want.spec
     fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
-              "kdim", "vdim", "qk_norm", "qk_norm_eps", "rope", "causal", "softcap", "window", "alignment")
+              "kdim", "vdim", "qk_norm", "qk_norm_eps", "sinks", "causal", "softcap", "window", "alignment")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]
     if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:
         problems.append(f"qk_norm_scope={mine.qk_norm_scope!r} where the layer has {theirs.qk_norm_scope!r}")
+    problems += _rope_mismatch(mine.rope, theirs.rope)
     if mine.fan_out("out") != theirs.fan_out("out"):
         problems.append(f"out_features={mine.fan_out('out')} where the layer has {theirs.fan_out('out')}")
     scales = [s if s is not None else 1.0 / math.sqrt(int(spec.head_dim)) for s, spec in
@@ -312,6 +338,21 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     if not math.isclose(scales[0], scales[1], rel_tol=1e-12):
         problems.append(f"scale={scales[0]!r} where the layer has {scales[1]!r}")
     return problems
+
+
+def _rope_mismatch(mine: RopeConfig | None, theirs: RopeConfig | None) -> list[str]:
+    """Ours must turn q and k as the layer does: the same rope configuration, and, where
+    ours fixes its frequencies (``inv_freq``), the layer's own ones (the layer computes
+    them from its config: they cannot be written).  Ours without ``inv_freq`` (the
+    float64 formula) is the same rope a few ulps apart, accepted."""
+    if mine is None or theirs is None:
+        return [] if mine is theirs else [f"rope={mine!r} where the layer has {theirs!r}"]
+    if dataclasses.replace(mine, inv_freq=None) != dataclasses.replace(theirs, inv_freq=None):
+        return [f"rope={dataclasses.replace(mine, inv_freq=None)!r} where the layer has "
+                f"{dataclasses.replace(theirs, inv_freq=None)!r}"]
+    if mine.inv_freq is not None and mine.inv_freq != theirs.inv_freq:
+        return ["rope inv_freq: ours fixes frequencies other than the ones the layer computes from its config"]
+    return []
 
 
 def _hf_arrays(ours: MultiHeadAttention, family: _Family, options: Mapping[str, Any]) -> dict[str, torch.Tensor]:
