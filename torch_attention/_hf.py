@@ -56,6 +56,7 @@ class _Family:
     rope: bool = True
     attention: str = ""  # the sub-module with is_causal / scaling ("self" for BERT)
     sinks: bool = False  # gpt-oss: one learned sink logit per head, ``sinks``
+    not_ours: str | None = None  # a sub-module of the layer that ours does not cover (BERT's LayerNorm)
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -72,7 +73,7 @@ _FAMILIES: dict[str, _Family] = {
     "Phi3Attention": _Family("Phi-3", packed="qkv_proj", packing="grouped"),
     "Olmo2Attention": _Family("OLMo 2", norms=("q_norm", "k_norm"), norm_scope="all"),
     "BertAttention": _Family("BERT", q="self.query", k="self.key", v="self.value", o="output.dense", rope=False,
-                             attention="self"),
+                             attention="self", not_ours="output.LayerNorm"),
     "ViTAttention": _Family("ViT", rope=False),
     "GptOssAttention": _Family("gpt-oss", sinks=True),
 }
@@ -234,7 +235,7 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
                 names[f"{ours}.bias"] = f"{theirs}.bias"
     if options.get("qk_norm") is not None:
         assert family.norms is not None
-        for ours, theirs in zip(("q_norm", "k_norm"), family.norms):
+        for ours, theirs in zip(("q_norm", "k_norm"), family.norms, strict=True):
             names[f"{ours}.weight"] = f"{theirs}.weight"
             if options["qk_norm"] == "layer":
                 names[f"{ours}.bias"] = f"{theirs}.bias"
@@ -333,7 +334,7 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     problems += _rope_mismatch(mine.rope, theirs.rope)
     if mine.fan_out("out") != theirs.fan_out("out"):
         problems.append(f"out_features={mine.fan_out('out')} where the layer has {theirs.fan_out('out')}")
-    scales = [s if s is not None else 1.0 / math.sqrt(int(spec.head_dim)) for s, spec in
+    scales = [s if s is not None else 1.0 / math.sqrt(int(spec.head_dim or 0)) for s, spec in
               ((mine.scale, mine), (theirs.scale, theirs))]
     if not math.isclose(scales[0], scales[1], rel_tol=1e-12):
         problems.append(f"scale={scales[0]!r} where the layer has {scales[1]!r}")
@@ -384,7 +385,8 @@ def to_hf(ours: MultiHeadAttention, layer: nn.Module) -> nn.Module:
     (d_in, heads, key/value heads, head_dim, biases, qk-norm and its eps) and its options
     (scale, causal, window, softcap, rope: what ``from_hf`` reads from it) must be ours.
     Everything is checked first; nothing is written unless every check passed and every
-    parameter of the layer is accounted for.  Raises TypeError for a class that is not one
+    parameter of the layer is accounted for (but BERT's ``output.LayerNorm``, which is not
+    ours: it stays as it is).  Raises TypeError for a class that is not one
     of ours or not supported; ValueError naming each mismatch.
     """
     if not isinstance(ours, MultiHeadAttention):
@@ -398,7 +400,8 @@ def to_hf(ours: MultiHeadAttention, layer: nn.Module) -> nn.Module:
                          "(nothing was written): " + "; ".join(problems))
     arrays = _hf_arrays(ours, family, options)
     params = dict(layer.named_parameters())
-    missing = sorted(set(params) - set(arrays))
+    keep = () if family.not_ours is None else (family.not_ours + ".",)
+    missing = sorted(n for n in set(params) - set(arrays) if not n.startswith(keep))
     misshaped = [f"{n}: ours {tuple(a.shape)}, the layer's {tuple(params[n].shape)}" for n, a in arrays.items()
                  if n not in params or a.shape != params[n].shape]
     if missing or misshaped:

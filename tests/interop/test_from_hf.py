@@ -32,7 +32,7 @@ def _configs() -> dict[str, tuple[Callable[[], Any], str, int]]:
     """family -> (config factory, attention class path, layer_idx)."""
     import transformers as tf
 
-    gqa = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
+    gqa: dict[str, Any] = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
     return {
         "gpt2": (lambda: tf.GPT2Config(n_embd=HIDDEN, n_head=HEADS, n_layer=2, scale_attn_by_inverse_layer_idx=True),
                  "gpt2.modeling_gpt2.GPT2Attention", 1),
@@ -151,8 +151,8 @@ def _hf_mask(case: Case, valid: np.ndarray) -> Any:
         window = case.config.sliding_window
     if window:
         functions.append(mu.sliding_window_overlay(window))
-    b, q, k = (torch.arange(n)[(slice(None),) + (None,) * (3 - i)].reshape([-1 if j == i else 1 for j in range(4)])
-               for i, n in ((0, 2), (2, SEQ), (3, SEQ)))
+    # (B, 1, T, T) by broadcasting: batch, query and key indices on their own axes
+    b, q, k = torch.arange(2)[:, None, None, None], torch.arange(SEQ)[:, None], torch.arange(SEQ)
     allowed = mu.and_masks(*functions)(b, torch.zeros(()), q, k)
     return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
@@ -183,6 +183,7 @@ def _run_hf(case: Case, x: np.ndarray, positions: np.ndarray, valid: np.ndarray,
         out = layer(xt, attention_mask=mask)[0]
     (out * torch.from_numpy(cot)).sum().backward()
     grads = {n: p.grad.numpy().copy() for n, p in layer.named_parameters() if p.grad is not None}
+    assert xt.grad is not None
     return {"output": out.detach().numpy(), "grad input": xt.grad.numpy(), "params": grads}
 
 
@@ -264,3 +265,236 @@ def test_each_family_against_the_native_layer(name: str) -> None:
 def test_every_implementation(name: str, implementation: str) -> None:
     """Llama and two windowed families on every path ("auto" is the test above)."""
     print(name, implementation, _parity(name, implementation))
+
+
+@needs_both
+def test_bert_s_residual_and_layer_norm_stay_the_caller_s() -> None:
+    """BertAttention is LayerNorm(dropout(dense(attn)) + x): ours is dense(attn); the
+    caller adds x and applies ``layer.output.LayerNorm`` (eval: no dropout)."""
+    import torch
+
+    from torch_attention.interop import from_hf
+
+    case = _layer("bert")
+    ours = from_hf(case.layer)
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((2, SEQ, HIDDEN)).astype(np.float32))
+    valid = _tokens("bert")
+    want = case.layer(x, attention_mask=_hf_mask(case, valid))[0]
+    got = case.layer.output.LayerNorm(ours(x, torch.from_numpy(valid[:, None, None, :])) + x)
+    tol = PARITY["float32"]
+    torch.testing.assert_close(got, want, rtol=tol.rtol, atol=tol.atol)
+
+
+@needs_torch
+@pytest.mark.parametrize(("name", "ulps_apart"), [("llama", True), ("gemma3-local", True), ("gemma3-global", True),
+                                                  ("gpt-neox", False), ("phi", False)])
+def test_the_rotation_is_transformers_own_bit_for_bit(name: str, ulps_apart: bool) -> None:
+    """from_hf copies the family's rotary frequencies (float32 arithmetic, a few ulps from
+    the float64 formula): q turned by our apply_rope is transformers' own, bit for bit, at
+    positions 480..511 and 1490 (partial rotary for GPT-NeoX and Phi: the turned part;
+    their 2 and 4 frequencies happen to round alike both ways, the 8 of the others not)."""
+    import dataclasses as dc
+
+    import torch
+
+    from torch_attention.functional import apply_rope
+    from torch_attention.interop import from_hf
+
+    case = _layer(name)
+    rope = from_hf(case.layer).spec.rope
+    head_dim = 16 if name != "gpt-neox" and name != "phi" else HIDDEN // HEADS
+    positions = torch.cat([torch.arange(FIRST_POSITION, FIRST_POSITION + SEQ), torch.tensor([1490])])[None]
+    q = torch.randn(1, HEADS, positions.shape[1], head_dim, generator=torch.Generator().manual_seed(3))
+    cos, sin = _rotary(case, q.transpose(1, 2), positions)
+    dim = cos.shape[-1]
+    module = sys.modules[type(case.layer).__module__]
+    turned = module.apply_rotary_pos_emb(q[..., :dim], q[..., :dim], cos, sin)[0]
+    want = torch.cat([turned, q[..., dim:]], dim=-1)
+    assert torch.equal(apply_rope(q, positions, rope), want)
+    formula = apply_rope(q, positions, dc.replace(rope, inv_freq=None))
+    assert torch.equal(formula, want) is not ulps_apart  # why the frequencies are copied
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def _state(module: Any) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _bit_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    unequal = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not unequal, unequal
+
+
+ROUND_TRIP = [*FAMILIES, "gpt-oss"]
+
+
+def _any_layer(name: str, seed: int = 0) -> Case:
+    if name != "gpt-oss":
+        return _layer(name, seed)
+    import torch
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+
+    config = GptOssConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16,
+                          sliding_window=8, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    layer = GptOssAttention(config, layer_idx=0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.25 * torch.randn_like(p))
+    return Case(name, layer.eval(), config)
+
+
+@needs_torch
+@pytest.mark.parametrize("name", ROUND_TRIP)
+def test_round_trips_are_bit_exact(name: str) -> None:
+    """HF -> ours -> HF and ours -> HF -> ours give every weight back bit for bit.  Gemma 3's
+    qk-norm weight w is ours as 1 + w (float32, as its RMSNorm computes the scale): HF ->
+    ours -> HF gives back the scale 1 + w bit for bit (w itself as (1 + w) - 1); ours ->
+    HF -> ours gives back every weight >= 0.5 bit for bit."""
+    import torch
+
+    from torch_attention.interop import from_hf, to_hf
+
+    case = _any_layer(name)
+    before = _state(case.layer)
+    ours = from_hf(case.layer)
+    assert ours.training is False and ours.state_dict()["W_query.weight"].dtype == torch.float32
+    mine = _state(ours)
+    other = _any_layer(name, seed=5).layer
+    other_before = _state(other)
+    assert to_hf(ours, other) is other
+    back = _state(other)
+    if name == "bert":  # its LayerNorm is not ours: to_hf leaves the other layer's as it was
+        for key in ("output.LayerNorm.weight", "output.LayerNorm.bias"):
+            assert torch.equal(back[key], other_before[key]) and not torch.equal(back[key], before[key])
+            before[key] = back[key]
+    if name.startswith("gemma3"):
+        for key in ("q_norm.weight", "k_norm.weight"):
+            assert torch.equal(1.0 + back[key], 1.0 + before[key])  # the scale the layer computes
+            assert torch.equal(mine[key], 1.0 + before[key])
+            before[key] = back[key]
+    _bit_equal(back, before)
+    again = from_hf(other)
+    _bit_equal(_state(again), mine)
+    assert again.config == ours.config
+
+
+@needs_torch
+def test_a_module_of_ours_round_trips_through_a_layer() -> None:
+    """Ours (built and trained here, say) -> a Qwen3 layer -> ours: bit for bit, qk-norm
+    included; and ours without the layer's inv_freq (the float64 formula) is accepted."""
+    import dataclasses as dc
+
+    import torch
+
+    from torch_attention.interop import from_hf, to_hf
+
+    case = _layer("qwen3")
+    template = from_hf(case.layer)
+    config = {**template.config, "rope": dc.replace(template.spec.rope, inv_freq=None)}
+    torch.manual_seed(9)
+    ours = type(template)(**config)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn_like(p))
+    to_hf(ours, case.layer)
+    back = from_hf(case.layer)
+    _bit_equal(_state(back), _state(ours))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@needs_torch
+def test_an_unsupported_class_is_a_type_error_naming_it_and_the_supported() -> None:
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from torch_attention import MultiHeadAttention
+    from torch_attention.interop import from_hf, supported_hf_classes, to_hf
+
+    mlp = LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=8))
+    text = "takes the attention layer of a transformers model, one of GPT2Attention, LlamaAttention"
+    with pytest.raises(TypeError, match=re.escape(f"from_hf {text}")) as err:
+        from_hf(mlp)
+    assert str(err.value).endswith("; got LlamaMLP")
+    assert all(name in str(err.value) for name in supported_hf_classes())
+    with pytest.raises(TypeError, match=re.escape(f"to_hf {text}")):
+        to_hf(MultiHeadAttention(HIDDEN, HIDDEN, None, 0.0, HEADS), mlp)
+    with pytest.raises(TypeError, match="to_hf takes torch_attention.MultiHeadAttention; got MultiheadAttention"):
+        to_hf(torch.nn.MultiheadAttention(HIDDEN, HEADS), _layer("llama").layer)  # type: ignore[arg-type]
+
+
+@needs_torch
+@pytest.mark.parametrize(("source", "target", "texts"), [
+    ("llama", "mistral", ["window=None where the layer has (7, 0)"]),
+    ("gemma2", "gemma", ["softcap=5.0 where the layer has None", "scale="]),
+    ("qwen3", "llama", ["qk_norm='rms' where the layer has None"]),
+    ("gemma3-local", "gemma3-global", ["rope=", "window=(7, 0) where the layer has None"]),
+])
+def test_to_hf_refuses_a_layer_that_does_not_fit_and_writes_nothing(source: str, target: str,
+                                                                     texts: list[str]) -> None:
+    from torch_attention.interop import from_hf, to_hf
+
+    ours, layer = from_hf(_layer(source).layer), _layer(target, seed=3).layer
+    before = _state(layer)
+    with pytest.raises(ValueError, match=re.escape("to_hf: this MultiHeadAttention does not fit the ")) as err:
+        to_hf(ours, layer)
+    assert all(t in str(err.value) for t in texts), str(err.value)
+    _bit_equal(_state(layer), before)
+
+
+@needs_torch
+def test_to_hf_refuses_other_geometry_and_writes_nothing() -> None:
+    """Another head count, and another hidden size: named, nothing written."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from torch_attention.interop import from_hf, to_hf
+
+    ours = from_hf(_layer("llama").layer)
+    for changes, text in (({"num_key_value_heads": HEADS}, "kv_heads=2 where the layer has 4"),
+                          ({"hidden_size": 2 * HIDDEN}, "d_in=32 where the layer has 64")):
+        fields: dict[str, Any] = {"hidden_size": HIDDEN, "num_attention_heads": HEADS,
+                                  "num_key_value_heads": KV_HEADS, "head_dim": 16, **changes}
+        layer = LlamaAttention(LlamaConfig(**fields), layer_idx=0)
+        before = _state(layer)
+        with pytest.raises(ValueError, match=re.escape(text)):
+            to_hf(ours, layer)
+        _bit_equal(_state(layer), before)
+
+
+@needs_torch
+def test_ours_with_other_frequencies_is_refused() -> None:
+    import dataclasses as dc
+
+    from torch_attention import MultiHeadAttention
+    from torch_attention.interop import from_hf, to_hf
+
+    case = _layer("llama")
+    ours = from_hf(case.layer)
+    rope = ours.spec.rope
+    shifted = dc.replace(rope, inv_freq=tuple(f * 1.5 for f in rope.inv_freq))
+    other = MultiHeadAttention(**{**ours.config, "rope": shifted})
+    with pytest.raises(ValueError, match=re.escape("rope inv_freq: ours fixes frequencies other than")):
+        to_hf(other, case.layer)
+
+
+@needs_torch
+def test_cross_attention_is_refused_by_name() -> None:
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    from torch_attention.interop import from_hf
+
+    layer = GPT2Attention(GPT2Config(n_embd=HIDDEN, n_head=HEADS), is_cross_attention=True, layer_idx=0)
+    with pytest.raises(ValueError, match=re.escape("from_hf cannot express this GPT2Attention: cross-attention")):
+        from_hf(layer)
