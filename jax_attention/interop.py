@@ -333,6 +333,8 @@ def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: s
         problems.append(f"qk_norm={spec.qk_norm!r} (Flax's attention has no query/key norm)")
     if spec.rope is not None:
         problems.append("rope= (Flax's MultiHeadAttention has no rotary position embeddings)")
+    if spec.sinks:
+        problems.append("sinks=True (Flax's MultiHeadAttention has no attention sinks)")
     head_dim = cast(int, spec.head_dim)
     if spec.scale is not None and abs(spec.scale * math.sqrt(head_dim) - 1.0) > 1e-12:
         problems.append(f"scale={spec.scale} (Flax's attention scales by 1/sqrt(head_dim) = "

@@ -294,6 +294,8 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
         )
     if spec.rope is not None:
         problems.append("rope= (nn.MultiheadAttention has no rotary position embeddings)")
+    if spec.sinks:
+        problems.append("sinks=True (nn.MultiheadAttention has no attention sinks)")
     if spec.qkv_bias and not spec.out_bias:
         problems.append("out_bias=False with qkv_bias=True (nn.MultiheadAttention's one bias switch gives "
                         "both or neither)")

@@ -17,7 +17,7 @@ import pytest
 from attention_spec.conversion import rules_for, torch_shapes
 from parity_tests.cases import IMPLEMENTATIONS, Case
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import needs_both, needs_jax, needs_torch
+from tests.support import constructor_errors, needs_both, needs_jax, needs_torch, random_x
 
 D_IN = 40
 BASE = {"d_in": D_IN, "d_out": D_IN, "context_length": 16, "dropout": 0.0, "num_heads": 4}
@@ -70,7 +70,7 @@ def _pair(name: str, seed: int = 0) -> tuple[Any, Any]:
 
 
 def _x(shape: tuple[int, ...] = (2, 6, D_IN), seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return random_x(shape, seed)
 
 
 # --------------------------------------------------------------------------- the declaration
@@ -94,24 +94,6 @@ def test_defaults_are_today_s_module() -> None:
     assert rules_for("MultiHeadAttention", same) == rules_for("MultiHeadAttention", spec)
 
 
-def _errors(options: dict[str, Any]) -> list[tuple[type, str]]:
-    """The exception of each twin's constructor (and the registry's), as (type, text)."""
-    from flax import nnx
-
-    import jax_attention
-    import torch_attention
-    from attention_spec.registry import make_config
-
-    found = []
-    for build in (lambda: make_config("MultiHeadAttention", options),
-                  lambda: torch_attention.MultiHeadAttention(**options),
-                  lambda: jax_attention.MultiHeadAttention(**options, rngs=nnx.Rngs(0))):
-        with pytest.raises((TypeError, ValueError)) as info:
-            build()
-        found.append((info.type, str(info.value)))
-    return found
-
-
 @needs_both
 @pytest.mark.parametrize(
     ("options", "error", "text"),
@@ -130,7 +112,7 @@ def _errors(options: dict[str, Any]) -> list[tuple[type, str]]:
     ],
 )
 def test_both_twins_refuse_bad_widths_with_one_text(options: dict[str, Any], error: type, text: str) -> None:
-    assert _errors({**BASE, **options}) == [(error, text)] * 3
+    assert constructor_errors({**BASE, **options}) == [(error, text)] * 3
 
 
 @needs_both
