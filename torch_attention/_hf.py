@@ -199,15 +199,16 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
     attention = _get(layer, family.attention)
     problems = _refusals(layer, attention)
     if problems:
-        raise ValueError(f"from_hf cannot express this {type(layer).__name__}: " + "; ".join(problems))
+        raise ValueError(f"this {type(layer).__name__} cannot be expressed as MultiHeadAttention: "
+                         + "; ".join(problems))
     options = _geometry(layer, family)
     dropout = getattr(attention, "attention_dropout", None)
     for name in ("attn_dropout", "dropout"):  # GPT-2, BERT: an nn.Dropout on the weights
         if dropout is None and isinstance(getattr(attention, name, None), nn.Dropout):
             dropout = getattr(attention, name).p
     options.update(
-        sinks=family.sinks, context_length=None, dropout=float(dropout or 0.0), causal=bool(getattr(attention, "is_causal", False)),
-        scale=float(attention.scaling), softcap=getattr(attention, "attn_logit_softcapping", None),
+        sinks=family.sinks, context_length=None, dropout=float(dropout or 0.0),
+        causal=bool(getattr(attention, "is_causal", False)), scale=float(attention.scaling), softcap=getattr(attention, "attn_logit_softcapping", None),
         window=_window(layer, attention), rope=_rope(layer, attention) if family.rope else None,
     )
     if options["softcap"] is not None:

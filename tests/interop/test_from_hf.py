@@ -496,5 +496,24 @@ def test_cross_attention_is_refused_by_name() -> None:
     from torch_attention.interop import from_hf
 
     layer = GPT2Attention(GPT2Config(n_embd=HIDDEN, n_head=HEADS), is_cross_attention=True, layer_idx=0)
-    with pytest.raises(ValueError, match=re.escape("from_hf cannot express this GPT2Attention: cross-attention")):
+    with pytest.raises(ValueError, match=re.escape("this GPT2Attention cannot be expressed as MultiHeadAttention: cross-attention")):
         from_hf(layer)
+
+
+@needs_torch
+def test_dropout_rate_mode_and_sinks_are_the_layer_s() -> None:
+    """The attention weights' dropout rate and the train/eval mode come with the layer;
+    gpt-oss's sinks become ours (``sinks=True``, its values)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from torch_attention.interop import from_hf
+
+    config = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.125)
+    ours = from_hf(LlamaAttention(config, layer_idx=0).train())
+    assert ours.spec.dropout == 0.125 and ours.training
+    oss = _any_layer("gpt-oss").layer
+    ours = from_hf(oss)
+    assert ours.spec.sinks and ours.spec.window == (7, 0)
+    assert torch.equal(ours.state_dict()["sinks"], oss.sinks)
