@@ -245,7 +245,9 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
 
 def _from_norm_offset(weight: torch.Tensor) -> torch.Tensor:
     """Gemma 3's RMSNorm weight w -> ours, ``1.0 + w.float()`` exactly as its forward computes
-    the scale (ours multiplies by the weight itself)."""
+    the scale (ours multiplies by the weight itself).  In a float16 / bfloat16 module the
+    scale is then stored in that dtype (Gemma multiplies by it in float32 and rounds the
+    product once): a difference of rounding, not of formula."""
     return 1.0 + weight.detach().float()
 
 
