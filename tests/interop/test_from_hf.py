@@ -257,6 +257,8 @@ def _parity(name: str, implementation: str = "auto", flax: bool = True) -> dict[
 @needs_both
 @pytest.mark.parametrize("name", FAMILIES)
 def test_each_family_against_the_native_layer(name: str) -> None:
+    """Output (real rows), input and parameter gradients of from_hf(layer) and of its Flax
+    twin against the layer's own (the assertions are _compare's; -s prints the worst)."""
     errors = _parity(name)
     print(name, errors)
 
