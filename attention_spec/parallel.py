@@ -1,6 +1,9 @@
 """What the two ring attentions share: the layouts, the zigzag order, the checks and their
 texts.  Framework-free (plain ints, shape tuples, dtype names, NumPy index arrays).
 
+Also the ring's options beyond the layout: ``check_ring_rope`` (rope with global
+positions needs self-attention; positions need rope).
+
 A ring of N members (JAX devices along a mesh axis, or the ranks of a
 ``torch.distributed`` group) splits one sequence of S positions:
 
@@ -98,3 +101,32 @@ def group_rows(t: Any, kv_heads: int) -> Any:
 def ungroup_rows(t: Any, heads: int) -> Any:
     """(B, Hkv, G*T, X) -> (B, H, T, X): undoes ``group_rows``."""
     return t.reshape(t.shape[0], heads, -1, t.shape[-1])
+
+
+RING_POSITIONS_WITHOUT_ROPE = (
+    "ring attention takes positions only with rope= (they are the positions that rope turns q and k by)"
+)
+
+
+def check_ring_rope(q_len: int, kv_len: int, rope: Any, positions_given: bool) -> None:
+    """``rope`` (a ``RopeConfig`` or None) and whether ``positions`` were given, for a ring
+    over T = ``q_len`` queries and S = ``kv_len`` keys (the whole sequences).  rope turns
+    q and k by the global position of their token, so it needs self-attention (T == S:
+    one position per token); positions without rope turn nothing."""
+    if rope is None:
+        if positions_given:
+            raise ValueError(RING_POSITIONS_WITHOUT_ROPE)
+        return
+    if q_len != kv_len:
+        raise ValueError(
+            "ring attention with rope needs self-attention (as many keys as queries: q and k are turned "
+            f"by the positions of the same tokens); got {q_len} queries and {kv_len} keys"
+        )
+
+
+def layout_positions(seq_len: int, ring_size: int, layout: str) -> np.ndarray:
+    """The global positions 0..S-1 of a sequence laid out for the ring (int64, (S,)):
+    in order for ``"contiguous"``, in ``zigzag_order`` for ``"zigzag"``; member i's
+    slice ``[i * S/N, (i + 1) * S/N)`` of it holds the positions of its own rows (the
+    default positions by which rope turns them)."""
+    return np.arange(seq_len) if layout == "contiguous" else zigzag_order(seq_len, ring_size)

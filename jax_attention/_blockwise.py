@@ -80,10 +80,11 @@ def _flash_logits(st: FlashStatic, q_c: Array, k_c: Array, bias: Array | None, m
 
 
 def _flash_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                   length: Array | None) -> tuple[Array, tuple[Array, Array, Array]]:
-    """(out in v's dtype, (out, row max, row sum) in the compute dtype) of one slice."""
+                   length: Array | None, sink: Array | None) -> tuple[Array, tuple[Array, Array, Array]]:
+    """(out in v's dtype, (out, row max, row sum) in the compute dtype) of one slice;
+    ``sink`` () the slice's sink logit, or None (``_online_softmax.finish``)."""
     if st.tile is not None:
-        return tiled_forward(st, q, k, v, bias, mask, length)
+        return tiled_forward(st, q, k, v, bias, mask, length, sink)
     ct = compute_dtype(q.dtype)
     q_c, k_c, v_c = q.astype(ct), k.astype(ct), v.astype(ct)
     outs, maxes, sums = [], [], []
@@ -98,9 +99,10 @@ def _flash_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | 
             z = jnp.where(allowed, z, -jnp.inf)
         mix = functools.partial(_mix, v_c[lo:hi], st.precision)
         # the online softmax's step from the empty state: the whole block at once
-        row_max, row_sum, mixed = _online_softmax.step(None, z, z_scale, mix)
-        outs.append(mixed / jnp.where(row_sum == 0, 1.0, row_sum))
-        maxes.append(_online_softmax.seen_max(row_max))  # a row with nothing to attend to: 0
+        state = _online_softmax.step(None, z, z_scale, mix)
+        out, row_max, row_sum = _online_softmax.finish(*state, z_scale, sink)  # an empty row: max 0
+        outs.append(out)
+        maxes.append(row_max)
         sums.append(row_sum)
     out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     row_max = jnp.concatenate(maxes, axis=0) if len(maxes) > 1 else maxes[0]
@@ -114,20 +116,22 @@ def _mix(values: Array, precision: Any, p: Array) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-           length: Array | None) -> Array:
+           length: Array | None, sinks: Array | None) -> Array:
     """The blockwise path over N (T, D) x (S, D) x (S, Dv) slices, with FlashAttention's
     backward: ``bias`` (N or 1, T or 1, S or 1) float, differentiable; ``mask`` bool of
-    the same kind (a leading 1: one for every slice); ``length`` (N,) key counts; the
+    the same kind (a leading 1: one for every slice); ``length`` (N,) key counts;
+    ``sinks`` (N,) each slice's sink logit in the compute dtype, differentiable; the
     structure (causal, window, offset, blocks) in ``st``."""
-    return _slices_forward(st, q, k, v, bias, mask, length, vectorised=st.tile is not None)[0]
+    return _slices_forward(st, q, k, v, bias, mask, length, sinks, vectorised=st.tile is not None)[0]
 
 
-def _per_slice(bias: Array | None, mask: Array | None, length: Array | None,
+def _per_slice(bias: Array | None, mask: Array | None, length: Array | None, sinks: Array | None = None,
                **batched: Array) -> tuple[dict[str, Array], Array | None, Array | None]:
     """(the arrays that differ per slice, the bias and mask shared by every slice)."""
     shared_bias = bias[0] if bias is not None and bias.shape[0] == 1 else None
     shared_mask = mask[0] if mask is not None and mask.shape[0] == 1 else None
-    for name, a, shared in (("bias", bias, shared_bias), ("mask", mask, shared_mask), ("length", length, None)):
+    for name, a, shared in (("bias", bias, shared_bias), ("mask", mask, shared_mask), ("length", length, None),
+                            ("sink", sinks, None)):
         if a is not None and shared is None:
             batched[name] = a
     return batched, shared_bias, shared_mask
@@ -144,34 +148,36 @@ def _one_block(st: FlashStatic) -> bool:
 
 
 def _slices_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                    length: Array | None, *, vectorised: bool) -> tuple[Array, Any]:
+                    length: Array | None, sinks: Array | None, *, vectorised: bool) -> tuple[Array, Any]:
     """``_flash_forward`` over the slices, vectorised (``vmap``) or one at a time (``lax.map``).
     The loops (``st.tile``) always run vectorised: 1/1.2 the time of one slice at a time
     at S=16384, B1 H4.  Unrolled blocks one slice at a time are plain 2-d products, which
     XLA's CPU backend ran about 1.6x faster than the same products batched at B4 H8 S1024
     (benchmarks/profile_cpu.py), except for a single block (``_one_block``)."""
-    xs, shared_bias, shared_mask = _per_slice(bias, mask, length, q=q, k=k, v=v)
+    xs, shared_bias, shared_mask = _per_slice(bias, mask, length, sinks, q=q, k=k, v=v)
 
     def one(t: dict[str, Array]) -> tuple[Array, tuple[Array, Array, Array]]:
         return _flash_forward(st, t["q"], t["k"], t["v"], t.get("bias", shared_bias), t.get("mask", shared_mask),
-                              t.get("length"))
+                              t.get("length"), t.get("sink"))
 
     out, (out_c, row_max, row_sum) = jax.vmap(one)(xs) if vectorised else jax.lax.map(one, xs)
-    return out, (q, k, v, bias, mask, length, out_c, row_max, row_sum)
+    return out, (q, k, v, bias, mask, length, sinks, out_c, row_max, row_sum)
 
 
 def _flash_fwd(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-               length: Array | None) -> tuple[Array, Any]:
-    return _slices_forward(st, q, k, v, bias, mask, length, vectorised=st.tile is not None or _one_block(st))
+               length: Array | None, sinks: Array | None) -> tuple[Array, Any]:
+    return _slices_forward(st, q, k, v, bias, mask, length, sinks,
+                           vectorised=st.tile is not None or _one_block(st))
 
 
 def _flash_bwd(st: FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
     """One slice at a time (a ``lax.scan``, the gradient of a shared bias summed in its
     carry; for the loops too: vectorised, their backward took 1.2x longer at S=16384,
     B1 H4), except single-block slices, which run vectorised (``_one_block``)."""
-    q, k, v, bias, mask, length, out_c, row_max, row_sum = residuals
+    q, k, v, bias, mask, length, sinks, out_c, row_max, row_sum = residuals
     xs, shared_bias, shared_mask = _per_slice(bias, mask, length, q=q, k=k, v=v, out_c=out_c, row_max=row_max,
                                               row_sum=row_sum, d_out=d_out)
+    d_sinks = None if sinks is None else _sinks_gradient(st, bias is not None, sinks, out_c, row_max, row_sum, d_out)
 
     def one(t: dict[str, Array]) -> tuple[Any, ...]:
         part = (t["q"], t["k"], t["v"], t.get("bias", shared_bias), t.get("mask", shared_mask), t.get("length"),
@@ -195,7 +201,19 @@ def _flash_bwd(st: FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]
             d_bias = d_shared_bias[None]
     if d_bias is not None:
         d_bias = d_bias.astype(bias.dtype)
-    return dq, dk, dv, d_bias, float0(mask), float0(length)
+    return dq, dk, dv, d_bias, float0(mask), float0(length), d_sinks
+
+
+def _sinks_gradient(st: FlashStatic, biased: bool, sinks: Array, out_c: Array, row_max: Array, row_sum: Array,
+                    d_out: Array) -> Array:
+    """(N,): the gradient of each slice's sink, a logit with no value:
+    ``-sum_t p_sink(t) * rowsum(d_out * out)(t)`` (the softmax's backward on its logit,
+    whose value gradient is 0).  The saved maximum is of z, whose scale is 1 where a
+    bias or soft-cap is applied to the scaled scores (``_flash_logits``)."""
+    z_scale = 1.0 if st.softcap is not None or biased else st.scale
+    delta = (d_out.astype(out_c.dtype) * out_c).sum(axis=-1, keepdims=True)  # (N, T, 1)
+    p_sink = _online_softmax.sink_probability(row_max, row_sum, z_scale, sinks[:, None, None])
+    return -(p_sink * delta).sum(axis=(1, 2))
 
 
 def _slice_backward(st: FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
@@ -262,6 +280,7 @@ def blockwise(
     q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
     scale: float, precision: Precision, plan: Plan, bias: Array | None = None,
     softcap: float | None = None, offset: int = 0, window: tuple[int | None, int | None] | None = None,
+    sinks: Array | None = None,
 ) -> Array:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
@@ -280,7 +299,9 @@ def blockwise(
     ``jax.custom_vjp``): the forward keeps only each row's maximum and sum, and the
     backward recomputes each block's scores from them, skipping the same blocks;
     training memory is O(T * D) per slice, never a (T, S) array.
-    ``mask`` has q's rank (``canonical_mask``)."""
+    ``mask`` has q's rank (``canonical_mask``).  ``sinks`` (H,), in the compute dtype,
+    join each row's normaliser when the row is finished (``_online_softmax.finish``); the
+    backward gives them their gradient."""
     lead, q_len, kv_len = q.shape[:-2], q.shape[-2], k.shape[-2]
     batch = math.prod(lead)
     block, tile, backward_tile = plan
@@ -296,5 +317,7 @@ def blockwise(
         length = jnp.broadcast_to(per_slice, lead).reshape(batch)
     static = FlashStatic(block, tile, backward_tile, causal, offset, window, scale, softcap, precision, q_len, kv_len)
     q_s, k_s, v_s = (t.reshape(batch, *t.shape[-2:]) for t in (q, k, v))
-    out = _flash(static, q_s, k_s, v_s, slices(bias), slices(mask), length)  # (BH, T, Dv)
+    if sinks is not None:  # (H,) -> one logit per (batch, head) slice
+        sinks = jnp.broadcast_to(sinks, lead).reshape(batch)
+    out = _flash(static, q_s, k_s, v_s, slices(bias), slices(mask), length, sinks)  # (BH, T, Dv)
     return out.reshape(*lead, q_len, v.shape[-1])

@@ -23,7 +23,7 @@ from attention_spec import (
     check_scale,
     dtype_name,
 )
-from attention_spec.arrays import check_bias
+from attention_spec.arrays import check_bias, check_sinks
 from attention_spec.geometry import band_reach, key_range, visible, within_length
 from attention_spec.masks import (
     check_kv_lengths_array,
@@ -165,12 +165,24 @@ class Canonical(NamedTuple):
     window: tuple[int | None, int | None] | None
     offset: int | Array
     segments: Array | None
+    sinks: Array | None = None
+
+
+def canonical_sinks(sinks: Any, q: Array, normalization: str) -> Array | None:
+    """Attention sinks (H,), one logit per query head, checked (``check_sinks``) and cast
+    to the compute dtype (float32 for half precision, float64 stays float64)."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    check_sinks(sinks.shape, dtype_name(sinks.dtype), q.shape, normalization)
+    return sinks.astype(compute_dtype(q.dtype))
 
 
 def canonicalise(
     q: Array, k: Array, v: Array, *, mask: Any, bias: Any, softcap: float | None, kv_lengths: Any,
     dropout_rate: float, dropout_mask: Any, deterministic: bool, scale: float | None, mask_strategy: str,
     normalization: str, window: Any, alignment: str, q_offset: Any, segment_ids: Any, kv_segment_ids: Any,
+    sinks: Any = None,
 ) -> Canonical:
     """Every check of ``dot_product_attention`` but the implementation's, in its order,
     before any work; the arrays canonicalised."""
@@ -195,7 +207,8 @@ def canonicalise(
     window = check_window(window)
     offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2])
     segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2])
-    return Canonical(mask, bias, softcap, kv_lengths, window, offset, segments)
+    sinks = canonical_sinks(sinks, q, normalization)
+    return Canonical(mask, bias, softcap, kv_lengths, window, offset, segments, sinks)
 
 
 def band(

@@ -104,32 +104,37 @@ class _KernelStatic(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_attention(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array) -> Array:
-    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,) ->
-    (B, T, H, Dv): the CPU kernel, with its FlashAttention backward."""
-    return _kernel_attention_fwd(st, q, k, v, lengths)[0]
+def _kernel_attention(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array,
+                      sinks: Array | None) -> Array:
+    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,),
+    float32 sinks (H,) or None -> (B, T, H, Dv): the CPU kernel, with its FlashAttention
+    backward (the sinks' gradient included)."""
+    return _kernel_attention_fwd(st, q, k, v, lengths, sinks)[0]
 
 
-def _kernel_attention_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, Any]:
-    out, row_max, row_sum = _cpu_kernel.forward(q, k, v, lengths, **st._asdict())
-    return out, (q, k, v, lengths, out, row_max, row_sum)
+def _kernel_attention_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array,
+                          sinks: Array | None) -> tuple[Array, Any]:
+    out, row_max, row_sum = _cpu_kernel.forward(q, k, v, lengths, sinks=sinks, **st._asdict())
+    return out, (q, k, v, lengths, sinks, out, row_max, row_sum)
 
 
 def _kernel_attention_bwd(st: _KernelStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
-    q, k, v, lengths, out, row_max, row_sum = residuals
-    dq, dk, dv = _cpu_kernel.backward(q, k, v, lengths, out, d_out, row_max, row_sum, **st._asdict())
-    return dq, dk, dv, float0(lengths)
+    q, k, v, lengths, sinks, out, row_max, row_sum = residuals
+    dq, dk, dv, dsinks = _cpu_kernel.backward(q, k, v, lengths, out, d_out, row_max, row_sum, sinks=sinks,
+                                              **st._asdict())
+    return dq, dk, dv, float0(lengths), None if sinks is None else dsinks
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
 def attend(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | None, scale: float,
-               offset: int, window: tuple[int | None, int | None] | None) -> Array:
+               offset: int, window: tuple[int | None, int | None] | None, sinks: Array | None = None) -> Array:
     """The fused path on CPU: the library's kernel on (..., H, T, D) inputs (leading
     dimensions flattened into one batch), in float32, the output in v's dtype.  Causal,
     window and lengths stay structural: hidden tiles are skipped, a query that sees no
-    key gets a zero row, and keys past a length are never read.
+    key gets a zero row, and keys past a length are never read.  ``sinks`` (H,) join each
+    row's normaliser in the kernel (in float32; their gradient in their own dtype).
 
     The kernel takes tokens before heads, (B, T, H, D): a module's head split (a
     transpose to (B, H, T, D)) and the transpose back here cancel under jit, so the
@@ -138,5 +143,6 @@ def attend(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | No
     lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     left, right = reach(causal, window)
     q4, k4, v4 = (bthd(t, batch).astype(jnp.float32) for t in (q, k, v))
-    out = _kernel_attention(_KernelStatic(scale, offset, left, right), q4, k4, v4, lengths)  # (B, T, H, Dv)
+    sinks32 = None if sinks is None else sinks.astype(jnp.float32)
+    out = _kernel_attention(_KernelStatic(scale, offset, left, right), q4, k4, v4, lengths, sinks32)  # (B, T, H, Dv)
     return jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)

@@ -396,28 +396,37 @@ def _attributes(scale: float, offset: int, left: int | None, right: int | None) 
     }
 
 
+def _sinks_operand(sinks: jax.Array | None) -> jax.Array:
+    # No sinks travel as float32 (0,): the kernel then runs as it did before it had them.
+    return jnp.zeros((0,), jnp.float32) if sinks is None else sinks
+
+
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float, offset: int,
-            left: int | None, right: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,) ->
-    (out (B, T, H, Dv), row max (B, H, T), row sum (B, H, T)); see the source's header.
-    Tokens come before heads, as a module's projections produce them."""
+            left: int | None, right: int | None,
+            sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,),
+    float32 sinks (H,) or None -> (out (B, T, H, Dv), row max (B, H, T), row normaliser
+    (B, H, T), the sink's share included); see the source's header.  Tokens come before
+    heads, as a module's projections produce them."""
     batch, q_len, heads, _ = q.shape
     rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
     shapes = (jax.ShapeDtypeStruct((batch, q_len, heads, v.shape[-1]), jnp.float32), rows, rows)
     call = jax.ffi.ffi_call(_FORWARD, shapes, vmap_method="sequential")
-    out, row_max, row_sum = call(q, k, v, lengths, **_attributes(scale, offset, left, right))
+    out, row_max, row_sum = call(q, k, v, lengths, _sinks_operand(sinks), **_attributes(scale, offset, left, right))
     return out, row_max, row_sum
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, out: jax.Array, d_out: jax.Array,
              row_max: jax.Array, row_sum: jax.Array, *, scale: float, offset: int, left: int | None,
-             right: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv), float32, in the layouts of q, k and v, from the forward's inputs,
-    output and row statistics."""
-    shapes = tuple(jax.ShapeDtypeStruct(t.shape, jnp.float32) for t in (q, k, v))
+             right: int | None, sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv, dsinks), float32, in the layouts of q, k, v and sinks ((0,) without
+    sinks), from the forward's inputs, output and row statistics."""
+    sinks = _sinks_operand(sinks)
+    shapes = tuple(jax.ShapeDtypeStruct(t.shape, jnp.float32) for t in (q, k, v, sinks))
     call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")
-    dq, dk, dv = call(q, k, v, lengths, out, d_out, row_max, row_sum, **_attributes(scale, offset, left, right))
-    return dq, dk, dv
+    dq, dk, dv, dsinks = call(q, k, v, lengths, out, d_out, row_max, row_sum, sinks,
+                              **_attributes(scale, offset, left, right))
+    return dq, dk, dv, dsinks
 
 
 def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:

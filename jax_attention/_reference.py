@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from attention_spec import check_mask_strategy, zero_row_sum_message
+from attention_spec import check_mask_strategy, dtype_name, zero_row_sum_message
+from attention_spec.arrays import check_sinks
 from jax_attention._canonical import bias_allows, compute_dtype, expand_to, length_mask
+from jax_attention._online_softmax import with_sinks
 from jax_attention.masks import _and_masks as combine_masks
 from jax_attention.masks import _raise_if, causal_mask
 
@@ -53,8 +55,10 @@ def normalize_scores(
     *,
     mask_strategy: str = "fill",
     normalization: str = "softmax",
+    sinks: Array | None = None,
 ) -> Array:
-    """Scores (..., T, S) -> weights (..., T, S), each row summing to 1 or 0.
+    """Scores (..., T, S) -> weights (..., T, S), each row summing to 1 or 0 (less than
+    1 with ``sinks``).
 
     ``mask_strategy="fill"`` sets masked scores to -inf before the softmax;
     ``"renormalize"`` takes the softmax over every key, zeroes the masked weights and
@@ -65,7 +69,12 @@ def normalize_scores(
     ``normalization="sum"`` divides the (masked) scores by their row sum instead of a
     softmax, and raises ``ValueError`` where a row with something to attend to sums to 0
     (eagerly; under jit the same text arrives as a runtime error from a callback).
+    ``sinks`` (H,), the scores being (..., H, T, S): one logit per head that joins each
+    softmax's denominator (``softmax``); ``check_sinks`` refuses them with ``"sum"``.
     """
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        check_sinks(sinks.shape, dtype_name(sinks.dtype), scores.shape, normalization)
     if mask is not None:
         mask = expand_to(mask, scores.ndim)
     if normalization == "sum":
@@ -75,7 +84,7 @@ def normalize_scores(
         _raise_if(jnp.any((row_sum == 0) & live), zero_row_sum_message())
         return safe_divide(kept, row_sum)
 
-    return softmax(scores, mask)
+    return softmax(scores, mask, sinks=sinks)
 
 
 def unnormalized(scores: Array, mask: Array | None, scale: float) -> Array:
@@ -84,6 +93,12 @@ def unnormalized(scores: Array, mask: Array | None, scale: float) -> Array:
     The maximum is that of the unscaled scores, and the subtraction comes before the
     scaling, so no multiply-add can be fused across it: the largest score gives exactly
     exp(0) whatever XLA fuses."""
+    scores, row_max = _masked_max(scores, mask)
+    return jnp.exp((scores - row_max) * scale)
+
+
+def _masked_max(scores: Array, mask: Array | None) -> tuple[Array, Array]:
+    """(scores with the masked ones at -inf, their row maximum, without gradient)."""
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
@@ -91,12 +106,21 @@ def unnormalized(scores: Array, mask: Array | None, scale: float) -> Array:
         # A row with nothing to attend to (known from the mask) subtracts 0: exp(-inf)
         # stays exactly 0 and the division by the row sum turns 0/0 into 0.
         row_max = jnp.where(mask.any(axis=-1, keepdims=True), row_max, 0.0)
-    return jnp.exp((scores - row_max) * scale)
+    return scores, row_max
 
 
-def softmax(scores: Array, mask: Array | None, scale: float = 1.0) -> Array:
-    weights = unnormalized(scores, mask, scale)
-    return safe_divide(weights, weights.sum(axis=-1, keepdims=True))
+def softmax(scores: Array, mask: Array | None, scale: float = 1.0, sinks: Array | None = None) -> Array:
+    """The stable softmax of ``scores * scale`` over the keys ``mask`` lets through;
+    ``sinks`` (H,) join each row's denominator of head h (scores (..., H, T, S)) as
+    ``exp(sink_h)``, in the units of the scaled scores (``with_sinks``)."""
+    if sinks is None:
+        weights = unnormalized(scores, mask, scale)
+        return safe_divide(weights, weights.sum(axis=-1, keepdims=True))
+    scores, row_max = _masked_max(scores, mask)
+    weights = jnp.exp((scores - row_max) * scale)
+    sink = expand_to(sinks.astype(scores.dtype).reshape(-1, 1, 1), scores.ndim)
+    keys, sink_weight = with_sinks(row_max * scale, sink)
+    return safe_divide(weights * keys, weights.sum(axis=-1, keepdims=True) * keys + sink_weight)
 
 
 def safe_divide(weights: Array, row_sum: Array) -> Array:
@@ -139,9 +163,16 @@ def attention_weights(
     precision: Precision = "highest",
     bias: Array | None = None,
     softcap: float | None = None,
+    sinks: Array | None = None,
 ) -> Array:
     """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout.
-    ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores."""
+    ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores;
+    ``sinks`` (H,), q being (..., H, T, D), join each softmax's denominator, one logit per
+    query head in the units of the final scores (the rows then sum to less than 1)."""
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        check_sinks(sinks.shape, dtype_name(sinks.dtype), q.shape, normalization)
+        sinks = sinks.astype(compute_dtype(q.dtype))
     scale = resolve_scale(scale, q.shape[-1])
     raw = raw_scores(q, k, precision)
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], raw.ndim)
@@ -151,8 +182,8 @@ def attention_weights(
         return normalize_scores(adjust(raw * scale, bias, softcap), mask, normalization=normalization)
     check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
     if bias is not None or softcap is not None:
-        return softmax(adjust(raw * scale, bias, softcap), mask)
-    return softmax(raw, mask, scale)
+        return softmax(adjust(raw * scale, bias, softcap), mask, sinks=sinks)
+    return softmax(raw, mask, scale, sinks=sinks)
 
 
 def _combine(mask: Array | None, causal: bool, q_len: int, kv_len: int, ndim: int) -> Array | None:

@@ -117,14 +117,17 @@ def _key_tiles(st: FlashStatic, r0: Array, body: Any, carry: Any) -> Any:
 
 
 def tiled_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                  length: Array | None) -> tuple[Array, tuple[Array, Array, Array]]:
+                  length: Array | None, sink: Array | None = None) -> tuple[Array, tuple[Array, Array, Array]]:
     """The blockwise forward of one slice for long sequences: a ``fori_loop`` over query
     blocks, and in each a loop over the key tiles in reach with the online softmax (the
     output rescaled when the row maximum grows).  The band is applied only to the edge
-    tiles.  (out in v's dtype, (out, row max, row sum) in the compute dtype)."""
+    tiles; a ``sink`` logit joins each row's normaliser at the end
+    (``_online_softmax.finish``).  (out in v's dtype, (out, row max, row sum) in the
+    compute dtype)."""
     rows, keys = st.tile  # type: ignore[misc]
     q_p, k_p, v_p, bias, mask = _tiled_operands(st, q, k, v, bias, mask)
     ct, dv = q_p.dtype, v.shape[-1]
+    z_scale = 1.0 if bias is not None or st.softcap is not None else st.scale  # as ``_tile_logits``'s
 
     def query_block(i: Array, done: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         r0 = (i * rows).astype(jnp.int32)
@@ -140,10 +143,11 @@ def tiled_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | N
 
         carry = (jnp.full((rows, 1), -jnp.inf, ct), jnp.zeros((rows, 1), ct), jnp.zeros((rows, dv), ct))
         m, total, acc = _key_tiles(st, r0, step, carry)
+        out_b, max_b, sum_b = _online_softmax.finish(m, total, acc, z_scale, sink)
         out, row_max, row_sum = done
-        out = jax.lax.dynamic_update_slice_in_dim(out, acc / jnp.where(total == 0, 1.0, total), r0, 0)
-        row_max = jax.lax.dynamic_update_slice_in_dim(row_max, _online_softmax.seen_max(m), r0, 0)
-        row_sum = jax.lax.dynamic_update_slice_in_dim(row_sum, total, r0, 0)
+        out = jax.lax.dynamic_update_slice_in_dim(out, out_b, r0, 0)
+        row_max = jax.lax.dynamic_update_slice_in_dim(row_max, max_b, r0, 0)
+        row_sum = jax.lax.dynamic_update_slice_in_dim(row_sum, sum_b, r0, 0)
         return out, row_max, row_sum
 
     t_pad = q_p.shape[0]

@@ -134,7 +134,7 @@ def route(
     rng: Array | None = None, return_weights: bool = False, implementation: str = "auto",
     precision: Precision = "highest", bias: Array | None = None, softcap: float | None = None,
     window: tuple[int | None, int | None] | None = None, alignment: str = "top_left", q_offset: Any = None,
-    segment_ids: Any = None, kv_segment_ids: Any = None,
+    segment_ids: Any = None, kv_segment_ids: Any = None, sinks: Array | None = None,
 ) -> Route:
     """The route ``dot_product_attention`` takes for these arguments (the same keywords):
     ``Route(path, kernel, reasons)``, the path (``"reference"``, ``"fused"`` or
@@ -155,7 +155,7 @@ def route(
         q, k, v, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
         dropout_mask=dropout_mask, deterministic=deterministic, scale=scale, mask_strategy=mask_strategy,
         normalization=normalization, window=window, alignment=alignment, q_offset=q_offset,
-        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
     )
     return _route(q, k, v, call, causal=causal, implementation=implementation, return_weights=return_weights,
                   normalization=normalization, dropout_active=not deterministic and dropout_rate > 0.0,
@@ -185,7 +185,9 @@ def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, imple
         dropout_active=dropout_active,
         dropout_mask_given=dropout_mask_given,
         fused_draws_dropout=FUSED_DRAWS_DROPOUT,
-        fused_blockers=fused_blockers(q.dtype == jnp.float64, call.softcap),
+        # sinks block the fused kernels but the library's CPU kernel, which has them
+        fused_blockers=fused_blockers(q.dtype == jnp.float64, call.softcap,
+                                      sinks=call.sinks is not None and not cpu_kernel),
     )
     if path == "blockwise":
         kernel = "blockwise" if _blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
@@ -233,6 +235,7 @@ def dot_product_attention(
     q_offset: Any = None,
     segment_ids: Any = None,
     kv_segment_ids: Any = None,
+    sinks: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv).
 
@@ -257,6 +260,17 @@ def dot_product_attention(
         the bias and the mask (Gemma 2's order).  The fused path refuses it
         (``jax.nn.dot_product_attention`` has no soft-capping on XLA); ``"auto"`` then
         takes a path that honours it.
+      sinks: None (off) or a float array (H,), H = q's heads (per query head under
+        grouped-query attention): attention sinks (gpt-oss), one logit per head that
+        joins every softmax's denominator as a key with no value, in the units of the
+        final scores (after the scale, the soft-cap and the bias).  A row's weights are
+        ``exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m))``, m the larger of the
+        row's maximum and the sink: they sum to less than 1 (``return_weights`` returns
+        these key weights; dropout acts on them), and a row that sees no key stays
+        zeros.  Cast to the compute dtype; differentiable.  Needs
+        ``normalization="softmax"``.  ``jax.nn.dot_product_attention`` and splash have
+        none: the fused path refuses them unless the library's CPU kernel takes the call
+        (it has them); ``"auto"`` then takes a path that honours them.
       window: ``(left, right)``, inclusive: the query at key position p attends to keys
         p - left .. p + right; None on a side is unbounded (with ``causal`` the right
         side is at most 0).  See ``check_window``.
@@ -300,7 +314,7 @@ def dot_product_attention(
         q, k, v, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
         dropout_mask=dropout_mask, deterministic=deterministic, scale=scale, mask_strategy=mask_strategy,
         normalization=normalization, window=window, alignment=alignment, q_offset=q_offset,
-        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
     )
     decide = functools.partial(
         _route, q, k, v, call, causal=causal, implementation=implementation, return_weights=return_weights,
@@ -316,7 +330,7 @@ def dot_product_attention(
     s = structure(q, k, v, call, causal, structural=chosen.path == "blockwise" or chosen.kernel == "cpu-kernel")
     if chosen.kernel == "cpu-kernel":
         return _cpu_fused.attend(q, s.k, s.v, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
-                                 offset=s.offset, window=s.window)
+                                 offset=s.offset, window=s.window, sinks=call.sinks)
     if chosen.path == "fused":
         return _fused(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
                       precision=precision, kernel=chosen.kernel, bias=call.bias)
@@ -327,12 +341,12 @@ def dot_product_attention(
         return _blockwise(
             q, k, v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale, precision=precision,
             plan=_blockwise_plan(q.shape[-2], k.shape[-2]), bias=call.bias, softcap=call.softcap, offset=s.offset,
-            window=s.window,
+            window=s.window, sinks=call.sinks,
         )
     weights = attention_weights(
         q, k, mask=reference_mask(s.mask, call.kv_lengths, k.shape[-2], q.ndim), causal=s.causal, scale=scale,
         mask_strategy=mask_strategy, normalization=normalization, precision=precision, bias=call.bias,
-        softcap=call.softcap,
+        softcap=call.softcap, sinks=call.sinks,
     )
     weights = dropout_weights(weights, dropout_rate, deterministic=deterministic, rng=rng, dropout_mask=dropout_mask)
     return mix(weights, v, precision, return_weights)

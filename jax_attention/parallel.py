@@ -19,6 +19,13 @@ forward, and every device holds one foreign chunk at a time.  Causal masking and
 library); a pair of chunks that the causal mask hides entirely is skipped with
 ``lax.cond``.  A query that may attend to nothing gets a zero row.
 
+Attention sinks (``sinks``, (H,), gpt-oss): each row's sink logit joins its denominator
+where the ring finalises its online softmax (``_with_sinks``), once, after the last
+chunk.  RoPE (``rope``): q and k are turned by their tokens' global positions
+(``attention_spec.parallel.layout_positions`` by default) before the ring; rope is
+elementwise along the sequence, so each device turns its own rows and a chunk's keys
+travel already turned.
+
 The backward (``jax.custom_vjp``, flash-attention-2 style) keeps only the inputs, the
 output and each row's m and l: it runs the ring again, recomputing each block's
 probabilities, adding to dq locally and to dk/dv that travel with their chunk (k, v, dk and
@@ -37,18 +44,22 @@ from jax import Array
 from jax.sharding import Mesh, PartitionSpec
 
 from attention_spec import dtype_name
+from attention_spec.arrays import check_sinks
 from attention_spec.geometry import reach, visible, within_length
 from attention_spec.parallel import (
     check_layout,
     check_mesh_axis,
     check_ring_qkv,
+    check_ring_rope,
     check_ring_sequence,
     chunk_seen,
     group_rows,
+    layout_positions,
     piece_chunks,
     ungroup_rows,
     zigzag_order,
 )
+from attention_spec.rope import RopeConfig, check_rope, check_rope_call
 from jax_attention import _online_softmax, functional
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
@@ -82,6 +93,9 @@ def ring_attention(
     kv_lengths: Any = None,
     scale: float | None = None,
     layout: str = "contiguous",
+    sinks: Array | None = None,
+    rope: RopeConfig | None = None,
+    positions: Any = None,
 ) -> Array:
     """Attention over sequences sharded along ``mesh``'s ``axis_name``:
     q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, T, Dv), sharded like q.
@@ -106,12 +120,23 @@ def ring_attention(
         ``"zigzag"``: q, k and v (and the output) are in ``to_zigzag`` order, device i
         holding chunks i and 2N-1-i of S/(2N), which balances the causal work;
         ``kv_lengths`` still counts positions of the original order.
+      sinks: attention sinks (gpt-oss), float (H,): one logit per query head in the units
+        of the scaled scores, in each row's softmax denominator (see
+        ``functional.dot_product_attention``); differentiable (replicated on the mesh).
+      rope: a ``RopeConfig``: q and k are turned (``functional.apply_rope``) by the global
+        positions of their tokens, by default 0..T-1 of the original order (in zigzag,
+        ``to_zigzag`` of it: each device's rows have their two chunks' positions).
+        Self-attention only (T == S).
+      positions: with ``rope``, integers (B, T) or (1, T), in the order of q (the
+        layout's); replaces the default.
 
     Raises ``ValueError`` (the same texts as the PyTorch twin where they overlap) for a
     layout that is not one of the two, a mesh without ``axis_name``, q/k/v that are not
     (B, H or Hkv, T or S, D) with one B and Hkv dividing H, a sequence that N (zigzag:
-    2N) does not divide, or bad ``kv_lengths``; ``TypeError`` for mixed or non-float
-    dtypes.
+    2N) does not divide, bad ``kv_lengths``, sinks that are not (H,) (``check_sinks``),
+    rope with T != S or positions without rope (``check_ring_rope``), or positions that
+    are not (B, T) (``check_rope_call``); ``TypeError`` for mixed or non-float dtypes,
+    non-float sinks or non-integer positions.
     """
     check_layout(layout)
     check_mesh_axis(axis_name, tuple(mesh.axis_names))
@@ -123,13 +148,34 @@ def ring_attention(
     q_piece = check_ring_sequence(q_len, ring_size, layout)
     kv_piece = check_ring_sequence(kv_len, ring_size, layout)
     lengths = functional.canonical_kv_lengths(kv_lengths, batch, kv_len)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), "softmax")
+    check_ring_rope(q_len, kv_len, rope, positions is not None)
+    if rope is not None:
+        q, k = _turned(q, k, rope, positions, ring_size, layout)
     ring = _Ring(axis_name, ring_size, layout, q_piece, kv_piece, causal, lengths is not None,
-                 functional.resolve_scale(scale, head_dim))
-    sharded = PartitionSpec(None, None, axis_name, None)
+                 functional.resolve_scale(scale, head_dim), sinks is not None)
+    sharded, replicated = PartitionSpec(None, None, axis_name, None), PartitionSpec()
     local = _shard_map(
-        _ring_function(ring), mesh=mesh, in_specs=(sharded, sharded, sharded, PartitionSpec()), out_specs=sharded,
+        _ring_function(ring), mesh=mesh, in_specs=(sharded, sharded, sharded, replicated, replicated),
+        out_specs=sharded,
     )
-    return local(q, k, v, jnp.zeros((batch,), jnp.int32) if lengths is None else lengths)
+    return local(q, k, v, jnp.zeros((batch,), jnp.int32) if lengths is None else lengths,
+                 jnp.zeros((q.shape[1],), jnp.float32) if sinks is None else sinks)
+
+
+def _turned(q: Array, k: Array, rope: RopeConfig, positions: Any, ring_size: int, layout: str) -> tuple[Array, Array]:
+    """q and k (B, H or Hkv, T, D), in the layout's order, turned by rope at their tokens'
+    global positions: ``positions`` (B or 1, T) in that order, or by default the layout's
+    order of 0..T-1.  Elementwise along the sequence: on sharded arrays each device turns
+    its own rows.  The positions are checked (``check_rope_call``) before any work."""
+    check_rope(rope)
+    if positions is None:
+        positions = layout_positions(q.shape[2], ring_size, layout)[None]  # (1, T), in q's order
+    positions = jnp.asarray(positions)
+    check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
+    return functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
 
 
 def _shard_map(f: Any, *, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
@@ -153,24 +199,28 @@ class _Ring(NamedTuple):
     causal: bool
     padded: bool  # kv_lengths given
     scale: float
+    has_sinks: bool  # sinks given (else the function gets zeros in their place and ignores them)
 
 
 @functools.lru_cache(maxsize=64)
 def _ring_function(ring: _Ring) -> Any:
-    """The per-device function (q, k, v, lengths) -> out of one ring, with its backward."""
+    """The per-device function (q, k, v, lengths, sinks) -> out of one ring, with its
+    backward.  The sinks' cotangent is this device's rows' share: ``shard_map`` sums the
+    cotangents of a replicated input over the devices."""
 
     @jax.custom_vjp
-    def attend(q: Array, k: Array, v: Array, lengths: Array) -> Array:
-        return _forward(ring, q, k, v, lengths)[0]
+    def attend(q: Array, k: Array, v: Array, lengths: Array, sinks: Array) -> Array:
+        return _forward(ring, q, k, v, lengths, sinks)[0]
 
-    def forward(q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, tuple[Any, ...]]:
-        out, stats = _forward(ring, q, k, v, lengths)
-        return out, (q, k, v, lengths, out, stats)
+    def forward(q: Array, k: Array, v: Array, lengths: Array, sinks: Array) -> tuple[Array, tuple[Any, ...]]:
+        out, stats = _forward(ring, q, k, v, lengths, sinks)
+        return out, (q, k, v, lengths, sinks, out, stats)
 
     def backward(residuals: tuple[Any, ...], d_out: Array) -> tuple[Any, ...]:
-        q, k, v, lengths, out, stats = residuals
+        q, k, v, lengths, sinks, out, stats = residuals
         dq, dk, dv = _backward(ring, q, k, v, lengths, out, stats, d_out)
-        return dq, dk, dv, None  # lengths: integers, no cotangent
+        d_sinks = _sink_grad(ring, sinks, out, stats, d_out) if ring.has_sinks else jnp.zeros_like(sinks)
+        return dq, dk, dv, None, d_sinks  # lengths: integers, no cotangent
 
     attend.defvjp(forward, backward)
     return attend
@@ -244,12 +294,14 @@ def _scores(q: Array, k: Array) -> Array:
     return ungroup_rows(_mm(group_rows(q, k.shape[1]), jnp.swapaxes(k, -2, -1)), q.shape[1])
 
 
-def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple[Array, tuple[Array, Array]]:
+def _forward(
+    ring: _Ring, q: Array, k: Array, v: Array, lengths: Array, sinks: Array
+) -> tuple[Array, tuple[Array, Array]]:
     """One device's forward: out (B, H, L, Dv) in v's dtype, and the row statistics
     (B, H, L) in the compute dtype: the maximum of the unscaled scores (0 for a row with
-    nothing to attend to) and the sum of exp((s - max) * scale) (0 there).  Kept apart,
-    not as one log-sum-exp: at logits of 1e10 the sum's logarithm is below the maximum's
-    float32 spacing and would be lost."""
+    nothing to attend to) and the sum of exp((s - max) * scale) (0 there), the sinks
+    folded into both (``_with_sinks``).  Kept apart, not as one log-sum-exp: at logits of
+    1e10 the sum's logarithm is below the maximum's float32 spacing and would be lost."""
     ct = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     width = k.shape[-1]
     me = jax.lax.axis_index(ring.axis_name)
@@ -273,13 +325,38 @@ def _forward(ring: _Ring, q: Array, k: Array, v: Array, lengths: Array) -> tuple
         if step < ring.size - 1:
             kv = jax.lax.ppermute(kv, ring.axis_name, _next(ring))
     outs, maxes, sums = [], [], []
-    for m, row_sum, acc in states:
+    for state in states:
+        m, row_sum, acc = _with_sinks(state, sinks.astype(ct)[None, :, None], ring.scale) if ring.has_sinks else state
         live = row_sum > 0
         outs.append(acc / jnp.where(live, row_sum, 1.0)[..., None])
         maxes.append(jnp.where(live, m, 0.0))
         sums.append(row_sum)
     stats = (jnp.concatenate(maxes, axis=2), jnp.concatenate(sums, axis=2))
     return jnp.concatenate(outs, axis=2).astype(v.dtype), stats
+
+
+def _with_sinks(state: tuple[Array, Array, Array], sink: Array, scale: float) -> tuple[Array, Array, Array]:
+    """The finished online-softmax state (m, l, acc) of rows (B, H, Tq) with each head's
+    sink logit ``sink`` (1, H, 1), in the units of the scaled scores, joined to the sum as a
+    key with no value.  The maximum m (of the unscaled scores) stays where the row's
+    largest scaled score reaches the sink (its subtraction exact at any logit size), and
+    becomes sink / scale where the sink is larger; a row that saw nothing gets m =
+    sink / scale, l = 1 and acc = 0 (a zero row)."""
+    m, row_sum, acc = state
+    m_new = jnp.where(m * scale >= sink, m, sink / scale)
+    rescale = jnp.exp((m - m_new) * scale)  # 1 where m stays, 0 for a row that saw nothing
+    return m_new, row_sum * rescale + jnp.exp(sink - m_new * scale), acc * rescale[..., None]
+
+
+def _sink_grad(ring: _Ring, sinks: Array, out: Array, stats: tuple[Array, Array], d_out: Array) -> Array:
+    """This device's share of d loss / d sinks (H,): -sum over its rows of p_sink *
+    rowsum(dO * O), p_sink = exp(sink - m * scale) / l from the forward's statistics (the
+    sink's weight); ``shard_map`` sums the shares over the devices."""
+    row_max, row_sum = stats
+    ct = row_max.dtype
+    p_sink = jnp.exp(sinks.astype(ct)[None, :, None] - row_max * ring.scale) / row_sum  # l > 0 with sinks
+    delta = (d_out.astype(ct) * out.astype(ct)).sum(axis=-1)
+    return -(p_sink * delta).sum(axis=(0, 2)).astype(sinks.dtype)
 
 
 def _fold(

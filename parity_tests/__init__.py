@@ -9,10 +9,14 @@ attention weights only when asked (``weights=True``).  ``full_precision`` is the
 they run in (full-precision matmuls, global flags restored); ``copy_params`` copies
 weights through the same map.  ``assert_training_parity`` /
 ``check_training_parity`` train copies of both with matched ``torch.optim`` / ``optax``
-optimisers and compare the parameters after every step.  ``python -m parity_tests``
+optimisers and compare the parameters after every step.  ``locate_divergence`` says where
+a whole ported model parts from its original: the innermost module whose inputs agree and
+whose output does not, or, backward, whose output cotangent agrees and whose input
+cotangent does not.  ``python -m parity_tests``
 prints the parity report.
 """
 
+from parity_tests.divergence import Divergence, DivergenceReport, ModulePair, locate_divergence
 from parity_tests.harness import (
     Finding,
     ParityError,
@@ -47,4 +51,8 @@ __all__ = [
     "TrainingReport",
     "assert_training_parity",
     "check_training_parity",
+    "Divergence",
+    "DivergenceReport",
+    "ModulePair",
+    "locate_divergence",
 ]

@@ -288,7 +288,7 @@ class AttentionModule(nn.Module):
             implementation=call.implementation,
             bias=call.bias,
             softcap=spec.softcap,
-            **({"sinks": self.sinks} if spec.sinks else {}),  # TEMP until functional sinks land
+            sinks=self.sinks if spec.sinks else None,
             window=spec.window,
             alignment=extra.pop("alignment", spec.alignment),
             segment_ids=call.segment_ids,

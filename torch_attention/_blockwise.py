@@ -21,13 +21,15 @@ def default_block_size(q_len: int) -> int:
 def _blockwise(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, lengths: Tensor | None,
     scale: float, block_size: int | None = None, bias: Tensor | None = None, softcap: float | None = None,
-    offset: int = 0, window: tuple[int | None, int | None] | None = None,
+    offset: int = 0, window: tuple[int | None, int | None] | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once; a ``window`` (and a causal mask aligned
     at key ``offset``) likewise restricts each block to the keys [lo, hi) within its
-    reach.  Rows are normalised exactly as in the reference path.  Twin of the JAX
+    reach.  Rows are normalised exactly as in the reference path (with ``sinks`` (H,),
+    each row's softmax denominator holds its head's sink logit: a block holds whole rows,
+    so the sink joins each row once).  Twin of the JAX
     formulation (where it is the CPU fast path).
 
     Under autograd each block is checkpointed: the backward keeps only the inputs and
@@ -41,7 +43,7 @@ def _blockwise(
     # would add a rounding each: everything in the compute dtype, the output rounded once
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
     recompute = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, bias)
+        t is not None and t.requires_grad for t in (q, k, v, bias, sinks)
     )
     outputs = []
     for r0 in range(0, q_len, block):
@@ -58,7 +60,7 @@ def _blockwise(
             allowed = combine_masks(allowed, lengths[..., lo:hi])
         # a broadcast (size-1) dimension of the bias stays size 1 under the slice
         part = None if bias is None else (bias[..., r0:r1, lo:hi] if bias.shape[-2] > 1 else bias[..., lo:hi])
-        args = (qc[..., r0:r1, :], kc[..., lo:hi, :], vc[..., lo:hi, :], allowed, part, scale, softcap)
+        args = (qc[..., r0:r1, :], kc[..., lo:hi, :], vc[..., lo:hi, :], allowed, part, scale, softcap, sinks)
         if recompute:
             out = torch.utils.checkpoint.checkpoint(_query_block, *args, use_reentrant=False, preserve_rng_state=False)
         else:
@@ -69,12 +71,12 @@ def _blockwise(
 
 def _query_block(
     q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, bias: Tensor | None, scale: float,
-    softcap: float | None,
+    softcap: float | None, sinks: Tensor | None,
 ) -> Tensor:
     """One block of ``_blockwise``: the reference math on the keys within its reach."""
     scores = torch.matmul(q, k.transpose(-2, -1))  # unscaled
-    if bias is None and softcap is None:
+    if bias is None and softcap is None and sinks is None:
         weights = _softmax(scores, allowed, scale)
     else:
-        weights = _softmax(_adjust(scores * scale, bias, softcap), allowed)
+        weights = _softmax(_adjust(scores * scale, bias, softcap), allowed, sinks=sinks)
     return torch.matmul(weights, v)

@@ -75,14 +75,17 @@ def normalize_scores(
     return _softmax(scores, mask)
 
 
-def _softmax(scores: Tensor, mask: Tensor | None, scale: float = 1.0) -> Tensor:
+def _softmax(scores: Tensor, mask: Tensor | None, scale: float = 1.0, sinks: Tensor | None = None) -> Tensor:
     """softmax(scale * scores) over the keys that ``mask`` lets through (``scale > 0``).
 
     The maximum is taken over the unscaled scores and ``(scores - max) * scale`` is
     exponentiated: the subtraction is exact for the largest score whatever a compiler
-    fuses (the twin of the JAX formulation, where it matters)."""
+    fuses (the twin of the JAX formulation, where it matters).  ``sinks`` (H,): see
+    ``_softmax_with_sinks`` (the scores are then the final ones, ``scale`` 1)."""
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        return _softmax_with_sinks(scores, sinks)
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     if mask is not None:
         # A row with nothing to attend to (known from the mask) subtracts 0: exp(-inf)
@@ -90,6 +93,20 @@ def _softmax(scores: Tensor, mask: Tensor | None, scale: float = 1.0) -> Tensor:
         row_max = torch.where(mask.any(dim=-1, keepdim=True), row_max, torch.zeros_like(row_max))
     unnormalized = torch.exp((scores - row_max) * scale)
     return _safe_divide(unnormalized, unnormalized.sum(dim=-1, keepdim=True))
+
+
+def _softmax_with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
+    """The weights of final scores (..., H, T, S) (blocked keys at -inf) whose softmax
+    denominator also holds one sink logit per query head, ``sinks`` (H,) (gpt-oss):
+    ``exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m))`` with m the larger of the row
+    maximum and the sink, so a row sums to less than 1.  A row with nothing to attend to
+    has m = sink: its sum is 1 and its weights 0 (zeros, finite gradients).  The sinks
+    are cast to the scores' (compute) dtype and get their gradient through the
+    denominator (m is a constant shift)."""
+    sink = sinks.to(scores.dtype)[:, None, None]  # (H, 1, 1): broadcasts over T and the lead
+    row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink).detach()
+    unnormalized = torch.exp(scores - row_max)
+    return unnormalized / (unnormalized.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max))
 
 
 def _safe_divide(weights: Tensor, row_sum: Tensor) -> Tensor:
@@ -122,9 +139,13 @@ def attention_weights(
     normalization: str = "softmax",
     bias: Tensor | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout.
-    ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores."""
+    ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores.
+    ``sinks`` (H,) where q is (..., H, T, D): one logit per query head in the units of
+    those final scores, in each softmax's denominator (``_softmax_with_sinks``; the
+    key weights are returned, a row summing to less than 1); softmax only."""
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], q.device)
     if bias is not None:  # a -inf entry blocks its key
         mask = combine_masks(mask, _bias_allows(bias))
@@ -133,8 +154,8 @@ def attention_weights(
         scores = _adjust(attention_scores(q, k, scale), bias, softcap)
         return normalize_scores(scores, mask, normalization=normalization)
     check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
-    if bias is not None or softcap is not None:
-        return _softmax(_adjust(attention_scores(q, k, scale), bias, softcap), mask)
+    if bias is not None or softcap is not None or sinks is not None:
+        return _softmax(_adjust(attention_scores(q, k, scale), bias, softcap), mask, sinks=sinks)
     return _softmax(attention_scores(q, k, 1.0), mask, scale)
 
 

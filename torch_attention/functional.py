@@ -42,6 +42,7 @@ from attention_spec import (
     check_scale,
     dtype_name,
 )
+from attention_spec.arrays import check_sinks
 from attention_spec.masks import kv_lengths_rank_message
 from attention_spec.options import check_alignment, check_softcap, check_window
 from attention_spec.planning import fused_blockers
@@ -104,6 +105,7 @@ class _Plan(NamedTuple):
     window: tuple[int | None, int | None] | None
     offset: int | Tensor
     segments: Tensor | None
+    sinks: Tensor | None
     route: Route
 
 
@@ -130,6 +132,7 @@ def route(
     q_offset: Any = None,
     segment_ids: Any = None,
     kv_segment_ids: Any = None,
+    sinks: Tensor | None = None,
 ) -> Route:
     """The route ``dot_product_attention`` takes for this call: ``Route(path, kernel,
     reasons)``, with path ``"reference"``, ``"fused"`` or ``"blockwise"``, kernel
@@ -146,7 +149,7 @@ def route(
         normalization=normalization, dropout_rate=dropout_rate, dropout_mask=dropout_mask, training=training,
         return_weights=return_weights, implementation=implementation, bias=bias, softcap=softcap,
         window=window, alignment=alignment, q_offset=q_offset, segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
+        kv_segment_ids=kv_segment_ids, sinks=sinks,
     ).route
 
 
@@ -154,7 +157,7 @@ def _plan(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Any, kv_lengths: Any, scale: float | None, mask_strategy: str,
     normalization: str, dropout_rate: float, dropout_mask: Tensor | None, training: bool, return_weights: bool,
     implementation: str, bias: Any, softcap: float | None, window: Any, alignment: str, q_offset: Any,
-    segment_ids: Any, kv_segment_ids: Any,
+    segment_ids: Any, kv_segment_ids: Any, sinks: Any,
 ) -> _Plan:
     """Every check of a call, in order, before any computation; its options in canonical
     form; and its route."""
@@ -178,6 +181,10 @@ def _plan(
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
+    if sinks is not None:
+        sinks = sinks if isinstance(sinks, Tensor) else torch.as_tensor(sinks)
+        check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), normalization)
+        sinks = sinks.to(q.device)
     window = check_window(window)
     offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2], q.device)
     segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2], q.device)
@@ -189,9 +196,10 @@ def _plan(
         dropout_active=training and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
         fused_draws_dropout=FUSED_DRAWS_DROPOUT,
-        fused_blockers=fused_blockers(q.dtype == torch.float64, softcap),
+        fused_blockers=fused_blockers(q.dtype == torch.float64, softcap, sinks=sinks is not None),
     )
-    return _Plan(mask, bias, softcap, kv_lengths, window, offset, segments, Route(path, KERNELS[path], reasons))
+    route_taken = Route(path, KERNELS[path], reasons)
+    return _Plan(mask, bias, softcap, kv_lengths, window, offset, segments, sinks, route_taken)
 
 
 def dot_product_attention(
@@ -217,6 +225,7 @@ def dot_product_attention(
     q_offset: Any = None,
     segment_ids: Any = None,
     kv_segment_ids: Any = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv).
 
@@ -238,6 +247,15 @@ def dot_product_attention(
       softcap: None (off) or c > 0: the scaled scores become ``c * tanh(s / c)`` before
         the bias and the mask (Gemma 2's order).  The fused path refuses it (SDPA has no
         soft-capping); ``"auto"`` then takes a path that honours it.
+      sinks: attention sinks (gpt-oss): float, shape (H,), one logit per query head (with
+        grouped heads still per query head), in the units of the final scores (after the
+        scale, the soft-cap and the bias), added to each softmax's denominator as a key
+        with no value: w_j = exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m)), so a
+        row sums to less than 1 (``return_weights`` returns these key weights; dropout
+        acts on them).  A row that sees no key stays zeros.  Cast to the compute dtype;
+        differentiable.  Softmax only (``normalization="sum"`` is refused).  The fused
+        path refuses them (SDPA has no sinks); ``"auto"`` then takes a path that
+        honours them.
       window: ``(left, right)``, inclusive: the query at key position p attends to keys
         p - left .. p + right; None on a side is unbounded (with ``causal`` the right
         side is at most 0).  See ``check_window``.
@@ -276,7 +294,7 @@ def dot_product_attention(
         normalization=normalization, dropout_rate=dropout_rate, dropout_mask=dropout_mask, training=training,
         return_weights=return_weights, implementation=implementation, bias=bias, softcap=softcap,
         window=window, alignment=alignment, q_offset=q_offset, segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
+        kv_segment_ids=kv_segment_ids, sinks=sinks,
     )
     path, bias, softcap = plan.route.path, plan.bias, plan.softcap
     if bias is not None:
@@ -293,11 +311,11 @@ def dot_product_attention(
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     if path == "blockwise":
         return _blockwise(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
-                          bias=bias, softcap=softcap, offset=offset, window=window)
+                          bias=bias, softcap=softcap, offset=offset, window=window, sinks=plan.sinks)
     return _explicit(
         q, k, v, mask=combine_masks(mask, lengths), causal=causal, offset=offset, window=window, scale=scale,
         mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap,
-        dropout=(dropout_rate, training, dropout_mask), return_weights=return_weights,
+        dropout=(dropout_rate, training, dropout_mask), return_weights=return_weights, sinks=plan.sinks,
     )
 
 
@@ -340,6 +358,7 @@ def _explicit(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, offset: int,
     window: tuple[int | None, int | None] | None, scale: float, mask_strategy: str, normalization: str,
     bias: Tensor | None, softcap: float | None, dropout: tuple[float, bool, Tensor | None], return_weights: bool,
+    sinks: Tensor | None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The reference path: the weights (``attention_weights``), dropout, the values mixed."""
     if window is not None or (causal and offset):
@@ -347,7 +366,7 @@ def _explicit(
         causal = False
     weights = attention_weights(
         q, k, mask=mask, causal=causal, scale=scale,
-        mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap,
+        mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap, sinks=sinks,
     )
     rate, training, dropout_mask = dropout
     weights = dropout_weights(weights, rate, training=training, dropout_mask=dropout_mask)

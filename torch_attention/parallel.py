@@ -19,6 +19,12 @@ held at a time.  Causal masking and ``kv_lengths`` use the chunks' global positi
 (top-left aligned); a pair of chunks that the causal mask hides entirely is skipped.
 A query that may attend to nothing gets a zero row.
 
+Attention sinks (``sinks``, (H,), gpt-oss): each row's sink logit joins its denominator
+where the ring finalises its online softmax (``_with_sinks``), once, after the last
+chunk.  RoPE (``rope``): q and k are turned on each rank, before the ring, by their
+tokens' global positions (``attention_spec.parallel.layout_positions``), so a chunk's keys
+travel already turned.
+
 The backward (an ``autograd.Function``, flash-attention-2 style) keeps the inputs, the
 output and each row's maximum and sum, runs the ring again recomputing each block's
 probabilities, adds to dq locally and to dk/dv that travel with their chunk (one exchange a
@@ -34,17 +40,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attention_spec import dtype_name
+from attention_spec.arrays import check_sinks
 from attention_spec.geometry import reach, visible, within_length
 from attention_spec.parallel import (
     check_layout,
     check_ring_qkv,
+    check_ring_rope,
     check_ring_sequence,
     chunk_seen,
     group_rows,
+    layout_positions,
     piece_chunks,
     ungroup_rows,
     zigzag_order,
 )
+from attention_spec.rope import RopeConfig, check_rope, check_rope_call, needs_seq_len
 from torch_attention import functional
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
@@ -77,6 +87,9 @@ def ring_attention(
     kv_lengths: Any = None,
     scale: float | None = None,
     layout: str = "contiguous",
+    sinks: Tensor | None = None,
+    rope: RopeConfig | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Attention over sequences split across the ranks of ``group`` (None: the default
     group): this rank's q (B, H, T/N, D), k (B, Hkv, S/N, D), v (B, Hkv, S/N, Dv) -> its
@@ -97,11 +110,25 @@ def ring_attention(
       layout: ``"contiguous"`` (rank i holds positions [iL, (i+1)L)) or ``"zigzag"``
         (rank i holds chunks i and 2N-1-i of S/(2N), in that order:
         ``to_zigzag(x, N).chunk(N, dim=-2)[i]``), which balances the causal work.
+      sinks: attention sinks (gpt-oss), float (H,), the same on every rank: one logit per
+        query head in the units of the scaled scores, in each row's softmax denominator
+        (see ``functional.dot_product_attention``); differentiable (its gradient is
+        summed over the group: every rank gets the whole of it).
+      rope: a ``RopeConfig``: q and k are turned (``functional.apply_rope``) by the global
+        positions of their tokens before the ring, by default 0..T-1 of the original
+        order (this rank's rows: ``attention_spec.parallel.layout_positions``, so in
+        zigzag its two chunks' positions).  Self-attention only (T == S).
+      positions: with ``rope``, integers (B, T/N) or (1, T/N): this rank's rows' positions,
+        in the order of its q (the layout's); replaces the default.  The scalings that
+        depend on the sequence length see the largest position over the group + 1.
 
     Raises ``ValueError`` (the same texts as the JAX twin where they overlap) for a
     layout that is not one of the two, q/k/v that are not (B, H or Hkv, T/N or S/N, D)
     with one B and Hkv dividing H, a zigzag T/N or S/N that is odd (2N must divide T and
-    S), or bad ``kv_lengths``; ``TypeError`` for mixed or non-float dtypes.
+    S), bad ``kv_lengths``, sinks that are not (H,) (``check_sinks``), rope with T != S
+    or positions without rope (``check_ring_rope``), or positions that are not (B, T/N)
+    (``check_rope_call``); ``TypeError`` for mixed or non-float dtypes, non-float sinks
+    or non-integer positions.
     """
     check_layout(layout)
     check_ring_qkv(tuple(q.shape), tuple(k.shape), tuple(v.shape),
@@ -114,12 +141,48 @@ def ring_attention(
     kv_piece = check_ring_sequence(kv_local * size, size, layout)
     lengths = functional.canonical_kv_lengths(kv_lengths, batch, kv_local * size)
     lengths = None if lengths is None else lengths.to(q.device)
+    if sinks is not None:
+        sinks = (sinks if isinstance(sinks, Tensor) else torch.as_tensor(sinks)).to(q.device)
+    _check_extras(q, (q_local * size, kv_local * size), sinks, rope, positions)
     ring = _Ring(
         group, size, rank, dist.get_global_rank(group, (rank + 1) % size),
         dist.get_global_rank(group, (rank - 1) % size), layout, q_piece, kv_piece, causal,
         functional.resolve_scale(scale, head_dim),
     )
-    return _RingAttention.apply(q, k, v, lengths, ring)
+    if rope is not None:
+        q, k = _turned(ring, q, k, rope, positions)
+    return _RingAttention.apply(q, k, v, lengths, sinks, ring)
+
+
+def _check_extras(
+    q: Tensor, seq_lens: tuple[int, int], sinks: Tensor | None, rope: RopeConfig | None, positions: Tensor | None
+) -> None:
+    """The checks of ``sinks``, ``rope`` and ``positions`` (the JAX twin's texts), before
+    any work; ``seq_lens``: (T, S) of the whole sequences."""
+    if sinks is not None:
+        check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), "softmax")
+    check_ring_rope(*seq_lens, rope, positions is not None)
+    if rope is not None:
+        check_rope(rope)
+        if positions is not None:
+            check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
+
+
+def _turned(ring: _Ring, q: Tensor, k: Tensor, rope: RopeConfig, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    """q and k turned by rope at their tokens' global positions (``positions`` or the
+    layout's default); the scalings that depend on the sequence length see the largest
+    position over the group + 1, as ``apply_rope`` on the whole sequence would."""
+    seq_len = q.shape[2] * ring.size
+    if positions is None:
+        everyone = torch.from_numpy(layout_positions(seq_len, ring.size, ring.layout)).to(q.device)
+        positions = everyone.reshape(ring.size, -1)[ring.rank][None]  # (1, T/N): this rank's rows
+    elif needs_seq_len(rope):
+        largest = positions.max().reshape(1).to(torch.int64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ring.group)
+        seq_len = int(largest) + 1
+    positions = positions.to(q.device)
+    return (functional.apply_rope(q, positions, rope, seq_len=seq_len),
+            functional.apply_rope(k, positions, rope, seq_len=seq_len))
 
 
 class _Ring(NamedTuple):
@@ -138,14 +201,16 @@ class _Ring(NamedTuple):
 
 
 class _RingAttention(torch.autograd.Function):
-    """(q, k, v, lengths, ring) -> out; the backward runs the ring again."""
+    """(q, k, v, lengths, sinks, ring) -> out; the backward runs the ring again."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, ring: _Ring) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, sinks: Tensor | None, ring: _Ring
+    ) -> Tensor:
         with torch.no_grad():
-            out, (row_max, row_sum) = _forward(ring, q, k, v, lengths)
+            out, (row_max, row_sum) = _forward(ring, q, k, v, lengths, sinks)
         ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.ring, ctx.lengths = ring, lengths
+        ctx.ring, ctx.lengths, ctx.sinks = ring, lengths, sinks
         return out
 
     @staticmethod
@@ -153,7 +218,10 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
         with torch.no_grad():
             dq, dk, dv = _backward(ctx.ring, q, k, v, ctx.lengths, out, (row_max, row_sum), d_out)
-        return dq, dk, dv, None, None
+            d_sinks = None
+            if ctx.sinks is not None and ctx.needs_input_grad[4]:
+                d_sinks = _sink_grad(ctx.ring, ctx.sinks, out, (row_max, row_sum), d_out)
+        return dq, dk, dv, None, d_sinks, None
 
 
 def _exchange(ring: _Ring, t: Tensor) -> Tensor:
@@ -210,13 +278,13 @@ def _hidden(ring: _Ring, q_chunk: int, k_chunk: int) -> bool:
 
 
 def _forward(
-    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None
+    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, sinks: Tensor | None
 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """This rank's forward: out (B, H, L, Dv) in v's dtype, and the row statistics
     (B, H, L) in the compute dtype: the maximum of the unscaled scores (0 for a row with
-    nothing to attend to) and the sum of exp((s - max) * scale) (0 there).  Kept apart,
-    not as one log-sum-exp: at logits of 1e10 the sum's logarithm is below the maximum's
-    float32 spacing and would be lost."""
+    nothing to attend to) and the sum of exp((s - max) * scale) (0 there), the sinks
+    folded into both (``_with_sinks``).  Kept apart, not as one log-sum-exp: at logits of
+    1e10 the sum's logarithm is below the maximum's float32 spacing and would be lost."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     width = k.shape[-1]
     q_chunks = piece_chunks(ring.rank, ring.size, ring.layout)
@@ -238,12 +306,40 @@ def _forward(
         if step < ring.size - 1:
             kv = _exchange(ring, kv)
     outs, maxes, sums = [], [], []
-    for m, row_sum, acc in states:
+    for state in states:
+        m, row_sum, acc = state if sinks is None else _with_sinks(state, sinks.to(ct)[None, :, None], ring.scale)
         live = row_sum > 0
         outs.append(acc / torch.where(live, row_sum, torch.ones_like(row_sum))[..., None])
         maxes.append(torch.where(live, m, torch.zeros_like(m)))
         sums.append(row_sum)
     return torch.cat(outs, dim=2).to(v.dtype), (torch.cat(maxes, dim=2), torch.cat(sums, dim=2))
+
+
+def _with_sinks(state: tuple[Tensor, Tensor, Tensor], sink: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The finished online-softmax state (m, l, acc) of rows (B, H, Tq) with each head's
+    sink logit ``sink`` (1, H, 1), in the units of the scaled scores, joined to the sum as a
+    key with no value.  The maximum m (of the unscaled scores) stays where the row's
+    largest scaled score reaches the sink (its subtraction exact at any logit size), and
+    becomes sink / scale where the sink is larger; a row that saw nothing gets m =
+    sink / scale, l = 1 and acc = 0 (a zero row)."""
+    m, row_sum, acc = state
+    m_new = torch.where(m * scale >= sink, m, sink / scale)
+    rescale = torch.exp((m - m_new) * scale)  # 1 where m stays, 0 for a row that saw nothing
+    return m_new, row_sum * rescale + torch.exp(sink - m_new * scale), acc * rescale[..., None]
+
+
+def _sink_grad(ring: _Ring, sinks: Tensor, out: Tensor, stats: tuple[Tensor, Tensor], d_out: Tensor) -> Tensor:
+    """d loss / d sinks (H,): -sum over the group's rows of p_sink * rowsum(dO * O), p_sink
+    = exp(sink - m * scale) / l from the forward's statistics (the sink's weight), summed
+    over the group (all-reduce) so that every rank holds the whole gradient."""
+    row_max, row_sum = stats
+    ct = row_max.dtype
+    sink = sinks.to(ct)[None, :, None]
+    p_sink = torch.exp(sink - row_max * ring.scale) / row_sum  # (B, H, L): l >= p's share > 0 with sinks
+    delta = (d_out.to(ct) * out.to(ct)).sum(dim=-1)
+    grad = -(p_sink * delta).sum(dim=(0, 2))
+    dist.all_reduce(grad, group=ring.group)
+    return grad.to(sinks.dtype)
 
 
 def _fold(

@@ -9,9 +9,12 @@
 // Query head h reads key/value head h / (H / Hkv).  Query i (at key position
 // i + offset) sees key j iff i + offset - left <= j <= i + offset + right and
 // j < lengths[b]; left / right < 0 mean unbounded on that side.
+//   sinks (H,) float, or (0,) for none: attention sinks, one logit per query head in the
+//   units of the scaled scores, that join each row's softmax denominator.
 #pragma once
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -30,6 +33,7 @@ struct Problem {
   float scale;
   int64_t offset, left, right;  // left / right < 0: unbounded
   const int32_t* lengths;
+  const float* sinks;  // (H,), or null: no sinks
 
   int64_t group() const { return heads / kv_heads; }
   // Row r of head h of example b in a (B, T, H, width) array, and its row stride.
@@ -95,17 +99,45 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& f) {
 }
 
 static bool consistent(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi::F32>& v,
-                       const ffi::Buffer<ffi::S32>& lengths) {
+                       const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::F32>& sinks) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   return qd.size() == 4 && kd.size() == 4 && vd.size() == 4 && kd[0] == qd[0] && vd[0] == qd[0] &&
          kd[2] == vd[2] && kd[2] > 0 && qd[2] % kd[2] == 0 && kd[1] == vd[1] && kd[3] == qd[3] &&
-         lengths.element_count() == static_cast<size_t>(qd[0]);
+         lengths.element_count() == static_cast<size_t>(qd[0]) &&
+         (sinks.element_count() == 0 || sinks.element_count() == static_cast<size_t>(qd[2]));
 }
 
 static Problem problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi::F32>& v,
-                       const ffi::Buffer<ffi::S32>& lengths, float scale, int64_t offset, int64_t left, int64_t right) {
+                       const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::F32>& sinks, float scale,
+                       int64_t offset, int64_t left, int64_t right) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  return Problem{qd[0], qd[2], kd[2], qd[1], kd[1], qd[3], vd[3], scale, offset, left, right, lengths.typed_data()};
+  return Problem{qd[0],  qd[2], kd[2], qd[1], kd[1], qd[3], vd[3], scale, offset, left, right, lengths.typed_data(),
+                 sinks.element_count() == 0 ? nullptr : sinks.typed_data()};
+}
+
+// A row's sink joined to its normaliser (sinks): the keys' scaled maximum top = max * scale
+// and the sink against m = max(top, sink), so that neither exponent is positive.  The
+// row's weights are exp((s - max) * scale) * keys / denominator; `normaliser` is the same
+// in the frame of the keys' maximum, denominator / keys (infinite where the sink outweighs
+// every key beyond float's range: their weights are then 0), which the backward reads.
+struct SinkJoin {
+  float keys, denominator, normaliser;
+};
+
+static SinkJoin join_sink(float row_max, float row_sum, float scale, float sink) {
+  const float top = row_max * scale;
+  const bool above = sink > top;
+  const float keys = above ? std::exp(top - sink) : 1.0f;
+  const float denominator = row_sum * keys + (above ? 1.0f : std::exp(sink - top));
+  return SinkJoin{keys, denominator, denominator / keys};
+}
+
+// The sink's weight in a row from the forward's saved maximum and normaliser: 0 for a
+// row that saw nothing, 1 where the sink outweighs the keys beyond float's range.
+static float sink_probability(float row_max, float normaliser, float scale, float sink) {
+  if (normaliser == 0.0f) return 0.0f;
+  const float e = std::exp(sink - row_max * scale);
+  return e < normaliser ? e / normaliser : 1.0f;
 }
 
 }  // namespace twin

@@ -5,7 +5,9 @@
 // row-major operands with no transpose inside the loops.  Queries are taken in blocks
 // of kBwdRows (a multiple of 16: the vector width of those products), keys in tiles.
 // Work is shared by (batch, key/value head): a task owns its dK and dV and the dQ of its
-// group of query heads.
+// group of query heads.  Attention sinks: the forward's saved normaliser holds them, so
+// the weights are recomputed as without; each sink's gradient is reduced from the rows'
+// sink weights and rowsum(dO * O) (sink_gradient), per example, then summed.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +33,7 @@ struct BackwardArgs {
   float *dq, *dk, *dv;
   float* dq_parts;  // (chunks, B, T, H, D) when a unit's key tiles are split, else null
   int64_t chunks;
+  float* dsink_parts;  // (B, H): each example's share of the sinks' gradient, or null (no sinks)
 };
 
 // One query head's operands, padded to whole blocks: rows past T have 1 / l = 0 (hidden).
@@ -111,6 +114,16 @@ static void prepare_head(const Problem& pb, const BackwardArgs& a, int64_t b, in
   std::fill(op.dqt, op.dqt + blocks * D * R, 0.0f);
 }
 
+// The gradient of head h's sink from example b's rows: the sink is a logit with no value,
+// so the softmax's backward gives it -sum_r p_sink(r) * delta(r).
+static float sink_gradient(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t h, const HeadOperands& op) {
+  const int64_t T = pb.q_len, head = b * pb.heads + h;
+  double total = 0.0;
+  for (int64_t r = 0; r < T; ++r)
+    total += sink_probability(op.m[r], a.row_sum[head * T + r], pb.scale, pb.sinks[h]) * op.delta[r];
+  return static_cast<float>(-total);
+}
+
 // The key tiles t = chunk, chunk + chunks, ... of key/value head (b, hk): dK and dV of
 // those tiles, and their share of dQ for the group's query heads.  (next_b, next_hk): the
 // unit to prefetch for, or next_b < 0.
@@ -138,7 +151,11 @@ static void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, i
   const Scratch work(kBackwardUnit, UnitMemory(pb, keys).total(G));
   Carver memory{work.get()};
   std::vector<HeadOperands> heads(G);
-  for (int64_t j = 0; j < G; ++j) prepare_head(pb, a, b, hk * G + j, memory, heads[j]);
+  for (int64_t j = 0; j < G; ++j) {
+    prepare_head(pb, a, b, hk * G + j, memory, heads[j]);
+    if (a.dsink_parts != nullptr && chunk == 0)  // every chunk prepares the heads; one reports
+      a.dsink_parts[b * pb.heads + hk * G + j] = sink_gradient(pb, a, b, hk * G + j, heads[j]);
+  }
   float* const kp = memory.take(keys * D);
   float* const vp = memory.take(keys * Dv);
   float* const kt = memory.take(D * keys);
@@ -206,10 +223,12 @@ static void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, i
 static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> out,
                            ffi::Buffer<ffi::F32> d_out, ffi::Buffer<ffi::F32> row_max, ffi::Buffer<ffi::F32> row_sum,
-                           float scale, int64_t offset, int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> dq,
-                           ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
-  if (!consistent(q, k, v, lengths)) return ffi::Error::InvalidArgument("twin_attention_flash_bwd: inconsistent shapes");
-  const Problem pb = problem(q, k, v, lengths, scale, offset, left, right);
+                           ffi::Buffer<ffi::F32> sinks, float scale, int64_t offset, int64_t left, int64_t right,
+                           ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                           ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dsinks) {
+  if (!consistent(q, k, v, lengths, sinks) || dsinks->element_count() != sinks.element_count())
+    return ffi::Error::InvalidArgument("twin_attention_flash_bwd: inconsistent shapes");
+  const Problem pb = problem(q, k, v, lengths, sinks, scale, offset, left, right);
   // Keys past a length get zero gradients; the tiles write the rest.
   for (int64_t b = 0; b < pb.batch; ++b) {
     const int64_t from = pb.kv_row(b, 0, pb.length(b)), to = pb.kv_row(b + 1, 0, 0);
@@ -224,9 +243,11 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int64_t size = pb.batch * pb.heads * pb.q_len * pb.width;
   // Each part is written whole: every unit writes its heads' rows of every part.
   const Scratch parts(kBackwardParts, chunks > 1 ? chunks * size : 0);
+  std::vector<float> dsink_parts(pb.sinks != nullptr ? pb.batch * pb.heads : 0);
   const BackwardArgs args{q.typed_data(), k.typed_data(), v.typed_data(), out.typed_data(), d_out.typed_data(),
                           row_max.typed_data(), row_sum.typed_data(), dq->typed_data(), dk->typed_data(),
-                          dv->typed_data(), chunks > 1 ? parts.get() : nullptr, chunks};
+                          dv->typed_data(), chunks > 1 ? parts.get() : nullptr, chunks,
+                          pb.sinks != nullptr ? dsink_parts.data() : nullptr};
   parallel_for(pool, units * chunks, [&](int64_t i) {
     const int64_t unit = i / chunks;
     // Work is dealt in order, so a thread's next unit is likely `threads` units on.
@@ -240,6 +261,12 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     for (int64_t part = 1; part < chunks; ++part)
       for (int64_t e = 0; e < size; ++e) total[e] += parts.get()[part * size + e];
   }
+  if (pb.sinks != nullptr)  // each head's sink gradient: its examples' shares summed
+    for (int64_t h = 0; h < pb.heads; ++h) {
+      double total = 0.0;
+      for (int64_t b = 0; b < pb.batch; ++b) total += dsink_parts[b * pb.heads + h];
+      dsinks->typed_data()[h] = static_cast<float>(total);
+    }
   return ffi::Error::Success();
 }
 

@@ -77,6 +77,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TwinAttentionFlashFwd, twin::Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k (B, S, Hkv, D)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v (B, S, Hkv, Dv)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths (B,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks (H,), or (0,): none
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("left")
@@ -96,10 +97,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TwinAttentionFlashBwd, twin::Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // d_out
                                   .Arg<ffi::Buffer<ffi::F32>>()  // row_max
                                   .Arg<ffi::Buffer<ffi::F32>>()  // row_sum
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks (H,), or (0,): none
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("left")
                                   .Attr<int64_t>("right")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dk
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dsinks, the shape of sinks

@@ -4,7 +4,9 @@
 // The math is that of jax_attention.functional's blockwise path: float32 throughout,
 // scores never stored beyond one (rows x keys) tile, the softmax's row maximum taken over
 // the unscaled scores and exp((s - max) * scale), a row with nothing to attend to giving
-// zeros.  Work is shared by (batch, head, query block).
+// zeros.  Work is shared by (batch, head, query block).  Attention sinks join each row's
+// normaliser once its keys are summed (finish_with_sink); without them the rows finish
+// as before, bit for bit.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -85,6 +87,21 @@ struct ForwardArgs {
   float *out, *row_max, *row_sum;
 };
 
+// The block's rows finished with head h's sink in their normalisers (join_sink): a row
+// that saw nothing stays zeros, with maximum and normaliser 0.
+static void finish_with_sink(const Problem& pb, const ForwardArgs& a, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                             const float* acc, int64_t Dvp, const float* m, const float* l) {
+  const int64_t head = b * pb.heads + h, Dv = pb.v_width;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* O = a.out + pb.q_row(b, h, r0 + i) * Dv;
+    const SinkJoin join = l[i] == 0.0f ? SinkJoin{0.0f, 1.0f, 0.0f} : join_sink(m[i], l[i], pb.scale, pb.sinks[h]);
+    const float factor = join.keys / join.denominator;
+    for (int64_t c = 0; c < Dv; ++c) O[c] = acc[i * Dvp + c] * factor;
+    a.row_max[head * pb.q_len + r0 + i] = l[i] == 0.0f ? 0.0f : m[i];
+    a.row_sum[head * pb.q_len + r0 + i] = join.normaliser;
+  }
+}
+
 static void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, int64_t h, int64_t r0) {
   const int64_t D = pb.width, Dv = pb.v_width, Dvp = a.kv->Dvp, keys = a.kv->keys;
   const int64_t rows = std::min(kFwdRows, pb.q_len - r0);
@@ -147,6 +164,7 @@ static void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, in
     }
     gemm(rows, Dvp, cols, s, cols, a.kv->v_of(pb, b, h / pb.group(), t), a.kv->ldv, acc, Dvp, true);  // p v
   }
+  if (pb.sinks != nullptr) return finish_with_sink(pb, a, b, h, r0, rows, acc, Dvp, m, l);
   for (int64_t i = 0; i < rows; ++i) {
     float* O = a.out + pb.q_row(b, h, r0 + i) * Dv;
     for (int64_t c = 0; c < Dv; ++c) O[c] = l[i] == 0.0f ? 0.0f : acc[i * Dvp + c] / l[i];
@@ -156,11 +174,12 @@ static void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, in
 }
 
 static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, float scale, int64_t offset,
-                          int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> sinks,
+                          float scale, int64_t offset, int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> out,
                           ffi::ResultBuffer<ffi::F32> row_max, ffi::ResultBuffer<ffi::F32> row_sum) {
-  if (!consistent(q, k, v, lengths)) return ffi::Error::InvalidArgument("twin_attention_flash_fwd: inconsistent shapes");
-  const Problem pb = problem(q, k, v, lengths, scale, offset, left, right);
+  if (!consistent(q, k, v, lengths, sinks))
+    return ffi::Error::InvalidArgument("twin_attention_flash_fwd: inconsistent shapes");
+  const Problem pb = problem(q, k, v, lengths, sinks, scale, offset, left, right);
   const PackedKV kv(pb, pool, k.typed_data(), v.typed_data());
   const ForwardArgs args{q.typed_data(), &kv, out->typed_data(), row_max->typed_data(), row_sum->typed_data()};
   const int64_t blocks = tiles_of(pb.q_len, kFwdRows);

@@ -12,12 +12,16 @@ from typing import Any
 
 import numpy as np
 
+from attention_spec.rope import RopeConfig
+
 BATCH, HEADS, SEQ, WIDTH = 2, 4, 48, 8  # 2N divides SEQ for N = 2, 4, 8
 # In the huge-logit cases, key 28 is a copy of key 0 (on the other device of a ring of 2,
 # contiguous or zigzag, and within every example's length): the queries whose largest
 # logit is key 0's have two, and a backward that folds the row sum into the maximum (a
 # log-sum-exp of 1e10, where log 2 is below float32's spacing) weighs each 1, not 1/2.
 TIED = 28
+# The rope of the rope cases: a small base, so that the 48 positions turn the pairs far.
+ROPE = RopeConfig(theta=500.0)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class Case:
     kv_heads: int = HEADS  # fewer than HEADS: grouped-query attention
     kv_seq: int = SEQ  # another length than SEQ: cross-attention
     magnitude: float = 1.0  # q, k and v scaled by it: 1e5 gives logits of about 1e10
+    sinks: float | None = None  # attention sinks (H,), uniform in [-sinks, sinks]
+    rope: str | None = None  # ROPE at "default" positions (0..T-1) or at "given" ones
 
     @property
     def id(self) -> str:
@@ -46,7 +52,16 @@ class Case:
             parts.append(f"kvseq{self.kv_seq}")
         if self.magnitude != 1.0:
             parts.append(f"x{self.magnitude:g}")
+        if self.sinks is not None:
+            parts.append(f"sinks{self.sinks:g}")
+        if self.rope is not None:
+            parts.append(f"rope-{self.rope}")
         return "-".join(parts)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What a run reports: the output and the gradients of the case's inputs."""
+        return ("out", "dq", "dk", "dv") + (("dsinks",) if self.sinks is not None else ())
 
 
 CASES = tuple(
@@ -75,19 +90,32 @@ CASES = tuple(
     # ... and on a ring of 4, each query's maximum found on another member than its
     # first (contiguous: the tied key on member 2; lengths within member 1's chunk)
     Case(4, causal=False, layout="contiguous", lengths=(41, 0), magnitude=1e5),
+    # attention sinks (with padding and fully masked rows, grouped heads, large sinks,
+    # huge logits) and rope at global positions (default and given, both layouts)
+    Case(2, causal=True, layout="zigzag", lengths=(29, 0), sinks=3.0),
+    Case(4, causal=False, layout="contiguous", kv_heads=2, sinks=30.0),
+    Case(2, causal=True, layout="zigzag", lengths=(29, 0), magnitude=1e5, sinks=3.0),
+    Case(2, causal=False, layout="contiguous", lengths=(SEQ, 17), rope="default"),
+    Case(4, causal=True, layout="zigzag", rope="default", sinks=3.0),
+    Case(4, causal=True, layout="contiguous", lengths=(41, 6), rope="given"),
+    Case(2, causal=True, layout="zigzag", kv_heads=1, rope="given", sinks=3.0),
 )
 
 
 def twin_cases() -> tuple[Case, ...]:
     """The cases that the JAX ring and the PyTorch ring both run on 4 members."""
     return (Case(4, causal=True, layout="zigzag", lengths=(41, 6)), Case(4, causal=False, layout="contiguous"),
-            Case(4, causal=True, layout="zigzag", kv_heads=2), Case(4, causal=True, layout="zigzag", kv_seq=80))
+            Case(4, causal=True, layout="zigzag", kv_heads=2), Case(4, causal=True, layout="zigzag", kv_seq=80),
+            Case(4, causal=True, layout="zigzag", lengths=(41, 6), sinks=3.0, rope="given"),
+            Case(4, causal=False, layout="contiguous", kv_heads=2, sinks=3.0, rope="default"))
 
 
 def case_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
     """float32 q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) (times the case's
     magnitude), d_out (B, H, T, Dv); keys and values past the case's lengths are NaN
-    (padding must never reach an output or a gradient)."""
+    (padding must never reach an output or a gradient).  With sinks, float32 ``sinks``
+    (H,); with rope at given positions, int64 ``positions`` (B, T) in natural order (each
+    example its own: a start and a stride)."""
     rng = np.random.default_rng(seed)
     q = (rng.standard_normal((BATCH, HEADS, SEQ, WIDTH)) * case.magnitude).astype(np.float32)
     k = (rng.standard_normal((BATCH, case.kv_heads, case.kv_seq, WIDTH)) * case.magnitude).astype(np.float32)
@@ -99,19 +127,32 @@ def case_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
         for b, length in enumerate(case.lengths):
             k[b, :, length:] = np.nan
             v[b, :, length:] = np.nan
-    return {"q": q, "k": k, "v": v, "d_out": d_out}
+    inputs = {"q": q, "k": k, "v": v, "d_out": d_out}
+    if case.sinks is not None:
+        inputs["sinks"] = rng.uniform(-case.sinks, case.sinks, HEADS).astype(np.float32)
+    if case.rope == "given":
+        inputs["positions"] = np.stack([7 + 3 * np.arange(SEQ), 100 + np.arange(SEQ)]).astype(np.int64)
+    return inputs
+
+
+def case_positions(case: Case, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The positions (B or 1, T), natural order, by which rope turns q and k."""
+    return inputs["positions"] if case.rope == "given" else np.arange(SEQ)[None]
 
 
 def oracle_output(case: Case, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """The case's output by the float64 oracle (``parity_tests.reference``), in natural
-    order: what every ring must give, whatever its padding holds (read as 0 here)."""
-    from parity_tests.reference import attention
+    order: what every ring must give, whatever its padding holds (read as 0 here); q and
+    k turned by its float64 rope first, the sinks in the denominators."""
+    from parity_tests.reference import attention, rope
 
     q, k, v = (np.nan_to_num(inputs[n], nan=0.0, posinf=0.0, neginf=0.0) for n in ("q", "k", "v"))
+    if case.rope is not None:
+        q, k = (rope(t, case_positions(case, inputs), ROPE) for t in (q, k))
     mask = None
     if case.lengths is not None:
         mask = (np.arange(case.kv_seq)[None, :] < np.asarray(case.lengths)[:, None])[:, None, None, :]
-    return attention(q, k, v, scale=1 / np.sqrt(WIDTH), mask=mask, causal=case.causal)[0]
+    return attention(q, k, v, scale=1 / np.sqrt(WIDTH), mask=mask, causal=case.causal, sinks=inputs.get("sinks"))[0]
 
 
 def oracle_error(out: np.ndarray, expected: np.ndarray) -> dict[str, Any]:

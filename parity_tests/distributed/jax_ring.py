@@ -3,7 +3,8 @@
 
 ``python -m parity_tests.distributed.jax_ring parity OUT.json [TWINS_IN.npz TWINS_OUT.npz]``
   the ring on 2, 4 and 8 devices against single-device ``dot_product_attention``
-  (reference path), forward and gradients, per case in ``CASES``; the permutes counted
+  (reference path; rope cases on ``apply_rope``d q and k; sinks as a zero key whose score
+  is a bias), forward and gradients (the sinks' too), per case in ``CASES``; the permutes counted
   in the jaxpr and the compiled HLO; the error texts; and, given the twins' inputs, the
   ring's outputs and gradients on 4 devices for ``twin_cases``.
 ``python -m parity_tests.distributed.jax_ring scale OUT.json``
@@ -28,12 +29,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from jax_attention.functional import dot_product_attention  # noqa: E402
+from jax_attention.functional import apply_rope, dot_product_attention  # noqa: E402
 from jax_attention.parallel import from_zigzag, ring_attention, to_zigzag  # noqa: E402
 from parity_tests.distributed import (  # noqa: E402
     CASES,
+    ROPE,
+    SEQ,
     Case,
     case_inputs,
+    case_positions,
     oracle_error,
     oracle_output,
     twin_cases,
@@ -44,31 +48,56 @@ def mesh_of(n: int) -> Mesh:
     return Mesh(np.array(jax.devices()[:n]), ("seq",))
 
 
-def ring_fn(case: Case, n: int) -> Any:
-    """(q, k, v) in natural order -> the ring's output in natural order."""
+def ring_fn(case: Case, n: int, inputs: dict[str, np.ndarray]) -> Any:
+    """(q, k, v[, sinks]) in natural order -> the ring's output in natural order; rope
+    cases at the case's positions (given ones laid out as q is)."""
     mesh = mesh_of(n)
+    options: dict[str, Any] = {} if case.rope is None else {"rope": ROPE}
+    if case.rope == "given":
+        positions = jnp.asarray(inputs["positions"])
+        options["positions"] = to_zigzag(positions, n, axis=-1) if case.layout == "zigzag" else positions
 
-    def run(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
         if case.layout == "zigzag":
             q, k, v = (to_zigzag(t, n) for t in (q, k, v))
         out = ring_attention(q, k, v, mesh=mesh, axis_name="seq", causal=case.causal,
-                             kv_lengths=case.lengths, layout=case.layout)
+                             kv_lengths=case.lengths, layout=case.layout, sinks=sinks, **options)
         return from_zigzag(out, n) if case.layout == "zigzag" else out
 
     return run
 
 
-def with_grads(f: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """out and d(sum(out * d_out))/d(q, k, v), jitted."""
-    q, k, v, d_out = (jnp.asarray(inputs[n]) for n in ("q", "k", "v", "d_out"))
-    out, vjp = jax.vjp(f, q, k, v)
-    grads = vjp(d_out)
-    return {n: np.asarray(t) for n, t in zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True)}
+def with_grads(f: Any, case: Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """out and d(sum(out * d_out))/d(q, k, v[, sinks])."""
+    args = [jnp.asarray(inputs[n]) for n in ("q", "k", "v", "sinks") if n != "sinks" or case.sinks is not None]
+    out, vjp = jax.vjp(f, *args)
+    grads = vjp(jnp.asarray(inputs["d_out"]))
+    return {n: np.asarray(t) for n, t in zip(case.names, (out, *grads), strict=True)}
 
 
-def reference(case: Case) -> Any:
-    def run(q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
-        return dot_product_attention(q, k, v, causal=case.causal, kv_lengths=case.lengths,
+def reference(case: Case, inputs: dict[str, np.ndarray]) -> Any:
+    """Single-device ``dot_product_attention`` (reference path) on the whole sequences, q
+    and k turned by ``apply_rope`` first in rope cases.  Sinks: each head's sink is one
+    more key, with zero key and value, after the sequence, that every query sees and
+    whose score is the sink (a bias): the same softmax, its weight on nothing."""
+    positions = jnp.asarray(case_positions(case, inputs))
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None) -> Any:
+        if case.rope is not None:
+            q, k = apply_rope(q, positions, ROPE), apply_rope(k, positions, ROPE)
+        if sinks is None:
+            return dot_product_attention(q, k, v, causal=case.causal, kv_lengths=case.lengths,
+                                         implementation="reference")
+        batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+        k, v = (jnp.concatenate([t, jnp.zeros((batch, kv_heads, 1, t.shape[-1]), t.dtype)], axis=2) for t in (k, v))
+        allowed = np.ones((batch, 1, SEQ, case.kv_seq + 1), bool)
+        if case.causal:
+            allowed[..., : case.kv_seq] &= np.tril(np.ones((SEQ, case.kv_seq), bool))
+        if case.lengths is not None:
+            allowed[..., : case.kv_seq] &= np.arange(case.kv_seq) < np.asarray(case.lengths)[:, None, None, None]
+        zeros = jnp.zeros((1, heads, SEQ, case.kv_seq), sinks.dtype)
+        bias = jnp.concatenate([zeros, jnp.broadcast_to(sinks[None, :, None, None], (1, heads, SEQ, 1))], axis=-1)
+        return dot_product_attention(q, k, v, mask=jnp.asarray(allowed), bias=bias,
                                      implementation="reference")
     return run
 
@@ -111,6 +140,15 @@ def error_texts() -> dict[str, str]:
         "mesh_axis": lambda: ring_attention(x, x, x, mesh=mesh_of(4), axis_name="sequence"),
         "contiguous_length": lambda: ring_attention(x[:, :, :10], x[:, :, :10], x[:, :, :10],
                                                     mesh=mesh_of(4), axis_name="seq"),
+        "sinks_shape": lambda: ring_attention(x, x, x, mesh=mesh_of(4), axis_name="seq", sinks=jnp.zeros(3)),
+        "sinks_dtype": lambda: ring_attention(x, x, x, mesh=mesh_of(4), axis_name="seq",
+                                              sinks=jnp.zeros(2, jnp.int32)),
+        "rope_cross": lambda: ring_attention(x, jnp.zeros((1, 2, 20, 8)), jnp.zeros((1, 2, 20, 8)), mesh=mesh_of(4),
+                                             axis_name="seq", rope=ROPE),
+        "positions_without_rope": lambda: ring_attention(x, x, x, mesh=mesh_of(4), axis_name="seq",
+                                                         positions=jnp.zeros((1, 12), jnp.int32)),
+        "positions_dtype": lambda: ring_attention(x, x, x, mesh=mesh_of(4), axis_name="seq", rope=ROPE,
+                                                  positions=jnp.zeros((1, 12))),
     }
     for name, call in calls.items():
         try:
@@ -124,8 +162,8 @@ def parity(out_path: str, twins_in: str | None, twins_out: str | None) -> None:
     report: dict[str, Any] = {"cases": []}
     for case in CASES:
         inputs = case_inputs(case)
-        ring = with_grads(jax.jit(ring_fn(case, case.devices)), inputs)
-        ref = with_grads(reference(case), inputs)
+        ring = with_grads(jax.jit(ring_fn(case, case.devices, inputs)), case, inputs)
+        ref = with_grads(reference(case, inputs), case, inputs)
         errors = {n: float(np.abs(ring[n] - ref[n]).max()) for n in ref}
         scales = {n: float(np.abs(ref[n]).max()) for n in ref}
         finite = all(bool(np.isfinite(t).all()) for t in ring.values())
@@ -139,8 +177,9 @@ def parity(out_path: str, twins_in: str | None, twins_out: str | None) -> None:
             data = dict(stored)
         results = {}
         for case in twin_cases():
-            inputs = {n: data[f"{case.id}/{n}"] for n in ("q", "k", "v", "d_out")}
-            for n, t in with_grads(jax.jit(ring_fn(case, case.devices)), inputs).items():
+            inputs = {n: data[f"{case.id}/{n}"] for n in ("q", "k", "v", "d_out", "sinks", "positions")
+                      if f"{case.id}/{n}" in data}
+            for n, t in with_grads(jax.jit(ring_fn(case, case.devices, inputs)), case, inputs).items():
                 results[f"{case.id}/{n}"] = t
         np.savez(twins_out, **results)  # type: ignore[arg-type]
     with open(out_path, "w") as f:

@@ -10,6 +10,8 @@ Every rank writes ``OUT_DIR/rank{RANK}.json``:
 - world 2: ``ddp``, ``MultiHeadAttention`` under ``DistributedDataParallel``, each rank
   half the batch, against the single-process gradient and SGD step.
 - world 4, rank 0: ``errors``, the texts of the bad calls that ``jax_ring`` makes too.
+Cases with sinks also report ``dsinks`` (the whole gradient, on every rank); rope cases
+compare with ``dot_product_attention`` on ``apply_rope``d q and k.
 With ``TWINS_IN`` (world 4), rank 0 also writes ``OUT_DIR/twins.npz``: the ring's outputs
 and gradients, gathered, in natural order, for ``twin_cases``.
 """
@@ -28,11 +30,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_attention as ta
-from parity_tests.distributed import CASES, Case, case_inputs, oracle_error, oracle_output, twin_cases
-from torch_attention.functional import dot_product_attention
+from parity_tests.distributed import (
+    CASES,
+    ROPE,
+    Case,
+    case_inputs,
+    case_positions,
+    oracle_error,
+    oracle_output,
+    twin_cases,
+)
+from torch_attention.functional import apply_rope, dot_product_attention
 from torch_attention.parallel import from_zigzag, ring_attention, to_zigzag
-
-NAMES = ("out", "dq", "dk", "dv")
 
 
 def local_part(t: torch.Tensor, case: Case, rank: int) -> torch.Tensor:
@@ -43,11 +52,21 @@ def local_part(t: torch.Tensor, case: Case, rank: int) -> torch.Tensor:
 
 
 def ring_results(case: Case, inputs: dict[str, np.ndarray], group: Any, rank: int) -> dict[str, torch.Tensor]:
-    """This member's out, dq, dk, dv from the ring."""
+    """This member's out, dq, dk, dv (and the whole dsinks) from the ring."""
     q, k, v = (local_part(torch.from_numpy(inputs[n]), case, rank).requires_grad_() for n in ("q", "k", "v"))
-    out = ring_attention(q, k, v, group=group, causal=case.causal, kv_lengths=case.lengths, layout=case.layout)
+    leaves = [q, k, v]
+    options: dict[str, Any] = {}
+    if case.sinks is not None:
+        options["sinks"] = torch.from_numpy(inputs["sinks"]).requires_grad_()
+        leaves.append(options["sinks"])
+    if case.rope is not None:
+        options["rope"] = ROPE
+    if case.rope == "given":  # this member's rows' positions, in its layout: (B, T/N)
+        options["positions"] = local_part(torch.from_numpy(inputs["positions"])[:, None, :, None], case, rank)[:, 0, :, 0]
+    out = ring_attention(q, k, v, group=group, causal=case.causal, kv_lengths=case.lengths, layout=case.layout,
+                         **options)
     out.backward(local_part(torch.from_numpy(inputs["d_out"]), case, rank))
-    return dict(zip(NAMES, (out.detach(), *grads(q, k, v)), strict=True))
+    return dict(zip(case.names, (out.detach(), *grads(*leaves)), strict=True))
 
 
 def grads(*leaves: torch.Tensor) -> list[torch.Tensor]:
@@ -57,19 +76,32 @@ def grads(*leaves: torch.Tensor) -> list[torch.Tensor]:
 
 
 def reference_results(case: Case, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """out and the gradients of single-process ``dot_product_attention`` (reference path) on
+    the whole sequences, q and k turned by ``apply_rope`` first in rope cases."""
     q, k, v = (torch.from_numpy(inputs[n]).requires_grad_() for n in ("q", "k", "v"))
-    out = dot_product_attention(q, k, v, causal=case.causal, kv_lengths=case.lengths, implementation="reference")
+    leaves = [q, k, v]
+    sinks = None
+    if case.sinks is not None:
+        sinks = torch.from_numpy(inputs["sinks"]).requires_grad_()
+        leaves.append(sinks)
+    q_in, k_in = q, k
+    if case.rope is not None:
+        positions = torch.from_numpy(case_positions(case, inputs))
+        q_in, k_in = apply_rope(q, positions, ROPE), apply_rope(k, positions, ROPE)
+    out = dot_product_attention(q_in, k_in, v, causal=case.causal, kv_lengths=case.lengths, sinks=sinks,
+                                implementation="reference")
     assert isinstance(out, torch.Tensor)
     out.backward(torch.from_numpy(inputs["d_out"]))
-    return dict(zip(NAMES, (out.detach(), *grads(q, k, v)), strict=True))
+    return dict(zip(case.names, (out.detach(), *grads(*leaves)), strict=True))
 
 
 def check_case(case: Case, group: Any, rank: int) -> dict[str, Any]:
     inputs = case_inputs(case)
     ring = ring_results(case, inputs, group, rank)
     ref = reference_results(case, inputs)
-    errors = {n: float((ring[n] - local_part(ref[n], case, rank)).abs().max()) for n in NAMES}
-    scales = {n: float(ref[n].abs().max()) for n in NAMES}
+    errors = {n: float((ring[n] - (ref[n] if n == "dsinks" else local_part(ref[n], case, rank))).abs().max())
+              for n in case.names}
+    scales = {n: float(ref[n].abs().max()) for n in case.names}
     finite = all(bool(torch.isfinite(t).all()) for t in ring.values())
     expected = local_part(torch.from_numpy(oracle_output(case, inputs)), case, rank).numpy()
     return {"id": case.id, "errors": errors, "scales": scales, "finite": finite,
@@ -89,9 +121,10 @@ def twins(path: str, out_dir: str, rank: int) -> None:
         data = dict(stored)
     results = {}
     for case in twin_cases():
-        inputs = {n: data[f"{case.id}/{n}"] for n in ("q", "k", "v", "d_out")}
+        inputs = {n: data[f"{case.id}/{n}"] for n in ("q", "k", "v", "d_out", "sinks", "positions")
+                  if f"{case.id}/{n}" in data}
         for n, t in ring_results(case, inputs, None, rank).items():
-            results[f"{case.id}/{n}"] = gathered(t, case)
+            results[f"{case.id}/{n}"] = t.numpy() if n == "dsinks" else gathered(t, case)
     if rank == 0:
         np.savez(f"{out_dir}/twins.npz", **results)  # type: ignore[arg-type]
 
@@ -129,6 +162,11 @@ def error_texts() -> dict[str, str]:
         "to_zigzag": lambda: to_zigzag(long, 4),
         "shapes": lambda: ring_attention(long[0], long[0], long[0]),  # no batch axis
         "heads": lambda: ring_attention(long, torch.zeros(1, 3, 12, 8), torch.zeros(1, 3, 12, 8)),
+        "sinks_shape": lambda: ring_attention(x, x, x, sinks=torch.zeros(3)),
+        "sinks_dtype": lambda: ring_attention(x, x, x, sinks=torch.zeros(2, dtype=torch.int32)),
+        "rope_cross": lambda: ring_attention(x, torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), rope=ROPE),
+        "positions_without_rope": lambda: ring_attention(x, x, x, positions=torch.zeros(1, 3, dtype=torch.int64)),
+        "positions_dtype": lambda: ring_attention(x, x, x, rope=ROPE, positions=torch.zeros(1, 3)),
     }
     texts = {}
     for name, call in calls.items():

@@ -12,6 +12,10 @@ report.
   and with q, k, v scaled by 1e5 (logits of 1e10), relative to the values' size; and
   every ring output, those three regressions included, finite and within float32's
   oracle tolerance of the float64 oracle.
+- Attention sinks and RoPE at global positions on both rings (contiguous and zigzag,
+  causal or not, padding, grouped heads, large sinks, huge logits; rope at the default
+  positions and at given ones): forward and gradients (the sinks' too) equal
+  single-device attention on ``apply_rope``d q and k, and the outputs the float64 oracle.
 - The two rings agree with each other (and with the float64 oracle) on the same inputs.
 - The forward permutes N - 1 times; per-device memory falls with the device count;
   S = 65536 runs on 8 devices.
@@ -37,8 +41,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from parity_tests.distributed import CASES, case_inputs, twin_cases
-from parity_tests.reference import attention as oracle
+from attention_spec.arrays import check_sinks
+from attention_spec.parallel import RING_POSITIONS_WITHOUT_ROPE, check_ring_rope
+from parity_tests.distributed import CASES, case_inputs, oracle_output, twin_cases
 from parity_tests.tolerances import ORACLE
 from tests.support import HAS_JAX, HAS_TORCH, needs_both, needs_jax, needs_torch
 
@@ -131,8 +136,8 @@ def _within_tolerance(case_id: str, result: dict[str, Any]) -> bool:
     magnitude = next(c.magnitude for c in CASES if c.id == case_id)
     if magnitude == 1.0:
         return max(result["errors"].values()) <= RING_TOL
-    size = {"out": result["scales"]["out"], "dv": result["scales"]["dv"], "dq": magnitude**2, "dk": magnitude**2}
-    return all(result["errors"][n] <= RING_TOL * max(1.0, size[n]) for n in size)
+    size = {"dq": magnitude**2, "dk": magnitude**2}  # the rest (out, dv, dsinks): their own size
+    return all(error <= RING_TOL * max(1.0, size.get(n, result["scales"][n])) for n, error in result["errors"].items())
 
 
 def _matches_the_oracle(case_id: str, result: dict[str, Any]) -> bool:
@@ -312,15 +317,11 @@ def test_rings_are_twins(jax_parity: dict[str, Any], torch_world4: list[dict[str
 
 def _check_twins(jax_out: Any, torch_out: Any, inputs: Any) -> None:
     for case in twin_cases():
-        for name in ("out", "dq", "dk", "dv"):
+        for name in case.names:
             key = f"{case.id}/{name}"
             np.testing.assert_allclose(jax_out[key], torch_out[key], atol=RING_TOL, rtol=0, err_msg=key)
-        q, k, v = (np.nan_to_num(inputs[f"{case.id}/{n}"]) for n in ("q", "k", "v"))
-        k, v = (np.repeat(t, q.shape[1] // t.shape[1], axis=1) for t in (k, v))  # query head h reads h // G
-        mask = None
-        if case.lengths is not None:
-            mask = (np.arange(k.shape[-2])[None, :] < np.asarray(case.lengths)[:, None])[:, None, None, :]
-        expected, _ = oracle(q, k, v, scale=1 / np.sqrt(q.shape[-1]), mask=mask, causal=case.causal)
+        given = {n: inputs[f"{case.id}/{n}"] for n in ("q", "k", "v", "sinks", "positions") if f"{case.id}/{n}" in inputs}
+        expected = oracle_output(case, given)  # rope and sinks included
         np.testing.assert_allclose(jax_out[f"{case.id}/out"], expected, atol=RING_TOL, rtol=0)
 
 
@@ -328,7 +329,8 @@ def _check_twins(jax_out: Any, torch_out: Any, inputs: Any) -> None:
 @pytest.mark.slow
 def test_rings_raise_the_same_errors(jax_parity: dict[str, Any], torch_world4: list[dict[str, Any]]) -> None:
     jax_texts, torch_texts = jax_parity["errors"], torch_world4[0]["errors"]
-    assert set(torch_texts) == {"layout", "zigzag_length", "to_zigzag", "shapes", "heads"}
+    assert set(torch_texts) == {"layout", "zigzag_length", "to_zigzag", "shapes", "heads", "sinks_shape",
+                                "sinks_dtype", "rope_cross", "positions_without_rope", "positions_dtype"}
     for name, text in torch_texts.items():
         assert text == jax_texts[name], name
     assert jax_texts["zigzag_length"] == (
@@ -347,3 +349,12 @@ def test_rings_raise_the_same_errors(jax_parity: dict[str, Any], torch_world4: l
         "ValueError: q, k and v must have the same leading (batch, heads) dimensions, or k and v fewer heads "
         "that divide q's (grouped-query attention); got q (1, 2, 12, 8), k (1, 3, 12, 8), v (1, 3, 12, 8)"
     )
+    for name, shape, dtype in (("sinks_shape", (3,), "float32"), ("sinks_dtype", (2,), "int32")):
+        with pytest.raises((TypeError, ValueError)) as error:  # check_sinks' own text
+            check_sinks(shape, dtype, (1, 2, 12, 8), "softmax")
+        assert jax_texts[name] == f"{error.type.__name__}: {error.value}"
+    with pytest.raises(ValueError) as error:
+        check_ring_rope(12, 20, object(), False)
+    assert jax_texts["rope_cross"] == f"ValueError: {error.value}" and "12 queries and 20 keys" in jax_texts["rope_cross"]
+    assert jax_texts["positions_without_rope"] == f"ValueError: {RING_POSITIONS_WITHOUT_ROPE}"
+    assert jax_texts["positions_dtype"] == "TypeError: rope positions must be integers; got dtype float32"

@@ -1,0 +1,849 @@
+"""Find the layer that is wrong: ``locate_divergence`` runs a PyTorch model and its Flax
+NNX port once each, records every submodule call in both, pairs the calls by name and
+names the innermost module where the two part: forward (its inputs agree, its output does
+not) or, when every forward output agrees, backward (its output cotangent agrees, the
+cotangent it hands back to its inputs does not).
+
+How the calls are recorded.  PyTorch: a forward pre-hook and a forward hook on every
+submodule (``named_modules``).  Flax NNX: ``nnx.capture`` records outputs only, and only
+of methods a class defines itself (not an inherited ``__call__``), so each module class
+of the model gets its ``__call__`` wrapped for the duration, recording only the model's
+own instances (``nnx.capture`` patches classes in the same way); the classes are put back
+afterwards, also on error.  This library's attention modules compute their projections
+through ``functional.linear`` rather than by calling their ``nn.Linear`` / ``nnx.Linear``
+children, so those calls fire no hook: the module's ``_linear``, ``_rotate`` and
+``_normalise_qk`` are wrapped on the instance, which records ``W_query``, ``W_key``,
+``W_value``, ``out_proj``, ``rope`` (the rotation of q and k) and the qk-norms as
+submodules of the attention module in both twins, without changing a number.  (These
+are private methods of ``torch_attention/_base.py`` and ``jax_attention/_base.py``, the
+same names and signatures in both; ``tests/harness/test_divergence.py`` fails if they
+change.)
+
+How backward is localised.  The cotangent that reaches a module's output, and the one it
+hands back to its inputs (through this module alone, not through a residual that also
+reads them), are gradients of one scalar, ``sum(output * R)`` for a fixed random ``R``
+per output array of the model.  PyTorch: every recorded input and output array that
+autograd tracks is replaced, as the module receives or returns it, by an identity view
+(``view_as``), and ``torch.autograd.grad`` differentiates the scalar with respect to
+those views: a module's input view is read by that module alone.  JAX: a second forward
+adds a zero array to every inexact input leaf as the module receives it and to every
+output leaf as it returns it (``x + 0`` is ``x``), and ``jax.grad`` differentiates the
+scalar with respect to those zeros.  Both are the same quantities, so the twins'
+cotangents compare leaf for leaf.
+
+The models run eagerly (no ``jax.jit``, so that each call can be recorded) in
+``full_precision()``; put both in the mode to compare (``eval()`` for no dropout) first.
+For backward the Flax model runs a second time, under ``jax.grad``: it must call the same
+modules on arrays of the same shapes again, and write no ``nnx.Variable`` as it runs
+(batch statistics in training mode, a cache held in the module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from attention_spec.specs import as_numpy
+from parity_tests.harness import _is_float, _numpy_source, compare, full_precision, module_dtype
+from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
+
+__all__ = ["Divergence", "DivergenceReport", "ModulePair", "locate_divergence"]
+
+Path = tuple[str, ...]  # a leaf's place in a pytree: keys and indices as text
+
+
+# --------------------------------------------------------------------------- results
+
+@dataclass(frozen=True)
+class Error:
+    """One side of one module pair compared: ``ok`` (None: nothing comparable), the
+    largest error relative to each array's scale (``max|a - b| / max|b|``), and why it
+    failed when it failed for a reason other than the numbers (structure, shape)."""
+
+    ok: bool | None
+    max_rel: float = 0.0
+    note: str = ""
+
+    def text(self) -> str:
+        if self.ok is None:
+            return "-"
+        mark = "" if self.ok else " !"
+        return ("struct" if self.note else f"{self.max_rel:.1e}") + mark
+
+
+NOT_COMPARED = Error(None)
+
+
+@dataclass
+class ModulePair:
+    """One call of one module in both frameworks: its names, its place in the call tree
+    (``depth``; ``parent``, the pair index of the enclosing call) and its errors: forward
+    ``inputs`` and ``output``, backward ``output_cotangent`` and ``input_cotangent``."""
+
+    torch_name: str
+    flax_path: tuple[Any, ...]
+    call: int  # the how-manieth call of this module (tied weights, loops), from 0
+    depth: int
+    parent: int | None
+    exit_order: int  # when the call returned, among all recorded calls
+    inputs: Error = NOT_COMPARED
+    output: Error = NOT_COMPARED
+    output_cotangent: Error = NOT_COMPARED
+    input_cotangent: Error = NOT_COMPARED
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where the twins part: the innermost module whose inputs agree and whose output does
+    not (``direction="forward"``), or whose output cotangent agrees and whose input
+    cotangent does not (``"backward"``); ``max_rel`` is the error that fails there."""
+
+    torch_name: str
+    flax_path: tuple[Any, ...]
+    call: int
+    direction: str
+    max_rel: float
+    note: str = ""
+
+
+@dataclass
+class DivergenceReport:
+    """Every module pair in execution order, the first divergence (None: the twins agree
+    at every pair compared), and the calls that only one framework made."""
+
+    pairs: list[ModulePair]
+    first: Divergence | None
+    backward_checked: bool
+    torch_only: list[str] = field(default_factory=list)
+    flax_only: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.first is None
+
+    def __str__(self) -> str:
+        return _table(self)
+
+
+# --------------------------------------------------------------------------- pytrees
+
+def _key_text(path: Sequence[Any]) -> Path:
+    """A pytree key path of either framework as text: dict keys, indices, attribute names."""
+    parts = []
+    for key in path:
+        part = next((getattr(key, a) for a in ("key", "idx", "name") if hasattr(key, a)), key)
+        parts.append(str(part))
+    return tuple(parts)
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _call_tree(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A call's arguments as one pytree: positional ones, then keywords in name order, so
+    that ``f(x, mask)`` in one framework lines up with ``f(x, mask=mask)`` in the other."""
+    return (tuple(args), dict(sorted(kwargs.items())))
+
+
+class _Tree:
+    """Flattening and rebuilding of one framework's pytrees (torch's ``_pytree``, JAX's
+    ``tree_util``), so that the recorder is written once."""
+
+    def __init__(self, framework: str) -> None:
+        if framework == "torch":
+            import torch
+            import torch.utils._pytree as pytree
+
+            self._flatten: Any = pytree.tree_flatten_with_path
+            self._unflatten: Any = pytree.tree_unflatten
+            self.array_types: tuple[type, ...] = (torch.Tensor,)
+        else:
+            import jax
+            from flax import nnx
+
+            # a module or a variable passed as an argument is not taken apart
+            not_apart = (nnx.Module, nnx.Variable)
+            self._flatten = functools.partial(jax.tree_util.tree_flatten_with_path,
+                                              is_leaf=lambda x: isinstance(x, not_apart))
+            self._unflatten = lambda leaves, spec: jax.tree_util.tree_unflatten(spec, leaves)
+            self.array_types = (jax.Array, np.ndarray)
+
+    def is_array(self, leaf: Any) -> bool:
+        return isinstance(leaf, self.array_types)
+
+    def flatten(self, tree: Any) -> tuple[list[tuple[Path, Any]], Any]:
+        pairs, spec = self._flatten(tree)
+        return [(_key_text(p), leaf) for p, leaf in pairs], spec
+
+    def unflatten(self, leaves: list[Any], spec: Any) -> Any:
+        return self._unflatten(leaves, spec)
+
+
+# --------------------------------------------------------------------------- recording
+
+@dataclass
+class _Record:
+    """One module call as one framework saw it: inputs (every array leaf, positional) and
+    outputs (array leaves with their paths) as NumPy; for backward, per array leaf, the
+    handle that its cotangent is taken through (None: not differentiable), then the
+    cotangents themselves."""
+
+    name: tuple[Any, ...]
+    parent: int | None
+    depth: int
+    exit_order: int = -1
+    inputs: list[np.ndarray] = field(default_factory=list)
+    outputs: list[tuple[Path, np.ndarray]] = field(default_factory=list)
+    in_nodes: list[Any] = field(default_factory=list)
+    out_nodes: list[Any] = field(default_factory=list)
+    in_cots: list[np.ndarray | None] = field(default_factory=list)
+    out_cots: list[np.ndarray | None] = field(default_factory=list)
+
+
+class _Recorder:
+    """The call stack of one run: ``enter`` when a module receives its arguments and
+    ``exit`` when it returns, each giving back the arguments / output to use instead
+    (``_mark``: the same values, made traceable for the cotangents)."""
+
+    def __init__(self, framework: str, keep_values: bool) -> None:
+        self.tree = _Tree(framework)
+        self.records: list[_Record] = []
+        self.keep_values = keep_values
+        self._stack: list[int] = []
+        self._exits = 0
+
+    def enter(self, name: tuple[Any, ...], tree: Any) -> Any:
+        index = len(self.records)
+        self.records.append(_Record(name, self._stack[-1] if self._stack else None, len(self._stack)))
+        self._stack.append(index)
+        return self._through(index, "in", tree)
+
+    def exit(self, tree: Any) -> Any:
+        index = self._stack.pop()
+        self.records[index].exit_order = self._exits
+        self._exits += 1
+        return self._through(index, "out", tree)
+
+    def around(self, name: tuple[Any, ...], inputs: tuple[Any, ...], run: Callable[[tuple[Any, ...]], Any]) -> Any:
+        """``run(inputs)`` recorded as a call of a module named ``name``."""
+        marked, _ = self.enter(name, (inputs, {}))
+        return self.exit(run(marked))
+
+    def _through(self, index: int, side: str, tree: Any) -> Any:
+        leaves, spec = self.tree.flatten(tree)
+        arrays = [(path, leaf) for path, leaf in leaves if self.tree.is_array(leaf)]
+        record = self.records[index]
+        if self.keep_values and side == "in":
+            record.inputs = [self._value(leaf) for _, leaf in arrays]
+        elif self.keep_values:
+            record.outputs = [(path, self._value(leaf)) for path, leaf in arrays]
+        marked = self._mark(index, side, [leaf for _, leaf in arrays])
+        if all(m is a for m, (_, a) in zip(marked, arrays, strict=True)):
+            return tree  # nothing to trace: the very objects go on (a container rebuilt is another object)
+        new = iter(marked)
+        return self.tree.unflatten([next(new) if self.tree.is_array(leaf) else leaf for _, leaf in leaves], spec)
+
+    def _value(self, leaf: Any) -> np.ndarray:
+        return np.array(as_numpy(leaf), copy=True)  # a copy: torch may write the tensor later
+
+    def _mark(self, index: int, side: str, arrays: list[Any]) -> list[Any]:
+        raise NotImplementedError
+
+
+class _TorchRecorder(_Recorder):
+    """PyTorch: each tracked float leaf becomes an identity view, read by its module alone
+    (an input) or by everything downstream (an output), for ``torch.autograd.grad``."""
+
+    def __init__(self, track: bool) -> None:
+        super().__init__("torch", keep_values=True)
+        self.track = track
+
+    def _mark(self, index: int, side: str, arrays: list[Any]) -> list[Any]:
+        import torch
+
+        nodes = [a.view_as(a) if self.track and isinstance(a, torch.Tensor) and a.requires_grad else None
+                 for a in arrays]
+        record = self.records[index]
+        if side == "in":
+            record.in_nodes = nodes
+        else:
+            record.out_nodes = nodes
+        return [a if n is None else n for a, n in zip(arrays, nodes, strict=True)]
+
+
+class _FlaxRecorder(_Recorder):
+    """Flax: without ``deltas``, records values and the shape and dtype of every inexact
+    leaf; with them (a second run, under ``jax.grad``), adds each call's zeros to its
+    leaves, in the order the first run recorded them."""
+
+    def __init__(self, deltas: list[Any] | None = None) -> None:
+        super().__init__("jax", keep_values=deltas is None)
+        self.deltas = deltas
+
+    def _mark(self, index: int, side: str, arrays: list[Any]) -> list[Any]:
+        import jax.numpy as jnp
+
+        if self.deltas is None:
+            specs = [(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None for a in arrays]
+            record = self.records[index]
+            record.in_nodes, record.out_nodes = (specs, record.out_nodes) if side == "in" else (record.in_nodes, specs)
+            return arrays
+        zeros = self.deltas[index][0 if side == "in" else 1] if index < len(self.deltas) else None
+        if zeros is None or len(zeros) != len(arrays):
+            raise RuntimeError("the Flax model called its modules differently the second time it ran "
+                               f"(call {index}, {self.records[index].name}): locate_divergence needs a "
+                               "model that calls the same modules on the same arrays every time")
+        return [a if z is None else a + z for a, z in zip(arrays, zeros, strict=True)]
+
+
+# --------------------------------------------------------------------------- installing
+
+def _instrument_attention(module: Any, name: tuple[Any, ...], recorder: _Recorder) -> list[str]:
+    """This library's attention module (either twin): its projections, rotation and
+    qk-norms recorded as the submodules ``W_query`` ... ``out_proj``, ``rope`` and the
+    norms' names, by wrapping ``_linear`` / ``_rotate`` / ``_normalise_qk`` on the
+    instance.  Returns the attributes set, for ``_uninstrument``."""
+    spec = module.spec
+    linear, rotate, normalise = module._linear, module._rotate, module._normalise_qk
+
+    def _linear(layer: Any, inputs: Any, implementation: str) -> Any:
+        child = next((p.name for p in spec.declaration.projections if getattr(module, p.name, None) is layer), None)
+        if child is None:  # not one of the declared projections: not a submodule to name
+            return linear(layer, inputs, implementation)
+        return recorder.around((*name, child), (inputs,), lambda xs: linear(layer, xs[0], implementation))
+
+    def _rotate(q: Any, k: Any, positions: Any, start: Any = None) -> Any:
+        if spec.rope is None:
+            return rotate(q, k, positions, start)
+        return recorder.around((*name, "rope"), (q, k), lambda xs: rotate(xs[0], xs[1], positions, start))
+
+    def _normalise_qk(role: str, t: Any) -> Any:
+        norm = next((n for n, r, _ in spec.qk_norms() if r == role), None)
+        if norm is None:
+            return normalise(role, t)
+        return recorder.around((*name, norm), (t,), lambda xs: normalise(role, xs[0]))
+
+    for attribute, function in (("_linear", _linear), ("_rotate", _rotate), ("_normalise_qk", _normalise_qk)):
+        object.__setattr__(module, attribute, function)
+    return ["_linear", "_rotate", "_normalise_qk"]
+
+
+def _uninstrument(instrumented: list[tuple[Any, list[str]]]) -> None:
+    for module, attributes in instrumented:
+        for attribute in attributes:
+            object.__delattr__(module, attribute)
+
+
+@contextlib.contextmanager
+def _torch_hooks(model: Any, recorder: _Recorder) -> Iterator[None]:
+    """A forward pre-hook and a forward hook on every submodule of a PyTorch model."""
+    from torch_attention._base import AttentionModule
+
+    handles: list[Any] = []
+    instrumented: list[tuple[Any, list[str]]] = []
+
+    def enter(name: tuple[str, ...], module: Any, args: Any, kwargs: Any) -> Any:
+        new_args, new_kwargs = recorder.enter(name, _call_tree(args, kwargs))
+        return tuple(new_args), new_kwargs
+
+    try:
+        for dotted, module in model.named_modules():
+            name = tuple(dotted.split(".")) if dotted else ()
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, k, name=name: enter(name, m, a, k), with_kwargs=True))
+            handles.append(module.register_forward_hook(
+                lambda m, a, k, out: recorder.exit(out), with_kwargs=True))
+            if isinstance(module, AttentionModule):
+                instrumented.append((module, _instrument_attention(module, name, recorder)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        _uninstrument(instrumented)
+
+
+def _own_call(cls: type) -> Any:
+    """The ``__call__`` that instances of ``cls`` run (None: not callable): looked up in
+    the class's MRO, never the metaclass's (whose ``__call__`` constructs instances)."""
+    return next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+
+
+def _recording_call(cls: type, run: Any, watched: Mapping[int, tuple[Any, ...]], recorder: _Recorder) -> Any:
+    def recording_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        name = watched.get(id(self)) if type(self) is cls else None  # a subclass's super() call: not twice
+        if name is None:
+            return run(self, *args, **kwargs)
+        new_args, new_kwargs = recorder.enter(name, _call_tree(args, kwargs))
+        return recorder.exit(run(self, *new_args, **new_kwargs))
+
+    return recording_call
+
+
+@contextlib.contextmanager
+def _flax_calls(model: Any, recorder: _Recorder) -> Iterator[None]:
+    """Every call of every ``nnx.Module`` of a Flax model recorded: each module class's
+    ``__call__`` wrapped for the duration (for this model's instances only)."""
+    from flax import nnx
+
+    from jax_attention._base import AttentionModule
+
+    modules = list(nnx.iter_modules(model))
+    watched = {id(m): tuple(path) for path, m in modules}
+    classes = {type(m): _own_call(type(m)) for _, m in modules}
+    saved = {cls: cls.__dict__.get("__call__") for cls, run in classes.items() if run is not None}
+    instrumented: list[tuple[Any, list[str]]] = []
+    try:
+        for cls in saved:
+            type.__setattr__(cls, "__call__", _recording_call(cls, classes[cls], watched, recorder))
+        for path, module in modules:
+            if isinstance(module, AttentionModule):
+                instrumented.append((module, _instrument_attention(module, tuple(path), recorder)))
+        yield
+    finally:
+        for cls, own in saved.items():
+            if own is None:
+                type.__delattr__(cls, "__call__")
+            else:
+                type.__setattr__(cls, "__call__", own)
+        _uninstrument(instrumented)
+
+
+# --------------------------------------------------------------------------- running
+
+def _run_torch(model: Any, inputs: Sequence[Any], call: Any, track: bool) -> tuple[_TorchRecorder, Any]:
+    """The PyTorch model run once, every call recorded; float inputs in the model's dtype
+    (tracked by autograd when ``track``)."""
+    import torch
+
+    dtype = getattr(torch, module_dtype(model, [x for x in inputs if _is_array(x)]))
+    device = next((p.device for p in model.parameters()), None)
+    xs = [
+        (torch.tensor(_numpy_source(x), dtype=dtype, device=device, requires_grad=track) if _is_float(x)
+         else torch.as_tensor(as_numpy(x), device=device)) if _is_array(x) else x
+        for x in inputs
+    ]
+    recorder = _TorchRecorder(track)
+    with torch.set_grad_enabled(track), _torch_hooks(model, recorder):
+        out = model(*xs) if call is None else call(model, *xs)
+    return recorder, out
+
+
+def _flax_inputs(model: Any, inputs: Sequence[Any]) -> list[Any]:
+    import jax.numpy as jnp
+
+    dtype = getattr(jnp, module_dtype(model, [x for x in inputs if _is_array(x)]))
+    return [
+        (jnp.asarray(_numpy_source(x)).astype(dtype) if _is_float(x) else jnp.asarray(as_numpy(x)))
+        if _is_array(x) else x
+        for x in inputs
+    ]
+
+
+def _run_flax(model: Any, xs: Sequence[Any], call: Any, deltas: list[Any] | None = None) -> tuple[_FlaxRecorder, Any]:
+    recorder = _FlaxRecorder(deltas)
+    with _flax_calls(model, recorder):
+        out = model(*xs) if call is None else call(model, *xs)
+    return recorder, out
+
+
+def _projections(tree: _Tree, out: Any, seed: int) -> dict[Path, np.ndarray]:
+    """The fixed random projection of the model's output: one standard normal array per
+    float output leaf, by path; the scalar differentiated is ``sum(leaf * R)`` over them."""
+    rng = np.random.default_rng(seed)
+    leaves, _ = tree.flatten(out)
+    return {path: rng.standard_normal(tuple(leaf.shape)) for path, leaf in leaves
+            if _is_array(leaf) and _is_float(leaf)}
+
+
+def _torch_cotangents(recorder: _TorchRecorder, out: Any, projections: Mapping[Path, np.ndarray]) -> None:
+    """Every tracked leaf's cotangent, by ``torch.autograd.grad`` through its view."""
+    import torch
+
+    leaves, _ = recorder.tree.flatten(out)
+    terms = []
+    for path, leaf in leaves:
+        if path in projections and leaf.requires_grad:
+            acc = torch.float64 if leaf.dtype == torch.float64 else torch.float32
+            terms.append((leaf.to(acc) * torch.as_tensor(projections[path], dtype=acc, device=leaf.device)).sum())
+    nodes = [n for r in recorder.records for n in (*r.in_nodes, *r.out_nodes) if n is not None]
+    grads = iter(torch.autograd.grad(sum(terms), nodes, allow_unused=True) if terms and nodes else [])
+
+    def take(node: Any) -> np.ndarray | None:
+        if node is None:
+            return None
+        grad = next(grads, None)
+        return np.array(as_numpy(torch.zeros_like(node) if grad is None else grad))
+
+    for record in recorder.records:
+        record.in_cots = [take(n) for n in record.in_nodes]
+        record.out_cots = [take(n) for n in record.out_nodes]
+
+
+def _flax_cotangents(model: Any, xs: Sequence[Any], call: Any, recorder: _FlaxRecorder,
+                     projections: Mapping[Path, np.ndarray]) -> None:
+    """Every inexact leaf's cotangent: ``jax.grad`` of the same scalar with respect to
+    zeros added to each leaf in a second run."""
+    import jax
+    import jax.numpy as jnp
+
+    def zeros(specs: list[Any]) -> list[Any]:
+        return [None if s is None else jnp.zeros(*s) for s in specs]
+
+    deltas = [(zeros(r.in_nodes), zeros(r.out_nodes)) for r in recorder.records]
+
+    def loss(deltas: list[Any]) -> Any:
+        again, out = _run_flax(model, xs, call, deltas)
+        if len(again.records) != len(recorder.records):
+            raise RuntimeError("the Flax model made a different number of module calls the second time it ran")
+        leaves, _ = again.tree.flatten(out)
+        total = jnp.zeros((), jnp.float32)
+        for path, leaf in leaves:
+            if path in projections:
+                acc = jnp.float64 if leaf.dtype == jnp.float64 else jnp.float32
+                total = total + jnp.sum(leaf.astype(acc) * jnp.asarray(projections[path], acc))
+        return total
+
+    grads = jax.grad(loss)(deltas)
+    for record, (ins, outs) in zip(recorder.records, grads, strict=True):
+        record.in_cots = [None if g is None else np.asarray(g) for g in ins]
+        record.out_cots = [None if g is None else np.asarray(g) for g in outs]
+
+
+# --------------------------------------------------------------------------- comparing
+
+_EXACT = Tolerance(0.0, 0.0, normwise=True)
+
+
+def _tolerance(table: Mapping[str, Tolerance], dtypes: Sequence[str], rtol: float | None,
+               atol: float | None) -> Tolerance:
+    """The harness's tolerance for the looser of two dtypes, made relative to the
+    array's scale (normwise); exact for integers and booleans."""
+    floats = [d for d in dtypes if d.startswith(("float", "bfloat", "complex"))]
+    if not floats:
+        return _EXACT
+    missing = [d for d in floats if d not in table]
+    if missing and (rtol is None or atol is None):
+        raise ValueError(f"no parity tolerance for dtype {missing[0]}; pass rtol= and atol=")
+    base = max((table[d] for d in floats if d in table), key=lambda t: t.rtol, default=Tolerance(0.0, 0.0))
+    return Tolerance(base.rtol if rtol is None else rtol, base.atol if atol is None else atol, normwise=True)
+
+
+def _compare_arrays(items: Sequence[tuple[str, np.ndarray, np.ndarray]], table: Mapping[str, Tolerance],
+                    rtol: float | None, atol: float | None) -> Error:
+    ok, worst = True, 0.0
+    for label, a, b in items:
+        if a.shape != b.shape:
+            return Error(False, float("inf"), f"{label}: torch shape {a.shape}, flax shape {b.shape}")
+        finding = compare(label, a, b, _tolerance(table, (a.dtype.name, b.dtype.name), rtol, atol))
+        ok, worst = ok and finding.ok, max(worst, finding.max_rel)
+    return Error(ok, worst)
+
+
+def _paths_text(paths: Sequence[Path]) -> str:
+    return "[" + ", ".join(".".join(p) or "<array>" for p in paths) + "]"
+
+
+def _compare_outputs(t: Sequence[tuple[Path, Any]], f: Sequence[tuple[Path, Any]],
+                     table: Mapping[str, Tolerance], rtol: float | None, atol: float | None) -> Error:
+    """Outputs leaf by leaf, by path (in path order: JAX flattens a dict by sorted keys,
+    PyTorch in insertion order); different structures are a divergence, reported."""
+    t, f = sorted(t, key=lambda leaf: leaf[0]), sorted(f, key=lambda leaf: leaf[0])
+    t_paths, f_paths = [p for p, _ in t], [p for p, _ in f]
+    if t_paths != f_paths:
+        return Error(False, float("inf"),
+                     f"structures differ: torch {_paths_text(t_paths)}, flax {_paths_text(f_paths)}")
+    items = [(".".join(p) or "output", a, b) for (p, a), (_, b) in zip(t, f, strict=True)
+             if a is not None and b is not None]
+    return _compare_arrays(items, table, rtol, atol) if items or not t else NOT_COMPARED
+
+
+def _compare_inputs(t: Sequence[Any], f: Sequence[Any], table: Mapping[str, Tolerance],
+                    rtol: float | None, atol: float | None) -> Error:
+    """Inputs leaf by leaf, in order (positional arguments, then keywords by name)."""
+    if len(t) != len(f):
+        return Error(None, float("inf"), f"torch passes {len(t)} arrays, flax {len(f)}")
+    items = [(f"input[{i}]", a, b) for i, (a, b) in enumerate(zip(t, f, strict=True))
+             if a is not None and b is not None]
+    return _compare_arrays(items, table, rtol, atol) if items or not t else NOT_COMPARED
+
+
+# --------------------------------------------------------------------------- pairing
+
+def _dotted(name: Sequence[Any]) -> str:
+    return ".".join(str(part) for part in name)
+
+
+def _check_module_map(module_map: Mapping[str, Any] | None) -> dict[str, str]:
+    """{torch name: flax path} as dotted text on both sides; a path is a tuple or
+    ``"a/b/c"``.  Raises TypeError for anything else."""
+    mapping: dict[str, str] = {}
+    for torch_name, path in (module_map or {}).items():
+        if not isinstance(torch_name, str) or not isinstance(path, str | tuple):
+            raise TypeError(f"module_map maps a torch module name (str) to a flax path (a tuple or 'a/b/c'); "
+                            f"got {torch_name!r}: {path!r}")
+        mapping[torch_name] = path.replace("/", ".") if isinstance(path, str) else _dotted(path)
+    return mapping
+
+
+def _flax_key(torch_name: str, mapping: Mapping[str, str]) -> str:
+    """The dotted Flax name paired with a torch name: the longest mapped prefix replaced
+    (mapping ``"h"`` maps ``"h.0.attn"`` too), else the same name."""
+    for prefix in sorted(mapping, key=len, reverse=True):
+        if torch_name == prefix or (prefix and torch_name.startswith(prefix + ".")):
+            return (mapping[prefix] + torch_name[len(prefix):]).strip(".")
+    return torch_name
+
+
+def _pair(torch_records: Sequence[_Record], flax_records: Sequence[_Record], mapping: Mapping[str, str]
+          ) -> tuple[list[ModulePair], list[tuple[int, int]], list[str], list[str]]:
+    """The k-th call of a torch module with the k-th call of its Flax module, in torch's
+    execution order; the calls left over on either side, by name."""
+    by_key: dict[str, list[int]] = {}
+    for i, record in enumerate(flax_records):
+        by_key.setdefault(_dotted(record.name), []).append(i)
+    seen: dict[str, int] = {}
+    pair_of: dict[int, int] = {}  # torch record -> pair
+    pairs: list[ModulePair] = []
+    matched: list[tuple[int, int]] = []
+    torch_only: list[str] = []
+    for ti, record in enumerate(torch_records):
+        name = _dotted(record.name)
+        k = seen[name] = seen.get(name, -1) + 1
+        candidates = by_key.get(_flax_key(name, mapping), [])
+        if k >= len(candidates):
+            torch_only.append(f"{name or '(root)'} (call {k})")
+            continue
+        parent = record.parent
+        while parent is not None and parent not in pair_of:
+            parent = torch_records[parent].parent
+        pair_of[ti] = len(pairs)
+        fi = candidates[k]
+        pairs.append(ModulePair(name, flax_records[fi].name, k, record.depth,
+                                None if parent is None else pair_of[parent], record.exit_order))
+        matched.append((ti, fi))
+    used = {fi for _, fi in matched}
+    flax_only = [f"{_dotted(r.name) or '(root)'}" for i, r in enumerate(flax_records) if i not in used]
+    return pairs, matched, torch_only, flax_only
+
+
+# --------------------------------------------------------------------------- locating
+
+def _innermost(pairs: Sequence[ModulePair], candidates: Sequence[int]) -> list[int]:
+    """The candidates that enclose no other candidate."""
+    chosen, enclosing = set(candidates), set()
+    for i in candidates:
+        j = pairs[i].parent
+        while j is not None:
+            if j in chosen:
+                enclosing.add(j)
+            j = pairs[j].parent
+    return [i for i in candidates if i not in enclosing]
+
+
+def _divergence(pair: ModulePair, direction: str, error: Error, note: str = "") -> Divergence:
+    return Divergence(pair.torch_name, pair.flax_path, pair.call, direction, error.max_rel,
+                      "; ".join(n for n in (error.note, note) if n))
+
+
+def _first_forward(pairs: Sequence[ModulePair]) -> Divergence | None:
+    """The innermost module whose inputs agree and whose output does not, the earliest
+    called; failing that (the inputs differ wherever an output does), the first output
+    that fails."""
+    candidates = [i for i, p in enumerate(pairs) if p.inputs.ok is True and p.output.ok is False]
+    if candidates:
+        pair = pairs[min(_innermost(pairs, candidates))]
+        return _divergence(pair, "forward", pair.output)
+    failed = [p for p in pairs if p.output.ok is False]
+    if not failed:
+        return None
+    pair = min(failed, key=lambda p: p.exit_order)
+    return _divergence(pair, "forward", pair.output, "no module with agreeing inputs: its inputs differ too")
+
+
+def _first_backward(pairs: Sequence[ModulePair]) -> Divergence | None:
+    """The innermost module whose output cotangent agrees and whose input cotangent does
+    not, the one that backpropagation reaches first (the latest to return forward)."""
+    candidates = [i for i, p in enumerate(pairs) if p.output_cotangent.ok is True and p.input_cotangent.ok is False]
+    if candidates:
+        pair = max((pairs[i] for i in _innermost(pairs, candidates)), key=lambda p: p.exit_order)
+        return _divergence(pair, "backward", pair.input_cotangent)
+    failed = [p for p in pairs if p.output_cotangent.ok is False or p.input_cotangent.ok is False]
+    if not failed:
+        return None
+    pair = max(failed, key=lambda p: p.exit_order)
+    error = pair.output_cotangent if pair.output_cotangent.ok is False else pair.input_cotangent
+    return _divergence(pair, "backward", error, "no module whose output cotangent agrees")
+
+
+def _forward_errors(pairs: Sequence[ModulePair], matched: Sequence[tuple[int, int]], t: Sequence[_Record],
+                    f: Sequence[_Record], rtol: float | None, atol: float | None) -> None:
+    for pair, (ti, fi) in zip(pairs, matched, strict=True):
+        pair.inputs = _compare_inputs(t[ti].inputs, f[fi].inputs, PARITY, rtol, atol)
+        pair.output = _compare_outputs(t[ti].outputs, f[fi].outputs, PARITY, rtol, atol)
+
+
+def _backward_errors(pairs: Sequence[ModulePair], matched: Sequence[tuple[int, int]], t: Sequence[_Record],
+                     f: Sequence[_Record], rtol: float | None, atol: float | None) -> None:
+    for pair, (ti, fi) in zip(pairs, matched, strict=True):
+        t_out = [(p, c) for (p, _), c in zip(t[ti].outputs, t[ti].out_cots, strict=True)]
+        f_out = [(p, c) for (p, _), c in zip(f[fi].outputs, f[fi].out_cots, strict=True)]
+        pair.output_cotangent = _compare_outputs(t_out, f_out, GRAD_PARITY, rtol, atol)
+        pair.input_cotangent = _compare_inputs(t[ti].in_cots, f[fi].in_cots, GRAD_PARITY, rtol, atol)
+
+
+# --------------------------------------------------------------------------- showing
+
+def _headline(report: DivergenceReport) -> str:
+    first = report.first
+    if first is None:
+        what = "forward and backward" if report.backward_checked else "forward"
+        return f"no divergence: {len(report.pairs)} module calls agree {what}"
+    call = f", call {first.call}" if first.call else ""
+    note = f" ({first.note})" if first.note else ""
+    return (f"first divergence {first.direction} at {first.torch_name or '(root)'}{call} "
+            f"(flax {first.flax_path}): max rel err {first.max_rel:.2e}{note}")
+
+
+def _is_first(report: DivergenceReport, pair: ModulePair) -> bool:
+    first = report.first
+    return first is not None and (pair.torch_name, pair.call) == (first.torch_name, first.call)
+
+
+def _relative_name(pairs: Sequence[ModulePair], pair: ModulePair) -> str:
+    """A module's name below the enclosing call's (``mlp.fc1`` inside ``blocks.0``)."""
+    parent = "" if pair.parent is None else pairs[pair.parent].torch_name
+    if parent and pair.torch_name.startswith(parent + "."):
+        return pair.torch_name[len(parent) + 1:]
+    return pair.torch_name or "(root)"
+
+
+def _table(report: DivergenceReport) -> str:
+    """The headline, then every module pair in execution order (indented by nesting)
+    with its errors relative to scale (``!``: fails; ``-``: nothing to compare), the first
+    divergence marked, the notes, and the calls that only one framework made."""
+    names = [("  " * p.depth + _relative_name(report.pairs, p) + (f" #{p.call}" if p.call else ""))
+             for p in report.pairs]
+    width = max([len("module"), *map(len, names)])
+    columns = ("inputs", "output", "d output", "d inputs")
+    lines = [_headline(report), "", f"     {'module':<{width}}  " + "  ".join(f"{c:>10}" for c in columns)]
+    notes = []
+    for pair, name in zip(report.pairs, names, strict=True):
+        errors = (pair.inputs, pair.output, pair.output_cotangent, pair.input_cotangent)
+        mark = ">>" if _is_first(report, pair) else "  "
+        lines.append(f"  {mark} {name:<{width}}  " + "  ".join(f"{e.text():>10}" for e in errors)
+                     + ("   <- first" if mark == ">>" else ""))
+        notes += [f"  {pair.torch_name or '(root)'}: {e.note}" for e in errors if e.note]
+    if notes:
+        lines += ["", "notes:", *notes]
+    for side, calls in (("torch", report.torch_only), ("flax", report.flax_only)):
+        if calls:
+            lines += ["", f"only in {side} (not compared): " + ", ".join(calls)]
+    return "\n".join(lines)
+
+
+def _plot(report: DivergenceReport, path: Any, tolerances: tuple[float, float]) -> None:
+    """Each module's error against its depth in the model (the order in which the outputs
+    were produced), log scale: rounding that accumulates rises smoothly, a bug jumps."""
+    from matplotlib.figure import Figure
+
+    pairs = sorted(report.pairs, key=lambda p: p.exit_order)
+    depth = np.arange(len(pairs))
+
+    def series(errors: list[Error]) -> np.ndarray:
+        values = np.array([e.max_rel if e.ok is not None else np.nan for e in errors], dtype=np.float64)
+        return np.clip(values, 1e-17, 1e3)  # exact agreement and broken structure, on the plot
+
+    figure = Figure(figsize=(9, 4.5))
+    axes = figure.subplots()
+    axes.semilogy(depth, series([p.output for p in pairs]), ".-", label="forward: output")
+    if report.backward_checked:
+        axes.semilogy(depth, series([p.input_cotangent for p in pairs]), ".-", label="backward: input cotangent")
+    axes.axhline(tolerances[0], color="grey", linestyle="--", label=f"forward tolerance (rtol {tolerances[0]:g})")
+    if report.backward_checked:
+        axes.axhline(tolerances[1], color="grey", linestyle=":",
+                     label=f"backward tolerance (rtol {tolerances[1]:g})")
+    for x, pair in zip(depth, pairs, strict=True):
+        if _is_first(report, pair) and report.first is not None:
+            axes.semilogy([x], [min(max(report.first.max_rel, 1e-17), 1e3)], "o", color="red", markersize=9)
+            axes.annotate(f"{pair.torch_name or '(root)'} ({report.first.direction})", (x, report.first.max_rel),
+                          textcoords="offset points", xytext=(6, 6), color="red")
+    axes.set_xlabel("module call, in the order the outputs were produced")
+    axes.set_ylabel("max |torch - flax| / scale")
+    first = report.first
+    axes.set_title("no divergence" if first is None
+                   else f"first divergence {first.direction} at {first.torch_name or '(root)'}")
+    axes.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+# --------------------------------------------------------------------------- the entry point
+
+def locate_divergence(
+    torch_model: Any,
+    flax_model: Any,
+    *inputs: Any,
+    torch_call: Any = None,
+    flax_call: Any = None,
+    module_map: Mapping[str, Any] | None = None,
+    backward: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+    plot: Any = None,
+    seed: int = 0,
+) -> DivergenceReport:
+    """Where a PyTorch model and its Flax NNX port part, module by module.
+
+    Args:
+      inputs: arrays (NumPy, torch or JAX; float ones cast to each model's dtype) or other
+        values, passed to both models as they are.
+      torch_call, flax_call: ``(model, *inputs) -> output`` (default ``model(*inputs)``),
+        run eagerly (no ``jax.jit``); the output may be any pytree (tuples, dicts, Hugging
+        Face model outputs).
+      module_map: {torch module name: flax path (a tuple or ``"a/b/c"``)} for modules named
+        differently; a mapped name maps the names below it too (``{"h": "layers"}`` pairs
+        ``h.0.attn`` with ``layers.0.attn``).  Unmapped names pair with the same path
+        (``blocks.1.attn`` with ``("blocks", 1, "attn")``).
+      backward: when every forward output agrees, also compare the cotangents of every
+        module's output and inputs for ``sum(output * R)``, ``R`` standard normal (``seed``).
+      rtol, atol: override the harness's tolerances (``PARITY`` forward, ``GRAD_PARITY``
+        backward, per dtype), both relative to each array's largest magnitude.
+      plot: a path: the errors against depth drawn there (matplotlib).
+
+    Every call of every submodule is compared: a module called several times is paired
+    call by call.  Inputs are compared leaf by leaf in order (positional arguments, then
+    keywords by name), outputs by path; outputs of different structures are a divergence,
+    reported (not raised).  The models run in ``full_precision()``, in the mode they are in.
+
+    Returns a ``DivergenceReport``: ``first`` (None when nothing diverges: ``ok``), every
+    module pair with its errors, ``str()`` a table.  Raises TypeError for a malformed
+    ``module_map``, ValueError for a dtype without a tolerance (unless rtol and atol are
+    given), and whatever the models raise.
+    """
+    mapping = _check_module_map(module_map)
+    with full_precision():
+        t_rec, t_out = _run_torch(torch_model, inputs, torch_call, backward)
+        xs = _flax_inputs(flax_model, inputs)
+        f_rec, _ = _run_flax(flax_model, xs, flax_call)
+        pairs, matched, torch_only, flax_only = _pair(t_rec.records, f_rec.records, mapping)
+        _forward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol)
+        first = _first_forward(pairs)
+        checked = backward and first is None
+        if checked:
+            projections = _projections(t_rec.tree, t_out, seed)
+            _torch_cotangents(t_rec, t_out, projections)
+            _flax_cotangents(flax_model, xs, flax_call, f_rec, projections)
+            _backward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol)
+            first = _first_backward(pairs)
+    report = DivergenceReport(pairs, first, checked, torch_only, flax_only)
+    if plot is not None:
+        dtype = module_dtype(torch_model, [x for x in inputs if _is_array(x)])
+        forward, gradient = (PARITY.get(dtype, PARITY["float32"]).rtol, GRAD_PARITY.get(dtype, GRAD_PARITY["float32"]).rtol)
+        _plot(report, plot, (forward, gradient) if rtol is None else (rtol, rtol))
+    return report
