@@ -11,6 +11,10 @@ between ``torch.nn.MultiheadAttention`` and our ``MultiHeadAttention`` through t
 of ``attention_spec.packing.nn_multihead_rules``, and
 ``load_packed_qkv`` loads a packed q/k/v checkpoint (GPT-2's ``c_attn``/``c_proj``,
 ``nn.Linear`` packing) with the split of ``attention_spec.packing``.
+
+Hugging Face: ``from_hf(layer)`` / ``to_hf(ours, layer)`` (in ``torch_attention._hf``) go
+between the attention layer of a ``transformers`` model (``supported_hf_classes()``) and
+our ``MultiHeadAttention``, options read from the layer and its config.
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ from attention_spec.conversion import (
 from attention_spec.packing import nn_multihead_rules, not_ours_message, packed_state_dict
 from attention_spec.specs import run_rules
 from torch_attention._base import AttentionModule
+from torch_attention._hf import from_hf, supported_hf_classes, to_hf
 from torch_attention.multihead import MultiHeadAttention
 
 __all__ = [
     "flax_arrays",
+    "from_hf",
     "from_nn_multihead",
     "load",
     "load_flax_arrays",
@@ -49,6 +55,8 @@ __all__ = [
     "state_dict_from_flax",
     "state_dict_to_flax",
     "save",
+    "supported_hf_classes",
+    "to_hf",
     "to_nn_multihead",
     "torch_state_dict",
 ]

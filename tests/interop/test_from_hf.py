@@ -1,0 +1,505 @@
+"""``torch_attention.interop.from_hf`` / ``to_hf``: the attention layer of each supported
+``transformers`` family against our ``MultiHeadAttention`` built from it and its Flax twin
+(``parity_tests.to_flax``): a tiny random float32 layer, a batch of 2 with padding (left
+padding for decoders), positions 480..511 for the rotary families, outputs, input
+gradients and parameter gradients within float32 parity (``parity_tests.tolerances``),
+only the rows of real tokens compared (a padded decoder query sees nothing: zeros here,
+an average of the values there).  Hugging Face's masks are built with its own mask
+functions (``transformers.masking_utils``), so the windows read from the configs are
+proven against its definition.  Round trips are bit-exact; bad classes and mismatched
+layers are refused by name, before anything is written."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from parity_tests.tolerances import GRAD_PARITY, PARITY
+from tests.support import needs_both, needs_torch
+
+HIDDEN, HEADS, KV_HEADS, SEQ, PAD = 32, 4, 2, 32, 5
+FIRST_POSITION = 480  # positions 480..511: where float32 rounding of the frequencies shows
+
+
+def _configs() -> dict[str, tuple[Callable[[], Any], str, int]]:
+    """family -> (config factory, attention class path, layer_idx)."""
+    import transformers as tf
+
+    gqa: dict[str, Any] = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
+    return {
+        "gpt2": (lambda: tf.GPT2Config(n_embd=HIDDEN, n_head=HEADS, n_layer=2, scale_attn_by_inverse_layer_idx=True),
+                 "gpt2.modeling_gpt2.GPT2Attention", 1),
+        "llama": (lambda: tf.LlamaConfig(**gqa, head_dim=16), "llama.modeling_llama.LlamaAttention", 0),
+        "mistral": (lambda: tf.MistralConfig(**gqa, head_dim=8, sliding_window=8),
+                    "mistral.modeling_mistral.MistralAttention", 0),
+        "qwen2": (lambda: tf.Qwen2Config(**gqa, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                         num_hidden_layers=2), "qwen2.modeling_qwen2.Qwen2Attention", 1),
+        "qwen3": (lambda: tf.Qwen3Config(**gqa, head_dim=16), "qwen3.modeling_qwen3.Qwen3Attention", 0),
+        "gemma": (lambda: tf.GemmaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=1,
+                                         head_dim=16), "gemma.modeling_gemma.GemmaAttention", 0),
+        "gemma2": (lambda: tf.Gemma2Config(**gqa, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                           sliding_window=8, num_hidden_layers=2),
+                   "gemma2.modeling_gemma2.Gemma2Attention", 0),
+        "gemma3-local": (_gemma3, "gemma3.modeling_gemma3.Gemma3Attention", 0),
+        "gemma3-global": (_gemma3, "gemma3.modeling_gemma3.Gemma3Attention", 1),
+        "gpt-neox": (lambda: tf.GPTNeoXConfig(hidden_size=HIDDEN, num_attention_heads=HEADS),
+                     "gpt_neox.modeling_gpt_neox.GPTNeoXAttention", 0),
+        "phi": (lambda: tf.PhiConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, qk_layernorm=True),
+                "phi.modeling_phi.PhiAttention", 0),
+        "phi3": (lambda: tf.Phi3Config(**gqa, sliding_window=8, pad_token_id=0),
+                 "phi3.modeling_phi3.Phi3Attention", 0),
+        "olmo2": (lambda: tf.Olmo2Config(**gqa), "olmo2.modeling_olmo2.Olmo2Attention", 0),
+        "bert": (lambda: tf.BertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=37),
+                 "bert.modeling_bert.BertAttention", 0),
+        "vit": (lambda: tf.ViTConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, qkv_bias=True),
+                "vit.modeling_vit.ViTAttention", 0),
+        "gpt-oss": (lambda: tf.GptOssConfig(**gqa, head_dim=16, sliding_window=8, num_hidden_layers=2,
+                                            layer_types=["sliding_attention", "full_attention"]),
+                    "gpt_oss.modeling_gpt_oss.GptOssAttention", 0),
+    }
+
+
+def _gemma3() -> Any:
+    """Local layers (0) with a window and theta 10000, global ones (1) with linear scaling."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16,
+        query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+    )
+
+
+FAMILIES = [
+    "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3-local", "gemma3-global",
+    "gpt-neox", "phi", "phi3", "olmo2", "bert", "vit", "gpt-oss",
+]
+ENCODERS = ("bert", "vit")
+NO_ROPE = ("gpt2", "bert", "vit")
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    layer: Any
+    config: Any
+
+    @property
+    def rope(self) -> bool:
+        return self.name not in NO_ROPE
+
+
+def _class(path: str) -> Any:
+    import importlib
+
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"transformers.models.{module}"), name)
+
+
+def _layer(name: str, seed: int = 0) -> Case:
+    """A tiny random float32 layer in eval mode: every weight and bias drawn (no zero
+    biases, no unit norms), norm weights near 1 (Gemma 3's near 0: its scale is 1 + w)."""
+    import torch
+
+    factory, path, layer_idx = _configs()[name]
+    config = factory()
+    config._attn_implementation = "eager"
+    cls = _class(path)
+    torch.manual_seed(seed)
+    layer = cls(config) if name == "vit" else cls(config, layer_idx=layer_idx)
+    with torch.no_grad():
+        for pname, p in layer.named_parameters():
+            if "norm" in pname and pname.endswith("weight"):
+                p.copy_((0.0 if name.startswith("gemma3") else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_((0.25 if pname.endswith("weight") else 0.1) * torch.randn_like(p))
+    return Case(name, layer.eval(), config)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _tokens(name: str) -> np.ndarray:
+    """(B, T) bool: the real tokens.  Decoders: example 1 left-padded by PAD; encoders:
+    right-padded."""
+    valid = np.ones((2, SEQ), bool)
+    if name in ENCODERS:
+        valid[1, SEQ - PAD:] = False
+    else:
+        valid[1, :PAD] = False
+    return valid
+
+
+def _hf_mask(case: Case, valid: np.ndarray) -> Any:
+    """Hugging Face's additive (B, 1, T, T) mask from its own mask functions: causal, the
+    layer's sliding window, padding."""
+    import torch
+    from transformers import masking_utils as mu
+
+    attention = case.layer.self if case.name == "bert" else case.layer
+    functions = [mu.padding_mask_function(torch.from_numpy(valid))]
+    if getattr(attention, "is_causal", False):
+        functions.append(mu.causal_mask_function)
+    window = getattr(attention, "sliding_window", None)
+    if window is None and case.name in ("mistral", "phi3"):
+        window = case.config.sliding_window
+    if window:
+        functions.append(mu.sliding_window_overlay(window))
+    # (B, 1, T, T) by broadcasting: batch, query and key indices on their own axes
+    b, q, k = torch.arange(2)[:, None, None, None], torch.arange(SEQ)[:, None], torch.arange(SEQ)
+    allowed = mu.and_masks(*functions)(b, torch.zeros(()), q, k)
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def _rotary(case: Case, x: Any, positions: Any) -> Any:
+    module = sys.modules[type(case.layer).__module__]
+    prefix = type(case.layer).__name__.removesuffix("Attention")
+    rotary = getattr(module, f"{prefix}RotaryEmbedding")(case.config)
+    if case.name.startswith("gemma3"):
+        return rotary(x, positions, case.layer.layer_type)
+    return rotary(x, positions)
+
+
+def _run_hf(case: Case, x: np.ndarray, positions: np.ndarray, valid: np.ndarray, cot: np.ndarray) -> dict[str, Any]:
+    """Hugging Face's output, input gradient and parameter gradients (by its names).  BERT:
+    the part ours covers, ``output.dense`` of the self-attention."""
+    import torch
+
+    xt = torch.from_numpy(x).requires_grad_(True)
+    mask = _hf_mask(case, valid)
+    layer = case.layer
+    layer.zero_grad()
+    if case.name == "bert":
+        out = layer.output.dense(layer.self(xt, attention_mask=mask)[0])
+    elif case.rope:
+        out = layer(xt, position_embeddings=_rotary(case, xt, torch.from_numpy(positions)), attention_mask=mask)[0]
+    else:
+        out = layer(xt, attention_mask=mask)[0]
+    (out * torch.from_numpy(cot)).sum().backward()
+    grads = {n: p.grad.numpy().copy() for n, p in layer.named_parameters() if p.grad is not None}
+    assert xt.grad is not None
+    return {"output": out.detach().numpy(), "grad input": xt.grad.numpy(), "params": grads}
+
+
+def _call(module: Any, x: Any, positions: Any, **kwargs: Any) -> Any:
+    return module(x, positions=positions, **kwargs)
+
+
+def _as_hf_grads(case: Case, ours: Any, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Our parameter gradients (PyTorch names) under the layer's names and layouts: the
+    same map as to_hf's, without Gemma 3's offset (d(1 + w)/dw = 1)."""
+    from torch_attention import _hf
+    from torch_attention.interop import load_torch_state_dict
+
+    holder = copy.deepcopy(ours)
+    load_torch_state_dict(holder, grads)
+    family = dataclasses.replace(_hf._family(case.layer, "test"), norm_offset=False)
+    options = _hf._options(case.layer, family)
+    return {n: np.asarray(a) for n, a in _hf._hf_arrays(holder, family, options).items()}
+
+
+def _compare(want: dict[str, Any], got: dict[str, Any], hf_grads: dict[str, np.ndarray], valid: np.ndarray,
+             label: str) -> dict[str, float]:
+    """Asserts the output (real rows) within PARITY, gradients within GRAD_PARITY; returns
+    the largest absolute differences."""
+    from parity_tests.harness import compare
+
+    tol, gtol = PARITY["float32"], GRAD_PARITY["float32"]
+    findings = [compare("output", got["output"], want["output"], tol, (label, "hf"), where=valid[..., None]),
+                compare("grad input", got["grad input[0]"], want["grad input"], gtol, (label, "hf"))]
+    assert set(hf_grads) == set(want["params"]), (sorted(hf_grads), sorted(want["params"]))
+    findings += [compare(f"grad {n}", hf_grads[n], want["params"][n], gtol, (label, "hf")) for n in hf_grads]
+    failures = [str(f) for f in findings if not f.ok]
+    assert not failures, "\n".join(failures)
+    return {"output": findings[0].max_abs, "grad input": findings[1].max_abs,
+            "grad params": max(f.max_abs for f in findings[2:])}
+
+
+def _parity(name: str, implementation: str = "auto", flax: bool = True) -> dict[str, dict[str, float]]:
+    """from_hf(layer) and its Flax twin against the layer: outputs, input and parameter
+    gradients; returns the largest differences by side."""
+    from parity_tests.harness import run_flax, run_torch, to_flax
+    from torch_attention.interop import from_hf, state_dict_from_flax
+
+    case = _layer(name)
+    ours = from_hf(case.layer)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, SEQ, HIDDEN)).astype(np.float32)
+    valid = _tokens(name)
+    positions = np.repeat(FIRST_POSITION + np.arange(SEQ)[None], 2, axis=0).astype(np.int64)
+    cot = (rng.standard_normal((2, SEQ, HIDDEN)) * valid[..., None]).astype(np.float32)
+    want = _run_hf(case, x, positions, valid, cot)
+    run = {"inputs": [x, positions] if case.rope else [x], "mask": valid[:, None, None, :], "cotangent": cot,
+           "rows": valid, "implementation": implementation, "call": _call if case.rope else None}
+    got = run_torch(ours, **run)
+    grads = {k.removeprefix("grad "): v for k, v in got.items() if k.startswith("grad ") and "input" not in k}
+    errors = {"torch": _compare(want, got, _as_hf_grads(case, ours, grads), valid, "torch")}
+    if flax:
+        got_f = run_flax(to_flax(ours), **run)
+        flat = {k.removeprefix("grad "): v for k, v in got_f.items() if k.startswith("grad ") and "input" not in k}
+        grads_f = state_dict_from_flax(flat, "MultiHeadAttention", ours.config)
+        errors["flax"] = _compare(want, got_f, _as_hf_grads(case, ours, grads_f), valid, "flax")
+    return errors
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@needs_both
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_against_the_native_layer(name: str) -> None:
+    """Output (real rows), input and parameter gradients of from_hf(layer) and of its Flax
+    twin against the layer's own (the assertions are _compare's; -s prints the worst)."""
+    errors = _parity(name)
+    print(name, errors)
+
+
+@needs_both
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["reference", "blockwise", "fused"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3-local"])
+def test_every_implementation(name: str, implementation: str) -> None:
+    """Llama and two windowed families on every path ("auto" is the test above)."""
+    print(name, implementation, _parity(name, implementation))
+
+
+@needs_both
+def test_bert_s_residual_and_layer_norm_stay_the_caller_s() -> None:
+    """BertAttention is LayerNorm(dropout(dense(attn)) + x): ours is dense(attn); the
+    caller adds x and applies ``layer.output.LayerNorm`` (eval: no dropout)."""
+    import torch
+
+    from torch_attention.interop import from_hf
+
+    case = _layer("bert")
+    ours = from_hf(case.layer)
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((2, SEQ, HIDDEN)).astype(np.float32))
+    valid = _tokens("bert")
+    want = case.layer(x, attention_mask=_hf_mask(case, valid))[0]
+    got = case.layer.output.LayerNorm(ours(x, torch.from_numpy(valid[:, None, None, :])) + x)
+    tol = PARITY["float32"]
+    torch.testing.assert_close(got, want, rtol=tol.rtol, atol=tol.atol)
+
+
+@needs_torch
+@pytest.mark.parametrize(("name", "ulps_apart"), [("llama", True), ("gemma3-local", True), ("gemma3-global", True),
+                                                  ("gpt-neox", False), ("phi", False)])
+def test_the_rotation_is_transformers_own_bit_for_bit(name: str, ulps_apart: bool) -> None:
+    """from_hf copies the family's rotary frequencies (float32 arithmetic, a few ulps from
+    the float64 formula): q turned by our apply_rope is transformers' own, bit for bit, at
+    positions 480..511 and 1490 (partial rotary for GPT-NeoX and Phi: the turned part;
+    their 2 and 4 frequencies happen to round alike both ways, the 8 of the others not)."""
+    import dataclasses as dc
+
+    import torch
+
+    from torch_attention.functional import apply_rope
+    from torch_attention.interop import from_hf
+
+    case = _layer(name)
+    rope = from_hf(case.layer).spec.rope
+    head_dim = 16 if name != "gpt-neox" and name != "phi" else HIDDEN // HEADS
+    positions = torch.cat([torch.arange(FIRST_POSITION, FIRST_POSITION + SEQ), torch.tensor([1490])])[None]
+    q = torch.randn(1, HEADS, positions.shape[1], head_dim, generator=torch.Generator().manual_seed(3))
+    cos, sin = _rotary(case, q.transpose(1, 2), positions)
+    dim = cos.shape[-1]
+    module = sys.modules[type(case.layer).__module__]
+    turned = module.apply_rotary_pos_emb(q[..., :dim], q[..., :dim], cos, sin)[0]
+    want = torch.cat([turned, q[..., dim:]], dim=-1)
+    assert torch.equal(apply_rope(q, positions, rope), want)
+    formula = apply_rope(q, positions, dc.replace(rope, inv_freq=None))
+    assert torch.equal(formula, want) is not ulps_apart  # why the frequencies are copied
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def _state(module: Any) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _bit_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    unequal = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not unequal, unequal
+
+
+
+
+@needs_torch
+@pytest.mark.parametrize("name", FAMILIES)
+def test_round_trips_are_bit_exact(name: str) -> None:
+    """HF -> ours -> HF and ours -> HF -> ours give every weight back bit for bit.  Gemma 3's
+    qk-norm weight w is ours as 1 + w (float32, as its RMSNorm computes the scale): HF ->
+    ours -> HF gives back the scale 1 + w bit for bit (w itself as (1 + w) - 1); ours ->
+    HF -> ours gives back every weight >= 0.5 bit for bit."""
+    import torch
+
+    from torch_attention.interop import from_hf, to_hf
+
+    case = _layer(name)
+    before = _state(case.layer)
+    ours = from_hf(case.layer)
+    assert ours.training is False and ours.state_dict()["W_query.weight"].dtype == torch.float32
+    mine = _state(ours)
+    other = _layer(name, seed=5).layer
+    other_before = _state(other)
+    assert to_hf(ours, other) is other
+    back = _state(other)
+    if name == "bert":  # its LayerNorm is not ours: to_hf leaves the other layer's as it was
+        for key in ("output.LayerNorm.weight", "output.LayerNorm.bias"):
+            assert torch.equal(back[key], other_before[key]) and not torch.equal(back[key], before[key])
+            before[key] = back[key]
+    if name.startswith("gemma3"):
+        for key in ("q_norm.weight", "k_norm.weight"):
+            assert torch.equal(1.0 + back[key], 1.0 + before[key])  # the scale the layer computes
+            assert torch.equal(mine[key], 1.0 + before[key])
+            before[key] = back[key]
+    _bit_equal(back, before)
+    again = from_hf(other)
+    _bit_equal(_state(again), mine)
+    assert again.config == ours.config
+
+
+@needs_torch
+def test_a_module_of_ours_round_trips_through_a_layer() -> None:
+    """Ours (built and trained here, say) -> a Qwen3 layer -> ours: bit for bit, qk-norm
+    included; and ours without the layer's inv_freq (the float64 formula) is accepted."""
+    import dataclasses as dc
+
+    import torch
+
+    from torch_attention.interop import from_hf, to_hf
+
+    case = _layer("qwen3")
+    template = from_hf(case.layer)
+    config = {**template.config, "rope": dc.replace(template.spec.rope, inv_freq=None)}
+    torch.manual_seed(9)
+    ours = type(template)(**config)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn_like(p))
+    to_hf(ours, case.layer)
+    back = from_hf(case.layer)
+    _bit_equal(_state(back), _state(ours))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@needs_torch
+def test_an_unsupported_class_is_a_type_error_naming_it_and_the_supported() -> None:
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from torch_attention import MultiHeadAttention
+    from torch_attention.interop import from_hf, supported_hf_classes, to_hf
+
+    mlp = LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=8))
+    text = "takes the attention layer of a transformers model, one of GPT2Attention, LlamaAttention"
+    with pytest.raises(TypeError, match=re.escape(f"from_hf {text}")) as err:
+        from_hf(mlp)
+    assert str(err.value).endswith("; got LlamaMLP")
+    assert all(name in str(err.value) for name in supported_hf_classes())
+    with pytest.raises(TypeError, match=re.escape(f"to_hf {text}")):
+        to_hf(MultiHeadAttention(HIDDEN, HIDDEN, None, 0.0, HEADS), mlp)
+    with pytest.raises(TypeError, match="to_hf takes torch_attention.MultiHeadAttention; got MultiheadAttention"):
+        to_hf(torch.nn.MultiheadAttention(HIDDEN, HEADS), _layer("llama").layer)  # type: ignore[arg-type]
+
+
+@needs_torch
+@pytest.mark.parametrize(("source", "target", "texts"), [
+    ("llama", "mistral", ["window=None where the layer has (7, 0)"]),
+    ("gemma2", "gemma", ["softcap=5.0 where the layer has None", "scale="]),
+    ("qwen3", "llama", ["qk_norm='rms' where the layer has None"]),
+    ("gemma3-local", "gemma3-global", ["rope=", "window=(7, 0) where the layer has None"]),
+])
+def test_to_hf_refuses_a_layer_that_does_not_fit_and_writes_nothing(source: str, target: str,
+                                                                     texts: list[str]) -> None:
+    from torch_attention.interop import from_hf, to_hf
+
+    ours, layer = from_hf(_layer(source).layer), _layer(target, seed=3).layer
+    before = _state(layer)
+    with pytest.raises(ValueError, match=re.escape("to_hf: this MultiHeadAttention does not fit the ")) as err:
+        to_hf(ours, layer)
+    assert all(t in str(err.value) for t in texts), str(err.value)
+    _bit_equal(_state(layer), before)
+
+
+@needs_torch
+def test_to_hf_refuses_other_geometry_and_writes_nothing() -> None:
+    """Another head count, and another hidden size: named, nothing written."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from torch_attention.interop import from_hf, to_hf
+
+    ours = from_hf(_layer("llama").layer)
+    for changes, text in (({"num_key_value_heads": HEADS}, "kv_heads=2 where the layer has 4"),
+                          ({"hidden_size": 2 * HIDDEN}, "d_in=32 where the layer has 64")):
+        fields: dict[str, Any] = {"hidden_size": HIDDEN, "num_attention_heads": HEADS,
+                                  "num_key_value_heads": KV_HEADS, "head_dim": 16, **changes}
+        layer = LlamaAttention(LlamaConfig(**fields), layer_idx=0)
+        before = _state(layer)
+        with pytest.raises(ValueError, match=re.escape(text)):
+            to_hf(ours, layer)
+        _bit_equal(_state(layer), before)
+
+
+@needs_torch
+def test_ours_with_other_frequencies_is_refused() -> None:
+    import dataclasses as dc
+
+    from torch_attention import MultiHeadAttention
+    from torch_attention.interop import from_hf, to_hf
+
+    case = _layer("llama")
+    ours = from_hf(case.layer)
+    rope = ours.spec.rope
+    shifted = dc.replace(rope, inv_freq=tuple(f * 1.5 for f in rope.inv_freq))
+    other = MultiHeadAttention(**{**ours.config, "rope": shifted})
+    with pytest.raises(ValueError, match=re.escape("rope inv_freq: ours fixes frequencies other than")):
+        to_hf(other, case.layer)
+
+
+@needs_torch
+def test_cross_attention_is_refused_by_name() -> None:
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    from torch_attention.interop import from_hf
+
+    layer = GPT2Attention(GPT2Config(n_embd=HIDDEN, n_head=HEADS), is_cross_attention=True, layer_idx=0)
+    with pytest.raises(ValueError, match=re.escape("this GPT2Attention cannot be expressed as MultiHeadAttention: cross-attention")):
+        from_hf(layer)
+
+
+@needs_torch
+def test_dropout_rate_mode_and_sinks_are_the_layer_s() -> None:
+    """The attention weights' dropout rate and the train/eval mode come with the layer;
+    gpt-oss's sinks become ours (``sinks=True``, its values)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from torch_attention.interop import from_hf
+
+    config = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.125)
+    ours = from_hf(LlamaAttention(config, layer_idx=0).train())
+    assert ours.spec.dropout == 0.125 and ours.training
+    oss = _layer("gpt-oss").layer
+    ours = from_hf(oss)
+    assert ours.spec.sinks and ours.spec.window == (7, 0)
+    assert torch.equal(ours.state_dict()["sinks"], oss.sinks)

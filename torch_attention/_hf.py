@@ -1,0 +1,417 @@
+"""Hugging Face ``transformers`` attention layers <-> our ``MultiHeadAttention``.
+
+``from_hf(layer)`` reads one attention layer of a ``transformers`` model (its weights,
+its ``config``, its ``layer_idx`` and the layer type that picks a per-layer window or
+rope) and gives our ``MultiHeadAttention`` with the same weights and behaviour;
+``to_hf(ours, layer)`` writes our weights back into a compatible layer, in place.
+``transformers`` is imported by neither (a test dependency): everything is read from
+the layer's attributes.  Exported from ``torch_attention.interop``.
+
+Each supported class is one ``_Family``: where its q/k/v/o weights live (separate
+``nn.Linear``s, or one packed q/k/v weight split by ``attention_spec.packing``), its
+qk-norm, whether it turns q and k by rope.  Every other option is read from the layer as
+Hugging Face's own forward reads it: ``scaling`` (Gemma's ``query_pre_attn_scalar ** -0.5``,
+GPT-2's ``scale_attn_weights`` / ``scale_attn_by_inverse_layer_idx``), ``sliding_window``
+(``attention_spec.huggingface.window_from_hf``), ``attn_logit_softcapping``, ``is_causal``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from attention_spec.conversion import as_numpy
+from attention_spec.huggingface import window_from_hf
+from attention_spec.packing import pack_state_dict, packed_state_dict
+from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
+from torch_attention.multihead import MultiHeadAttention
+
+__all__ = ["from_hf", "supported_hf_classes", "to_hf"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """Where one ``transformers`` attention class keeps its weights.  Names are dotted
+    paths from the layer (BERT's q/k/v live in ``layer.self``, its o in ``layer.output``)."""
+
+    label: str
+    q: str = "q_proj"
+    k: str = "k_proj"
+    v: str = "v_proj"
+    o: str = "o_proj"
+    packed: str | None = None  # one packed q/k/v weight (then q, k, v are unused)
+    packing: str = "thirds"  # attention_spec.packing's order along the packed axis
+    layout: str = "out_in"  # "in_out": GPT-2's Conv1D, x @ W
+    norms: tuple[str, str] | None = None  # the q and k norms, where present
+    norm: str = "rms"
+    norm_scope: str = "head"
+    norm_offset: bool = False  # Gemma 3's RMSNorm scales by (1 + weight)
+    rope: bool = True
+    attention: str = ""  # the sub-module with is_causal / scaling ("self" for BERT)
+    sinks: bool = False  # gpt-oss: one learned sink logit per head, ``sinks``
+    not_ours: str | None = None  # a sub-module of the layer that ours does not cover (BERT's LayerNorm)
+
+
+_FAMILIES: dict[str, _Family] = {
+    "GPT2Attention": _Family("GPT-2", packed="c_attn", o="c_proj", layout="in_out", rope=False),
+    "LlamaAttention": _Family("Llama"),
+    "MistralAttention": _Family("Mistral"),
+    "Qwen2Attention": _Family("Qwen2"),
+    "Qwen3Attention": _Family("Qwen3", norms=("q_norm", "k_norm")),
+    "GemmaAttention": _Family("Gemma"),
+    "Gemma2Attention": _Family("Gemma 2"),
+    "Gemma3Attention": _Family("Gemma 3", norms=("q_norm", "k_norm"), norm_offset=True),
+    "GPTNeoXAttention": _Family("GPT-NeoX", packed="query_key_value", packing="per_head", o="dense"),
+    "PhiAttention": _Family("Phi", o="dense", norms=("q_layernorm", "k_layernorm"), norm="layer"),
+    "Phi3Attention": _Family("Phi-3", packed="qkv_proj", packing="grouped"),
+    "Olmo2Attention": _Family("OLMo 2", norms=("q_norm", "k_norm"), norm_scope="all"),
+    "BertAttention": _Family("BERT", q="self.query", k="self.key", v="self.value", o="output.dense", rope=False,
+                             attention="self", not_ours="output.LayerNorm"),
+    "ViTAttention": _Family("ViT", rope=False),
+    "GptOssAttention": _Family("gpt-oss", sinks=True),
+}
+
+
+def supported_hf_classes() -> tuple[str, ...]:
+    """The ``transformers`` attention classes ``from_hf`` and ``to_hf`` take, by name."""
+    return tuple(_FAMILIES)
+
+
+def _family(layer: Any, what: str) -> _Family:
+    family = _FAMILIES.get(type(layer).__name__)
+    if family is None or not isinstance(layer, nn.Module):
+        raise TypeError(f"{what} takes the attention layer of a transformers model, one of "
+                        f"{', '.join(_FAMILIES)}; got {type(layer).__name__}")
+    return family
+
+
+def _get(layer: nn.Module, path: str) -> Any:
+    """The sub-module or attribute at a dotted path (None where any step is missing)."""
+    obj: Any = layer
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part, None)
+    return obj
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _layer_type(layer: nn.Module, attention: Any) -> str | None:
+    """The layer type that picks a per-layer window or rope (``layer_types[layer_idx]``)."""
+    own = getattr(attention, "layer_type", None)
+    if own is not None:
+        return str(own)
+    types, index = getattr(attention.config, "layer_types", None), getattr(attention, "layer_idx", None)
+    return None if not types or index is None else str(types[index])
+
+
+def _rope(layer: nn.Module, attention: Any) -> RopeConfig:
+    """``rope_from_hf`` of the layer's config, for its layer type where the config keeps
+    rope parameters per layer type (Gemma 3: local and global), with the frequencies of
+    the family's own rotary embedding (``inv_freq``: computed in float32 arithmetic, a
+    few ulps from the float64 formula) where they do not follow the sequence length."""
+    config = attention.config
+    layer_type = _layer_type(layer, attention)
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = layer_type is not None and isinstance(params.get(layer_type), Mapping)
+    rope = rope_from_hf(config, layer_type if nested else None)
+    if needs_seq_len(rope):  # dynamic NTK, longrope: HF recomputes them per call as we do
+        return rope
+    own = _hf_inv_freq(layer, config, layer_type if nested else None)
+    return dataclasses.replace(rope, inv_freq=tuple(float(f) for f in own.tolist()))
+
+
+def _hf_inv_freq(layer: nn.Module, config: Any, layer_type: str | None) -> torch.Tensor:
+    """The ``inv_freq`` buffer of the family's ``<Family>RotaryEmbedding`` built from the
+    layer's config (Gemma 3 keeps one per layer type, ``<layer_type>_inv_freq``)."""
+    module = sys.modules[type(layer).__module__]
+    name = type(layer).__name__.removesuffix("Attention") + "RotaryEmbedding"
+    rotary_class = getattr(module, name, None)
+    if rotary_class is None:
+        raise ValueError(f"from_hf: {type(layer).__module__} has no {name} to read the rotary frequencies from")
+    with torch.device("cpu"):
+        rotary = rotary_class(config)
+    buffer = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+    return buffer.detach().float()
+
+
+def _window(layer: nn.Module, attention: Any) -> tuple[int, int] | None:
+    """The band of keys each query sees: the layer's own ``sliding_window`` where it has
+    one (per layer type: Qwen2, Qwen3, Gemma 2/3), else the config's (Mistral, Phi-3);
+    families whose forward passes no window (Llama, Gemma 1, ...) have none."""
+    if hasattr(attention, "sliding_window"):
+        return window_from_hf(attention.sliding_window)
+    if type(layer).__name__ in ("MistralAttention", "Phi3Attention"):
+        return window_from_hf(getattr(attention.config, "sliding_window", None))
+    return None
+
+
+def _norm_eps(norm: nn.Module) -> float:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps)  # type: ignore[arg-type]
+
+
+def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
+    """d_in, heads, head_dim and biases, from the weights' shapes (HF's own attributes
+    for the heads: ``num_attention_heads`` / ``num_key_value_heads``)."""
+    config = _get(layer, family.attention).config
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    out = _get(layer, family.o)
+    d_model = int(out.weight.shape[1] if family.layout == "in_out" else out.weight.shape[0])
+    if family.packed is None:
+        q, k, v = (_get(layer, name) for name in (family.q, family.k, family.v))
+        biases = {p.bias is not None for p in (q, k, v)}
+        if len(biases) != 1:
+            raise ValueError(f"{type(layer).__name__}: q, k and v must all have biases or none; ours has one switch")
+        width, qkv_bias = int(q.weight.shape[0]), biases.pop()
+    else:
+        packed = _get(layer, family.packed)
+        rows = int(packed.weight.shape[1] if family.layout == "in_out" else packed.weight.shape[0])
+        width, qkv_bias = rows // (heads + 2 * kv_heads) * heads, packed.bias is not None
+    head_dim = width // heads
+    return {
+        "d_in": d_model, "d_out": d_model, "num_heads": heads,
+        "num_kv_heads": None if kv_heads == heads else kv_heads,
+        "head_dim": None if head_dim * heads == d_model else head_dim,
+        "qkv_bias": qkv_bias, "out_bias": out.bias is not None,
+    }
+
+
+def _refusals(layer: nn.Module, attention: Any) -> list[str]:
+    problems = []
+    if getattr(layer, "is_cross_attention", False) or getattr(attention, "is_cross_attention", False):
+        problems.append("cross-attention (its keys and values come from an encoder: ours is self-attention here)")
+    if not bool(getattr(attention, "is_causal", True)) and getattr(attention, "sliding_window", None):
+        problems.append("a sliding window on bidirectional attention")
+    return problems
+
+
+def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
+    """Our ``MultiHeadAttention``'s keywords for this layer (no dtype / device)."""
+    attention = _get(layer, family.attention)
+    problems = _refusals(layer, attention)
+    if problems:
+        raise ValueError(f"this {type(layer).__name__} cannot be expressed as MultiHeadAttention: "
+                         + "; ".join(problems))
+    options = _geometry(layer, family)
+    dropout = getattr(attention, "attention_dropout", None)
+    for name in ("attn_dropout", "dropout"):  # GPT-2, BERT: an nn.Dropout on the weights
+        if dropout is None and isinstance(getattr(attention, name, None), nn.Dropout):
+            dropout = getattr(attention, name).p
+    options.update(
+        sinks=family.sinks, context_length=None, dropout=float(dropout or 0.0),
+        causal=bool(getattr(attention, "is_causal", False)), scale=float(attention.scaling), softcap=getattr(attention, "attn_logit_softcapping", None),
+        window=_window(layer, attention), rope=_rope(layer, attention) if family.rope else None,
+    )
+    if options["softcap"] is not None:
+        options["softcap"] = float(options["softcap"])
+    norms = None if family.norms is None else [_get(layer, n) for n in family.norms]
+    if norms is not None and all(n is not None for n in norms):  # Phi: only with qk_layernorm
+        options.update(qk_norm=family.norm, qk_norm_scope=family.norm_scope, qk_norm_eps=_norm_eps(norms[0]))
+    return options
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
+    """{our parameter name: HF parameter name} for the weights copied one to one."""
+    names = {"out_proj.weight": f"{family.o}.weight"}
+    if family.sinks:
+        names["sinks"] = "sinks"
+    if options["out_bias"]:
+        names["out_proj.bias"] = f"{family.o}.bias"
+    if family.packed is None:
+        for ours, theirs in (("W_query", family.q), ("W_key", family.k), ("W_value", family.v)):
+            names[f"{ours}.weight"] = f"{theirs}.weight"
+            if options["qkv_bias"]:
+                names[f"{ours}.bias"] = f"{theirs}.bias"
+    if options.get("qk_norm") is not None:
+        assert family.norms is not None
+        for ours, theirs in zip(("q_norm", "k_norm"), family.norms, strict=True):
+            names[f"{ours}.weight"] = f"{theirs}.weight"
+            if options["qk_norm"] == "layer":
+                names[f"{ours}.bias"] = f"{theirs}.bias"
+    return names
+
+
+def _from_norm_offset(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma 3's RMSNorm weight w -> ours, ``1.0 + w.float()`` exactly as its forward computes
+    the scale (ours multiplies by the weight itself).  In a float16 / bfloat16 module the
+    scale is then stored in that dtype (Gemma multiplies by it in float32 and rounds the
+    product once): a difference of rounding, not of formula."""
+    return 1.0 + weight.detach().float()
+
+
+def _to_norm_offset(weight: torch.Tensor) -> torch.Tensor:
+    """Ours -> Gemma 3's: ``weight.float() - 1.0`` (then the layer's dtype).  In float32,
+    ``1 + (v - 1)`` gives v back for every v >= 0.5 (Sterbenz), so the scale the layer
+    computes is ours bit for bit; w itself comes back as ``(1 + w) - 1``, w's bits
+    below 1's last place dropped (that is, the same effective scale)."""
+    return weight.detach().float() - 1.0
+
+
+def _hf_state(layer: nn.Module, family: _Family, options: Mapping[str, Any], spec: Any) -> dict[str, Any]:
+    """The layer's weights under our PyTorch names (not yet cast)."""
+    params = dict(layer.named_parameters())
+    state: dict[str, Any] = {}
+    for ours, theirs in _names(family, options).items():
+        value = params[theirs].detach()
+        if family.layout == "in_out" and ours == "out_proj.weight":
+            value = value.T  # Conv1D keeps (in, out)
+        if family.norm_offset and ours.endswith("norm.weight"):
+            value = _from_norm_offset(value)
+        state[ours] = value
+    if family.packed is not None:
+        bias = params.get(f"{family.packed}.bias")
+        parts = packed_state_dict(spec, as_numpy(params[f"{family.packed}.weight"].detach()),
+                                  None if bias is None else as_numpy(bias.detach()),
+                                  layout=family.layout, packing=family.packing)
+        state.update({k: v for k, v in parts.items() if k.startswith("W_")})
+    return state
+
+
+def _build(options: Mapping[str, Any], like: torch.Tensor) -> MultiHeadAttention:
+    """Our module for ``options``, built on the meta device (no random draws), then
+    given storage in ``like``'s dtype and device."""
+    module = MultiHeadAttention(**options, dtype=like.dtype, device="meta")
+    return module.to_empty(device=like.device)
+
+
+def _first_weight(layer: nn.Module, family: _Family) -> torch.Tensor:
+    return _get(layer, family.packed or family.q).weight
+
+
+def from_hf(layer: nn.Module) -> MultiHeadAttention:
+    """A ``transformers`` attention layer -> our ``MultiHeadAttention`` with its weights
+    (copied exactly; Gemma 3's qk-norm weight w becomes ``1 + w``, the scale its RMSNorm
+    computes, in float32), options, dtype, device and train/eval mode.
+
+    Read from the layer and its ``config`` (BERT: ``layer.self.config``): heads (``num_kv_heads`` for grouped heads),
+    ``head_dim`` where heads x head_dim is not the hidden size, the biases (``qkv_bias``,
+    ``out_bias``), ``scale`` = the layer's ``scaling``, ``causal`` = its ``is_causal``,
+    ``softcap`` (``attn_logit_softcapping``), ``window`` (HF's ``sliding_window=W`` is
+    ``(W - 1, 0)``, of the layer's own type where windows are per layer type), ``rope``
+    (``rope_from_hf``, per layer type for Gemma 3), qk-norm, ``dropout`` (the attention
+    weights' rate), ``context_length=None``.  Call ours as ``ours(x, mask,
+    positions=positions)`` where HF's takes ``position_embeddings=rotary(x, positions)``
+    and an additive mask (``torch_attention.from_additive_mask`` converts one).
+
+    What ours covers: the attention and its output projection.  BERT's ``BertAttention``
+    ends with ``LayerNorm(dropout(dense(attn)) + x)``: ours is ``dense(attn)``; the residual,
+    dropout and LayerNorm (``layer.output.LayerNorm``) stay the caller's.  GPT-2's
+    ``resid_dropout`` after ``c_proj`` (training only) likewise.
+
+    Raises TypeError for a class not in ``supported_hf_classes()`` (naming them);
+    ValueError for cross-attention, q/k/v with some biases but not all, and what
+    ``rope_from_hf`` cannot read.
+    """
+    family = _family(layer, "from_hf")
+    options = _options(layer, family)
+    module = _build(options, _first_weight(layer, family))
+    state = _hf_state(layer, family, options, module.spec)
+    from torch_attention.interop import load_torch_state_dict
+
+    load_torch_state_dict(module, state)
+    return module.train(layer.training)
+
+
+def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> list[str]:
+    """The options in which ``ours`` would not behave as the layer does (dropout, the
+    implementation, mask_strategy and context_length change no result of an eval call)."""
+    mine, theirs = ours.spec, want.spec
+    fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
+              "kdim", "vdim", "qk_norm", "qk_norm_eps", "sinks", "causal", "softcap", "window", "alignment")
+    problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
+                for f in fields if getattr(mine, f) != getattr(theirs, f)]
+    if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:
+        problems.append(f"qk_norm_scope={mine.qk_norm_scope!r} where the layer has {theirs.qk_norm_scope!r}")
+    problems += _rope_mismatch(mine.rope, theirs.rope)
+    if mine.fan_out("out") != theirs.fan_out("out"):
+        problems.append(f"out_features={mine.fan_out('out')} where the layer has {theirs.fan_out('out')}")
+    scales = [s if s is not None else 1.0 / math.sqrt(int(spec.head_dim or 0)) for s, spec in
+              ((mine.scale, mine), (theirs.scale, theirs))]
+    if not math.isclose(scales[0], scales[1], rel_tol=1e-12):
+        problems.append(f"scale={scales[0]!r} where the layer has {scales[1]!r}")
+    return problems
+
+
+def _rope_mismatch(mine: RopeConfig | None, theirs: RopeConfig | None) -> list[str]:
+    """Ours must turn q and k as the layer does: the same rope configuration, and, where
+    ours fixes its frequencies (``inv_freq``), the layer's own ones (the layer computes
+    them from its config: they cannot be written).  Ours without ``inv_freq`` (the
+    float64 formula) is the same rope a few ulps apart, accepted."""
+    if mine is None or theirs is None:
+        return [] if mine is theirs else [f"rope={mine!r} where the layer has {theirs!r}"]
+    if dataclasses.replace(mine, inv_freq=None) != dataclasses.replace(theirs, inv_freq=None):
+        return [f"rope={dataclasses.replace(mine, inv_freq=None)!r} where the layer has "
+                f"{dataclasses.replace(theirs, inv_freq=None)!r}"]
+    if mine.inv_freq is not None and mine.inv_freq != theirs.inv_freq:
+        return ["rope inv_freq: ours fixes frequencies other than the ones the layer computes from its config"]
+    return []
+
+
+def _hf_arrays(ours: MultiHeadAttention, family: _Family, options: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Our weights under the layer's parameter names, in its layouts (not yet cast)."""
+    own = {k: v.detach() for k, v in ours.state_dict().items()}
+    arrays: dict[str, torch.Tensor] = {}
+    for mine, theirs in _names(family, options).items():
+        value = own[mine]
+        if family.layout == "in_out" and mine == "out_proj.weight":
+            value = value.T
+        if family.norm_offset and mine.endswith("norm.weight"):
+            value = _to_norm_offset(value)
+        arrays[theirs] = value
+    if family.packed is not None:
+        packed = pack_state_dict(ours.spec, own, layout=family.layout, packing=family.packing)
+        arrays[f"{family.packed}.weight"] = torch.from_numpy(np.array(packed["qkv_weight"]))
+        if packed["qkv_bias"] is not None:
+            arrays[f"{family.packed}.bias"] = torch.from_numpy(np.array(packed["qkv_bias"]))
+    return arrays
+
+
+def to_hf(ours: MultiHeadAttention, layer: nn.Module) -> nn.Module:
+    """Writes our ``MultiHeadAttention``'s weights into a ``transformers`` attention layer
+    of a supported class, in place (cast to the layer's dtype), and returns the layer.
+    The inverse of ``from_hf``: Gemma 3's qk-norm weight goes back as ``v - 1`` in float32
+    (the layer then computes ``1 + (v - 1)``, which is v for every v >= 0.5).
+
+    The layer must already behave as ours does once it has our weights: its geometry
+    (d_in, heads, key/value heads, head_dim, biases, qk-norm and its eps) and its options
+    (scale, causal, window, softcap, rope: what ``from_hf`` reads from it) must be ours.
+    Everything is checked first; nothing is written unless every check passed and every
+    parameter of the layer is accounted for (but BERT's ``output.LayerNorm``, which is not
+    ours: it stays as it is).  Raises TypeError for a class that is not one
+    of ours or not supported; ValueError naming each mismatch.
+    """
+    if not isinstance(ours, MultiHeadAttention):
+        raise TypeError(f"to_hf takes torch_attention.MultiHeadAttention; got {type(ours).__name__}")
+    family = _family(layer, "to_hf")
+    options = _options(layer, family)
+    want = MultiHeadAttention(**options, device="meta")
+    problems = _option_mismatches(ours, want)
+    if problems:
+        raise ValueError(f"to_hf: this MultiHeadAttention does not fit the {type(layer).__name__} "
+                         "(nothing was written): " + "; ".join(problems))
+    arrays = _hf_arrays(ours, family, options)
+    params = dict(layer.named_parameters())
+    keep = () if family.not_ours is None else (family.not_ours + ".",)
+    missing = sorted(n for n in set(params) - set(arrays) if not n.startswith(keep))
+    misshaped = [f"{n}: ours {tuple(a.shape)}, the layer's {tuple(params[n].shape)}" for n, a in arrays.items()
+                 if n not in params or a.shape != params[n].shape]
+    if missing or misshaped:
+        raise ValueError("to_hf: the weights do not fit the layer (nothing was written): "
+                         + "; ".join([f"the layer's {n} has no counterpart in ours" for n in missing] + misshaped))
+    ready = {n: a.to(dtype=params[n].dtype, device=params[n].device) for n, a in arrays.items()}
+    with torch.no_grad():
+        for name, tensor in ready.items():
+            params[name].copy_(tensor)
+    return layer
