@@ -112,6 +112,17 @@ def check_qk_norm(qk_norm: Any, scope: Any, eps: Any) -> tuple[str | None, str, 
     return qk_norm, scope, float(eps)
 
 
+def check_qk_norm_offset(qk_norm: str | None, offset: Any) -> float:
+    """``qk_norm_offset``: the norms scale by ``offset + weight`` (Gemma 3's RMSNorm:
+    1.0, its weights start at zeros) instead of the weight (0.0); a finite number, and
+    nonzero only with ``qk_norm``; returns it as a float."""
+    if not _is_real(offset) or not math.isfinite(offset):
+        raise ValueError(f"qk_norm_offset must be a finite float; got {offset!r}")
+    if offset != 0 and qk_norm is None:
+        raise ValueError(f"qk_norm_offset={offset!r} needs qk_norm ('rms' or 'layer')")
+    return float(offset)
+
+
 def check_kv_heads(num_heads: Any, num_kv_heads: Any) -> int:
     """``num_kv_heads`` (grouped-query attention): a positive int dividing ``num_heads``;
     returns it (None -> ``num_heads``)."""

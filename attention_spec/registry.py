@@ -40,6 +40,7 @@ from attention_spec.options import (
     check_out_width,
     check_positive_int,
     check_qk_norm,
+    check_qk_norm_offset,
     check_scale,
     check_softcap,
     check_window,
@@ -252,6 +253,7 @@ REGISTRY: dict[str, Variant] = {
              Option("head_dim", None, True), Option("out_features", None, True), Option("out_bias", True, True),
              # qk-norm: Qwen3's / Phi's per-head q_norm and k_norm, OLMo 2's across heads
              Option("qk_norm", None, True), Option("qk_norm_scope", "head", True), Option("qk_norm_eps", 1e-6, True),
+             Option("qk_norm_offset", 0.0, True),  # Gemma 3: scale by 1 + weight
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              Option("sinks", False, True),  # gpt-oss's attention sinks: one learned logit per head
              *_common(causal=True)),
@@ -315,6 +317,7 @@ class AttentionConfig:
     qk_norm: str | None = None
     qk_norm_scope: str = "head"
     qk_norm_eps: float = 1e-6
+    qk_norm_offset: float = 0.0
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
     sinks: bool = False  # a parameter ``sinks`` (num_heads,): each head's logit in every softmax
 
@@ -364,6 +367,7 @@ class AttentionConfig:
         if "qk_norm" in exposed:
             _, _, eps = check_qk_norm(self.qk_norm, self.qk_norm_scope, self.qk_norm_eps)
             set_(self, "qk_norm_eps", eps)
+            set_(self, "qk_norm_offset", check_qk_norm_offset(self.qk_norm, self.qk_norm_offset))
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)
         if self.sinks and self.normalization != "softmax":

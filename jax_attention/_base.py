@@ -162,6 +162,9 @@ class AttentionModule(nnx.Module):
             norm = nnx.RMSNorm if spec.qk_norm == "rms" else nnx.LayerNorm
             setattr(self, name, norm(width, epsilon=spec.qk_norm_eps, dtype=dtype, param_dtype=param_dtype,
                                      rngs=cast(nnx.Rngs, rngs)))
+            if spec.qk_norm_offset:  # the scale offset + weight starts at 1, as the PyTorch twin's
+                norm_ = getattr(self, name)
+                norm_.scale[...] = jnp.full_like(norm_.scale[...], 1.0 - spec.qk_norm_offset)
         if spec.sinks:  # zeros: each head starts with a sink of logit 0, as the PyTorch twin
             self.sinks = nnx.Param(jnp.zeros((spec.num_heads,), param_dtype))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
@@ -481,7 +484,9 @@ class AttentionModule(nnx.Module):
         """qk-norm of projected queries or keys (B, T, heads * D), before attention (and
         before any position encoding): each head's D (``qk_norm_scope="head"``) or the
         whole width (``"all"``) normalised as Hugging Face does, in float32 (float64
-        for float64), cast back, then times the scale (LayerNorm: plus the bias).  Other roles pass through."""
+        for float64), cast back, then times the scale (LayerNorm: plus the bias).  With
+        ``qk_norm_offset`` (Gemma 3) the scale is ``offset + scale`` in that precision and
+        the product is cast back once, as Gemma's RMSNorm.  Other roles pass through."""
         spec = self.spec
         norm = next((getattr(self, n) for n, r, _ in spec.qk_norms() if r == role), None)
         if norm is None:
@@ -491,8 +496,11 @@ class AttentionModule(nnx.Module):
         x = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # float32 at least: float64 stays
         if spec.qk_norm == "layer":
             x = x - x.mean(-1, keepdims=True)
-        x = (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + spec.qk_norm_eps)).astype(t.dtype)
-        x = x * scale.astype(t.dtype)
+        x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + spec.qk_norm_eps)
+        if spec.qk_norm_offset:
+            x = (x * (spec.qk_norm_offset + scale.astype(x.dtype))).astype(t.dtype)
+        else:
+            x = x.astype(t.dtype) * scale.astype(t.dtype)
         if spec.qk_norm == "layer":
             x = x + norm.bias[...].reshape(scale.shape).astype(t.dtype)
         return x.reshape(t.shape)

@@ -121,6 +121,8 @@ class MultiHeadAttention(AttentionModule):
     (``q_norm``, ``k_norm``: a learnable weight, and a bias for ``"layer"``; ``eps`` =
     ``qk_norm_eps``) before attention, per head over head_dim (``qk_norm_scope="head"``:
     Qwen3, Phi's ``qk_layernorm``) or over all heads together (``"all"``: OLMo 2).
+    ``qk_norm_offset=1.0``: the norms scale by ``1 + weight`` (Gemma 3's RMSNorm; the
+    weights then start at zeros).
     Rotary position embeddings: ``rope=`` (an ``attention_spec.rope.RopeConfig``) turns q and k
     after the head split, before attention, at the call's ``positions=`` (integers
     (B, T); None: 0..T-1, or, with a cache, each example's fill onward); the frequencies
@@ -156,6 +158,7 @@ class MultiHeadAttention(AttentionModule):
         qk_norm: str | None = None,
         qk_norm_scope: str = "head",
         qk_norm_eps: float = 1e-6,
+        qk_norm_offset: float = 0.0,
         rope: Any = None,
         sinks: bool = False,
         scale: float | None = None,

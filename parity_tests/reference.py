@@ -202,7 +202,8 @@ def forward(
             by_role[p.role] = _linear(params, p.name, x)
     for name, role in (("q_norm", "query"), ("k_norm", "key")):
         if options.get("qk_norm") is not None:  # qk-norm: before the heads attend
-            by_role[role] = _qk_norm(params, name, by_role[role], options["qk_norm"], options["qk_norm_eps"])
+            by_role[role] = _qk_norm(params, name, by_role[role], options["qk_norm"], options["qk_norm_eps"],
+                                     float(options.get("qk_norm_offset", 0.0)))
     if not by_role:  # no projections: queries, keys and values are x itself
         by_role = {"query": x, "key": x, "value": x}
     num_heads = int(options.get("num_heads", 1)) if decl.heads == "split" else 1
@@ -226,10 +227,12 @@ def forward(
     return out, weights
 
 
-def _qk_norm(params: Mapping[str, np.ndarray], name: str, y: np.ndarray, kind: str, eps: float) -> np.ndarray:
+def _qk_norm(params: Mapping[str, np.ndarray], name: str, y: np.ndarray, kind: str, eps: float,
+             offset: float = 0.0) -> np.ndarray:
     """RMSNorm (``kind="rms"``) or LayerNorm (``"layer"``) of y (B, T, width) in float64,
-    over groups as wide as ``{name}.weight`` (one head's head_dim, or the whole width)."""
-    weight = np.asarray(params[f"{name}.weight"], np.float64)
+    over groups as wide as ``{name}.weight`` (one head's head_dim, or the whole width),
+    scaled by ``offset + weight`` (Gemma 3: offset 1)."""
+    weight = offset + np.asarray(params[f"{name}.weight"], np.float64)
     g = y.reshape(*y.shape[:-1], -1, weight.shape[0])
     if kind == "layer":
         g = g - g.mean(-1, keepdims=True)

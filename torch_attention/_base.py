@@ -101,6 +101,8 @@ class AttentionModule(nn.Module):
         for name, _, width in spec.qk_norms():  # weight ones (and bias zeros), as Hugging Face's
             norm = nn.RMSNorm if spec.qk_norm == "rms" else nn.LayerNorm
             setattr(self, name, norm(width, eps=spec.qk_norm_eps, **factory))
+            if spec.qk_norm_offset:  # the scale offset + weight starts at 1, as Gemma 3's
+                nn.init.constant_(getattr(self, name).weight, 1.0 - spec.qk_norm_offset)
         if spec.sinks:  # zeros: each head starts with a sink of logit 0 (gpt-oss draws its own)
             self.sinks = nn.Parameter(torch.zeros(spec.num_heads, **factory))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
@@ -384,7 +386,9 @@ class AttentionModule(nn.Module):
         """qk-norm of projected queries or keys (B, T, heads * D), before attention (and
         before any position encoding): each head's D (``qk_norm_scope="head"``) or the
         whole width (``"all"``) normalised as Hugging Face does, in float32 (float64
-        for float64), cast back, then times the weight (LayerNorm: plus the bias).  Other roles pass through."""
+        for float64), cast back, then times the weight (LayerNorm: plus the bias).  With
+        ``qk_norm_offset`` (Gemma 3) the scale is ``offset + weight`` in that precision and
+        the product is cast back once, as Gemma's RMSNorm.  Other roles pass through."""
         spec = self.spec
         norm = next((getattr(self, n) for n, r, _ in spec.qk_norms() if r == role), None)
         if norm is None:
@@ -393,7 +397,11 @@ class AttentionModule(nn.Module):
         x = x.to(torch.promote_types(x.dtype, torch.float32))  # float32 at least: float64 stays
         if spec.qk_norm == "layer":
             x = x - x.mean(-1, keepdim=True)
-        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.qk_norm_eps)).to(t.dtype) * norm.weight
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.qk_norm_eps)
+        if spec.qk_norm_offset:
+            x = (x * (spec.qk_norm_offset + norm.weight.to(x.dtype))).to(t.dtype)
+        else:
+            x = x.to(t.dtype) * norm.weight
         if spec.qk_norm == "layer":
             x = x + norm.bias
         return x.flatten(-2)

@@ -215,7 +215,8 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
         options["softcap"] = float(options["softcap"])
     norms = None if family.norms is None else [_get(layer, n) for n in family.norms]
     if norms is not None and all(n is not None for n in norms):  # Phi: only with qk_layernorm
-        options.update(qk_norm=family.norm, qk_norm_scope=family.norm_scope, qk_norm_eps=_norm_eps(norms[0]))
+        options.update(qk_norm=family.norm, qk_norm_scope=family.norm_scope, qk_norm_eps=_norm_eps(norms[0]),
+                       qk_norm_offset=1.0 if family.norm_offset else 0.0)
     return options
 
 
@@ -243,22 +244,6 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
     return names
 
 
-def _from_norm_offset(weight: torch.Tensor) -> torch.Tensor:
-    """Gemma 3's RMSNorm weight w -> ours, ``1.0 + w.float()`` exactly as its forward computes
-    the scale (ours multiplies by the weight itself).  In a float16 / bfloat16 module the
-    scale is then stored in that dtype (Gemma multiplies by it in float32 and rounds the
-    product once): a difference of rounding, not of formula."""
-    return 1.0 + weight.detach().float()
-
-
-def _to_norm_offset(weight: torch.Tensor) -> torch.Tensor:
-    """Ours -> Gemma 3's: ``weight.float() - 1.0`` (then the layer's dtype).  In float32,
-    ``1 + (v - 1)`` gives v back for every v >= 0.5 (Sterbenz), so the scale the layer
-    computes is ours bit for bit; w itself comes back as ``(1 + w) - 1``, w's bits
-    below 1's last place dropped (that is, the same effective scale)."""
-    return weight.detach().float() - 1.0
-
-
 def _hf_state(layer: nn.Module, family: _Family, options: Mapping[str, Any], spec: Any) -> dict[str, Any]:
     """The layer's weights under our PyTorch names (not yet cast)."""
     params = dict(layer.named_parameters())
@@ -267,8 +252,6 @@ def _hf_state(layer: nn.Module, family: _Family, options: Mapping[str, Any], spe
         value = params[theirs].detach()
         if family.layout == "in_out" and ours == "out_proj.weight":
             value = value.T  # Conv1D keeps (in, out)
-        if family.norm_offset and ours.endswith("norm.weight"):
-            value = _from_norm_offset(value)
         state[ours] = value
     if family.packed is not None:
         bias = params.get(f"{family.packed}.bias")
@@ -292,8 +275,8 @@ def _first_weight(layer: nn.Module, family: _Family) -> torch.Tensor:
 
 def from_hf(layer: nn.Module) -> MultiHeadAttention:
     """A ``transformers`` attention layer -> our ``MultiHeadAttention`` with its weights
-    (copied exactly; Gemma 3's qk-norm weight w becomes ``1 + w``, the scale its RMSNorm
-    computes, in float32), options, dtype, device and train/eval mode.
+    (copied exactly; Gemma 3's qk-norm weights with ``qk_norm_offset=1.0``, as its RMSNorm
+    scales by ``1 + w``), options, dtype, device and train/eval mode.
 
     Read from the layer and its ``config`` (BERT: ``layer.self.config``): heads (``num_kv_heads`` for grouped heads),
     ``head_dim`` where heads x head_dim is not the hidden size, the biases (``qkv_bias``,
@@ -329,7 +312,7 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     implementation, mask_strategy and context_length change no result of an eval call)."""
     mine, theirs = ours.spec, want.spec
     fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
-              "kdim", "vdim", "qk_norm", "qk_norm_eps", "sinks", "causal", "softcap", "window", "alignment")
+              "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "alignment")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]
     if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:
@@ -367,8 +350,6 @@ def _hf_arrays(ours: MultiHeadAttention, family: _Family, options: Mapping[str, 
         value = own[mine]
         if family.layout == "in_out" and mine == "out_proj.weight":
             value = value.T
-        if family.norm_offset and mine.endswith("norm.weight"):
-            value = _to_norm_offset(value)
         arrays[theirs] = value
     if family.packed is not None:
         packed = pack_state_dict(ours.spec, own, layout=family.layout, packing=family.packing)

@@ -196,13 +196,13 @@ def _call(module: Any, x: Any, positions: Any, **kwargs: Any) -> Any:
 
 def _as_hf_grads(case: Case, ours: Any, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Our parameter gradients (PyTorch names) under the layer's names and layouts: the
-    same map as to_hf's, without Gemma 3's offset (d(1 + w)/dw = 1)."""
+    same map as to_hf's."""
     from torch_attention import _hf
     from torch_attention.interop import load_torch_state_dict
 
     holder = copy.deepcopy(ours)
     load_torch_state_dict(holder, grads)
-    family = dataclasses.replace(_hf._family(case.layer, "test"), norm_offset=False)
+    family = _hf._family(case.layer, "test")
     options = _hf._options(case.layer, family)
     return {n: np.asarray(a) for n, a in _hf._hf_arrays(holder, family, options).items()}
 
@@ -340,10 +340,8 @@ def _bit_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
 @needs_torch
 @pytest.mark.parametrize("name", FAMILIES)
 def test_round_trips_are_bit_exact(name: str) -> None:
-    """HF -> ours -> HF and ours -> HF -> ours give every weight back bit for bit.  Gemma 3's
-    qk-norm weight w is ours as 1 + w (float32, as its RMSNorm computes the scale): HF ->
-    ours -> HF gives back the scale 1 + w bit for bit (w itself as (1 + w) - 1); ours ->
-    HF -> ours gives back every weight >= 0.5 bit for bit."""
+    """HF -> ours -> HF and ours -> HF -> ours give every weight back bit for bit (Gemma 3's
+    qk-norm weight included: ours scales by ``qk_norm_offset + weight`` as its RMSNorm)."""
     import torch
 
     from torch_attention.interop import from_hf, to_hf
@@ -362,10 +360,8 @@ def test_round_trips_are_bit_exact(name: str) -> None:
             assert torch.equal(back[key], other_before[key]) and not torch.equal(back[key], before[key])
             before[key] = back[key]
     if name.startswith("gemma3"):
-        for key in ("q_norm.weight", "k_norm.weight"):
-            assert torch.equal(1.0 + back[key], 1.0 + before[key])  # the scale the layer computes
-            assert torch.equal(mine[key], 1.0 + before[key])
-            before[key] = back[key]
+        assert ours.spec.qk_norm_offset == 1.0
+        assert torch.equal(mine["q_norm.weight"], before["q_norm.weight"])  # w itself, not 1 + w
     _bit_equal(back, before)
     again = from_hf(other)
     _bit_equal(_state(again), mine)

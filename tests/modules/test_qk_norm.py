@@ -33,6 +33,9 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, tuple[int, ...]]]] = {
                    {"q_norm.weight": (12,), "q_norm.bias": (12,), "k_norm.weight": (12,), "k_norm.bias": (12,)}),
     "layer-all": ({"qk_norm": "layer", "qk_norm_scope": "all"},
                   {"q_norm.weight": (32,), "q_norm.bias": (32,), "k_norm.weight": (32,), "k_norm.bias": (32,)}),
+    # Gemma 3: RMSNorm of each head scaled by 1 + weight (the weights start at zeros)
+    "rms-offset": ({"qk_norm": "rms", "qk_norm_offset": 1.0, "num_kv_heads": 2},
+                   {"q_norm.weight": (8,), "k_norm.weight": (8,)}),
 }
 
 
@@ -47,9 +50,11 @@ def _randomise(module: Any, seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        spec = getattr(module, "spec", None)  # ours, or a Hugging Face layer (scale = weight)
+        centre = 1.0 - (spec.qk_norm_offset if spec is not None else 0.0)  # the scales near 1
         for name, p in module.named_parameters():
             if "_norm." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (centre if name.endswith("weight") else 0.0))
 
 
 def _pair(name: str, seed: int = 0) -> tuple[Any, Any]:
@@ -100,6 +105,8 @@ def test_defaults_are_today_s_module() -> None:
          "qk_norm_scope must be one of 'head', 'all'; got 'heads'"),
         ({"qk_norm": "rms", "qk_norm_eps": 0.0}, ValueError, "qk_norm_eps must be a positive finite float; got 0.0"),
         ({"qk_norm_eps": "1e-6"}, ValueError, "qk_norm_eps must be a positive finite float; got '1e-6'"),
+        ({"qk_norm": "rms", "qk_norm_offset": float("nan")}, ValueError, "qk_norm_offset must be a finite float; got nan"),
+        ({"qk_norm_offset": 1.0}, ValueError, "qk_norm_offset=1.0 needs qk_norm ('rms' or 'layer')"),
     ],
 )
 def test_both_twins_refuse_bad_options_with_one_text(options: dict[str, Any], error: type, text: str) -> None:
@@ -130,9 +137,10 @@ def test_twins_have_the_same_parameters_and_round_trips_are_bit_exact(name: str)
     fresh = jax_attention.MultiHeadAttention(**_config(name), rngs=nnx.Rngs(0))
     assert {k: v.shape for k, v in flax_as_torch(fresh).items()} == \
         {k: tuple(v.shape) for k, v in torch_m.state_dict().items()}
-    for k, v in flax_as_torch(fresh).items():  # norms start as PyTorch's: weight ones, bias zeros
+    one = 1.0 - fresh.spec.qk_norm_offset  # the weight that scales by 1
+    for k, v in flax_as_torch(fresh).items():  # norms start as PyTorch's: scale 1, bias zeros
         if "_norm." in k:
-            assert np.array_equal(v, np.full(v.shape, 1.0 if k.endswith("weight") else 0.0, np.float32)), k
+            assert np.array_equal(v, np.full(v.shape, one if k.endswith("weight") else 0.0, np.float32)), k
     assert torch_m.config == flax_m.config == fresh.config
     original = torch_state_dict(torch_m)
     for arrays in (flax_as_torch(flax_m), torch_state_dict(to_torch(flax_m))):
