@@ -48,6 +48,7 @@ OPS = CallOps(
     cache_fields=lambda cache: None,
     check_cache_room=lambda cache, new, max_len: None,
     fused_draws_dropout=False,
+    fused_takes_sinks=lambda: False,
 )
 
 
@@ -94,3 +95,15 @@ def test_the_input_is_checked_before_the_mask_and_the_path() -> None:
     with pytest.raises(ValueError, match=refused):
         plan_call(_spec(), OPS, x, compute_dtype=None, training=True, implementation="fused",
                   return_weights=True)
+
+
+def test_an_explicit_fused_path_refuses_sinks_unless_the_twin_takes_them_there() -> None:
+    """Sinks: refused by name for a twin whose fused path has none (SDPA, XLA's kernel),
+    planned for one whose does (the JAX twin's CPU kernel)."""
+    x = np.zeros((2, 5, D_IN), np.float32)
+    spec = _spec(sinks=True, kdim=None, vdim=None, dropout=0.0)
+    with pytest.raises(ValueError, match=re.escape("cannot honour sinks (the fused kernel has no attention sinks)")):
+        plan_call(spec, OPS, x, compute_dtype=None, training=False, implementation="fused")
+    takes = OPS._replace(fused_takes_sinks=lambda: True)
+    assert plan_call(spec, takes, x, compute_dtype=None, training=False, implementation="fused").implementation \
+        == "fused"
