@@ -139,6 +139,10 @@ class MultiHeadLatentAttention(AttentionModule):
 
     # ------------------------------------------------------------------ the work
 
+    def _proj(self, name: str) -> nnx.Linear:
+        """The projection called ``name`` (Hugging Face's name)."""
+        return cast(nnx.Linear, getattr(self, name))
+
     def _rms(self, name: str, t: Array) -> Array:
         """Hugging Face's RMSNorm: in float32 (float64 stays), cast back, times the scale."""
         scale = getattr(self, name).scale[...]
@@ -154,12 +158,12 @@ class MultiHeadLatentAttention(AttentionModule):
         spec = self.spec
         nope, rank = cast(int, spec.qk_nope_head_dim), cast(int, spec.kv_lora_rank)
         if spec.q_lora_rank is None:
-            q = self._linear(cast(nnx.Linear, self.q_proj), x, implementation)
+            q = self._linear(self._proj("q_proj"), x, implementation)
         else:
-            q_a = self._rms("q_a_layernorm", self._linear(cast(nnx.Linear, self.q_a_proj), x, implementation))
-            q = self._linear(cast(nnx.Linear, self.q_b_proj), q_a, implementation)
+            q_a = self._rms("q_a_layernorm", self._linear(self._proj("q_a_proj"), x, implementation))
+            q = self._linear(self._proj("q_b_proj"), q_a, implementation)
         q = self._split_heads(q)
-        compressed = self._linear(self.kv_a_proj_with_mqa, x, implementation)
+        compressed = self._linear(self._proj("kv_a_proj_with_mqa"), x, implementation)
         latent = self._rms("kv_a_layernorm", compressed[..., :rank])
         q_rope, k_rope = self._rotate(q[..., nope:], compressed[:, None, :, rank:], positions, start)
         return jnp.concatenate((q[..., :nope], q_rope), axis=-1), latent[:, None], k_rope
@@ -174,7 +178,7 @@ class MultiHeadLatentAttention(AttentionModule):
         heads, nope, dv = spec.num_heads, cast(int, spec.qk_nope_head_dim), cast(int, spec.v_head_dim)
         if absorb:
             # kernel (kv_lora_rank, H * (nope + dv)) -> (H, nope + dv, kv_lora_rank), torch's weight layout
-            w = self.kv_b_proj.kernel[...].astype(q.dtype).T.reshape(heads, nope + dv, -1)
+            w = self._proj("kv_b_proj").kernel[...].astype(q.dtype).T.reshape(heads, nope + dv, -1)
             q_latent = jnp.einsum("bhtn,hnr->bhtr", q[..., :nope], w[:, :nope], precision=self.precision)
             keys = jnp.concatenate((latent, k_rope), axis=-1)
             result = self._attend(call, jnp.concatenate((q_latent, q[..., nope:]), axis=-1), keys, latent,
@@ -182,7 +186,7 @@ class MultiHeadLatentAttention(AttentionModule):
             out = result[0] if return_weights else result
             out = jnp.einsum("bhtr,hvr->bhtv", out, w[:, nope:], precision=self.precision)
         else:
-            kv = self._split_heads(self._linear(self.kv_b_proj, latent[:, 0], call.implementation))
+            kv = self._split_heads(self._linear(self._proj("kv_b_proj"), latent[:, 0], call.implementation))
             k = jnp.concatenate((kv[..., :nope], jnp.broadcast_to(k_rope, (*kv.shape[:3], k_rope.shape[-1]))),
                                 axis=-1)
             result = self._attend(call, q, k, kv[..., nope:], return_weights, key, **extra)
@@ -207,7 +211,7 @@ class MultiHeadLatentAttention(AttentionModule):
         """(B, H, T, v_head_dim) -> o_proj of the merged heads (B, T, d_in), and the weights."""
         out = result[0] if return_weights else result
         b, h, num_tokens, dv = out.shape
-        merged = self._linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(b, num_tokens, h * dv), implementation)
+        merged = self._linear(self._proj("o_proj"), out.transpose(0, 2, 1, 3).reshape(b, num_tokens, h * dv), implementation)
         return (merged, result[1]) if return_weights else merged
 
     def _run(self, call: _Call, return_weights: bool, key: Array | None,  # type: ignore[override]

@@ -135,6 +135,10 @@ class MultiHeadLatentAttention(AttentionModule):
 
     # ------------------------------------------------------------------ the work
 
+    def _proj(self, name: str) -> nn.Linear:
+        """The projection called ``name`` (Hugging Face's name)."""
+        return cast(nn.Linear, getattr(self, name))
+
     def _rms(self, name: str, t: Tensor) -> Tensor:
         """Hugging Face's RMSNorm: in float32 (float64 stays), cast back, times the weight."""
         weight = getattr(self, name).weight
@@ -149,12 +153,12 @@ class MultiHeadLatentAttention(AttentionModule):
         normalised latent (B, 1, T, kv_lora_rank), the turned rope key (B, 1, T, rope)."""
         spec = self.spec
         if spec.q_lora_rank is None:
-            q = self._linear(cast(nn.Linear, self.q_proj), x, implementation)
+            q = self._linear(self._proj("q_proj"), x, implementation)
         else:
-            q_a = self._rms("q_a_layernorm", self._linear(cast(nn.Linear, self.q_a_proj), x, implementation))
-            q = self._linear(cast(nn.Linear, self.q_b_proj), q_a, implementation)
+            q_a = self._rms("q_a_layernorm", self._linear(self._proj("q_a_proj"), x, implementation))
+            q = self._linear(self._proj("q_b_proj"), q_a, implementation)
         q_nope, q_rope = self._split_heads(q).split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
-        compressed = self._linear(self.kv_a_proj_with_mqa, x, implementation)
+        compressed = self._linear(self._proj("kv_a_proj_with_mqa"), x, implementation)
         latent, k_rope = compressed.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
         latent = self._rms("kv_a_layernorm", latent)
         q_rope, k_rope = self._rotate(q_rope, k_rope.unsqueeze(1), positions, start)
@@ -170,7 +174,7 @@ class MultiHeadLatentAttention(AttentionModule):
         spec = self.spec
         heads, nope, dv = spec.num_heads, cast(int, spec.qk_nope_head_dim), cast(int, spec.v_head_dim)
         if absorb:
-            w = self.kv_b_proj.weight.view(heads, nope + dv, -1)  # (H, nope + dv, kv_lora_rank)
+            w = self._proj("kv_b_proj").weight.view(heads, nope + dv, -1)  # (H, nope + dv, kv_lora_rank)
             q_latent = torch.einsum("bhtn,hnr->bhtr", q[..., :nope], w[:, :nope])
             keys = torch.cat((latent, k_rope), dim=-1)
             result = self._attend(call, torch.cat((q_latent, q[..., nope:]), dim=-1), keys, latent,
@@ -178,7 +182,7 @@ class MultiHeadLatentAttention(AttentionModule):
             out = result[0] if return_weights else result
             out = torch.einsum("bhtr,hvr->bhtv", out, w[:, nope:])
         else:
-            kv = self._split_heads(self._linear(self.kv_b_proj, latent[:, 0], call.implementation))
+            kv = self._split_heads(self._linear(self._proj("kv_b_proj"), latent[:, 0], call.implementation))
             k_nope, v = kv.split([nope, dv], dim=-1)
             k = torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1)
             result = self._attend(call, q, k, v, return_weights, **extra)
@@ -201,7 +205,7 @@ class MultiHeadLatentAttention(AttentionModule):
         """(B, H, T, v_head_dim) -> o_proj of the merged heads (B, T, d_in), and the weights."""
         out = result[0] if return_weights else result
         b, h, num_tokens, dv = out.shape
-        merged = self._linear(self.o_proj, out.transpose(1, 2).reshape(b, num_tokens, h * dv), implementation)
+        merged = self._linear(self._proj("o_proj"), out.transpose(1, 2).reshape(b, num_tokens, h * dv), implementation)
         return (merged, result[1]) if return_weights else merged
 
     def _run(self, call: _Call, return_weights: bool, absorb: bool = False) -> Any:  # type: ignore[override]
