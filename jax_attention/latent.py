@@ -145,7 +145,7 @@ class MultiHeadLatentAttention(AttentionModule):
 
     def _rms(self, name: str, t: Array) -> Array:
         """Hugging Face's RMSNorm: in float32 (float64 stays), cast back, times the scale."""
-        scale = getattr(self, name).scale[...]
+        scale = getattr(self, name).scale[...].reshape((1,) * (t.ndim - 1) + (-1,))  # explicit rank
         x = t.astype(jnp.promote_types(t.dtype, jnp.float32))
         x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.spec.norm_eps)
         return scale.astype(t.dtype) * x.astype(t.dtype)
