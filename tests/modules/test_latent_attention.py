@@ -18,7 +18,7 @@ import pytest
 
 from attention_spec.rope import RopeConfig
 from parity_tests.tolerances import GRAD_ORACLE, GRAD_PARITY, ORACLE, PARITY
-from tests.support import constructor_errors, needs_both, random_x
+from tests.support import constructor_errors, needs_both, needs_torch, random_x
 
 D_IN, HEADS, B, T = 16, 4, 2, 9
 FIRST = 480  # positions from here on: where RoPE's errors show
@@ -186,6 +186,70 @@ def test_padding_by_lengths_window_and_bias(path: str) -> None:
         tol = ORACLE["float32"]
         for got in (report.torch_results["output"], report.flax_results["output"]):
             np.testing.assert_allclose(got, want, rtol=tol.rtol, atol=tol.atol)
+
+
+@needs_both
+@pytest.mark.parametrize("path", ["reference", "auto"])
+def test_dropout_in_training_mode(path: str) -> None:
+    """Training mode with a shared dropout keep-mask: the twins agree, outputs and every
+    gradient, in both forms (dropout acts on the weights, before the value half of
+    ``kv_b_proj`` in the absorbed form)."""
+    from parity_tests import check_parity, to_flax
+
+    torch_m, _ = _pair({**V3, "dropout": 0.2}, seed=19)
+    flax_m = to_flax(torch_m.train())  # the twin in training mode too
+    x = random_x((B, T, D_IN), seed=20)
+    keep = np.random.default_rng(21).random((B, HEADS, T, T)) < 0.8
+    for absorb in (False, True):
+        torch_call, flax_call = _calls(_positions(), absorb=absorb)
+        report = check_parity(torch_m, flax_m, x, training=True, dropout_mask=keep, implementation=path,
+                              torch_call=torch_call, flax_call=flax_call)
+        assert report.ok, report.message()
+
+
+@needs_torch
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_absorbed_form_equals_the_expanded_one_in_float64(name: str) -> None:
+    """Outputs, weights and every gradient (input and parameters) of the two forms, float64,
+    within float64's tolerance: the same function, computed in another order."""
+    import torch
+
+    torch_m, _ = _pair(CONFIGS[name], seed=22)
+    torch_m = torch_m.double()
+    x = torch.from_numpy(random_x((B, T, D_IN), seed=23).astype(np.float64))
+    positions = torch.from_numpy(_positions())
+    results = []
+    for absorb in (False, True):
+        xg = x.clone().requires_grad_(True)
+        out, weights = torch_m(xg, positions=positions, absorb=absorb, return_weights=True)
+        grads = torch.autograd.grad(out.square().sum(), [xg, *torch_m.parameters()])
+        results.append([out, weights, *grads])
+    tol = GRAD_PARITY["float64"]
+    for expanded, absorbed in zip(*results, strict=True):
+        scale = expanded.abs().max().item()
+        assert (expanded - absorbed).abs().max().item() <= tol.atol + tol.rtol * scale
+
+
+@needs_both
+def test_unbatched_input_and_weights_through_the_cache() -> None:
+    """An unbatched (T, d_in) x is the batched call's example; a cached call with
+    return_weights gives (B, H, T, max_len) weights, zeros past the fill, equal to the full
+    forward's last rows (both twins)."""
+    import jax.numpy as jnp
+    import torch
+
+    torch_m, flax_m = _pair(V2_LITE, seed=24)
+    x = random_x((B, 6, D_IN), seed=25)
+    full, full_weights = torch_m(torch.from_numpy(x), return_weights=True)
+    tol = PARITY["float32"]
+    for module, wrap in ((torch_m, torch.from_numpy), (flax_m, jnp.asarray)):
+        np.testing.assert_allclose(_np(module(wrap(x[1]))), _np(full)[1], rtol=tol.rtol, atol=tol.atol)
+        cache = module.init_cache(B, 8)
+        _, cache = module(wrap(x[:, :5]), cache=cache)
+        out, weights, cache = module(wrap(x[:, 5:]), cache=cache, return_weights=True)
+        assert tuple(weights.shape) == (B, HEADS, 1, 8) and not _np(weights)[..., 6:].any()
+        np.testing.assert_allclose(_np(weights)[..., :6], _np(full_weights)[:, :, 5:], rtol=tol.rtol, atol=tol.atol)
+        np.testing.assert_allclose(_np(out), _np(full)[:, 5:], rtol=tol.rtol, atol=tol.atol)
 
 
 @needs_both
