@@ -290,7 +290,7 @@ def _hf_layer(name: str, seed: int) -> tuple[Any, Any, Any]:
         hidden_size=D_IN, num_attention_heads=HEADS, num_key_value_heads=HEADS, q_lora_rank=ours["q_lora_rank"],
         kv_lora_rank=ours["kv_lora_rank"], qk_nope_head_dim=ours["qk_nope_head_dim"],
         qk_rope_head_dim=ours["qk_rope_head_dim"], v_head_dim=ours["v_head_dim"], rope_interleave=name == "v3",
-        attention_bias=ours.get("attention_bias", False), max_position_embeddings=1024, rope_parameters=rope,
+        attention_bias=ours.get("attention_bias", False), max_position_embeddings=256, rope_parameters=rope,
     )
     hf_config._attn_implementation = "eager"
     torch.manual_seed(seed)
