@@ -432,14 +432,15 @@ def test_the_flax_decode_step_compiles_once() -> None:
 
     x, positions = random_x((B, 5, D_IN), seed=15), _positions(seq=5)
     full = np.asarray(flax_m(jnp.asarray(x), positions=jnp.asarray(positions)))
-    cache = flax_m.init_cache(B, 5)
-    outs = []
-    for t in range(5):
-        out, cache = step(flax_m, jnp.asarray(x[:, t:t + 1]), cache, jnp.asarray(positions[:, t:t + 1]), True)
-        outs.append(np.asarray(out))
-    assert len(traces) == 1
     tol = PARITY["float32"]
-    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=tol.rtol, atol=tol.atol)
+    for count, absorb in enumerate((False, True), start=1):
+        cache = flax_m.init_cache(B, 5)
+        outs = []
+        for t in range(5):
+            out, cache = step(flax_m, jnp.asarray(x[:, t:t + 1]), cache, jnp.asarray(positions[:, t:t + 1]), absorb)
+            outs.append(np.asarray(out))
+        assert len(traces) == count  # one trace for each form, whatever the step
+        np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=tol.rtol, atol=tol.atol)
 
 
 @needs_both
