@@ -189,6 +189,29 @@ def test_padding_by_lengths_window_and_bias(path: str) -> None:
 
 
 @needs_both
+@pytest.mark.parametrize("path", PATHS)
+def test_packed_sequences_attend_as_each_sequence_alone(path: str) -> None:
+    """segment_ids: two sequences packed in one row (positions restarting at each) give
+    each sequence's own output, in both twins and both forms."""
+    import jax.numpy as jnp
+    import torch
+
+    torch_m, flax_m = _pair(V3, seed=26)
+    x = random_x((1, T, D_IN), seed=27)
+    cut = 4
+    segments = (np.arange(T) >= cut).astype(np.int32)[None]
+    positions = np.concatenate((np.arange(cut), np.arange(T - cut)))[None] + FIRST
+    alone = np.concatenate([_np(torch_m(torch.from_numpy(x[:, a:b]), positions=torch.from_numpy(positions[:, a:b])))
+                            for a, b in ((0, cut), (cut, T))], axis=1)
+    tol = PARITY["float32"]
+    for module, wrap in ((torch_m, torch.from_numpy), (flax_m, jnp.asarray)):
+        for absorb in (False, True):
+            got = module(wrap(x), segment_ids=wrap(segments), positions=wrap(positions), absorb=absorb,
+                         implementation=path)
+            np.testing.assert_allclose(_np(got), alone, rtol=tol.rtol, atol=tol.atol)
+
+
+@needs_both
 @pytest.mark.parametrize("path", ["reference", "auto"])
 def test_dropout_in_training_mode(path: str) -> None:
     """Training mode with a shared dropout keep-mask: the twins agree, outputs and every
