@@ -146,8 +146,8 @@ def plan_call(
     if cache is not None:
         check_cacheable(spec)
         check_cache_call(tuple(x.shape), batched=batched, has_context=context is not None)
-        head_dim = cast(int, spec.head_dim)
-        kv_seq = check_cache(ops.cache_fields(cache), batch, spec.kv_heads, head_dim, head_dim)
+        heads, key_width, value_width = spec.cache_widths()  # latent attention's: latent, rope key
+        kv_seq = check_cache(ops.cache_fields(cache), batch, heads, key_width, value_width)
         check_cache_context(kv_seq, spec.context_length)
     # Masks are checked against the input's own rank (a 4-d mask for unbatched input is refused).
     weights_shape = (batch, spec.num_heads, seq, kv_seq) if batched else (spec.num_heads, seq, kv_seq)

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
+from attention_spec.latent import check_latent_widths, check_norm_eps
 from attention_spec.options import (
     check_alignment,
     check_dropout_rate,
@@ -48,6 +49,7 @@ from attention_spec.options import (
 from attention_spec.rope import check_rope
 
 __all__ = [
+    "LATENT_ROLES",
     "REGISTRY",
     "REQUIRED",
     "VARIANTS",
@@ -96,8 +98,12 @@ class Projection:
     layout: ``"linear"`` (``nn.Linear`` / ``nnx.Linear``: PyTorch weight (out, in), Flax
       kernel (in, out)) or ``"matrix"`` (a raw (d_in, width) parameter used as ``x @ W``,
       the same array in both frameworks, drawn from N(0, 1)).
-    bias: ``"qkv_bias"`` or ``"out_bias"`` (that option decides), ``"always"`` or ``"never"``.
-    when: the bool option that must be True for the projection to exist (None: always).
+    bias: ``"qkv_bias"``, ``"out_bias"`` or ``"attention_bias"`` (that option decides),
+      ``"always"`` or ``"never"``.
+    when: the option that must be set (True, or not None) for the projection to exist
+      (None: always).
+    unless: the option that must be unset (False or None) for it to exist (latent
+      attention's one ``q_proj`` when ``q_lora_rank`` is None).
     """
 
     name: str
@@ -105,12 +111,15 @@ class Projection:
     layout: str
     bias: str = "never"
     when: str | None = None
+    unless: str | None = None
 
     def exists(self, config: Mapping[str, Any] | AttentionConfig) -> bool:
-        return self.when is None or bool(_get(config, self.when, True))
+        if self.unless is not None and _get(config, self.unless, None) not in (None, False):
+            return False
+        return self.when is None or _get(config, self.when, True) not in (None, False)
 
     def has_bias(self, config: Mapping[str, Any] | AttentionConfig) -> bool:
-        if self.bias in ("qkv_bias", "out_bias"):
+        if self.bias in ("qkv_bias", "out_bias", "attention_bias"):
             return bool(_get(config, self.bias, self.bias == "out_bias"))
         return self.bias == "always"
 
@@ -123,8 +132,9 @@ class Variant:
       ``param_dtype``, ``device``, ``precision`` and ``rngs``).
     projections: in creation order (PyTorch draws its initial weights in that order).
     heads: ``"single"`` (one head), ``"split"`` (one projection split into ``num_heads``
-      heads of ``head_dim``, by default ``d_out // num_heads``) or ``"wrapper"`` (``num_heads`` copies of
-      ``head_variant``, outputs concatenated).
+      heads of ``head_dim``, by default ``d_out // num_heads``), ``"wrapper"`` (``num_heads`` copies of
+      ``head_variant``, outputs concatenated) or ``"latent"`` (multi-head latent attention:
+      keys and values expanded per head from one compressed latent; ``LATENT_ROLES``).
     width: the option that gives the projections' output width (``d_out``/``head_size``),
       None for a variant without projections (its q, k, v are ``x`` itself).
     fixed: values the variant fixes for options that it does not expose.
@@ -188,6 +198,21 @@ def _qkv(*names: str, layout: str = "linear", bias: str = "qkv_bias") -> tuple[P
 
 
 _QKV = ("W_query", "W_key", "W_value")
+
+# Multi-head latent attention's projections (DeepSeek-V2/V3, Kimi K2), with Hugging Face's
+# names: queries through a low-rank pair (``q_a_proj``, normalised, ``q_b_proj``) or one
+# ``q_proj`` when ``q_lora_rank`` is None; ``kv_a_proj_with_mqa`` gives the latent and the
+# shared rope key, ``kv_b_proj`` expands the latent to each head's nope key and value.
+# Roles (their widths: ``AttentionConfig.fan_in`` / ``fan_out``):
+LATENT_ROLES = ("query", "query_a", "query_b", "latent", "latent_up", "out")
+_LATENT = (
+    Projection("q_proj", "query", "linear", "never", unless="q_lora_rank"),
+    Projection("q_a_proj", "query_a", "linear", "attention_bias", when="q_lora_rank"),
+    Projection("q_b_proj", "query_b", "linear", "never", when="q_lora_rank"),
+    Projection("kv_a_proj_with_mqa", "latent", "linear", "attention_bias"),
+    Projection("kv_b_proj", "latent_up", "linear", "never"),
+    Projection("o_proj", "out", "linear", "attention_bias"),
+)
 
 REGISTRY: dict[str, Variant] = {
     v.name: v
@@ -261,6 +286,18 @@ REGISTRY: dict[str, Variant] = {
             has_dropout=True,
             heads="split",
         ),
+        Variant(
+            "MultiHeadLatentAttention",
+            (Option("d_in"), Option("num_heads"), Option("kv_lora_rank"), Option("qk_nope_head_dim"),
+             Option("qk_rope_head_dim"), Option("v_head_dim"), Option("q_lora_rank", None, True),
+             Option("context_length", None, True), Option("dropout", 0.0, True),
+             Option("attention_bias", False, True), Option("norm_eps", 1e-6, True), Option("rope", None, True),
+             *_common(causal=True)),
+            projections=_LATENT,
+            has_dropout=True,
+            heads="latent",
+            width=None,
+        ),
     )
 }
 
@@ -320,6 +357,14 @@ class AttentionConfig:
     qk_norm_offset: float = 0.0
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
     sinks: bool = False  # a parameter ``sinks`` (num_heads,): each head's logit in every softmax
+    # multi-head latent attention (``heads="latent"``): the ranks and the widths of one head
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    attention_bias: bool = False
+    norm_eps: float = 1e-6  # q_a_layernorm's and kv_a_layernorm's
 
     def __post_init__(self) -> None:
         decl = variant(self.variant)
@@ -337,17 +382,20 @@ class AttentionConfig:
                 check_positive_int(name, getattr(self, name))
         if "context_length" in exposed and self.context_length is not None:
             check_positive_int("context_length", self.context_length)
-        head_dim = 0  # split heads: the resolved width of one head
+        head_dim = 0  # split heads: the resolved width of one head (latent: of the rope part)
         if "num_heads" in exposed:
             if decl.heads == "split":
                 head_dim = check_head_dim(self.d_out, self.num_heads, self.head_dim_option)
             else:  # each wrapped head has its own width d_out: num_heads need not divide it
                 check_positive_int("num_heads", self.num_heads)
+        if decl.heads == "latent":
+            head_dim = check_latent_widths(self)
+            set_(self, "norm_eps", check_norm_eps(self.norm_eps))
         if "dropout" in exposed:
             set_(self, "dropout", check_dropout_rate(self.dropout))
         if "scale" in exposed:
             set_(self, "scale", check_scale(self.scale))
-        for name in ("causal", "qkv_bias", "out_proj", "out_bias", "sinks"):
+        for name in ("causal", "qkv_bias", "out_proj", "out_bias", "sinks", "attention_bias"):
             value = getattr(self, name)
             if name in exposed and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
@@ -392,6 +440,8 @@ class AttentionConfig:
         ``head_size``; ``num_heads * head_dim`` when ``head_dim`` is given)."""
         if self.head_dim_option is not None:
             return self.num_heads * self.head_dim_option
+        if self.declaration.heads == "latent":  # the merged heads' values, o_proj's input
+            return self.num_heads * cast(int, self.v_head_dim)
         name = self.declaration.width
         return None if name is None else getattr(self, name)
 
@@ -401,6 +451,8 @@ class AttentionConfig:
         ``d_out // num_heads`` (split heads), the projections' width, or ``d_in``."""
         if self.head_dim_option is not None:
             return self.head_dim_option
+        if self.declaration.heads == "latent":  # qk_head_dim: a query's (and a key's) width
+            return cast(int, self.qk_nope_head_dim) + cast(int, self.qk_rope_head_dim)
         width = self.width
         if width is None:
             return self.d_in
@@ -414,7 +466,12 @@ class AttentionConfig:
 
     def fan_in(self, role: str) -> int | None:
         """Input width of the projection of ``role``: ``kdim``/``vdim`` for key/value
-        (``d_in`` when None), the merged heads' width for ``out``, else ``d_in``."""
+        (``d_in`` when None), the merged heads' width for ``out``, else ``d_in`` (latent
+        attention: ``q_lora_rank`` for ``query_b``, ``kv_lora_rank`` for ``latent_up``)."""
+        if role == "query_b":
+            return self.q_lora_rank
+        if role == "latent_up":
+            return self.kv_lora_rank
         if role == "out":
             return self.width
         if role == "key" and self.kdim is not None:
@@ -426,13 +483,48 @@ class AttentionConfig:
     def fan_out(self, role: str) -> int | None:
         """Output width of the projection of ``role``: key/value projections are sized for
         ``kv_heads`` heads of ``head_dim``; ``out`` maps to ``out_features`` (None:
-        ``d_out``); query to the merged heads' width."""
+        ``d_out``); query to the merged heads' width.  Latent attention: see
+        ``latent_fan_out``."""
+        if self.declaration.heads == "latent":
+            return self.latent_fan_out(role)
         width = self.width
         if role == "out":
             return self.d_out if self.out_features is None else self.out_features
         if role in ("key", "value") and width is not None and self.kv_heads != self.num_heads:
             return cast(int, self.head_dim) * self.kv_heads
         return width
+
+    def latent_fan_out(self, role: str) -> int:
+        """Latent attention's output widths: queries (``query``, ``query_b``) ``num_heads
+        * qk_head_dim``, ``query_a`` ``q_lora_rank``, ``latent`` ``kv_lora_rank +
+        qk_rope_head_dim`` (the latent and the shared rope key), ``latent_up`` ``num_heads
+        * (qk_nope_head_dim + v_head_dim)`` (each head's nope key and value), ``out`` d_in."""
+        widths = {
+            "query": self.num_heads * cast(int, self.head_dim),
+            "query_a": self.q_lora_rank,
+            "latent": cast(int, self.kv_lora_rank) + cast(int, self.qk_rope_head_dim),
+            "latent_up": self.num_heads * (cast(int, self.qk_nope_head_dim) + cast(int, self.v_head_dim)),
+            "out": self.d_in,
+        }
+        widths["query_b"] = widths["query"]
+        return cast(int, widths[role])
+
+    def latent_norms(self) -> tuple[tuple[str, int], ...]:
+        """Latent attention's RMSNorms, ``(name, width)`` (Hugging Face's names):
+        ``q_a_layernorm`` over ``q_lora_rank`` (when set), ``kv_a_layernorm`` over
+        ``kv_lora_rank``; none for other variants."""
+        if self.declaration.heads != "latent":
+            return ()
+        q = (("q_a_layernorm", cast(int, self.q_lora_rank)),) if self.q_lora_rank is not None else ()
+        return (*q, ("kv_a_layernorm", cast(int, self.kv_lora_rank)))
+
+    def cache_widths(self) -> tuple[int, int, int]:
+        """A KV cache's (heads, key width, value width): ``(kv_heads, head_dim, head_dim)``;
+        latent attention caches one latent (``kv_lora_rank``) and one rope key
+        (``qk_rope_head_dim``) a token, in the key and value fields."""
+        if self.declaration.heads == "latent":
+            return 1, cast(int, self.kv_lora_rank), cast(int, self.qk_rope_head_dim)
+        return self.kv_heads, cast(int, self.head_dim), cast(int, self.head_dim)
 
     def qk_norms(self) -> tuple[tuple[str, str, int], ...]:
         """The query/key norms this config creates, ``(name, role, width)``: none without

@@ -7,6 +7,7 @@ the same numbers out for the same weights.  Masks are bool, ``True`` = may atten
 from jax_attention import functional, interop, masks, parallel
 from jax_attention.causal import CausalAttention, Head
 from jax_attention.functional import KVCache, attention_weights, dot_product_attention
+from jax_attention.latent import MultiHeadLatentAttention
 from jax_attention.masks import (
     alibi_bias,
     causal_mask,
@@ -27,6 +28,7 @@ __all__ = [
     "Head",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "MultiHeadLatentAttention",
     "SelfAttention_v1",
     "SelfAttention_v2",
     "SimplifiedAttention",

@@ -179,6 +179,15 @@ VARIANTS: dict[str, Variant] = {
                                      original_max_position_embeddings=128)),), first_position=480),
         # gpt-oss's attention sinks (one logit per head in every softmax) with grouped heads
         Variant("mha-sinks-gqa", "MultiHeadAttention", (("sinks", True),), kv_group=2),
+        # DeepSeek-V3's multi-head latent attention: queries through a low-rank pair, keys
+        # and values expanded from a latent of rank 12 with one shared rope key, nope 6 +
+        # rope 4 wide queries and keys, values 5 wide, interleaved YaRN with mscale
+        Variant("latent", "MultiHeadLatentAttention",
+                (("kv_lora_rank", 12), ("qk_nope_head_dim", 6), ("qk_rope_head_dim", 4), ("v_head_dim", 5),
+                 ("q_lora_rank", 10), ("attention_bias", True),
+                 ("rope", RopeConfig(theta=10000.0, layout="interleaved", scaling="yarn", factor=4.0,
+                                     original_max_position_embeddings=32, mscale=0.707, mscale_all_dim=0.707))),
+                first_position=480),
     )
 }
 

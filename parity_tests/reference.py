@@ -191,6 +191,8 @@ def forward(
               "normalization": options.get("normalization", "softmax"), "bias": bias,
               "softcap": options.get("softcap"), "window": options.get("window"),
               "sinks": params.get("sinks") if options.get("sinks") else None}
+    if decl.heads == "latent":  # multi-head latent attention: its own projections
+        return _latent(options, params, x, positions, common)
     projections = [p for p in decl.projections if p.exists(options)]
     by_role: dict[str, np.ndarray] = {}
     for p in projections:
@@ -225,6 +227,41 @@ def forward(
                 raise ValueError(f"{p.name}.bias: the config says bias={p.has_bias(options)}, the parameters differ")
             out = _linear(params, p.name, out)
     return out, weights
+
+
+def _latent(options: Mapping[str, Any], params: Mapping[str, np.ndarray], x: np.ndarray,
+            positions: np.ndarray | None, common: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Multi-head latent attention (DeepSeek-V2/V3) in float64, keys and values expanded:
+    q from ``q_proj`` or ``q_b_proj(rms(q_a_proj(x)))``; ``kv_a_proj_with_mqa(x)`` split into
+    the latent (normalised) and one rope key for every head; ``kv_b_proj(latent)`` split per
+    head into the nope key and the value; rope on the rope parts; the scale
+    ``qk_head_dim ** -0.5``, times ``(0.1 mscale_all_dim ln(factor) + 1) ** 2`` under YaRN."""
+    heads, rank = int(options["num_heads"]), int(options["kv_lora_rank"])
+    nope, rot, dv = (int(options[n]) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    eps = float(options["norm_eps"])
+    if options.get("q_lora_rank") is None:
+        q = _linear(params, "q_proj", x)
+    else:
+        q = _linear(params, "q_b_proj", _qk_norm(params, "q_a_layernorm", _linear(params, "q_a_proj", x), "rms", eps))
+    q = _heads(q, heads, nope + rot)  # (B, H, T, nope + rope)
+    compressed = _linear(params, "kv_a_proj_with_mqa", x)
+    latent = _qk_norm(params, "kv_a_layernorm", compressed[..., :rank], "rms", eps)
+    k_rope = compressed[:, None, :, rank:]  # (B, 1, T, rope): one key for every head
+    kv = _heads(_linear(params, "kv_b_proj", latent), heads, nope + dv)  # (B, H, T, nope + dv)
+    config = options.get("rope")
+    if config is not None:
+        pos = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
+        q = np.concatenate((q[..., :nope], rope(q[..., nope:], pos, config)), axis=-1)
+        k_rope = rope(k_rope, pos, config)
+    k = np.concatenate((kv[..., :nope], np.broadcast_to(k_rope, (*kv.shape[:3], rot))), axis=-1)
+    scale = options.get("scale")
+    if scale is None:
+        scale = (nope + rot) ** -0.5
+        if config is not None and config.scaling == "yarn" and config.mscale_all_dim and config.factor > 1:
+            scale *= (0.1 * config.mscale_all_dim * math.log(config.factor) + 1.0) ** 2
+    out, weights = attention(q, k, kv[..., nope:], scale=float(scale), **common)
+    b, h, n, d = out.shape
+    return _linear(params, "o_proj", out.transpose(0, 2, 1, 3).reshape(b, n, h * d)), weights
 
 
 def _qk_norm(params: Mapping[str, np.ndarray], name: str, y: np.ndarray, kind: str, eps: float,

@@ -7,6 +7,7 @@ the same numbers out for the same weights.  Masks are bool, ``True`` = may atten
 from torch_attention import functional, interop, masks, parallel
 from torch_attention.causal import CausalAttention, Head
 from torch_attention.functional import KVCache, attention_weights, dot_product_attention
+from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.masks import (
     alibi_bias,
     causal_mask,
@@ -27,6 +28,7 @@ __all__ = [
     "Head",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "MultiHeadLatentAttention",
     "SelfAttention_v1",
     "SelfAttention_v2",
     "SimplifiedAttention",

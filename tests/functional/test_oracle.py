@@ -107,7 +107,8 @@ def test_oracle_defaults_are_the_registry_s(name):
     import torch_attention
     from torch_attention.interop import torch_state_dict
 
-    sizes = {"d_in": 4, "d_out": 4, "head_size": 4, "context_length": 6, "dropout": 0.0, "num_heads": 2}
+    sizes = {"d_in": 4, "d_out": 4, "head_size": 4, "context_length": 6, "dropout": 0.0, "num_heads": 2,
+             "kv_lora_rank": 3, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3}  # latent's
     required = {k: sizes[k] for k in variant(name).required}
     torch.manual_seed(3)
     module = getattr(torch_attention, name)(**required).eval()

@@ -34,6 +34,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                   "num_heads": 2, "qkv_bias": True},
     "MultiHeadAttention": {"d_in": D_IN, "d_out": WIDTH, "context_length": CONTEXT, "dropout": 0.5,
                            "num_heads": 2, "qkv_bias": True},
+    "MultiHeadLatentAttention": {"d_in": D_IN, "num_heads": 2, "kv_lora_rank": 6, "qk_nope_head_dim": 3,
+                                 "qk_rope_head_dim": 2, "v_head_dim": 5, "q_lora_rank": 7, "context_length": CONTEXT,
+                                 "dropout": 0.5, "attention_bias": True},
 }
 # The framework's own constructor keywords, outside the registry's signature.
 FRAMEWORK_KEYWORDS = {"self", "dtype", "param_dtype", "device", "precision", "rngs"}
@@ -64,7 +67,7 @@ def x_array(shape: tuple[int, ...] = (2, 5, D_IN), seed: int = 0) -> np.ndarray:
 
 
 def test_registry_lists_every_variant_once() -> None:
-    assert VARIANTS == tuple(REGISTRY) and len(set(VARIANTS)) == 7
+    assert VARIANTS == tuple(REGISTRY) and len(set(VARIANTS)) == 8
     assert set(LAYOUTS) == set(VARIANTS) - {"MultiHeadAttentionWrapper"}
     with pytest.raises(ValueError, match="no declared weight layout for 'Nope'; known variants: CausalAttention"):
         variant("Nope")
@@ -82,6 +85,7 @@ def test_registry_declares_the_tutorials_defaults() -> None:
     assert {name: d.has_dropout for name, d in REGISTRY.items()} == {
         "SimplifiedAttention": False, "SelfAttention_v1": False, "SelfAttention_v2": False,
         "CausalAttention": True, "Head": True, "MultiHeadAttentionWrapper": True, "MultiHeadAttention": True,
+        "MultiHeadLatentAttention": True,
     }
     # has_dropout and the "dropout" option go together
     assert all(d.has_dropout == ("dropout" in d.options) for d in REGISTRY.values())
@@ -117,7 +121,8 @@ def test_declared_parameters_are_the_torch_module_s(name: str, out_proj: bool) -
     if name != "MultiHeadAttentionWrapper":
         declared = [p.name for p in spec.projections()]
         created = list(dict.fromkeys(k.split(".")[0] for k, _ in module.named_parameters()))
-        assert created == declared  # in the declared order
+        norms = [name for name, _ in spec.latent_norms()]  # latent attention's RMSNorms, after
+        assert created == declared + norms  # in the declared order
         for proj in spec.projections():
             layer = getattr(module, proj.name)
             has_bias = getattr(layer, "bias", None) is not None
