@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` attention layers <-> our ``MultiHeadAttention``.
+"""Hugging Face ``transformers`` attention layers <-> our ``MultiHeadAttention`` (and,
+for DeepSeek-V2/V3, our ``MultiHeadLatentAttention``: ``_hf_latent``).
 
 ``from_hf(layer)`` reads one attention layer of a ``transformers`` model (its weights,
 its ``config``, its ``layer_idx`` and the layer type that picks a per-layer window or
@@ -31,6 +32,8 @@ from attention_spec.conversion import as_numpy
 from attention_spec.huggingface import window_from_hf
 from attention_spec.packing import pack_state_dict, packed_state_dict
 from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
+from torch_attention import _hf_latent
+from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
 
 __all__ = ["from_hf", "supported_hf_classes", "to_hf"]
@@ -81,15 +84,20 @@ _FAMILIES: dict[str, _Family] = {
 
 def supported_hf_classes() -> tuple[str, ...]:
     """The ``transformers`` attention classes ``from_hf`` and ``to_hf`` take, by name."""
-    return tuple(_FAMILIES)
+    return (*_FAMILIES, *_hf_latent.LATENT_CLASSES)
 
 
 def _family(layer: Any, what: str) -> _Family:
     family = _FAMILIES.get(type(layer).__name__)
     if family is None or not isinstance(layer, nn.Module):
         raise TypeError(f"{what} takes the attention layer of a transformers model, one of "
-                        f"{', '.join(_FAMILIES)}; got {type(layer).__name__}")
+                        f"{', '.join(supported_hf_classes())}; got {type(layer).__name__}")
     return family
+
+
+def _latent(layer: Any) -> bool:
+    """Whether ``layer`` is DeepSeek's latent attention (``_hf_latent``'s)."""
+    return isinstance(layer, nn.Module) and type(layer).__name__ in _hf_latent.LATENT_CLASSES
 
 
 def _get(layer: nn.Module, path: str) -> Any:
@@ -273,7 +281,7 @@ def _first_weight(layer: nn.Module, family: _Family) -> torch.Tensor:
     return _get(layer, family.packed or family.q).weight
 
 
-def from_hf(layer: nn.Module) -> MultiHeadAttention:
+def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     """A ``transformers`` attention layer -> our ``MultiHeadAttention`` with its weights
     (copied exactly; Gemma 3's qk-norm weights with ``qk_norm_offset=1.0``, as its RMSNorm
     scales by ``1 + w``), options, dtype, device and train/eval mode.
@@ -293,10 +301,15 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention:
     dropout and LayerNorm (``layer.output.LayerNorm``) stay the caller's.  GPT-2's
     ``resid_dropout`` after ``c_proj`` (training only) likewise.
 
+    DeepSeek-V2/V3 (``DeepseekV2Attention``, ``DeepseekV3Attention``) give our
+    ``MultiHeadLatentAttention``, the same parameter names (see ``_hf_latent``).
+
     Raises TypeError for a class not in ``supported_hf_classes()`` (naming them);
     ValueError for cross-attention, q/k/v with some biases but not all, and what
     ``rope_from_hf`` cannot read.
     """
+    if _latent(layer):
+        return _hf_latent.from_hf(layer)
     family = _family(layer, "from_hf")
     options = _options(layer, family)
     module = _build(options, _first_weight(layer, family))
@@ -359,11 +372,10 @@ def _hf_arrays(ours: MultiHeadAttention, family: _Family, options: Mapping[str, 
     return arrays
 
 
-def to_hf(ours: MultiHeadAttention, layer: nn.Module) -> nn.Module:
+def to_hf(ours: MultiHeadAttention | MultiHeadLatentAttention, layer: nn.Module) -> nn.Module:
     """Writes our ``MultiHeadAttention``'s weights into a ``transformers`` attention layer
     of a supported class, in place (cast to the layer's dtype), and returns the layer.
-    The inverse of ``from_hf``: Gemma 3's qk-norm weight goes back as ``v - 1`` in float32
-    (the layer then computes ``1 + (v - 1)``, which is v for every v >= 0.5).
+    The inverse of ``from_hf``.
 
     The layer must already behave as ours does once it has our weights: its geometry
     (d_in, heads, key/value heads, head_dim, biases, qk-norm and its eps) and its options
@@ -373,6 +385,8 @@ def to_hf(ours: MultiHeadAttention, layer: nn.Module) -> nn.Module:
     ours: it stays as it is).  Raises TypeError for a class that is not one
     of ours or not supported; ValueError naming each mismatch.
     """
+    if _latent(layer):
+        return _hf_latent.to_hf(ours, layer)
     if not isinstance(ours, MultiHeadAttention):
         raise TypeError(f"to_hf takes torch_attention.MultiHeadAttention; got {type(ours).__name__}")
     family = _family(layer, "to_hf")

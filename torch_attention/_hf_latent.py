@@ -1,0 +1,114 @@
+"""DeepSeek's multi-head latent attention layers of ``transformers`` <-> our
+``MultiHeadLatentAttention`` (``_hf.from_hf`` / ``_hf.to_hf`` hand them here).
+
+The parameter names are the same on both sides (``q_a_proj``, ``q_a_layernorm``,
+``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
+``o_proj``), so the weights copy one to one.  Every option is read from the layer as its
+forward reads it: the widths from its config, ``scaling`` (YaRN's mscale included),
+``is_causal``, the norms' ``variance_epsilon`` (1e-6 whatever ``rms_norm_eps`` says: the
+layer builds them so), and the rope: ``rope_from_hf`` with the frequencies of the family's
+own rotary embedding.  DeepSeek-V2 turns its rope parts as complex numbers, pair ``(2i,
+2i + 1)``: the interleaved layout, whatever the config says; DeepSeek-V3 by
+``rope_interleave``.  transformers writes the turned pairs as evens then odds, ours in
+place: the same scores (q and k alike), so the same outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
+from torch_attention.latent import MultiHeadLatentAttention
+
+LATENT_CLASSES = ("DeepseekV2Attention", "DeepseekV3Attention")
+
+# The options that decide how a latent layer computes (not dropout or the path).
+_BEHAVIOUR = ("d_in", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "q_lora_rank", "attention_bias", "norm_eps", "causal", "softcap", "window")
+
+
+def _rope(layer: Any) -> RopeConfig:
+    """The layer's rope: its config's, in DeepSeek-V2's interleaved pairs, with the
+    frequencies of its own rotary embedding where they do not follow the sequence length."""
+    config = layer.config
+    rope = rope_from_hf(config)
+    if type(layer).__name__ == "DeepseekV2Attention":
+        rope = dataclasses.replace(rope, layout="interleaved")  # complex pairs (2i, 2i + 1)
+    if needs_seq_len(rope):
+        return rope
+    module = sys.modules[type(layer).__module__]
+    rotary_class = getattr(module, type(layer).__name__.removesuffix("Attention") + "RotaryEmbedding")
+    with torch.device("cpu"):
+        inv_freq = rotary_class(config).inv_freq.detach().float()
+    return dataclasses.replace(rope, inv_freq=tuple(float(f) for f in inv_freq.tolist()))
+
+
+def options(layer: Any) -> dict[str, Any]:
+    """Our ``MultiHeadLatentAttention``'s keywords for this layer (no dtype / device)."""
+    config = layer.config
+    return {
+        "d_in": int(config.hidden_size), "num_heads": int(config.num_attention_heads),
+        "kv_lora_rank": int(config.kv_lora_rank), "qk_nope_head_dim": int(config.qk_nope_head_dim),
+        "qk_rope_head_dim": int(config.qk_rope_head_dim), "v_head_dim": int(config.v_head_dim),
+        "q_lora_rank": None if config.q_lora_rank is None else int(config.q_lora_rank),
+        "context_length": None, "dropout": float(config.attention_dropout),
+        "attention_bias": bool(config.attention_bias), "norm_eps": float(layer.kv_a_layernorm.variance_epsilon),
+        "rope": _rope(layer), "scale": float(layer.scaling), "causal": bool(layer.is_causal),
+    }
+
+
+def from_hf(layer: Any) -> MultiHeadLatentAttention:
+    """A DeepSeek-V2/V3 attention layer -> our ``MultiHeadLatentAttention``, its weights
+    copied exactly, in its dtype, device and train/eval mode."""
+    like = layer.kv_b_proj.weight
+    module = MultiHeadLatentAttention(**options(layer), dtype=like.dtype, device="meta").to_empty(device=like.device)
+    from torch_attention.interop import load_torch_state_dict
+
+    load_torch_state_dict(module, {k: v.detach() for k, v in layer.state_dict().items()})
+    return module.train(layer.training)
+
+
+def _mismatches(ours: MultiHeadLatentAttention, want: MultiHeadLatentAttention) -> list[str]:
+    mine, theirs = ours.spec, want.spec
+    problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
+                for f in _BEHAVIOUR if getattr(mine, f) != getattr(theirs, f)]
+    if not math.isclose(ours.softmax_scale, want.softmax_scale, rel_tol=1e-12):
+        problems.append(f"scale={ours.softmax_scale!r} where the layer has {want.softmax_scale!r}")
+    if mine.rope is None or theirs.rope is None:
+        if mine.rope is not theirs.rope:
+            problems.append(f"rope={mine.rope!r} where the layer has {theirs.rope!r}")
+    elif dataclasses.replace(mine.rope, inv_freq=None) != dataclasses.replace(theirs.rope, inv_freq=None):
+        problems.append(f"rope={dataclasses.replace(mine.rope, inv_freq=None)!r} where the layer has "
+                        f"{dataclasses.replace(theirs.rope, inv_freq=None)!r}")
+    elif mine.rope.inv_freq is not None and mine.rope.inv_freq != theirs.rope.inv_freq:
+        problems.append("rope inv_freq: ours fixes frequencies other than the ones the layer computes from its config")
+    return problems
+
+
+def to_hf(ours: Any, layer: nn.Module) -> nn.Module:
+    """Writes our ``MultiHeadLatentAttention``'s weights into a DeepSeek-V2/V3 attention
+    layer in place (cast to its dtype) and returns it; checks everything first and writes
+    nothing unless the layer computes as ours does with them."""
+    if not isinstance(ours, MultiHeadLatentAttention):
+        raise TypeError(f"to_hf takes torch_attention.MultiHeadLatentAttention for a {type(layer).__name__}; "
+                        f"got {type(ours).__name__}")
+    want = MultiHeadLatentAttention(**options(layer), device="meta")
+    problems = _mismatches(ours, want)
+    if problems:
+        raise ValueError(f"to_hf: this MultiHeadLatentAttention does not fit the {type(layer).__name__} "
+                         "(nothing was written): " + "; ".join(problems))
+    arrays = {k: v.detach() for k, v in ours.state_dict().items()}
+    params = dict(layer.named_parameters())
+    if set(arrays) != set(params) or any(arrays[n].shape != params[n].shape for n in params):
+        raise ValueError("to_hf: the weights do not fit the layer (nothing was written): ours "
+                         f"{sorted(arrays)}, the layer's {sorted(params)}")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(arrays[name].to(dtype=param.dtype, device=param.device))
+    return layer
