@@ -30,6 +30,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "MultiHeadAttention": {"d_in": 6, "d_out": 4, "context_length": 8, "dropout": 0.0, "num_heads": 2,
                            "qkv_bias": True},
     "MultiHeadAttentionWrapper": {"d_in": 6, "d_out": 3, "context_length": 8, "dropout": 0.0, "num_heads": 2},
+    # DeepSeek's latent attention: q through a low-rank pair, the kv latent, biases
+    "MultiHeadLatentAttention": {"d_in": 6, "num_heads": 2, "kv_lora_rank": 4, "qk_nope_head_dim": 2,
+                                 "qk_rope_head_dim": 2, "v_head_dim": 3, "q_lora_rank": 4, "attention_bias": True},
 }
 ROOT = Path(__file__).resolve().parents[2]
 
