@@ -23,7 +23,16 @@ import numpy as np
 from flax import nnx
 
 from attention_spec.specs import Rule, packed_qkv_rules
-from examples._proof import ExactZero, Port, locate, prove_logits_and_grads, prove_training, randomise, summary, tokens
+from examples._proof import (
+    ExactZero,
+    Port,
+    locate,
+    prove_logits_and_grads,
+    prove_training,
+    randomise,
+    summary,
+    tokens,
+)
 from parity_tests import copy_params, to_flax
 from torch_attention.interop import from_hf
 
@@ -38,7 +47,8 @@ def hf_model(seed: int = 0) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
-                        bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+                        bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).float().eval()
     randomise(model, seed, std=WIDTH ** -0.5)

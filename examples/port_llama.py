@@ -23,7 +23,16 @@ import numpy as np
 from flax import nnx
 
 from attention_spec.specs import Rule, linear_rules
-from examples._proof import Port, left_padding, locate, prove_logits_and_grads, prove_training, randomise, summary, tokens
+from examples._proof import (
+    Port,
+    left_padding,
+    locate,
+    prove_logits_and_grads,
+    prove_training,
+    randomise,
+    summary,
+    tokens,
+)
 from parity_tests import copy_params, to_flax
 from torch_attention.interop import from_hf
 
@@ -41,7 +50,8 @@ def hf_model(seed: int = 0) -> Any:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=INNER, num_hidden_layers=LAYERS,
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                          max_position_embeddings=POSITIONS, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                         use_cache=False, attn_implementation="eager")
+                         use_cache=False)
+    config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().eval()
     randomise(model, seed, std=WIDTH ** -0.5)
@@ -50,13 +60,14 @@ def hf_model(seed: int = 0) -> Any:
 
 # --------------------------------------------------------------------------- the Flax port
 
-class PaddedEmbed(nnx.Embed):
-    """``nnx.Embed`` with PyTorch's ``padding_idx``: the padding token's row gets no
-    gradient (``nn.Embedding`` zeroes it), so no optimiser moves it.  Forward, the two are
-    the same; without this, only the gradients tell (the example's first port missed it)."""
+class PaddedEmbed(nnx.Module):
+    """An embedding with PyTorch's ``padding_idx``: the padding token's row gets no
+    gradient (``nn.Embedding`` zeroes it), so no optimiser moves it.  Forward, it is
+    ``nnx.Embed``; without the frozen row only the gradients tell (the first draft of this
+    example used ``nnx.Embed``, and the gradient check caught it at that row)."""
 
     def __init__(self, num: int, features: int, padding_idx: int, rngs: nnx.Rngs) -> None:
-        super().__init__(num, features, rngs=rngs)
+        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (num, features)))
         self.padding_idx = padding_idx
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # (B, T) -> (B, T, C)
