@@ -67,7 +67,7 @@ class PaddedEmbed(nnx.Module):
     example used ``nnx.Embed``, and the gradient check caught it at that row)."""
 
     def __init__(self, num: int, features: int, padding_idx: int, rngs: nnx.Rngs) -> None:
-        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (num, features)))
+        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (num, features), jnp.float32))
         self.padding_idx = padding_idx
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # (B, T) -> (B, T, C)
