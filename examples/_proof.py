@@ -11,7 +11,7 @@ there, and each call turns them back into integers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,9 @@ class Port:
     rules: list[Any]
     torch_call: Callable[..., Any]  # (hf model, ids (B, T), attention_mask (B, T) or None) -> logits
     flax_call: Callable[..., Any]  # (flax model, ids, attention_mask or None) -> logits
+    # locate_divergence's pairs for modules named differently: Hugging Face's projections
+    # (q_proj, ..., o_proj) with ours (W_query, ..., out_proj)
+    module_map: dict[str, str] = field(default_factory=dict)
 
 
 def randomise(model: Any, seed: int, std: float) -> None:
@@ -189,10 +192,11 @@ def prove_training(port: Port, batches: Sequence[tuple[np.ndarray, np.ndarray]],
                                  torch_call=torch_call, flax_call=flax_call)
 
 
-def locate(port: Port, ids: np.ndarray, module_map: Any = None) -> DivergenceReport:
+def locate(port: Port, ids: np.ndarray) -> DivergenceReport:
     """``locate_divergence`` on unpadded ids (its modules are compared at every row,
-    and a padded row differs by convention), forward and backward."""
-    return locate_divergence(port.hf, port.flax, ids, module_map=module_map,
+    and a padded row differs by convention), forward and backward, with the port's
+    ``module_map``."""
+    return locate_divergence(port.hf, port.flax, ids, module_map=port.module_map,
                              torch_call=lambda m, x: port.torch_call(m, x, None),
                              flax_call=lambda m, x: port.flax_call(m, x, None))
 

@@ -181,9 +181,16 @@ def exact_zeros(hf: Any) -> list[ExactZero]:
                       ("transformer", "h", i, "attn", "W_key", "bias")) for i in range(len(hf.transformer.h))]
 
 
+def module_map(hf: Any) -> dict[str, str]:
+    """Hugging Face's ``c_proj`` paired with our ``out_proj``, for ``locate_divergence``.
+    Its packed ``c_attn`` (q, k and v in one output) has no single module of ours to pair
+    with: a wrong query, key or value weight shows first at the attention's output."""
+    return {f"transformer.h.{i}.attn.c_proj": f"transformer/h/{i}/attn/out_proj" for i in range(len(hf.transformer.h))}
+
+
 def make_port(seed: int = 0) -> Port:
     hf = hf_model(seed)
-    return Port(hf, port(hf), rules(hf), torch_call, flax_call)
+    return Port(hf, port(hf), rules(hf), torch_call, flax_call, module_map(hf))
 
 
 def batches(n: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -38,6 +38,8 @@ from torch_attention.interop import from_hf
 
 VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, INNER, LAYERS, POSITIONS = 96, 64, 4, 2, 16, 128, 2, 1024
 BATCH, SEQ, PADS = 2, 512, (0, 37)  # the second row left-padded by 37
+# Hugging Face's attention projections and ours
+_PROJECTIONS = (("q_proj", "W_query"), ("k_proj", "W_key"), ("v_proj", "W_value"), ("o_proj", "out_proj"))
 
 
 def hf_model(seed: int = 0) -> Any:
@@ -153,7 +155,7 @@ def rules(hf: Any) -> list[Rule]:
            *linear_rules("lm_head", ("lm_head",), bias=False)]
     for i in range(len(hf.model.layers)):
         hf_name, path = f"model.layers.{i}", ("model", "layers", i)
-        for hf_proj, ours in (("q_proj", "W_query"), ("k_proj", "W_key"), ("v_proj", "W_value"), ("o_proj", "out_proj")):
+        for hf_proj, ours in _PROJECTIONS:
             out += linear_rules(f"{hf_name}.self_attn.{hf_proj}", (*path, "self_attn", ours), bias=False)
         for proj in ("gate_proj", "up_proj", "down_proj"):
             out += linear_rules(f"{hf_name}.mlp.{proj}", (*path, "mlp", proj), bias=False)
@@ -178,9 +180,16 @@ def flax_call(model: LlamaForCausalLM, ids: Any, attention_mask: Any = None) -> 
     return model(ids, attention_mask)["logits"]
 
 
+def module_map(hf: Any) -> dict[str, str]:
+    """Hugging Face's attention projections paired with ours, for ``locate_divergence``
+    (every other module has the same name on both sides)."""
+    return {f"model.layers.{i}.self_attn.{theirs}": f"model/layers/{i}/self_attn/{ours}"
+            for i in range(len(hf.model.layers)) for theirs, ours in _PROJECTIONS}
+
+
 def make_port(seed: int = 0) -> Port:
     hf = hf_model(seed)
-    return Port(hf, port(hf), rules(hf), torch_call, flax_call)
+    return Port(hf, port(hf), rules(hf), torch_call, flax_call, module_map(hf))
 
 
 def batches(n: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -1,8 +1,9 @@
 """The whole-model examples (``examples/port_gpt2.py``, ``examples/port_llama.py``): a tiny
 random ``transformers`` GPT-2 and Llama ported to Flax NNX through ``from_hf`` agree with
 the originals at 512 positions (logits, every parameter's gradient, ten AdamW steps that
-move the weights and lower the loss), ``locate_divergence`` finds nothing in a faithful
-port and points at the module of a planted bug, and a port that misses PyTorch's
+move the weights and lower the loss); ``locate_divergence`` finds nothing in a faithful
+port, names the module of a nudged weight, and for a bug between an attention's
+projections fails first at its output projection; a port that misses PyTorch's
 ``padding_idx`` is caught by the gradient check at that embedding row."""
 
 from __future__ import annotations
@@ -93,26 +94,74 @@ def test_a_faithful_port_shows_no_divergence(case: tuple[ModuleType, Any]) -> No
     assert {f"{prefix}.1.{attention}", f"{prefix}.1.mlp", "lm_head"} <= compared
 
 
-@pytest.mark.parametrize(("name", "module"), [("gpt2", "transformer.h.1.mlp.c_fc"),
-                                              ("llama", "model.layers.1.mlp.up_proj")])
-def test_a_nudged_weight_is_located_at_its_module(name: str, module: str) -> None:
-    """One kernel element of the Flax port moved by 1e-3: the first divergence is that
-    module, forward."""
+NUDGED = [  # (example, Hugging Face module, the Flax module of the port)
+    ("gpt2", "transformer.h.1.mlp.c_fc", ("transformer", "h", 1, "mlp", "c_fc")),
+    ("gpt2", "transformer.h.0.attn.c_proj", ("transformer", "h", 0, "attn", "out_proj")),
+    ("llama", "model.layers.1.mlp.up_proj", ("model", "layers", 1, "mlp", "up_proj")),
+    ("llama", "model.layers.1.self_attn.k_proj", ("model", "layers", 1, "self_attn", "W_key")),
+]
+
+
+def _nudge(port: Any, path: tuple[Any, ...], by: float = 1e-3) -> None:
+    """One element of the kernel at ``path`` in the Flax port moved by ``by``."""
     import jax.numpy as jnp
 
+    layer = port.flax
+    for step in path:
+        layer = layer[step] if isinstance(step, int) else getattr(layer, step)
+    layer.kernel[...] = layer.kernel[...] + jnp.zeros_like(layer.kernel[...]).at[3, 5].set(by)
+
+
+@pytest.mark.parametrize(("name", "module", "path"), NUDGED, ids=[m for _, m, _ in NUDGED])
+def test_a_nudged_weight_is_located_at_its_module(name: str, module: str, path: tuple[Any, ...]) -> None:
+    """The first divergence is that module, forward (the attention projections paired
+    through the example's ``module_map``)."""
     from examples._proof import locate
 
     example = _models()[name]
     port = example.make_port()
-    path = [int(p) if p.isdigit() else p for p in module.split(".")]
-    layer = port.flax
-    for step in path:
-        layer = layer[step] if isinstance(step, int) else getattr(layer, step)
-    layer.kernel[...] = layer.kernel[...] + jnp.zeros_like(layer.kernel[...]).at[3, 5].set(1e-3)
+    _nudge(port, path)
     report = locate(port, _inputs(example)[0])
     assert report.first is not None, str(report)
-    assert (report.first.torch_name, report.first.direction) == (module, "forward"), str(report)
-    assert report.first.flax_path == tuple(path)
+    assert (report.first.torch_name, report.first.flax_path, report.first.direction) == (module, path, "forward"), \
+        str(report)
+
+
+def _wrong_key_kernel(port: Any) -> str:
+    _nudge(port, ("transformer", "h", 1, "attn", "W_key"), by=0.1)
+    return "transformer.h.1.attn.c_proj"
+
+
+def _wrong_scale(port: Any) -> str:
+    import dataclasses
+
+    attention = port.flax.model.layers[1].self_attn
+    attention.spec = dataclasses.replace(attention.spec, scale=attention.spec.scale * 1.01)
+    return "model.layers.1.self_attn.o_proj"
+
+
+@pytest.mark.parametrize(("name", "plant"), [("gpt2", _wrong_key_kernel), ("llama", _wrong_scale)],
+                         ids=["gpt2-packed-key-weight", "llama-softmax-scale"])
+def test_a_bug_between_the_projections_fails_first_at_the_output_projection(name: str, plant: Any) -> None:
+    """A bug in the part of an attention layer that has no module paired on both sides:
+    GPT-2's packed ``c_attn`` (q, k and v in one output, which no single module of ours
+    computes) and the scores of either.  The attention layers' own inputs (Hugging
+    Face's mask and positions against ours) are not compared, so ``report.first`` names
+    the innermost module around it whose inputs are (``transformer``, ``model``); the
+    earliest call whose output fails is that attention's output projection, every call
+    before it agreeing, which places the bug inside that attention, before it
+    (docs/porting.md says how to read the table)."""
+    from examples._proof import locate
+
+    example = _models()[name]
+    port = example.make_port()
+    expected = plant(port)
+    report = locate(port, _inputs(example)[0])
+    assert not report.ok
+    failed = [pair for pair in report.pairs if pair.output.ok is False]
+    earliest = min(failed, key=lambda pair: pair.exit_order)
+    assert earliest.torch_name == expected, str(report)
+    assert all(pair.output.ok for pair in report.pairs if pair.exit_order < earliest.exit_order), str(report)
 
 
 def test_a_port_without_padding_idx_fails_at_that_embedding_row() -> None:
@@ -129,22 +178,3 @@ def test_a_port_without_padding_idx_fails_at_that_embedding_row() -> None:
     assert [f.name for f in report.failures] == ["grad model.embed_tokens.weight"], report.message()
     assert report.failures[0].index[0] == port.hf.config.pad_token_id
 
-
-@pytest.mark.parametrize(("name", "module"), [("gpt2", "transformer.h.1.attn"), ("llama", "model.layers.1.self_attn")])
-def test_a_bug_inside_an_attention_layer_shows_first_at_that_layer_s_output(name: str, module: str) -> None:
-    """A nudged key kernel inside our attention: the port diverges, and the earliest call
-    whose output fails is that attention layer.  ``report.first`` cannot name it: Hugging
-    Face's layer is given other arrays than ours (its mask, rotary tables, positions), so
-    the pair's inputs are not compared (docs/porting.md says so)."""
-    import jax.numpy as jnp
-
-    from examples._proof import locate
-
-    example = _models()[name]
-    port = example.make_port()
-    layer = port.flax.transformer.h[1].attn if name == "gpt2" else port.flax.model.layers[1].self_attn
-    layer.W_key.kernel[...] = layer.W_key.kernel[...] + jnp.zeros_like(layer.W_key.kernel[...]).at[3, 5].set(1e-3)
-    report = locate(port, _inputs(example)[0])
-    assert not report.ok, str(report)
-    failed = [pair for pair in report.pairs if pair.output.ok is False]
-    assert min(failed, key=lambda pair: pair.exit_order).torch_name == module, str(report)
