@@ -1,0 +1,217 @@
+"""A tiny ``transformers`` Llama (``LlamaForCausalLM``, random init) ported to Flax NNX and
+proven: logits and every parameter's gradient at 512 positions with left padding, ten
+AdamW steps, and ``locate_divergence`` module by module.
+
+The Flax model is built from Flax's own ``Embed``, ``RMSNorm`` and ``Linear`` and, per
+decoder layer, this library's attention: ``to_flax(from_hf(layer.self_attn))``, the Flax
+twin of the ``MultiHeadAttention`` that ``from_hf`` reads from the Hugging Face layer
+(grouped key/value heads, rope with the rotary embedding's own frequencies, causal).  Its
+modules are named as Hugging Face's (``model.layers.0.self_attn`` is
+``("model", "layers", 0, "self_attn")``), so that ``locate_divergence`` pairs them by name.
+Llama does not tie its output head to the embedding: ``lm_head`` is a ``Linear``.
+
+Run ``python -m examples.port_llama``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attention_spec.specs import Rule, linear_rules
+from examples._proof import (
+    Port,
+    left_padding,
+    locate,
+    prove_logits_and_grads,
+    prove_training,
+    randomise,
+    summary,
+    tokens,
+)
+from parity_tests import copy_params, to_flax
+from torch_attention.interop import from_hf
+
+VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, INNER, LAYERS, POSITIONS = 96, 64, 4, 2, 16, 128, 2, 1024
+BATCH, SEQ, PADS = 2, 512, (0, 37)  # the second row left-padded by 37
+# Hugging Face's attention projections and ours
+_PROJECTIONS = (("q_proj", "W_query"), ("k_proj", "W_key"), ("v_proj", "W_value"), ("o_proj", "out_proj"))
+
+
+def hf_model(seed: int = 0) -> Any:
+    """The tiny Llama: 2 layers, width 64, 4 query heads over 2 key/value heads of 16,
+    1024 positions, float32, eager attention, every weight random (``randomise``), in
+    eval mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=INNER, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=POSITIONS, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                         use_cache=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    randomise(model, seed, std=WIDTH ** -0.5)
+    return model
+
+
+# --------------------------------------------------------------------------- the Flax port
+
+class PaddedEmbed(nnx.Module):
+    """An embedding with PyTorch's ``padding_idx``: the padding token's row gets no
+    gradient (``nn.Embedding`` zeroes it), so no optimiser moves it.  Forward, it is
+    ``nnx.Embed``; without the frozen row only the gradients tell (the first draft of this
+    example used ``nnx.Embed``, and the gradient check caught it at that row)."""
+
+    def __init__(self, num: int, features: int, padding_idx: int, rngs: nnx.Rngs) -> None:
+        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (num, features), jnp.float32))
+        self.padding_idx = padding_idx
+
+    def __call__(self, ids: jax.Array) -> jax.Array:  # (B, T) -> (B, T, C)
+        table = self.embedding[...]  # (V, C)
+        frozen = (jnp.arange(table.shape[0]) == self.padding_idx)[:, None]
+        return jnp.take(jnp.where(frozen, jax.lax.stop_gradient(table), table), ids, axis=0)
+
+
+class SiLU(nnx.Module):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.silu(x)
+
+
+class MLP(nnx.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases."""
+
+    def __init__(self, width: int, inner: int, rngs: nnx.Rngs) -> None:
+        self.gate_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(inner, width, use_bias=False, rngs=rngs)
+        self.act_fn = SiLU()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm layer: ``x + self_attn(input_layernorm(x))``, then
+    ``x + mlp(post_attention_layernorm(x))``."""
+
+    def __init__(self, hf_layer: Any, eps: float, rngs: nnx.Rngs) -> None:
+        width, inner = hf_layer.mlp.gate_proj.in_features, hf_layer.mlp.gate_proj.out_features
+        self.input_layernorm = nnx.RMSNorm(width, epsilon=eps, rngs=rngs)
+        self.self_attn = to_flax(from_hf(hf_layer.self_attn))
+        self.post_attention_layernorm = nnx.RMSNorm(width, epsilon=eps, rngs=rngs)
+        self.mlp = MLP(width, inner, rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None, positions: jax.Array) -> jax.Array:  # (B, T, C)
+        # the attention weights too, as Hugging Face's eager layer returns them: the outputs of
+        # the two layers then have one structure, and locate_divergence compares both
+        attended, _ = self.self_attn(self.input_layernorm(x), mask, positions=positions, return_weights=True)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Model(nnx.Module):
+    def __init__(self, hf: Any, rngs: nnx.Rngs) -> None:
+        config = hf.config
+        self.embed_tokens = PaddedEmbed(config.vocab_size, config.hidden_size, config.pad_token_id, rngs)
+        self.layers = nnx.List([DecoderLayer(layer, config.rms_norm_eps, rngs) for layer in hf.model.layers])
+        self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, rngs=rngs)
+
+    def __call__(self, ids: jax.Array, mask: jax.Array | None) -> dict[str, jax.Array]:
+        """{"last_hidden_state": (B, T, C)}, as Hugging Face's ``LlamaModel`` names it.
+        Positions 0..T-1 for every row, padded or not, as Hugging Face gives them."""
+        _, seq = ids.shape
+        positions = jnp.arange(seq)[None]  # (1, T)
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, mask, positions)
+        return {"last_hidden_state": self.norm(x)}
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama with its language-model head, in Flax NNX, named as Hugging Face's."""
+
+    def __init__(self, hf: Any, rngs: nnx.Rngs) -> None:
+        self.model = Model(hf, rngs)
+        self.lm_head = nnx.Linear(hf.config.hidden_size, hf.config.vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids: jax.Array, attention_mask: jax.Array | None = None) -> dict[str, jax.Array]:
+        """ids (B, T) -> {"logits": (B, T, V)}, named as Hugging Face's output;
+        ``attention_mask`` as Hugging Face's (B, T), 1 = token, 0 = padding."""
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].astype(bool)  # (B, 1, 1, T)
+        return {"logits": self.lm_head(self.model(ids, mask)["last_hidden_state"])}
+
+
+def rules(hf: Any) -> list[Rule]:
+    """Every Hugging Face parameter's place in the port: ``nn.Linear`` weights (out, in)
+    transposed into kernels (in, out), norm weights as ``scale``."""
+    out = [Rule("model.embed_tokens.weight", ("model", "embed_tokens", "embedding"), ()),
+           Rule("model.norm.weight", ("model", "norm", "scale"), ()),
+           *linear_rules("lm_head", ("lm_head",), bias=False)]
+    for i in range(len(hf.model.layers)):
+        hf_name, path = f"model.layers.{i}", ("model", "layers", i)
+        for hf_proj, ours in _PROJECTIONS:
+            out += linear_rules(f"{hf_name}.self_attn.{hf_proj}", (*path, "self_attn", ours), bias=False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out += linear_rules(f"{hf_name}.mlp.{proj}", (*path, "mlp", proj), bias=False)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out.append(Rule(f"{hf_name}.{norm}.weight", (*path, norm, "scale"), ()))
+    return out
+
+
+def port(hf: Any) -> LlamaForCausalLM:
+    """The Flax NNX port of a ``LlamaForCausalLM``, every weight copied through ``rules``
+    (checked, names and shapes, before anything is written)."""
+    model = LlamaForCausalLM(hf, nnx.Rngs(0))
+    copy_params(hf, model, rules(hf), to="flax")
+    return model
+
+
+def torch_call(model: Any, ids: Any, attention_mask: Any = None) -> Any:
+    return model(input_ids=ids, attention_mask=attention_mask).logits
+
+
+def flax_call(model: LlamaForCausalLM, ids: Any, attention_mask: Any = None) -> Any:
+    return model(ids, attention_mask)["logits"]
+
+
+def module_map(hf: Any) -> dict[str, str]:
+    """Hugging Face's attention projections paired with ours, for ``locate_divergence``
+    (every other module has the same name on both sides)."""
+    return {f"model.layers.{i}.self_attn.{theirs}": f"model/layers/{i}/self_attn/{ours}"
+            for i in range(len(hf.model.layers)) for theirs, ours in _PROJECTIONS}
+
+
+def make_port(seed: int = 0) -> Port:
+    hf = hf_model(seed)
+    return Port(hf, port(hf), rules(hf), torch_call, flax_call, module_map(hf))
+
+
+def batches(n: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` batches (ids, next ids), each (BATCH, SEQ)."""
+    out = []
+    for k in range(n):
+        ids = tokens(VOCAB, BATCH, SEQ + 1, seed + k)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
+
+
+def main() -> int:
+    """Ports the model, proves it and prints a short report; 0 when every proof holds."""
+    p = make_port()
+    ids, mask = tokens(VOCAB, BATCH, SEQ, seed=0), left_padding(BATCH, SEQ, PADS)
+    parity = prove_logits_and_grads(p, ids, mask)
+    training = prove_training(p, batches(10), mask)
+    divergence = locate(p, ids)
+    print(summary("Llama (2 layers, width 64, grouped heads, rope, 512 positions, left padding)",
+                  parity, training, divergence))
+    return 0 if parity.ok and training.ok and divergence.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
