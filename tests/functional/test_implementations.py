@@ -6,8 +6,6 @@ option says which."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
