@@ -1,6 +1,7 @@
 """Checks of a module's configuration and of the options a call is given: positive sizes,
 heads and their widths (``head_dim``, ``out_features``), the dropout rate, ``scale``, ``mask_strategy``, ``normalization``,
-``implementation``, ``window``, ``alignment``, ``softcap``, ``num_kv_heads``, and the
+``implementation``, ``window``, ``alignment``, ``softcap``, ``num_kv_heads``, the
+functional ``layout`` of q, k and v (``check_attention_layout``, ``check_qkv_in_layout``), and the
 constructor arguments together (``check_config``).
 
 Each check takes the value as given and returns it canonical (a Python int or float),
@@ -13,12 +14,15 @@ import math
 import numbers
 from typing import Any
 
+from attention_spec.arrays import check_qkv
+
 MASK_STRATEGIES = ("fill", "renormalize")
 NORMALIZATIONS = ("softmax", "sum")
 IMPLEMENTATIONS = ("auto", "reference", "fused", "blockwise")
 ALIGNMENTS = ("top_left", "bottom_right")
 QK_NORMS = ("rms", "layer")
 QK_NORM_SCOPES = ("head", "all")
+ATTENTION_LAYOUTS = ("bhsd", "bshd")
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -214,6 +218,41 @@ def check_softcap(softcap: Any) -> float | None:
     if not _is_real(softcap) or not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be None or a positive finite float; got {softcap!r}")
     return float(softcap)
+
+
+def check_attention_layout(value: Any) -> str:
+    """The functional ``dot_product_attention``'s ``layout``: ``"bhsd"``, q (..., H, T, D)
+    and k, v (..., Hkv, S, D), or ``"bshd"``, tokens before heads, q (..., T, H, D) and k,
+    v (..., S, Hkv, D), as projections produce them.  (Not the rings' ``check_layout``.)"""
+    return _one_of("layout", value, ATTENTION_LAYOUTS)
+
+
+def heads_first(shape: Any, layout: str) -> tuple[int, ...]:
+    """A q, k or v shape given in ``layout`` as (..., H, S, D), the shape the checks and
+    the paths read; ``"bshd"`` needs at least 3 dimensions (..., S, H, D)."""
+    shape = tuple(int(n) for n in shape)
+    if layout == "bhsd":
+        return shape
+    if len(shape) < 3:
+        raise ValueError(f"layout='bshd' takes q, k and v as (..., S, H, D), at least 3 dimensions; got {shape}")
+    return (*shape[:-3], shape[-2], shape[-3], shape[-1])
+
+
+def check_qkv_in_layout(q: Any, k: Any, v: Any, dtypes: tuple[str, str, str], layout: str) -> tuple[
+        tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``check_qkv`` of q, k and v shapes given in ``layout`` (``check_attention_layout``
+    first); returns them as (..., H, S, D).  A shape error of a ``"bshd"`` call names the
+    layout and the shapes as given."""
+    layout = check_attention_layout(layout)
+    shapes = heads_first(q, layout), heads_first(k, layout), heads_first(v, layout)
+    try:
+        check_qkv(shapes[0], shapes[1], shapes[2], dtypes)
+    except ValueError as error:
+        if layout == "bhsd":
+            raise
+        given = ", ".join(f"{n} {tuple(int(d) for d in s)}" for n, s in zip("qkv", (q, k, v), strict=True))
+        raise ValueError(f"{error} (read as (..., H, S, D) from layout='bshd', given {given})") from None
+    return shapes[0], shapes[1], shapes[2]
 
 
 _UNSET: Any = object()

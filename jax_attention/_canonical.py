@@ -270,11 +270,14 @@ class Structure(NamedTuple):
     groups: int
 
 
-def structure(q: Array, k: Array, v: Array, call: Canonical, causal: bool, structural: bool) -> Structure:
+def structure(q: Any, k: Array, v: Array, call: Canonical, causal: bool, structural: bool,
+              layout: str = "bhsd") -> Structure:
     """Segments, and positions that differ per example, are a dense mask on every path; a
     static offset and the window stay structural where a path can use them
-    (``structural``).  Keys and values that no query may attend to become zeros."""
-    q_len, kv_len = q.shape[-2], k.shape[-2]
+    (``structural``).  Keys and values that no query may attend to become zeros.  q is
+    read for its shape, (..., H, T, D); k and v are in ``layout`` (``"bshd"``: (..., S,
+    Hkv, D), as the CPU kernel takes them) and are returned in it."""
+    q_len, kv_len = q.shape[-2], k.shape[-3] if layout == "bshd" else k.shape[-2]
     mask, offset, window = call.mask, call.offset, call.window
     if call.segments is not None:
         mask = combine_masks(mask, call.segments)
@@ -284,9 +287,11 @@ def structure(q: Array, k: Array, v: Array, call: Canonical, causal: bool, struc
         mask = combine_masks(mask, band(q_len, kv_len, offset, causal, window, q.ndim))
         offset, causal, window = 0, False, None
     live = live_keys(mask, causal, call.kv_lengths, q_len, kv_len, q.ndim, offset=offset, window=window)
-    groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+    groups = q.shape[-3] // k.shape[-2 if layout == "bshd" else -3] if q.ndim >= 3 else 1
     if live is not None:
         if groups > 1 and live.shape[-3] > 1:  # a key is live if any head of its group sees it
             live = live.reshape(*live.shape[:-3], -1, groups, kv_len, 1).any(axis=-3)
+        if layout == "bshd":  # (..., Hkv, S, 1) -> (..., S, Hkv, 1)
+            live = jnp.swapaxes(live, -3, -2)
         k, v = jnp.where(live, k, jnp.zeros((), k.dtype)), jnp.where(live, v, jnp.zeros((), v.dtype))
     return Structure(mask, k, v, offset, causal, window, groups)

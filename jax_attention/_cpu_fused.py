@@ -129,20 +129,29 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
 def attend(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | None, scale: float,
-               offset: int, window: tuple[int | None, int | None] | None, sinks: Array | None = None) -> Array:
-    """The fused path on CPU: the library's kernel on (..., H, T, D) inputs (leading
-    dimensions flattened into one batch), in float32, the output in v's dtype.  Causal,
+               offset: int, window: tuple[int | None, int | None] | None, sinks: Array | None = None,
+               layout: str = "bhsd") -> Array:
+    """The fused path on CPU: the library's kernel on (..., H, T, D) inputs, or (..., T, H,
+    D) ones with ``layout="bshd"`` (leading dimensions flattened into one batch), in
+    float32, the output in v's dtype and in the inputs' layout.  Causal,
     window and lengths stay structural: hidden tiles are skipped, a query that sees no
     key gets a zero row, and keys past a length are never read.  ``sinks`` (H,) join each
     row's normaliser in the kernel (in float32; their gradient in their own dtype).
 
     The kernel takes tokens before heads, (B, T, H, D): a module's head split (a
     transpose to (B, H, T, D)) and the transpose back here cancel under jit, so the
-    projections feed the kernel with no copy in between."""
-    batch, kv_len = math.prod(q.shape[:-3]), k.shape[-2]
+    projections feed the kernel with no copy in between; ``"bshd"`` inputs are passed
+    through as they are, eagerly too."""
+    tokens_first = layout == "bshd"
+    batch, kv_len = math.prod(q.shape[:-3]), k.shape[-3 if tokens_first else -2]
     lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     left, right = reach(causal, window)
-    q4, k4, v4 = (bthd(t, batch).astype(jnp.float32) for t in (q, k, v))
+    if tokens_first:  # already (..., T, H, D): only the leading dimensions are flattened
+        q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]).astype(jnp.float32) for t in (q, k, v))
+    else:
+        q4, k4, v4 = (bthd(t, batch).astype(jnp.float32) for t in (q, k, v))
     sinks32 = None if sinks is None else sinks.astype(jnp.float32)
     out = _kernel_attention(_KernelStatic(scale, offset, left, right), q4, k4, v4, lengths, sinks32)  # (B, T, H, Dv)
-    return jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)
+    if not tokens_first:
+        out = jnp.swapaxes(out, 1, 2)
+    return out.reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)

@@ -42,7 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from attention_spec import dtype_name
 from attention_spec.geometry import band_reach
+from attention_spec.options import check_qkv_in_layout
 from attention_spec.planning import fused_blockers
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import Route, resolve_route
@@ -134,7 +136,7 @@ def route(
     rng: Array | None = None, return_weights: bool = False, implementation: str = "auto",
     precision: Precision = "highest", bias: Array | None = None, softcap: float | None = None,
     window: tuple[int | None, int | None] | None = None, alignment: str = "top_left", q_offset: Any = None,
-    segment_ids: Any = None, kv_segment_ids: Any = None, sinks: Array | None = None,
+    segment_ids: Any = None, kv_segment_ids: Any = None, sinks: Array | None = None, layout: str = "bhsd",
 ) -> Route:
     """The route ``dot_product_attention`` takes for these arguments (the same keywords):
     ``Route(path, kernel, reasons)``, the path (``"reference"``, ``"fused"`` or
@@ -151,6 +153,7 @@ def route(
     builds the kernel on first use; should that build fail, the call falls back as the
     route of a machine without the kernel (``"auto"``: blockwise; ``"fused"``: XLA's
     kernel, with a ``RuntimeWarning``)."""
+    q, k, v = _heads_first(q, k, v, layout)
     call = canonicalise(
         q, k, v, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
         dropout_mask=dropout_mask, deterministic=deterministic, scale=scale, mask_strategy=mask_strategy,
@@ -160,6 +163,18 @@ def route(
     return _route(q, k, v, call, causal=causal, implementation=implementation, return_weights=return_weights,
                   normalization=normalization, dropout_active=not deterministic and dropout_rate > 0.0,
                   dropout_mask_given=dropout_mask is not None)
+
+
+def _heads_first(q: Array, k: Array, v: Array, layout: str) -> tuple[Any, Any, Any]:
+    """q, k and v checked in ``layout`` (``check_qkv_in_layout``; the layout first) and
+    given as (..., H, S, D): the arrays themselves for ``"bhsd"``, their shapes and dtypes
+    (``jax.ShapeDtypeStruct``) for ``"bshd"``, which is all the checks and the route read."""
+    shapes = check_qkv_in_layout(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype),
+                                                              dtype_name(v.dtype)), layout)
+    if layout == "bhsd":
+        return q, k, v
+    return (jax.ShapeDtypeStruct(shapes[0], q.dtype), jax.ShapeDtypeStruct(shapes[1], k.dtype),
+            jax.ShapeDtypeStruct(shapes[2], v.dtype))
 
 
 def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, implementation: str,
@@ -236,8 +251,11 @@ def dot_product_attention(
     segment_ids: Any = None,
     kv_segment_ids: Any = None,
     sinks: Array | None = None,
+    layout: str = "bhsd",
 ) -> Array | tuple[Array, Array]:
-    """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv).
+    """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv),
+    or, with ``layout="bshd"``, over q (..., T, H, D), k (..., S, Hkv, D), v (..., S, Hkv, Dv)
+    -> (..., T, H, Dv).
 
     Args:
       mask: bool, True = may attend, broadcastable to (..., T, S); 0-d and 1-d included.
@@ -298,6 +316,13 @@ def dot_product_attention(
         ``_cpu_kernel.auto_declines``).  ``route`` says which path and kernel a call
         takes, and why not a faster one; the call runs that route.
       precision: of the matmuls; "highest" by default.
+      layout: ``"bhsd"`` (heads before tokens, above) or ``"bshd"`` (tokens before heads,
+        as projections produce them and as the library's CPU kernel and
+        ``jax.nn.dot_product_attention`` take them): q, k, v and the output in that
+        layout; every other argument keeps its meaning (masks and bias broadcast to
+        (B, H, T, S), sinks (H,), ...) and returned weights are (..., H, T, S) in both.
+        The CPU kernel takes ``"bshd"`` as it is; the other paths transpose once in and
+        once out (pairs that cancel under jit where they meet a kernel's own transpose).
 
     Keys and values at positions that no query may attend to are zeroed with ``where``
     before any product: whatever is stored there (NaN included) reaches no output and
@@ -310,14 +335,15 @@ def dot_product_attention(
         cannot honour an option; all before any computation.  Under jit, the values of
         ``kv_lengths`` are not checked (see ``canonical_kv_lengths``).
     """
+    shaped = _heads_first(q, k, v, layout)  # (..., H, S, D): what the checks and the route read
     call = canonicalise(
-        q, k, v, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
+        *shaped, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
         dropout_mask=dropout_mask, deterministic=deterministic, scale=scale, mask_strategy=mask_strategy,
         normalization=normalization, window=window, alignment=alignment, q_offset=q_offset,
         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
     )
     decide = functools.partial(
-        _route, q, k, v, call, causal=causal, implementation=implementation, return_weights=return_weights,
+        _route, *shaped, call, causal=causal, implementation=implementation, return_weights=return_weights,
         normalization=normalization, dropout_active=not deterministic and dropout_rate > 0.0,
         dropout_mask_given=dropout_mask is not None,
     )
@@ -327,10 +353,31 @@ def dot_product_attention(
         if not _cpu_fused.confirm(implementation):  # builds the kernel on its first use
             chosen = decide()  # without it (known now): blockwise for "auto", XLA's kernel for "fused"
     scale = resolve_scale(scale, q.shape[-1])
-    s = structure(q, k, v, call, causal, structural=chosen.path == "blockwise" or chosen.kernel == "cpu-kernel")
-    if chosen.kernel == "cpu-kernel":
+    if chosen.kernel == "cpu-kernel":  # takes either layout as it is
+        s = structure(shaped[0], k, v, call, causal, structural=True, layout=layout)
         return _cpu_fused.attend(q, s.k, s.v, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
-                                 offset=s.offset, window=s.window, sinks=call.sinks)
+                                 offset=s.offset, window=s.window, sinks=call.sinks, layout=layout)
+    if layout == "bshd":  # once in, once out below
+        q, k, v = (jnp.swapaxes(t, -3, -2) for t in (q, k, v))
+    result = _attend(q, k, v, call, chosen, causal=causal, scale=scale, precision=precision,
+                     mask_strategy=mask_strategy, normalization=normalization, return_weights=return_weights,
+                     dropout=(dropout_rate, deterministic, rng, dropout_mask))
+    if layout == "bhsd":
+        return result
+    if isinstance(result, tuple):  # the weights stay (..., H, T, S)
+        return jnp.swapaxes(result[0], -3, -2), result[1]
+    return jnp.swapaxes(result, -3, -2)
+
+
+def _attend(
+    q: Array, k: Array, v: Array, call: Canonical, chosen: Route, *, causal: bool, scale: float,
+    precision: Precision, mask_strategy: str, normalization: str, return_weights: bool,
+    dropout: tuple[float, bool, Array | None, Array | None],
+) -> Array | tuple[Array, Array]:
+    """The route ``chosen`` but the CPU kernel's, on (..., H, S, D) inputs: XLA's kernel,
+    cuDNN or splash (``_fused``), the blockwise path, or the reference with dropout
+    (``dropout``: rate, deterministic, rng, dropout_mask)."""
+    s = structure(q, k, v, call, causal, structural=chosen.path == "blockwise")
     if chosen.path == "fused":
         return _fused(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
                       precision=precision, kernel=chosen.kernel, bias=call.bias)
@@ -348,5 +395,6 @@ def dot_product_attention(
         mask_strategy=mask_strategy, normalization=normalization, precision=precision, bias=call.bias,
         softcap=call.softcap, sinks=call.sinks,
     )
-    weights = dropout_weights(weights, dropout_rate, deterministic=deterministic, rng=rng, dropout_mask=dropout_mask)
+    rate, deterministic, rng, dropout_mask = dropout
+    weights = dropout_weights(weights, rate, deterministic=deterministic, rng=rng, dropout_mask=dropout_mask)
     return mix(weights, v, precision, return_weights)

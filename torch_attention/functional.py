@@ -44,7 +44,7 @@ from attention_spec import (
 )
 from attention_spec.arrays import check_sinks
 from attention_spec.masks import kv_lengths_rank_message
-from attention_spec.options import check_alignment, check_softcap, check_window
+from attention_spec.options import check_alignment, check_qkv_in_layout, check_softcap, check_window
 from attention_spec.planning import fused_blockers
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import Route, resolve_route
@@ -133,6 +133,7 @@ def route(
     segment_ids: Any = None,
     kv_segment_ids: Any = None,
     sinks: Tensor | None = None,
+    layout: str = "bhsd",
 ) -> Route:
     """The route ``dot_product_attention`` takes for this call: ``Route(path, kernel,
     reasons)``, with path ``"reference"``, ``"fused"`` or ``"blockwise"``, kernel
@@ -144,6 +145,7 @@ def route(
     arguments.
     """
     del causal  # (the same keywords as dot_product_attention: causal changes no route)
+    q, k, v = _heads_first(q, k, v, layout)
     return _plan(
         q, k, v, mask=mask, kv_lengths=kv_lengths, scale=scale, mask_strategy=mask_strategy,
         normalization=normalization, dropout_rate=dropout_rate, dropout_mask=dropout_mask, training=training,
@@ -151,6 +153,17 @@ def route(
         window=window, alignment=alignment, q_offset=q_offset, segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids, sinks=sinks,
     ).route
+
+
+def _heads_first(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v checked in ``layout`` (``check_qkv_in_layout``; the layout first) and
+    returned as (..., H, S, D): themselves for ``"bhsd"``, transposed views (no copy) for
+    ``"bshd"``."""
+    check_qkv_in_layout(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)),
+                        layout)
+    if layout == "bhsd":
+        return q, k, v
+    return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
 
 
 def _plan(
@@ -226,8 +239,11 @@ def dot_product_attention(
     segment_ids: Any = None,
     kv_segment_ids: Any = None,
     sinks: Tensor | None = None,
+    layout: str = "bhsd",
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv).
+    """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv),
+    or, with ``layout="bshd"``, over q (..., T, H, D), k (..., S, Hkv, D), v (..., S, Hkv, Dv)
+    -> (..., T, H, Dv).
 
     Args:
       mask: bool, True = may attend, broadcastable to (..., T, S); 0-d and 1-d included.
@@ -278,6 +294,11 @@ def dot_product_attention(
         twin of JAX's CPU path), or ``"auto"`` (fused, else blockwise, else the reference
         where those cannot honour an option; float64 never goes to fused; see
         ``attention_spec.resolve_implementation``).
+      layout: ``"bhsd"`` (heads before tokens, above) or ``"bshd"`` (tokens before heads,
+        as projections produce them): q, k, v and the output in that layout; every other
+        argument keeps its meaning (masks and bias broadcast to (B, H, T, S), sinks (H,),
+        ...) and returned weights are (..., H, T, S) in both.  Every path reads
+        ``"bshd"`` through transposed views (no copy made here; SDPA takes strided inputs).
 
     Keys and values at positions that no query may attend to are zeroed with ``where``
     before any product: whatever is stored there (NaN included) reaches no output and
@@ -289,6 +310,7 @@ def dot_product_attention(
         (eval mode or rate 0), a bad option value, an explicit implementation that cannot
         honour an option; all before any computation.
     """
+    q, k, v = _heads_first(q, k, v, layout)
     plan = _plan(
         q, k, v, mask=mask, kv_lengths=kv_lengths, scale=scale, mask_strategy=mask_strategy,
         normalization=normalization, dropout_rate=dropout_rate, dropout_mask=dropout_mask, training=training,
@@ -303,20 +325,27 @@ def dot_product_attention(
     lengths = None if plan.kv_lengths is None else _length_mask(plan.kv_lengths, k.shape[-2], q.dim())
     k, v = _without_unseen_keys(q, k, v, mask, causal, lengths, offset, window)
     scale = resolve_scale(scale, q.shape[-1])
-    if path == "fused":
-        return _fused(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
-                      dropout_rate=dropout_rate if training else 0.0, bias=bias)
     groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
-    if groups > 1:  # the explicit paths repeat each key/value head for its group of queries
+    result: Tensor | tuple[Tensor, Tensor]
+    if path == "fused":
+        result = _fused(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
+                        dropout_rate=dropout_rate if training else 0.0, bias=bias)
+    elif groups > 1:  # the explicit paths repeat each key/value head for its group of queries
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     if path == "blockwise":
-        return _blockwise(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
-                          bias=bias, softcap=softcap, offset=offset, window=window, sinks=plan.sinks)
-    return _explicit(
-        q, k, v, mask=combine_masks(mask, lengths), causal=causal, offset=offset, window=window, scale=scale,
-        mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap,
-        dropout=(dropout_rate, training, dropout_mask), return_weights=return_weights, sinks=plan.sinks,
-    )
+        result = _blockwise(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
+                            bias=bias, softcap=softcap, offset=offset, window=window, sinks=plan.sinks)
+    elif path == "reference":
+        result = _explicit(
+            q, k, v, mask=combine_masks(mask, lengths), causal=causal, offset=offset, window=window, scale=scale,
+            mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap,
+            dropout=(dropout_rate, training, dropout_mask), return_weights=return_weights, sinks=plan.sinks,
+        )
+    if layout == "bhsd":
+        return result
+    if isinstance(result, tuple):  # the weights stay (..., H, T, S)
+        return result[0].transpose(-3, -2), result[1]
+    return result.transpose(-3, -2)
 
 
 def _structure(
