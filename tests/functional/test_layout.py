@@ -74,14 +74,15 @@ def _route(fw: str, shapes: tuple[Any, ...], **options: Any) -> Any:
         from torch_attention.functional import route
 
         tensors = [torch.zeros(s) for s in shapes]
-        opts = {n: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+        opts: dict[str, Any] = {n: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                                for n, v in options.items()}
         return route(*tensors, **opts)
     import jax.numpy as jnp
 
     from jax_attention.functional import route as jax_route
 
-    return jax_route(*(jnp.zeros(s) for s in shapes),
-                     **{n: jnp.asarray(v) if isinstance(v, np.ndarray) else v for n, v in options.items()})
+    arrays: dict[str, Any] = {n: jnp.asarray(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+    return jax_route(*(jnp.zeros(s) for s in shapes), **arrays)
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -92,12 +93,12 @@ def test_bshd_equals_bhsd_transposed_and_the_oracle(fw: str, path: str, name: st
     q, k, v, cot = _inputs(kv_heads)
     bhsd_error = _route_error(fw, path, call, (q.shape, k.shape, v.shape), "bhsd")
     if bhsd_error is not None:  # an option this path refuses: refused alike in bshd, before any work
-        tokens = tuple(_tokens_first(a).shape for a in (q, k, v))
-        assert _route_error(fw, path, call, tokens, "bshd") == bhsd_error
+        shapes = tuple(_tokens_first(a).shape for a in (q, k, v))
+        assert _route_error(fw, path, call, shapes, "bshd") == bhsd_error
         return
     heads = run(fw, q, k, v, cot, implementation=path, **call)
-    tokens = run(fw, *(_tokens_first(a) for a in (q, k, v)), _tokens_first(cot),
-                 implementation=path, layout="bshd", **call)
+    qt, kt, vt, cot_t = (_tokens_first(a) for a in (q, k, v, cot))
+    tokens = run(fw, qt, kt, vt, cot_t, implementation=path, layout="bshd", **call)
     assert tokens["output"].shape == (B, T, H, DV)
     scale = 1 / math.sqrt(D)
     out, weights = reference.attention(q, k, v, scale=scale, mask=oracle_mask, causal=call.get("causal", False),
@@ -121,6 +122,7 @@ def test_returned_weights_stay_heads_first(fw: str):
     mask = _mask()
     out, weights = reference.attention(q, k, v, scale=1 / math.sqrt(D), mask=mask)
     qt, kt, vt = (_tokens_first(a) for a in (q, k, v))
+    got: Any
     if fw == "torch":
         import torch
 
