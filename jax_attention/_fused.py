@@ -41,11 +41,13 @@ def bthd(t: Array, batch: int) -> Array:
 
 def attend(
     q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
-    scale: float, precision: Precision, kernel: str, bias: Array | None = None,
+    scale: float, precision: Precision, kernel: str, bias: Array | None = None, layout: str = "bhsd",
 ) -> Array:
-    """``jax.nn.dot_product_attention`` on (..., H, T, D) inputs, with this library's
-    fully-masked-row policy (zeros, finite gradients) and causal/padding passed to the
-    kernel as ``is_causal`` / sequence lengths rather than dense masks.
+    """``jax.nn.dot_product_attention`` on (..., H, T, D) inputs, or (..., T, H, D) ones with
+    ``layout="bshd"`` (the kernel's own layout: passed as they are, the output in it too),
+    with this library's fully-masked-row policy (zeros, finite gradients) and
+    causal/padding passed to the kernel as ``is_causal`` / sequence lengths rather than
+    dense masks.  ``mask`` and ``bias`` are (..., H, T, S) in either layout.
 
     ``kernel`` (``"splash"``, ``"cudnn"`` or ``"xla"``) is ``functional.route``'s, from
     ``kernel_for``: cuDNN where ``cudnn_supports`` says it can, XLA's kernel elsewhere.  The
@@ -54,38 +56,30 @@ def attend(
     its float16 matmul does not compile on CPU under jit); cuDNN gets half precision as
     it is.  A value width Dv != D is zero-padded to a common width and the output
     sliced: zero columns change neither the scores nor the other output columns."""
+    tokens_first = layout == "bshd"
+    if kernel == "splash" and tokens_first:  # splash takes (H, T, D): once in, once out
+        out = attend(*(jnp.swapaxes(t, -3, -2) for t in (q, k, v)), mask=mask, causal=causal,
+                     kv_lengths=kv_lengths, scale=scale, precision=precision, kernel=kernel, bias=bias)
+        return jnp.swapaxes(out, -3, -2)
     width, v_width = q.shape[-1], v.shape[-1]
     if v_width < width:
         v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - v_width)])
     elif v_width > width:
         pad = [(0, 0)] * (q.ndim - 1) + [(0, v_width - width)]
         q, k = jnp.pad(q, pad), jnp.pad(k, pad)
-    heads = q.shape[-3] if q.ndim >= 3 else 1
+    if tokens_first:  # (..., T, H, D): the kernel's layout, the leading dimensions flattened
+        heads, q_len, kv_len, lead = q.shape[-2], q.shape[-3], k.shape[-3], (*q.shape[:-3], q.shape[-2])
+    else:
+        heads, q_len, kv_len, lead = q.shape[-3] if q.ndim >= 3 else 1, q.shape[-2], k.shape[-2], q.shape[:-2]
     batch = math.prod(q.shape[:-3])
-
-    live = None  # (B, H, T, 1): rows with something to attend to, when some may have none
-    dense = None
-    if mask is not None:
-        dense = jnp.broadcast_to(mask, (*mask.shape[:-2], q.shape[-2], k.shape[-2]))
-        full = combine_masks(dense, None if not causal else expand_to(causal_mask(q.shape[-2], k.shape[-2]), q.ndim))
-        full = combine_masks(full, None if kv_lengths is None else length_mask(kv_lengths, k.shape[-2], q.ndim))
-        assert full is not None  # dense is not None
-        row_live = full.any(axis=-1, keepdims=True)
-        dense = dense | ~row_live  # a row with nothing to attend to attends to everything...
-        live = row_live  # ...and its output is zeroed below: finite values and gradients
-        dense = jnp.broadcast_to(dense, (*q.shape[:-2], q.shape[-2], k.shape[-2]))
-        dense = dense.reshape(batch, heads, q.shape[-2], k.shape[-2])
-    lengths = None
-    if kv_lengths is not None:
-        lengths = jnp.maximum(kv_lengths, 1).astype(jnp.int32)
-        empty = (kv_lengths > 0).reshape((-1,) + (1,) * (q.ndim - 1))
-        live = empty if live is None else live & empty
+    dense, live = _dense_mask(mask, causal, kv_lengths, lead, q_len, kv_len, q.ndim)
+    dense = None if dense is None else dense.reshape(batch, heads, q_len, kv_len)
+    lengths = None if kv_lengths is None else jnp.maximum(kv_lengths, 1).astype(jnp.int32)
     if bias is not None:  # (B, H, T, S), added by the kernel to the scaled scores
         # Its -inf entries are in the mask already (``bias_allows``): 0 in their place
-        # keeps a row that attends to everything (see above) finite, its gradient too.
+        # keeps a row that attends to everything (see ``_dense_mask``) finite, its gradient too.
         bias = jnp.where(bias_allows(bias), bias, jnp.zeros((), bias.dtype))
-        bias = jnp.broadcast_to(bias, (*q.shape[:-2], q.shape[-2], k.shape[-2]))
-        bias = bias.reshape(batch, heads, q.shape[-2], k.shape[-2])
+        bias = jnp.broadcast_to(bias, (*lead, q_len, kv_len)).reshape(batch, heads, q_len, kv_len)
     if kernel == "splash":  # no dense mask, bias or lengths (``kernel_for``)
         out = splash_attention(q, k, v, causal=causal, scale=scale)
         return out[..., :v_width]
@@ -97,14 +91,38 @@ def attend(
         bias = None if bias is None else bias.astype(jnp.float32)
     elif bias is not None:
         bias = bias.astype(q.dtype)
+    q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]) if tokens_first else bthd(t, batch) for t in (q, k, v))
     with jax.default_matmul_precision(_precision_name(precision)):
         out = jax.nn.dot_product_attention(
-            bthd(q, batch), bthd(k, batch), bthd(v, batch), bias=bias, mask=dense, scale=scale, is_causal=causal,
+            q4, k4, v4, bias=bias, mask=dense, scale=scale, is_causal=causal,
             key_value_seq_lengths=lengths, implementation=implementation,
-        )
-    out = jnp.swapaxes(out, 1, 2).reshape(*q.shape[:-1], v.shape[-1])[..., :v_width]  # (..., H, T, Dv)
+        )  # (B, T, H, Dv)
+    out = (out if tokens_first else jnp.swapaxes(out, 1, 2)).reshape(*q.shape[:-1], v.shape[-1])[..., :v_width]
     out = out.astype(out_dtype)
-    return out if live is None else jnp.where(live, out, jnp.zeros((), out.dtype))
+    if live is None:
+        return out
+    return jnp.where(jnp.swapaxes(live, -3, -2) if tokens_first else live, out, jnp.zeros((), out.dtype))
+
+
+def _dense_mask(mask: Array | None, causal: bool, kv_lengths: Array | None, lead: tuple[int, ...], q_len: int,
+                kv_len: int, ndim: int) -> tuple[Array | None, Array | None]:
+    """The kernel's dense mask (``lead`` + (T, S)), None where the call has none, and the
+    rows (..., H, T, 1) with something to attend to (None: all have).  A row with nothing
+    to attend to attends to everything in the dense mask, finite, and ``attend`` zeroes
+    its output: finite values and gradients."""
+    live = None
+    dense = None
+    if mask is not None:
+        dense = jnp.broadcast_to(mask, (*mask.shape[:-2], q_len, kv_len))
+        full = combine_masks(dense, None if not causal else expand_to(causal_mask(q_len, kv_len), ndim))
+        full = combine_masks(full, None if kv_lengths is None else length_mask(kv_lengths, kv_len, ndim))
+        assert full is not None  # dense is not None
+        live = full.any(axis=-1, keepdims=True)
+        dense = jnp.broadcast_to(dense | ~live, (*lead, q_len, kv_len))
+    if kv_lengths is not None:
+        empty = (kv_lengths > 0).reshape((-1,) + (1,) * (ndim - 1))
+        live = empty if live is None else live & empty
+    return dense, live
 
 
 def cudnn_supports(q: Array, k: Array, v: Array) -> bool:

@@ -321,8 +321,9 @@ def dot_product_attention(
         ``jax.nn.dot_product_attention`` take them): q, k, v and the output in that
         layout; every other argument keeps its meaning (masks and bias broadcast to
         (B, H, T, S), sinks (H,), ...) and returned weights are (..., H, T, S) in both.
-        The CPU kernel takes ``"bshd"`` as it is; the other paths transpose once in and
-        once out (pairs that cancel under jit where they meet a kernel's own transpose).
+        The fused path's kernels take ``"bshd"`` as it is (the library's CPU kernel,
+        ``jax.nn.dot_product_attention``'s XLA and cuDNN; splash transposes); the
+        reference and blockwise paths transpose once in and once out.
 
     Keys and values at positions that no query may attend to are zeroed with ``where``
     before any product: whatever is stored there (NaN included) reaches no output and
@@ -353,13 +354,16 @@ def dot_product_attention(
         if not _cpu_fused.confirm(implementation):  # builds the kernel on its first use
             chosen = decide()  # without it (known now): blockwise for "auto", XLA's kernel for "fused"
     scale = resolve_scale(scale, q.shape[-1])
-    if chosen.kernel == "cpu-kernel":  # takes either layout as it is
-        s = structure(shaped[0], k, v, call, causal, structural=True, layout=layout)
-        return _cpu_fused.attend(q, s.k, s.v, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
-                                 offset=s.offset, window=s.window, sinks=call.sinks, layout=layout)
-    if layout == "bshd":  # once in, once out below
+    if chosen.path == "fused":  # the kernels take either layout as it is (splash transposes)
+        s = structure(shaped[0], k, v, call, causal, structural=chosen.kernel == "cpu-kernel", layout=layout)
+        if chosen.kernel == "cpu-kernel":
+            return _cpu_fused.attend(q, s.k, s.v, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
+                                     offset=s.offset, window=s.window, sinks=call.sinks, layout=layout)
+        return _fused(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
+                      precision=precision, kernel=chosen.kernel, bias=call.bias, layout=layout)
+    if layout == "bshd":  # the explicit paths: once in, once out below
         q, k, v = (jnp.swapaxes(t, -3, -2) for t in (q, k, v))
-    result = _attend(q, k, v, call, chosen, causal=causal, scale=scale, precision=precision,
+    result = _explicit(q, k, v, call, chosen, causal=causal, scale=scale, precision=precision,
                      mask_strategy=mask_strategy, normalization=normalization, return_weights=return_weights,
                      dropout=(dropout_rate, deterministic, rng, dropout_mask))
     if layout == "bhsd":
@@ -369,18 +373,14 @@ def dot_product_attention(
     return jnp.swapaxes(result, -3, -2)
 
 
-def _attend(
+def _explicit(
     q: Array, k: Array, v: Array, call: Canonical, chosen: Route, *, causal: bool, scale: float,
     precision: Precision, mask_strategy: str, normalization: str, return_weights: bool,
     dropout: tuple[float, bool, Array | None, Array | None],
 ) -> Array | tuple[Array, Array]:
-    """The route ``chosen`` but the CPU kernel's, on (..., H, S, D) inputs: XLA's kernel,
-    cuDNN or splash (``_fused``), the blockwise path, or the reference with dropout
-    (``dropout``: rate, deterministic, rng, dropout_mask)."""
+    """The explicit paths on (..., H, S, D) inputs: blockwise, or the reference with
+    dropout (``dropout``: rate, deterministic, rng, dropout_mask)."""
     s = structure(q, k, v, call, causal, structural=chosen.path == "blockwise")
-    if chosen.path == "fused":
-        return _fused(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
-                      precision=precision, kernel=chosen.kernel, bias=call.bias)
     k, v = s.k, s.v
     if s.groups > 1:  # the explicit paths repeat each key/value head for its group of queries
         k, v = jnp.repeat(k, s.groups, axis=-3), jnp.repeat(v, s.groups, axis=-3)

@@ -4,11 +4,12 @@ With ``"bshd"`` q is (B, T, H, D), k and v (B, S, Hkv, D/Dv) and the output (B, 
 masks, bias, lengths and sinks keep their meaning and returned weights stay (B, H, T, S).
 Each case runs on every implementation ("reference", "fused", "blockwise", "auto"), in
 both twins: the output and the gradients of q, k and v are compared, transposed, with
-the same call in ``"bhsd"`` (bit for bit in JAX; at ``PARITY`` / ``GRAD_PARITY`` in
-PyTorch, whose transposed views reach its matmuls with other strides: measured 4.8e-7) and with the float64 oracle (``ORACLE`` /
-``GRAD_ORACLE``).  Then: under ``jax.jit`` (with the sinks' gradient), the returned
-weights, ``route``, and the errors (a bad layout in both twins' one text, before any
-work; a shape error that names the layout).
+the same call in ``"bhsd"`` (bit for bit in JAX, whose kernels read bshd as it is or
+see the same transposed numbers; at ``PARITY`` / ``GRAD_PARITY`` in PyTorch, whose
+transposed views reach its matmuls with other strides: measured up to 4.8e-7) and with
+the float64 oracle (``ORACLE`` / ``GRAD_ORACLE``).  Then: under ``jax.jit`` (with the
+sinks' gradient), the returned weights, ``route``, and the errors (a bad layout in both
+twins' one text, before any work; a shape error that names the layout).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def _mask() -> np.ndarray:
     return mask
 
 
+def _bias() -> np.ndarray:
+    bias = np.random.default_rng(4).standard_normal((1, H, T, S)).astype(np.float32).astype(np.float64)
+    bias[0, 1, 3, 2:5] = -np.inf  # blocked keys, as a mask blocks them
+    return bias
+
+
 # name -> (kv heads, the call's keywords (NumPy arrays or Python values), the oracle's mask)
 CASES: dict[str, tuple[int, dict[str, Any], np.ndarray | None]] = {
     "causal": (H, {"causal": True}, None),
@@ -44,6 +51,9 @@ CASES: dict[str, tuple[int, dict[str, Any], np.ndarray | None]] = {
                    (np.arange(S)[None, :] < np.array([4, 9])[:, None])[:, None, None, :]),
     "gqa": (2, {"causal": True}, None),
     "sinks": (2, {"sinks": np.array([1.5, -0.5, 0.25, 3.0])}, None),
+    "mask, empty lengths, gqa": (2, {"mask": _mask(), "kv_lengths": np.array([0, 7])},
+                                 _mask() & (np.arange(S)[None, :] < np.array([0, 7])[:, None])[:, None, None, :]),
+    "bias": (2, {"bias": _bias(), "causal": True}, None),
 }
 
 
@@ -102,7 +112,7 @@ def test_bshd_equals_bhsd_transposed_and_the_oracle(fw: str, path: str, name: st
     assert tokens["output"].shape == (B, T, H, DV)
     scale = 1 / math.sqrt(D)
     out, weights = reference.attention(q, k, v, scale=scale, mask=oracle_mask, causal=call.get("causal", False),
-                                       sinks=call.get("sinks"))
+                                       sinks=call.get("sinks"), bias=call.get("bias"))
     expected = {"output": out, **oracle_gradients(q, k, v, weights, cot, scale)}
     for key, got in tokens.items():
         got = np.swapaxes(got, -3, -2)
