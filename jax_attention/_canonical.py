@@ -276,7 +276,7 @@ def structure(q: Any, k: Array, v: Array, call: Canonical, causal: bool, structu
     static offset and the window stay structural where a path can use them
     (``structural``).  Keys and values that no query may attend to become zeros.  q is
     read for its shape, (..., H, T, D); k and v are in ``layout`` (``"bshd"``: (..., S,
-    Hkv, D), as the CPU kernel takes them) and are returned in it."""
+    Hkv, D), as the fused kernels take them) and are returned in it."""
     q_len, kv_len = q.shape[-2], k.shape[-3] if layout == "bshd" else k.shape[-2]
     mask, offset, window = call.mask, call.offset, call.window
     if call.segments is not None:

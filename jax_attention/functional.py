@@ -364,8 +364,8 @@ def dot_product_attention(
     if layout == "bshd":  # the explicit paths: once in, once out below
         q, k, v = (jnp.swapaxes(t, -3, -2) for t in (q, k, v))
     result = _explicit(q, k, v, call, chosen, causal=causal, scale=scale, precision=precision,
-                     mask_strategy=mask_strategy, normalization=normalization, return_weights=return_weights,
-                     dropout=(dropout_rate, deterministic, rng, dropout_mask))
+                       mask_strategy=mask_strategy, normalization=normalization, return_weights=return_weights,
+                       dropout=(dropout_rate, deterministic, rng, dropout_mask))
     if layout == "bhsd":
         return result
     if isinstance(result, tuple):  # the weights stay (..., H, T, S)
