@@ -32,7 +32,6 @@ from attention_spec.conversion import as_numpy
 from attention_spec.huggingface import window_from_hf
 from attention_spec.packing import pack_state_dict, packed_state_dict
 from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
-from torch_attention import _hf_latent
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
 
@@ -82,9 +81,13 @@ _FAMILIES: dict[str, _Family] = {
 }
 
 
+# DeepSeek's latent attention: ours is MultiHeadLatentAttention (``_hf_latent``).
+LATENT_CLASSES = ("DeepseekV2Attention", "DeepseekV3Attention")
+
+
 def supported_hf_classes() -> tuple[str, ...]:
     """The ``transformers`` attention classes ``from_hf`` and ``to_hf`` take, by name."""
-    return (*_FAMILIES, *_hf_latent.LATENT_CLASSES)
+    return (*_FAMILIES, *LATENT_CLASSES)
 
 
 def _family(layer: Any, what: str) -> _Family:
@@ -97,7 +100,7 @@ def _family(layer: Any, what: str) -> _Family:
 
 def _latent(layer: Any) -> bool:
     """Whether ``layer`` is DeepSeek's latent attention (``_hf_latent``'s)."""
-    return isinstance(layer, nn.Module) and type(layer).__name__ in _hf_latent.LATENT_CLASSES
+    return isinstance(layer, nn.Module) and type(layer).__name__ in LATENT_CLASSES
 
 
 def _get(layer: nn.Module, path: str) -> Any:
@@ -309,6 +312,8 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     ``rope_from_hf`` cannot read.
     """
     if _latent(layer):
+        from torch_attention import _hf_latent
+
         return _hf_latent.from_hf(layer)
     family = _family(layer, "from_hf")
     options = _options(layer, family)
@@ -386,6 +391,8 @@ def to_hf(ours: MultiHeadAttention | MultiHeadLatentAttention, layer: nn.Module)
     of ours or not supported; ValueError naming each mismatch.
     """
     if _latent(layer):
+        from torch_attention import _hf_latent
+
         return _hf_latent.to_hf(ours, layer)
     if not isinstance(ours, MultiHeadAttention):
         raise TypeError(f"to_hf takes torch_attention.MultiHeadAttention; got {type(ours).__name__}")

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
 from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
+from torch_attention._hf import _hf_inv_freq, _rope_mismatch
 from torch_attention.latent import MultiHeadLatentAttention
-
-LATENT_CLASSES = ("DeepseekV2Attention", "DeepseekV3Attention")
 
 # The options that decide how a latent layer computes (not dropout or the path).
 _BEHAVIOUR = ("d_in", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -36,16 +34,12 @@ _BEHAVIOUR = ("d_in", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_
 def _rope(layer: Any) -> RopeConfig:
     """The layer's rope: its config's, in DeepSeek-V2's interleaved pairs, with the
     frequencies of its own rotary embedding where they do not follow the sequence length."""
-    config = layer.config
-    rope = rope_from_hf(config)
+    rope = rope_from_hf(layer.config)
     if type(layer).__name__ == "DeepseekV2Attention":
         rope = dataclasses.replace(rope, layout="interleaved")  # complex pairs (2i, 2i + 1)
     if needs_seq_len(rope):
         return rope
-    module = sys.modules[type(layer).__module__]
-    rotary_class = getattr(module, type(layer).__name__.removesuffix("Attention") + "RotaryEmbedding")
-    with torch.device("cpu"):
-        inv_freq = rotary_class(config).inv_freq.detach().float()
+    inv_freq = _hf_inv_freq(layer, layer.config, None)
     return dataclasses.replace(rope, inv_freq=tuple(float(f) for f in inv_freq.tolist()))
 
 
@@ -80,15 +74,7 @@ def _mismatches(ours: MultiHeadLatentAttention, want: MultiHeadLatentAttention) 
                 for f in _BEHAVIOUR if getattr(mine, f) != getattr(theirs, f)]
     if not math.isclose(ours.softmax_scale, want.softmax_scale, rel_tol=1e-12):
         problems.append(f"scale={ours.softmax_scale!r} where the layer has {want.softmax_scale!r}")
-    if mine.rope is None or theirs.rope is None:
-        if mine.rope is not theirs.rope:
-            problems.append(f"rope={mine.rope!r} where the layer has {theirs.rope!r}")
-    elif dataclasses.replace(mine.rope, inv_freq=None) != dataclasses.replace(theirs.rope, inv_freq=None):
-        problems.append(f"rope={dataclasses.replace(mine.rope, inv_freq=None)!r} where the layer has "
-                        f"{dataclasses.replace(theirs.rope, inv_freq=None)!r}")
-    elif mine.rope.inv_freq is not None and mine.rope.inv_freq != theirs.rope.inv_freq:
-        problems.append("rope inv_freq: ours fixes frequencies other than the ones the layer computes from its config")
-    return problems
+    return problems + _rope_mismatch(mine.rope, theirs.rope)
 
 
 def to_hf(ours: Any, layer: nn.Module) -> nn.Module:
