@@ -46,9 +46,9 @@ struct HeadOperands {
 struct UnitMemory {
   int64_t head_floats = 0, unit_floats = 0;
   // Each piece starts on 16 floats (64 bytes).
-  static int64_t piece(int64_t n) { return round_up(n, kLanes); }
+  static int64_t piece(int64_t n) { return round_up(n, kPad); }
   UnitMemory(const Problem& pb, int64_t keys) {
-    const int64_t D = pb.width, Dv = pb.v_width, Dp = round_up(D, kLanes), Dvp = round_up(Dv, kLanes);
+    const int64_t D = pb.width, Dv = pb.v_width, Dp = round_up(D, kPad), Dvp = round_up(Dv, kPad);
     const int64_t Tp = round_up(pb.q_len, kBwdRows), R = kBwdRows;
     head_floats = piece(Tp * Dp) + piece(Tp * D) + piece(Tp * Dvp) + piece(Tp * Dv) + 3 * piece(Tp) + piece(Tp * D);
     unit_floats = piece(keys * D) + piece(keys * Dv) + piece(D * keys) + 2 * piece(keys * R) + piece(keys * Dp) +
@@ -69,7 +69,7 @@ struct Carver {
 
 static void prepare_head(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t h, Carver& memory,
                          HeadOperands& op) {
-  const int64_t D = pb.width, Dv = pb.v_width, Dp = round_up(D, kLanes), Dvp = round_up(Dv, kLanes);
+  const int64_t D = pb.width, Dv = pb.v_width, Dp = round_up(D, kPad), Dvp = round_up(Dv, kPad);
   const int64_t T = pb.q_len, R = kBwdRows, Tp = round_up(T, R), blocks = Tp / R, head = b * pb.heads + h;
   const int64_t ldq = pb.heads * D, ldo = pb.heads * Dv;
   const float* Q = a.q + pb.q_row(b, h, 0) * D;
@@ -129,7 +129,7 @@ static float sink_gradient(const Problem& pb, const BackwardArgs& a, int64_t b, 
 // unit to prefetch for, or next_b < 0.
 static void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, int64_t hk, int64_t chunk,
                           int64_t next_b, int64_t next_hk) {
-  const int64_t D = pb.width, Dv = pb.v_width, Dp = round_up(D, kLanes), Dvp = round_up(Dv, kLanes);
+  const int64_t D = pb.width, Dv = pb.v_width, Dp = round_up(D, kPad), Dvp = round_up(Dv, kPad);
   const int64_t T = pb.q_len, G = pb.group(), R = kBwdRows, blocks = tiles_of(T, R);
   const int64_t len = pb.length(b), ldk = pb.kv_heads * D, ldv = pb.kv_heads * Dv;
   const int64_t keys = backward_keys(pb);
@@ -164,7 +164,7 @@ static void backward_unit(const Problem& pb, const BackwardArgs& a, int64_t b, i
   float* const dk = memory.take(keys * Dp);
   float* const dv = memory.take(keys * Dvp);
   const float scale = pb.scale;
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vi lane = lane_indices();
   for (int64_t t = chunk; t * keys < len; t += a.chunks) {
     const int64_t c0 = t * keys, n = std::min(keys, len - c0);
     pack(n, D, a.k + pb.kv_row(b, hk, c0) * D, ldk, kp, D, n);  // (n, D)

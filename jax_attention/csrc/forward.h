@@ -41,7 +41,7 @@ struct PackedKV {
   Scratch kt, vp;
 
   static bool reads_v_in_place(const Problem& pb) {
-    if (pb.kv_len % kLanes != 0 || pb.v_width % kLanes != 0) return false;
+    if (pb.kv_len % kPad != 0 || pb.v_width % kPad != 0) return false;
     if (pb.kv_len * pb.kv_heads * pb.v_width * int64_t{sizeof(float)} > kInPlaceSpan) return false;
     for (int64_t b = 0; b < pb.batch; ++b)
       if (pb.length(b) < pb.kv_len) return false;
@@ -49,12 +49,12 @@ struct PackedKV {
   }
 
   PackedKV(const Problem& pb, ffi::ThreadPool& pool, const float* k, const float* v_)
-      : keys(std::min(kFwdKeys, round_up(pb.kv_len, kLanes))),
+      : keys(std::min(kFwdKeys, round_up(pb.kv_len, kPad))),
         // a leading dimension that is not a multiple of 64 floats, so that the rows of a
         // tile do not all fall into the same cache sets
-        ld(keys + kLanes),
+        ld(keys + kPad),
         tiles(tiles_of(pb.kv_len, keys)),
-        Dvp(round_up(pb.v_width, kLanes)),
+        Dvp(round_up(pb.v_width, kPad)),
         v_in_place(reads_v_in_place(pb)),
         ldv(v_in_place ? pb.kv_heads * pb.v_width : Dvp),
         v(v_),
@@ -109,8 +109,8 @@ static void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, in
   const float scale = pb.scale, neg_inf = -__builtin_inff();
   // This thread's working memory, kept between tasks: the block's queries, one tile's
   // scores, the weighted sum of values, and the rows' running maxima and sums.
-  const int64_t q_size = round_up(rows * D, kLanes), s_size = round_up(rows * keys, kLanes);
-  const int64_t acc_size = rows * Dvp, ml_size = round_up(rows, kLanes);
+  const int64_t q_size = round_up(rows * D, kPad), s_size = round_up(rows * keys, kPad);
+  const int64_t acc_size = rows * Dvp, ml_size = round_up(rows, kPad);
   const Scratch work(kForwardBlock, q_size + s_size + acc_size + 2 * ml_size);
   float* const Q = work.get();
   float* const s = Q + q_size;  // written whole by each tile's q k^T before it is read
@@ -129,7 +129,7 @@ static void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, in
   const int64_t lo = pb.first(r0), hi = pb.last(b, r0 + rows - 1);
   for (int64_t t = lo / keys; t * keys < hi; ++t) {
     // Keys [c0, c0 + n) of the tile, up to the last that a row of the block sees.
-    const int64_t c0 = t * keys, n = std::min(keys, hi - c0), cols = round_up(n, kLanes);
+    const int64_t c0 = t * keys, n = std::min(keys, hi - c0), cols = round_up(n, kPad);
     gemm(rows, cols, D, Q, ldq, a.kv->kt_of(unit, t, D), a.kv->ld, s, cols, false);  // q k^T
     hide(pb, b, r0, rows, c0, n, cols, s, cols);
     for (int64_t i = 0; i < rows; ++i) {

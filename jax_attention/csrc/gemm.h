@@ -111,7 +111,7 @@ template <int NV>
 void gemm_panel(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                 int64_t ldc, bool accumulate) {
   constexpr Accumulate kMode = Accumulate::kFromC;
-  constexpr int kRows = 6;  // rows of C per call: 6 x 4 accumulators + 4 of B
+  constexpr int kRows = 6;  // rows of C per call: 6 x NV accumulators, NV of B, one broadcast
   int64_t i = 0;
   for (; i + kRows <= M; i += kRows) micro<kRows, NV, false, kMode>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
   const float* a = A + i * lda;
@@ -127,14 +127,22 @@ void gemm_panel(int64_t M, int64_t K, const float* A, int64_t lda, const float* 
 }
 
 // C[M x N] = (accumulate ? C : 0) + A[M x K] B[K x N], N a multiple of 16.  Column
-// panels of 64 outer, rows inner: a (K x 64) panel of B stays in cache for all rows.
+// panels outer, rows inner: a (K x panel) block of B stays in cache for all rows.  The
+// panel is as wide as the register file allows a 6-row tile: 64 columns with AVX-512
+// (24 of 32 zmm accumulate), 16 with 16 registers (AVX2: 12 of 16 ymm; NEON: 6 x 16 in
+// 24 of 32 q registers), where a wider panel would spill the accumulators every step.
+#ifdef __AVX512F__
+constexpr int64_t kGemmPanel = 64;
+#else
+constexpr int64_t kGemmPanel = 16;
+#endif
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                  float* C, int64_t ldc, bool accumulate) {
   constexpr int kPer16 = 16 / kKernelLanes;  // kernel vectors in 16 floats
-  for (int64_t j = 0; j < N; j += 64) {
+  for (int64_t j = 0; j < N; j += kGemmPanel) {
     const float* b = B + j;
     float* c = C + j;
-    switch (std::min<int64_t>(4, (N - j) / 16)) {
+    switch (std::min<int64_t>(kGemmPanel, N - j) / 16) {
       case 4: gemm_panel<4 * kPer16>(M, K, A, lda, b, ldb, c, ldc, accumulate); break;
       case 3: gemm_panel<3 * kPer16>(M, K, A, lda, b, ldb, c, ldc, accumulate); break;
       case 2: gemm_panel<2 * kPer16>(M, K, A, lda, b, ldb, c, ldc, accumulate); break;
@@ -210,7 +218,7 @@ inline void pack_b_panel(bool tb, const float* B, int64_t ldb, int64_t pc, int64
       for (int64_t p = 0; p < kc; ++p) {
         const float* s = B + (pc + p) * ldb + j0;
 #pragma GCC unroll 8
-        for (int j = 0; j < kNR; j += 16) store(dst + p * kNR + j, load(s + j));
+        for (int j = 0; j < kNR; j += kLanes) store(dst + p * kNR + j, load(s + j));
       }
     } else {
       for (int64_t p = 0; p < kc; ++p) {
@@ -255,7 +263,9 @@ inline void pack_a_t(const float* A, int64_t lda, int64_t pc, int64_t kc, int64_
       for (; r < nfast; ++r)
         *reinterpret_cast<vf8u*>(d + r * pstr) = *reinterpret_cast<const vf8u*>(s + r * kMR);
     } else {
-      for (; r < nfast; ++r) store(d + r * pstr, load(s + r * kMR));
+      for (; r < nfast; ++r)
+        for (int w = 0; w < W; w += 8)
+          *reinterpret_cast<vf8u*>(d + r * pstr + w) = *reinterpret_cast<const vf8u*>(s + r * kMR + w);
     }
     for (; r < npanels; ++r)
       for (int64_t i = 0; i < kMR; ++i) {
@@ -471,7 +481,7 @@ void sgemm(Run&& run, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
         for (int64_t s = 0; s + 1 < pl.ks; ++s) {
           const float* q = part + s * M * N + i * N;
           int64_t j = 0;
-          for (; j + 16 <= N; j += 16) store(c + j, load(c + j) + load(q + j));
+          for (; j + kLanes <= N; j += kLanes) store(c + j, load(c + j) + load(q + j));
           for (; j < N; ++j) c[j] += q[j];
         }
       }

@@ -1,10 +1,14 @@
 // Vector helpers shared by the kernel's files, written with GCC's vector extensions (GCC
 // and Clang): the compiler maps them to the instruction set of the -march in effect.
 //
-//   vf:  16 floats (one AVX-512 register, two AVX2 ones), the attention's row vectors.
-//   vi:  16 int32 lanes, for masks and lane indices.
-//   kv:  the GEMM micro-kernel's vector: 16 floats with AVX-512, 8 (one ymm) otherwise,
-//        because GCC keeps arrays of 64-byte vectors in memory when it has to split them.
+//   vf:  kLanes floats, one register of the widest kind the build has: 16 with AVX-512,
+//        8 otherwise (one ymm with AVX2, two q registers with NEON).  A wider generic
+//        vector than the registers is split by the compiler, lane by lane through memory
+//        where it selects or converts, which made the AVX2 build's softmax 3x slower.
+//   vi:  kLanes int32 lanes, for masks and lane indices.
+//   kv:  the GEMM micro-kernel's vector, the same width.
+//   kPad: 16 floats (64 bytes, a cache line), the unit the kernel pads rows and tiles to,
+//        on every build; a multiple of kLanes, so whole vectors cover a padded row.
 // Loads and stores are unaligned (4-byte aligned types): the kernel's rows start anywhere.
 #pragma once
 #pragma GCC diagnostic push
@@ -18,14 +22,33 @@
 
 namespace twin {
 
+constexpr int kPad = 16;
+#ifdef __AVX512F__
 constexpr int kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64)));
+#else
+constexpr int kLanes = 8;
+#endif
+static_assert(kPad % kLanes == 0, "a padded row must be whole vectors");
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef float vfu __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 
 inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
+// A broadcast (an initialiser, which the compilers turn into one instruction; a loop
+// over the lanes became a chain of inserts).
+#ifdef __AVX512F__
 inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
+#endif
+// 0, 1, ..., kLanes - 1.
+inline vi lane_indices() {
+  vi v;
+#pragma GCC unroll 16
+  for (int j = 0; j < kLanes; ++j) v[j] = j;
+  return v;
+}
 // The lanes' sum, lane 0 first.
 inline float sum_lanes(vf x) {
   float sum = 0.0f;
@@ -34,20 +57,11 @@ inline float sum_lanes(vf x) {
 }
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-#ifdef __AVX512F__
-constexpr int kKernelLanes = 16;
-#else
-constexpr int kKernelLanes = 8;
-#endif
-typedef float kv __attribute__((vector_size(4 * kKernelLanes)));
-typedef float kvu __attribute__((vector_size(4 * kKernelLanes), aligned(4)));
-inline kv kload(const float* p) { return *reinterpret_cast<const kvu*>(p); }
-inline void kstore(float* p, kv x) { *reinterpret_cast<kvu*>(p) = x; }
-#ifdef __AVX512F__
-inline kv ksplat(float s) { return kv{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-#else
-inline kv ksplat(float s) { return kv{s, s, s, s, s, s, s, s}; }
-#endif
+constexpr int kKernelLanes = kLanes;
+typedef vf kv;
+inline kv kload(const float* p) { return load(p); }
+inline void kstore(float* p, kv x) { store(p, x); }
+inline kv ksplat(float s) { return splat(s); }
 
 // 8 floats, for copies of short row segments.
 typedef float vf8u __attribute__((vector_size(32), aligned(4)));
