@@ -315,7 +315,7 @@ def auto_declines() -> str | None:
     return _declines_for(isa)
 
 
-def _cpu_widest() -> str | None:
+def cpu_instruction_set() -> str | None:
     """The widest x86 vector instruction set among this CPU's flags (None: none read)."""
     flags = _cpu_flags_line().split(":", 1)[-1].split()
     return next((isa for isa, flag in _NEEDS_FLAG.items() if flag in flags), None)
@@ -328,7 +328,7 @@ def _declines_for(isa: str) -> str | None:
     in benchmarks/results/<cpu>/cpu-isa.md)."""
     if isa not in _TUNED_FOR:
         return f"the CPU kernel is not tuned for this instruction set ({isa}): blockwise is faster"
-    widest = _cpu_widest()
+    widest = cpu_instruction_set()
     if widest is not None and widest in _TUNED_FOR and _TUNED_FOR.index(widest) < _TUNED_FOR.index(isa):
         return (f"the CPU kernel is built for {isa} but this CPU has {widest}, which XLA's GEMMs use: "
                 "blockwise is faster")
