@@ -38,7 +38,7 @@ COMPILE_SYSTEM = "ours-torch-compile"
 # Timed-run ratios printed under every table (when both systems were measured):
 # numerator / denominator of the median forward time, below 1.0 = the numerator is faster.
 RATIOS = (
-    ("ours-jax-auto", "ours-torch-sdpa"), ("ours-jax-auto", "flax-nnx-mha"),
+    ("ours-jax-auto", "ours-torch-sdpa"), ("ours-jax-auto", "flax-nnx-mha"), ("ours-jax-auto", "ours-jax-blockwise"),
     ("ours-jax-fused", "ours-torch-sdpa"), ("ours-jax-fused", "flax-nnx-mha"),
     ("core-jax-fused", "core-torch-fused"), ("core-jax-fused", "core-jax-cudnn"),
 )
@@ -178,7 +178,7 @@ def cpu_target_configs() -> list[Config]:
 # torch's own multi-head attention, which materialise the weights) stop at S = 4096: at
 # S = 16384 one head's float32 weights alone are 1 GiB, and B1 H4 needs 4 of them at once.
 CPU_SWEEP_SHAPES = ((32, 128, 4), (4, 1024, 8), (1, 4096, 8), (1, 16384, 4), (1, 32768, 4))
-CPU_SWEEP_SYSTEMS = ("ours-jax-auto", "ours-torch-sdpa", "flax-nnx-mha", "torch-nn-mha")
+CPU_SWEEP_SYSTEMS = ("ours-jax-auto", "ours-jax-blockwise", "ours-torch-sdpa", "flax-nnx-mha", "torch-nn-mha")
 QUADRATIC_SYSTEMS = ("flax-nnx-mha", "torch-nn-mha")
 
 
