@@ -142,3 +142,31 @@ def test_a_donated_cache_is_updated_in_place(implementation: str) -> None:
     assert header.count("may-alias") + header.count("must-alias") == len(cache)
     entry = text[text.index("\nENTRY"):]
     assert not [line for line in entry.splitlines() if " copy(" in line and "[4,2,1024,8]" in line]
+
+
+@needs_jax
+def test_latent_attention_records_an_overflow_under_jit_too() -> None:
+    """The latent cache takes the same guarded write: a jitted step past max_len writes
+    nothing and records it; the next eager call raises the eager text."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jax_attention
+    from attention_spec.rope import RopeConfig
+
+    m = jax_attention.MultiHeadLatentAttention(
+        d_in=16, num_heads=4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=6, v_head_dim=7,
+        q_lora_rank=None, rope=RopeConfig(theta=10000.0), rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 16)).astype(np.float32))
+    step = nnx.jit(lambda m, x, cache: m(x, cache=cache))
+    _, cache = step(m, x[:, :3], m.init_cache(2, 4))
+    eager = pytest.raises(ValueError, match="cannot take 2 more")
+    with eager as before:
+        m(x[:, 3:5], cache=cache)
+    out, failed = jax.block_until_ready(step(m, x[:, 3:5], cache))
+    assert np.isnan(np.asarray(out)).all() and np.asarray(failed.overflow).tolist() == [3, 2]
+    np.testing.assert_array_equal(np.asarray(failed.key), np.asarray(cache.key))
+    with pytest.raises(ValueError) as after:
+        m(x[:, 3:4], cache=failed)
+    assert str(after.value) == str(before.value)
