@@ -69,11 +69,19 @@ def _decode(flax_m: Any, x: np.ndarray, prompt: int, max_len: int, implementatio
 
 
 @needs_both
+@pytest.mark.parametrize("by_example", [False, True], ids=["batched", "by-example"])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["grouped", "mha"])
 @pytest.mark.parametrize("implementation", PATHS)
-def test_decoding_equals_the_oracle_and_the_full_forward(implementation: str, heads: tuple[int, int]) -> None:
+def test_decoding_equals_the_oracle_and_the_full_forward(implementation: str, heads: tuple[int, int],
+                                                         by_example: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt of 124, a chunk of 3 and 13 single tokens, jitted and donated, with a
-    cache of max_len 1000 (buckets 128, 256, 512, 1000): the fill crosses 128 under jit."""
+    cache of max_len 1000 (buckets 128, 256, 512, 1000): the fill crosses 128 under jit.
+    ``by_example``: every bucket counts as long, so one-token steps attend example by
+    example (``_DECODE_BYTES``), as a large batch with a long fill does."""
+    from jax_attention import _base
+
+    if by_example:
+        monkeypatch.setattr(_base, "_DECODE_BYTES", 0)
     torch_m, flax_m = _pair(16, *heads)
     x = np.random.default_rng(1).standard_normal((2, 140, 16)).astype(np.float32)
     got, cache = _decode(flax_m, x, 124, 1000, implementation, chunks=(3,))
