@@ -61,23 +61,42 @@ def check_cache_context(max_len: int, context_length: int | None) -> None:
         )
 
 
+def cache_room_message(index_max: int, new: int, max_len: int) -> str:
+    return (
+        f"the KV cache holds {index_max} of max_len={max_len} positions and cannot take "
+        f"{new} more; init_cache with a larger max_len"
+    )
+
+
 def check_cache_room(index_max: int, new: int, max_len: int) -> None:
     """A decode step appends ``new`` positions to a cache that holds ``index_max`` (the
     fullest example's) of ``max_len``."""
     if index_max + new > max_len:
-        raise ValueError(
-            f"the KV cache holds {index_max} of max_len={max_len} positions and cannot take "
-            f"{new} more; init_cache with a larger max_len"
-        )
+        raise ValueError(cache_room_message(index_max, new, max_len))
+
+
+def check_cache_overflow_record(fill: int, new: int, max_len: int) -> None:
+    """A cache whose record says that a compiled step (which cannot raise) ran past
+    ``max_len``: ``(fill, new)``, the fullest fill and the positions that step brought,
+    ``new`` 0 for none.  Raises the ValueError that the eager call would have raised."""
+    if new:
+        raise ValueError(cache_room_message(fill, new, max_len))
 
 
 def check_cache(fields: Any, batch: int, kv_heads: int, key_width: int, value_width: int) -> int:
     """A KV cache ``(key, value, lengths)`` from ``init_cache``: key (B, Hkv, max_len, D),
     value (B, Hkv, max_len, Dv), lengths (B,) integers; returns max_len.  ``fields`` holds
-    each field's (shape, dtype name), or is None for something that is not a cache."""
+    each field's (shape, dtype name), or is None for something that is not a cache; a
+    fourth entry, Flax's overflow record, is None or integers of shape (2,)."""
     if fields is None:
         raise TypeError(CACHE_NEEDS_INIT_MESSAGE.format(got="something else"))
-    (key, key_dtype), (value, value_dtype), (index, index_dtype) = ((as_shape(s), d) for s, d in fields)
+    (key, key_dtype), (value, value_dtype), (index, index_dtype) = ((as_shape(s), d) for s, d in fields[:3])
+    record = fields[3] if len(fields) > 3 else None  # Flax's overflow record of a compiled step
+    if record is not None and (as_shape(record[0]) != (2,) or not record[1].startswith(("int", "uint"))):
+        raise ValueError(
+            f"the cache's overflow record must be integers of shape (2,) (init_cache makes it); got "
+            f"shape {as_shape(record[0])} of {record[1]}"
+        )
     max_len = key[2] if len(key) == 4 else -1
     want = (batch, kv_heads, max_len, key_width), (batch, kv_heads, max_len, value_width), (batch,)
     if (key, value, index) != want or not index_dtype.startswith(("int", "uint")):

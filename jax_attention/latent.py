@@ -19,7 +19,8 @@ from attention_spec.cache import check_cache_context, check_cache_dtype, check_c
 from attention_spec.latent import cache_bytes_per_token, check_latent_call, softmax_scale
 from attention_spec.options import check_positive_int
 from jax_attention import functional
-from jax_attention._base import AttentionModule, _Call
+from jax_attention._base import AttentionModule, _Call, _unless
+from jax_attention._cache import append_to_cache
 
 
 class MultiHeadLatentAttention(AttentionModule):
@@ -130,12 +131,13 @@ class MultiHeadLatentAttention(AttentionModule):
             jnp.zeros((batch_size, 1, max_len, latent), dtype),
             jnp.zeros((batch_size, 1, max_len, rope), dtype),
             jnp.zeros((batch_size,), jnp.int32),
+            jnp.zeros((2,), jnp.int32),
         )
 
     @staticmethod
     def cache_bytes_per_token(cache: functional.KVCache) -> int:
         """Bytes a token takes in ``cache``: ``(kv_lora_rank + qk_rope_head_dim) * itemsize``."""
-        return cache_bytes_per_token((tuple(t.shape), jnp.dtype(t.dtype).itemsize) for t in cache)
+        return cache_bytes_per_token((tuple(t.shape), jnp.dtype(t.dtype).itemsize) for t in cache[:3])
 
     # ------------------------------------------------------------------ the work
 
@@ -224,16 +226,21 @@ class MultiHeadLatentAttention(AttentionModule):
                     absorb: bool = False) -> Any:
         """A decode step: x's latent and rope key appended to (a new) cache, then x attends
         to every filled position (keys and values rebuilt from the cache, or absorbed),
-        query t of example b at key position lengths[b] + t; fixed shapes (max_len)."""
-        cache = call.cache
-        batch, seq = call.x.shape[0], call.x.shape[1]
-        lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((batch,), seq, jnp.int32)
-        start = cache.lengths
+        query t of example b at key position lengths[b] + t; fixed shapes (max_len), the
+        attention over the first positions up to the fullest fill, a step past max_len
+        under jit recorded in the cache (as ``AttentionModule._run_cached``)."""
+        start = call.cache.lengths
         q, latent, k_rope = self._latent_inputs(call.x, call.implementation, call.positions, start)
-        cache = functional.append_to_cache(cache, latent, k_rope, lengths)
-        result = self._mix(call, q, cache.key.astype(q.dtype), cache.value.astype(q.dtype), return_weights, key,
-                           absorb, kv_lengths=start + lengths, q_offset=start, alignment="top_left")
+        cache, ok = append_to_cache(call.cache, latent, k_rope, self._new_lengths(call))
+        filled = cache.lengths  # after the write (the same as before on an overflow)
+
+        def attend(c: _Call, n: int) -> Any:
+            latents, ropes = (t[:, :, :n].astype(q.dtype) for t in (cache.key, cache.value))
+            return self._mix(c, q, latents, ropes, return_weights, key, absorb, kv_lengths=filled, q_offset=start,
+                             alignment="top_left")
+
+        result = self._over_filled(call, attend, filled, int(cache.key.shape[2]), return_weights)
+        out = self._out(result, return_weights, call.implementation)
         if return_weights:
-            out, weights = self._out(result, True, call.implementation)
-            return out, weights, cache
-        return self._out(result, False, call.implementation), cache
+            return _unless(ok, out[0]), _unless(ok, out[1]), cache
+        return _unless(ok, out), cache

@@ -3,8 +3,8 @@
 A refused cached call changes nothing, its cache included, and does no work; a cache
 holds floating-point keys and values and never more than ``context_length`` positions;
 PyTorch differentiates through several cached steps as JAX does (gradients equal the
-full forward's); under ``jit`` the error for a full cache has the eager text and an
-undonated cache survives it; ``kv_lengths`` may be a list holding traced values; a
+full forward's); under ``jit`` a step past ``max_len`` records the error in the cache
+and the next eager use raises the eager text (an undonated cache survives it); ``kv_lengths`` may be a list holding traced values; a
 context in the wrong dtype is named as the context; batch 0 has correct messages.  The
 texts are also cases of the error table (test_errors.py), which checks them identical in
 both twins, raised before any work, the module unchanged.
@@ -227,9 +227,11 @@ ROOM_TEXT = "the KV cache holds 3 of max_len=4 positions and cannot take 2 more;
 
 
 @needs_jax
-def test_jit_step_past_max_len_has_the_eager_text_and_keeps_the_cache() -> None:
-    """Under jit the error is a runtime error whose message holds the eager text exactly;
-    the caller's (undonated) cache is untouched and serves the next step."""
+def test_jit_step_past_max_len_records_the_error_and_the_next_eager_use_raises_it() -> None:
+    """A compiled step cannot raise without a host round trip: one that runs past max_len
+    writes nothing, keeps the fill, returns NaN and records (fill, new) in the cache; the
+    next eager use (a call, or ``check()``) raises the eager text exactly, later compiled
+    steps on that cache keep the record; the caller's (undonated) cache serves on."""
     import jax
     from flax import nnx
 
@@ -239,18 +241,26 @@ def test_jit_step_past_max_len_has_the_eager_text_and_keeps_the_cache() -> None:
     _, cache = step(m, x[:, :3], m.init_cache(2, 4))
     eager = _error(lambda: m(x[:, 3:5], cache=cache))
     assert isinstance(eager, ValueError) and str(eager) == ROOM_TEXT
-    jitted = _error(lambda: jax.block_until_ready(step(m, x[:, 3:5], cache)))
-    assert ROOM_TEXT in str(jitted), str(jitted)
-    assert np.asarray(cache.lengths).tolist() == [3, 3]
-    out, cache = step(m, x[:, 3:4], cache)
+    out, failed = jax.block_until_ready(step(m, x[:, 3:5], cache))
+    assert np.isnan(np.asarray(out)).all()
+    assert np.asarray(failed.lengths).tolist() == [3, 3] and np.asarray(failed.overflow).tolist() == [3, 2]
+    for before, after in zip(_cache_values(cache)[:2], _cache_values(failed)[:2], strict=True):
+        np.testing.assert_array_equal(after, before)  # nothing written
+    for use in (lambda: m(x[:, 3:4], cache=failed), failed.check):
+        err = _error(use)
+        assert isinstance(err, ValueError) and str(err) == ROOM_TEXT, str(err)
+    out, again = step(m, x[:, 3:4], failed)  # fits by itself, but the cache holds the record
+    assert np.isnan(np.asarray(out)).all() and np.asarray(again.overflow).tolist() == [3, 2]
+    assert np.asarray(again.lengths).tolist() == [3, 3]
+    out, cache = step(m, x[:, 3:4], cache.check())
     np.testing.assert_allclose(np.asarray(out), np.asarray(m(x[:, :4]))[:, 3:], rtol=1e-5, atol=1e-5)
 
 
 @needs_jax
-def test_a_donated_cache_is_gone_after_a_failed_step_as_documented() -> None:
-    """Donation hands the cache's buffers to the step before it runs: a step that fails
-    (past max_len) leaves the caller without a cache.  The docs say so, and say how to
-    keep it (check the room first, or do not donate)."""
+def test_a_donated_cache_comes_back_with_the_record_after_an_overflow() -> None:
+    """Donation hands the cache's buffers to the step: the caller's old cache is deleted,
+    and the one returned holds the overflow record, which the next eager use raises.
+    The docs say so (``__call__`` and ``KVCache``)."""
     import jax
     from flax import nnx
 
@@ -260,13 +270,15 @@ def test_a_donated_cache_is_gone_after_a_failed_step_as_documented() -> None:
     x = _array("flax", _x())
     step = nnx.jit(lambda m, token, cache: m(token, cache=cache), donate_argnums=2)
     _, cache = step(m, x[:, :3], m.init_cache(2, 4))
-    jitted = _error(lambda: jax.block_until_ready(step(m, x[:, 3:5], cache)))
-    assert ROOM_TEXT in str(jitted)
+    out, failed = jax.block_until_ready(step(m, x[:, 3:5], cache))
     assert all(t.is_deleted() for t in cache)
+    assert np.isnan(np.asarray(out)).all() and np.asarray(failed.lengths).tolist() == [3, 3]
+    err = _error(lambda: m(x[:, 3:4], cache=failed))
+    assert isinstance(err, ValueError) and str(err) == ROOM_TEXT
     doc = " ".join(str(jax_attention.MultiHeadAttention.__call__.__doc__).split())
-    assert "donate_argnums" in doc and "deleted" in doc
+    assert "donate_argnums" in doc and "overflow" in doc and "check()" in doc
     cache_doc = " ".join(str(jax_attention.functional.KVCache.__doc__).split())
-    assert "donate_argnums" in cache_doc
+    assert "donate_argnums" in cache_doc and "in place" in cache_doc
 
 
 # --------------------------------------------------------------------------- kv_lengths as a list of traced values
