@@ -440,8 +440,6 @@ class AttentionModule(nnx.Module):
         that runs past max_len (possible only under jit) writes nothing and returns NaN
         outputs and the cache with its overflow record (``append_to_cache``)."""
         folded = self._folds(call, return_weights)
-        if folded and call.implementation == "auto" and jax.default_backend() == "cpu":
-            call = call._replace(implementation="reference")  # one token: measured the fastest on CPU
         q, k, v = self._project(call.x, None, None, call.implementation)
         start = call.cache.lengths
         q, k = self._rotate(q, k, call.positions, start)
@@ -479,10 +477,9 @@ class AttentionModule(nnx.Module):
         repeats the cache's keys and values per query head (a copy of the cache each
         step).  The causal mask is dropped: the token sits at its example's fill, so the
         keys it may see are exactly the ``kv_lengths`` (the fill after the write) that
-        every row keeps, whatever the path.  On CPU, ``"auto"`` takes the reference math
-        for such a step (projections included): for one token it is the fastest path
-        (measured: 66 us a step at batch 1, 277 at batch 8, against 64 / 447 blockwise and
-        166 / 433 on the library's kernel, d_model 512, 8 / 2 heads, 256 positions)."""
+        every row keeps, whatever the path.  (On CPU, ``"auto"`` then runs the explicit
+        math, as ``functional.route`` says of so few query rows, and XLA's dot for the
+        projections of so few tokens: ``functional.FEW_QUERY_ROWS``, ``_linear.FEW_ROWS``.)"""
         spec = self.spec
         return (call.x.shape[1] == 1 and spec.window is None and not spec.sinks and not return_weights
                 and not self._draws(call)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -17,6 +18,10 @@ from jax_attention import _cpu_kernel
 from jax_attention._cpu_fused import candidate, confirm
 from jax_attention._reference import Precision
 
+# "auto" leaves a product of at most this many rows of x (a decode step's tokens) to XLA's
+# dot: the kernel's thread pool and packing cost more than such a product.
+FEW_ROWS = 16
+
 
 def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = None,
            precision: Precision = None, implementation: str = "auto") -> Array:
@@ -25,16 +30,18 @@ def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = N
     type), the bias added after the product.
 
     ``implementation`` is the attention call's.  ``"fused"`` (and ``"auto"`` where the
-    kernel is tuned for the CPU, AVX-512) run a float32 product on the library's CPU
-    matrix-product kernel (``_cpu_kernel.matmul``, built with the attention kernel on
-    first use; see ``cpu_kernel_supports``), forward and backward; every other case is XLA's dot at
+    kernel is tuned for the CPU, ``_cpu_kernel.auto_declines``, and x has more than
+    ``FEW_ROWS`` rows) run a float32 product on the library's CPU matrix-product kernel
+    (``_cpu_kernel.matmul``, built with the attention kernel on first use; see
+    ``cpu_kernel_supports``), forward and backward; every other case is XLA's dot at
     ``precision``.  The two differ only in the order of the sums."""
     implementation = check_implementation(implementation)
     check_linear(tuple(x.shape), tuple(kernel.shape), None if bias is None else tuple(bias.shape), layout="in_out")
     operands = (x, kernel) if bias is None else (x, kernel, bias)
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*operands)
     x, kernel = x.astype(dtype), kernel.astype(dtype)
-    if candidate(x, implementation) and confirm(implementation) and dtype == jnp.float32:
+    few = implementation == "auto" and math.prod(x.shape[:-1]) <= FEW_ROWS
+    if not few and candidate(x, implementation) and confirm(implementation) and dtype == jnp.float32:
         y = _kernel_linear(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
     else:
         y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)

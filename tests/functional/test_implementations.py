@@ -192,8 +192,9 @@ def _key():
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_auto_takes_the_fast_path(fw):
-    """auto is SDPA in PyTorch; in JAX the blockwise path on CPU and the fused one on a
-    GPU or TPU (the backend JAX computes on here)."""
+    """auto is SDPA in PyTorch; in JAX the fused path on a GPU or TPU (the backend JAX
+    computes on here) and, on CPU, the explicit math for these 5 query rows (at most
+    ``FEW_QUERY_ROWS``, as a decode step has), else the blockwise path (below)."""
     rng = np.random.default_rng(0)
     mask = rng.random((2, 2, 5, 5)) < 0.5
     auto = functional_call(fw, "auto", mask=mask, causal=True)
@@ -202,8 +203,29 @@ def test_auto_takes_the_fast_path(fw):
     else:
         import jax
 
-        fast = "blockwise" if jax.default_backend() == "cpu" else "fused"
+        fast = "reference" if jax.default_backend() == "cpu" else "fused"
     assert np.array_equal(np.asarray(auto), np.asarray(functional_call(fw, fast, mask=mask, causal=True)))
+
+
+def test_auto_on_cpu_by_query_rows():
+    """JAX on CPU: ``route`` says that a call of at most ``FEW_QUERY_ROWS`` query rows runs
+    the explicit math, and why; one more row takes the fast path (the kernel or blockwise)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention.functional import FEW_QUERY_ROWS, route
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU's rule")
+    for rows in (1, FEW_QUERY_ROWS):
+        q = jnp.ones((2, 4, rows, 8), jnp.float32)
+        k = jnp.ones((2, 4, 300, 8), jnp.float32)
+        chosen = route(q, k, k, causal=True)
+        assert chosen.path == "reference", chosen.explain()
+        assert any(f"{rows} query rows (at most {FEW_QUERY_ROWS}" in reason for reason in chosen.reasons), chosen
+    q = jnp.ones((2, 4, FEW_QUERY_ROWS + 1, 8), jnp.float32)
+    assert route(q, k, k, causal=True).path in ("fused", "blockwise")
+    assert route(q[:, :, :1], k, k, implementation="blockwise").path == "blockwise"  # asked for: taken
 
 
 def test_auto_resolution_rules():
