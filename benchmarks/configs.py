@@ -24,7 +24,7 @@ MODULE_SYSTEMS = (
 # The core systems time the attention function alone on q, k, v of shape (B, H, S, D)
 # (or the kernel's own layout): no projections, so their TFLOP/s are the kernel's.
 CORE_SYSTEMS = (
-    "core-jax-fused",  # jax_attention.functional.dot_product_attention(implementation="fused")
+    "core-jax-fused",  # jax_attention.functional.dot_product_attention(implementation="fused", layout="bshd")
     "core-jax-cudnn",  # jax.nn.dot_product_attention(implementation="cudnn") on (B, S, H, D): what "fused" wraps
     "core-flax",  # flax.nnx.dot_product_attention, flax.nnx.MultiHeadAttention's default
     "core-torch-fused",  # torch_attention.functional.dot_product_attention(implementation="fused")

@@ -1,13 +1,14 @@
 """``auto`` against the paths it chooses between, for one build of the CPU kernel:
 ``python -m benchmarks.cpu_isa`` (``--march x86-64-v3`` by default: AVX2, no AVX-512).
 
-Issue 24 measured the kernel built for AVX2 (a Zen 3) at 2-5x the blockwise path's time,
-so ``auto`` takes the kernel only where it is built for AVX-512.  This times JAX's
+``auto`` takes the kernel where it is built for the widest vectors the CPU has (AVX-512,
+or AVX2 on an AVX2 CPU; ``jax_attention._cpu_kernel.auto_declines``).  This times JAX's
 attention core, ``dot_product_attention(causal=True)`` under jit, on ``auto``,
-``blockwise`` and ``fused`` (the kernel), forward and forward + backward, float32, at
-B4 H8 S1024 and B32 H4 S128 (head_dim 64), with the kernel built for ``--march`` (a
-cache of its own per target, under ``$TWIN_ATTENTION_CACHE``).  ``--march native``
-times this CPU's own build.  One process, the paths alternating run by run in a rotating order; run it on
+``blockwise`` and ``fused`` (the kernel), and PyTorch's ``F.scaled_dot_product_attention``
+beside them (``torch``: with ``$ATEN_CPU_CAPABILITY=avx2`` its AVX2 kernels), forward
+and forward + backward, float32, at B4 H8 S1024 and B32 H4 S128 (head_dim 64), with the
+kernel built for ``--march`` (a cache of its own per target, under
+``$TWIN_ATTENTION_CACHE``).  ``--march native`` times this CPU's own build.  One process, the paths alternating run by run in a rotating order; run it on
 a quiet machine (``uptime``'s load well under 1), it prints the load it started at.
 """
 
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 SHAPES = ((4, 8, 1024, 64), (32, 4, 128, 64))  # (B, H, S, D)
-PATHS = ("auto", "blockwise", "fused")
+PATHS = ("auto", "blockwise", "fused", "torch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,13 +38,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
     import jax.numpy as jnp
+    import torch
 
     from jax_attention import _cpu_kernel
     from jax_attention.functional import dot_product_attention
 
     assert _cpu_kernel.available(), _cpu_kernel.build_error()
-    print(f"load average at start: {os.getloadavg()[0]:.2f}; -march={args.march}: kernel built for "
-          f"{_cpu_kernel.instruction_set()}; auto: {_cpu_kernel.auto_declines() or 'takes the kernel'}")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; CPU: {_cpu_kernel.cpu_instruction_set()}; "
+          f"-march={args.march}: kernel built for {_cpu_kernel.instruction_set()}; "
+          f"auto: {_cpu_kernel.auto_declines() or 'takes the kernel'}; torch: {torch.backends.cpu.get_cpu_capability()}")
     print(f"median ms of {args.runs} runs (jit, float32, causal)\n")
     print("| B H S D | phase | " + " | ".join(PATHS) + " |")
     print("|---|---|" + "---|" * len(PATHS))
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch, heads, seq, width in SHAPES:
         q, k, v = (jnp.asarray(rng.standard_normal((batch, heads, seq, width)), jnp.float32) for _ in range(3))
         calls: dict[str, dict[str, Callable[..., object]]] = {"forward": {}, "forward+backward": {}}
-        for path in PATHS:
+        for path in PATHS[:-1]:
             def attend(q_: jax.Array, k_: jax.Array, v_: jax.Array, path: str = path) -> jax.Array:
                 out = dot_product_attention(q_, k_, v_, causal=True, implementation=path)
                 assert isinstance(out, jax.Array)
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
             calls["forward"][path] = jax.jit(attend)
             calls["forward+backward"][path] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        calls["forward"]["torch"], calls["forward+backward"]["torch"] = _torch_calls(q, k, v)
         for phase, by_path in calls.items():
             times: dict[str, list[float]] = {path: [] for path in PATHS}
             for fn in by_path.values():  # compile and warm up
@@ -80,6 +84,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {batch} {heads} {seq} {width} | {phase} | {cells} |")
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def _torch_calls(q: object, k: object, v: object) -> tuple[Callable[..., object], Callable[..., object]]:
+    """PyTorch's SDPA on copies of the same inputs: forward, and forward + backward (the
+    gradients of q, k and v), as callables of the JAX arrays' signature."""
+    import torch
+    import torch.nn.functional as F
+
+    tq, tk, tv = (torch.from_numpy(np.asarray(a).copy()) for a in (q, k, v))
+
+    def forward(*_: object) -> object:
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+
+    def forward_backward(*_: object) -> object:
+        leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
+        F.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
+        return [t.grad for t in leaves]
+
+    return forward, forward_backward
 
 
 if __name__ == "__main__":

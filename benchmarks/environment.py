@@ -29,7 +29,7 @@ def host_environment() -> dict[str, Any]:
         "device": gpus[0]["name"] if gpus else f"{cpu_model} ({cores} cores)",
         "gpus": gpus,
         "driver": gpus[0]["driver"] if gpus else None,
-        "cpu": {"model": cpu_model, "cores": cores},
+        "cpu": {"model": cpu_model, "cores": cores, **instruction_sets()},
         "load_average_at_start": load_average(),
         "cpu_busy_at_start": cpu_busy(),
         "python": platform.python_version(),
@@ -43,6 +43,24 @@ def host_environment() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return env
+
+
+def instruction_sets() -> dict[str, Any]:
+    """What decides the CPU path's speed: ``isa``, the widest vector instruction set among
+    the CPU's flags; ``kernel_isa``, the one the library's CPU kernel is (or would be)
+    built for, asked without building it; ``kernel_march``, ``$TWIN_ATTENTION_MARCH``
+    (None: native); and ``auto_declines``, why ``auto`` passes the kernel by (None: it
+    takes it).  The kernel's entries are None where JAX is missing."""
+    out: dict[str, Any] = {"isa": None, "kernel_isa": None,
+                           "kernel_march": os.environ.get("TWIN_ATTENTION_MARCH") or None, "auto_declines": None}
+    try:
+        from jax_attention import _cpu_kernel
+    except ImportError:
+        return out
+    out["isa"] = _cpu_kernel.cpu_instruction_set()
+    out["kernel_isa"] = _cpu_kernel.predicted_instruction_set()
+    out["auto_declines"] = _cpu_kernel.auto_would_decline()
+    return out
 
 
 def load_average() -> list[float] | None:
@@ -136,6 +154,7 @@ def runtime_environment(framework: str) -> dict[str, Any]:
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "num_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # its kernels' vectors ($ATEN_CPU_CAPABILITY)
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),

@@ -2,6 +2,8 @@
 # Everything a GPU session does, in phases that each fit one 10-minute command:
 #
 #   bash benchmarks/gpu_session.sh check                # GPU paths against the reference, fused/auto tests
+#   bash benchmarks/gpu_session.sh short [BUDGET_S]     # one call of a short lease: the GPU table, the
+#                                                       # fused/auto tests for 240 s, the cores at S 4k/16k
 #   bash benchmarks/gpu_session.sh suite                # the rest of the suite, through nox -s tests-cuda
 #   bash benchmarks/gpu_session.sh core [BUDGET_S]      # the sweep: every kernel alone (CORE_SYSTEMS)
 #   bash benchmarks/gpu_session.sh modules [BUDGET_S]   # the sweep: ours, Flax's and torch's modules
@@ -48,6 +50,26 @@ case "$phase" in
     suite=${PIPESTATUS[0]}
     echo "gpu table exit $table, fused/auto tests exit $suite"
     [ "$table" = 0 ] && [ "$suite" = 0 ]
+    exit $?
+    ;;
+  short)
+    # For a lease of about 15 minutes: the GPU table (every option), the fused/auto tests
+    # (cut off after 240 s: what ran is in the log), then the cores against each other at
+    # S 4096 and 16384 (ours with layout="bshd", as cuDNN takes it) for BUDGET_S seconds.
+    tests_on_gpu
+    python -m benchmarks.routes 2>&1 | tee "$log/routes.log" | tail -5
+    python -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 tests/kernels/test_gpu.py \
+      --junitxml="$log/gpu-table.xml" 2>&1 | tee "$log/gpu-table.log" | tail -15
+    table=${PIPESTATUS[0]}
+    timeout 240 python -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 tests \
+      -k "fused or auto" --deselect tests/kernels/test_gpu.py 2>&1 | tee "$log/gpu-suite.log" | tail -25
+    suite=${PIPESTATUS[0]}
+    unset XLA_FLAGS
+    mkdir -p "$log/core"
+    python -m benchmarks --systems core-jax-fused,core-jax-cudnn,core-torch-sdpa-cudnn,core-torch-sdpa-flash \
+      --seq 4096,16384 --out "$log/core" --budget-s "${2:-150}" 2>&1 | tee "$log/core.log" | tail -30
+    echo "gpu table exit $table, fused/auto tests exit $suite (124: cut off)"
+    [ "$table" = 0 ]
     exit $?
     ;;
   suite)

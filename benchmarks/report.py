@@ -37,6 +37,15 @@ def write(results: dict[str, Any], out_dir: Path) -> list[Path]:
 # --------------------------------------------------------------------------- text
 
 
+def _isa(cpu: dict[str, Any]) -> str:
+    """The CPU's instruction set and the CPU kernel's build, where the results record them."""
+    if cpu.get("isa") is None and cpu.get("kernel_isa") is None:
+        return ""
+    march = cpu.get("kernel_march") or "native"
+    auto = "auto takes it" if cpu.get("auto_declines") is None else f"auto passes it by: {cpu['auto_declines']}"
+    return f"; instruction set {cpu.get('isa')}; CPU kernel built for {cpu.get('kernel_isa')} (-march={march}), {auto}"
+
+
 def environment_text(env: dict[str, Any]) -> str:
     """A few lines: device, driver, CUDA/cuDNN, versions, date, load."""
     packages = env["packages"]
@@ -44,10 +53,10 @@ def environment_text(env: dict[str, Any]) -> str:
     runtime = env.get("runtime", {})
     torch_rt, jax_rt = runtime.get("torch", {}), runtime.get("jax", {})
     lines = [
-        f"- device: {env['device']}; CPU: {env['cpu']['model']}, {env['cpu']['cores']} cores",
+        f"- device: {env['device']}; CPU: {env['cpu']['model']}, {env['cpu']['cores']} cores{_isa(env['cpu'])}",
         f"- driver: {env['driver'] or 'none (no NVIDIA GPU)'}; "
         f"torch CUDA {torch_rt.get('cuda')}, cuDNN {torch_rt.get('cudnn')}, device {torch_rt.get('device')}, "
-        f"{torch_rt.get('num_threads')} threads; "
+        f"{torch_rt.get('num_threads')} threads, {torch_rt.get('cpu_capability')} kernels; "
         f"jax backend {jax_rt.get('backend')} ({jax_rt.get('platform_version')}), device {jax_rt.get('device_kind')}",
         f"- versions: {versions}; Python {env['python']}; {_git(env.get('git'))}",
         f"- date: {env['date']}; CPU busy with other work at start / end: "

@@ -185,8 +185,9 @@ MALLOC_NOTES = {
 
 
 CORE_NOTE = (
-    "The core-* systems time the attention function alone on random q, k, v of shape (B, H, S, D) "
-    "((B, S, H, D) for jax.nn.dot_product_attention and Flax's, their own layout): no projections, so "
+    "The core-* systems time the attention function alone on random q, k, v in each one's own layout: "
+    "(B, S, H, D) for the JAX cores (ours with layout=\"bshd\", jax.nn.dot_product_attention and Flax's), "
+    "(B, H, S, D) for PyTorch's; no projections, so "
     "their TFLOP/s are the kernel's own; forward+backward = gradient of sum(out) with respect to q, k "
     "and v. core-torch-sdpa-* hold F.scaled_dot_product_attention to one backend (sdpa_kernel); "
     "core-torch-fused is ours, SDPA with its own choice of backend. JAX's compile flags (XLA_FLAGS) "

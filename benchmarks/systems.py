@@ -113,8 +113,9 @@ def jax_module_case(config: Config, make: Callable[[Any, Any], Any], call: Calla
 
 
 def _jax_core(config: Config, system: str) -> Case:
-    """An attention function alone on random q, k, v: (B, H, S, D) for ours, (B, S, H, D)
-    for ``jax.nn.dot_product_attention`` and Flax's, which take that layout."""
+    """An attention function alone on random q, k, v of shape (B, S, H, D): the layout that
+    ``jax.nn.dot_product_attention`` (cuDNN) and Flax's take, and ours with
+    ``layout="bshd"``, so that no core pays a transpose that another does not."""
     import jax
     import jax.numpy as jnp
 
@@ -122,9 +123,10 @@ def _jax_core(config: Config, system: str) -> Case:
         import jax_attention as ja
 
         def attend(q: Any, k: Any, v: Any) -> Any:
-            return ja.functional.dot_product_attention(q, k, v, causal=config.causal, implementation="fused")
+            return ja.functional.dot_product_attention(q, k, v, causal=config.causal, implementation="fused",
+                                                       layout="bshd")
 
-        shape = (config.batch, config.heads, config.seq, config.head_dim)
+        shape = (config.batch, config.seq, config.heads, config.head_dim)
     elif system == "core-jax-cudnn":
 
         def attend(q: Any, k: Any, v: Any) -> Any:

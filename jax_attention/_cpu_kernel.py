@@ -50,9 +50,9 @@ _SOURCE = _SOURCES / "flash_attention_cpu.cc"  # the translation unit: includes 
 _FORWARD, _BACKWARD = "twin_attention_flash_fwd", "twin_attention_flash_bwd"
 _MATMUL = "twin_attention_matmul"
 _SYMBOLS = ("TwinAttentionFlashFwd", "TwinAttentionFlashBwd", "TwinAttentionMatmul", "TwinAttentionInstructionSet")
-# The instruction sets the kernel is tuned for.  Elsewhere it is slower than the blockwise
-# path (benchmarks.cpu_isa), so "auto" passes it by there; "fused" still runs it.
-_TUNED_FOR = ("AVX-512",)
+# The instruction sets the kernel is tuned for (its vectors and tiles as wide as their
+# registers).  Elsewhere (SSE2, NEON, untimed) "auto" passes it by; "fused" still runs it.
+_TUNED_FOR = ("AVX-512", "AVX2")
 
 
 def _flags() -> tuple[str, ...]:
@@ -306,14 +306,32 @@ def instruction_set() -> str | None:
 
 def auto_declines() -> str | None:
     """Why ``implementation="auto"`` does not run the kernel on this machine, or None
-    where it does (an AVX-512 build).  Built for another instruction set the kernel is
-    slower than the blockwise path, which ``auto`` then takes; an explicit ``"fused"``
-    still runs the kernel."""
+    where it does: a build for an instruction set it is tuned for (AVX-512, AVX2) that is
+    the widest this CPU has.  Otherwise the blockwise path is faster and ``auto`` takes
+    it; an explicit ``"fused"`` still runs the kernel."""
     isa = instruction_set()
     if isa is None:
         return f"the CPU kernel is not available: {build_error()}"
+    return _declines_for(isa)
+
+
+def cpu_instruction_set() -> str | None:
+    """The widest x86 vector instruction set among this CPU's flags (None: none read)."""
+    flags = _cpu_flags_line().split(":", 1)[-1].split()
+    return next((isa for isa, flag in _NEEDS_FLAG.items() if flag in flags), None)
+
+
+def _declines_for(isa: str) -> str | None:
+    """``auto``'s word on a build for ``isa``: not tuned for it, or narrower than this CPU
+    (an AVX2 build, ``$TWIN_ATTENTION_MARCH=x86-64-v3``, on an AVX-512 CPU: XLA's own
+    GEMMs, which the blockwise path runs, use the wider vectors there and win; measured
+    in benchmarks/results/<cpu>/cpu-isa.md)."""
     if isa not in _TUNED_FOR:
         return f"the CPU kernel is not tuned for this instruction set ({isa}): blockwise is faster"
+    widest = cpu_instruction_set()
+    if widest is not None and widest in _TUNED_FOR and _TUNED_FOR.index(widest) < _TUNED_FOR.index(isa):
+        return (f"the CPU kernel is built for {isa} but this CPU has {widest}, which XLA's GEMMs use: "
+                "blockwise is faster")
     return None
 
 
@@ -383,9 +401,7 @@ def auto_would_decline() -> str | None:
     isa = predicted_instruction_set()
     if isa is None:
         return "the CPU kernel's instruction set cannot be told without building it"
-    if isa not in _TUNED_FOR:
-        return f"the CPU kernel is not tuned for this instruction set ({isa}): blockwise is faster"
-    return None
+    return _declines_for(isa)
 
 
 def _attributes(scale: float, offset: int, left: int | None, right: int | None) -> dict[str, Any]:

@@ -153,22 +153,23 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
 
 // ---------------------------------------------------------------- copies
 
-#ifdef __AVX512F__
-// A whole 16 x 16 block through registers: four rounds of two-vector shuffles
-// (vpermt2ps), round d exchanging the d x d blocks off the diagonal of every 2d x 2d block.
-inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  vf r[16];
+// A whole kLanes x kLanes block through registers (16 x 16 with AVX-512, 8 x 8
+// otherwise): log2(kLanes) rounds of two-vector shuffles (vpermt2ps; vshufps and
+// vperm2f128 with AVX2), round d exchanging the d x d blocks off the diagonal of every
+// 2d x 2d block.
+inline void transpose_block(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  vf r[kLanes];
 #pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) r[i] = load(src + i * lds);
+  for (int i = 0; i < kLanes; ++i) r[i] = load(src + i * lds);
 #pragma GCC unroll 4
-  for (int d = 8; d >= 1; d /= 2) {
-    vi lo, hi;  // lanes 0-15 from the first operand, 16-31 from the second
-    for (int j = 0; j < 16; ++j) {
-      lo[j] = (j & d) ? 16 + j - d : j;
-      hi[j] = (j & d) ? 16 + j : j + d;
+  for (int d = kLanes / 2; d >= 1; d /= 2) {
+    vi lo, hi;  // lanes [0, kLanes) from the first operand, [kLanes, 2 kLanes) from the second
+    for (int j = 0; j < kLanes; ++j) {
+      lo[j] = (j & d) ? kLanes + j - d : j;
+      hi[j] = (j & d) ? kLanes + j : j + d;
     }
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kLanes; ++i) {
       if (i & d) continue;
       const vf a = r[i], b = r[i + d];
       r[i] = __builtin_shuffle(a, b, lo);
@@ -176,22 +177,19 @@ inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) 
     }
   }
 #pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) store(dst + i * ldd, r[i]);
+  for (int i = 0; i < kLanes; ++i) store(dst + i * ldd, r[i]);
 }
-#endif
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols (a copy, transposed).
 inline void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd) {
-  constexpr int64_t kB = 16;
+  constexpr int64_t kB = kLanes;
   for (int64_t r0 = 0; r0 < rows; r0 += kB)
     for (int64_t c0 = 0; c0 < cols; c0 += kB) {
       const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
-#ifdef __AVX512F__
       if (r1 - r0 == kB && c1 - c0 == kB) {
-        transpose16(src + r0 * lds + c0, lds, dst + c0 * ldd + r0, ldd);
+        transpose_block(src + r0 * lds + c0, lds, dst + c0 * ldd + r0, ldd);
         continue;
       }
-#endif
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) dst[c * ldd + r] = src[r * lds + c];
     }

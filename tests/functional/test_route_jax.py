@@ -197,7 +197,7 @@ print(json.dumps(result))
 
 def _ask(tmp_path: Path, then: str = "ask", **env: str) -> dict[str, Any]:
     cache = tmp_path / "cache"
-    cache.mkdir()
+    cache.mkdir(parents=True)
     environment = {**os.environ, "TWIN_ATTENTION_CACHE": str(cache), "JAX_PLATFORMS": "cpu",
                    "PYTHONPATH": str(REPO), **env}
     environment.pop("TWIN_ATTENTION_CPU_KERNEL", None)
@@ -218,27 +218,42 @@ def test_asking_builds_nothing(tmp_path):
     assert got["asked"]["reference"] == ["reference", "reference", []]
     assert got["asked"]["supports"][0] is True
     auto = got["asked"]["auto"]
-    if got["predicted"] == "AVX-512":
+    if got["predicted"] in ("AVX-512", "AVX2"):  # native: the CPU's widest, tuned
         assert auto == ["fused", "cpu-kernel", []] and got["asked"]["supports"][1] is True
     else:
         assert auto[:2] == ["blockwise", "blockwise"] and got["asked"]["supports"][1] is False
 
 
 def test_asking_for_another_target_builds_nothing(tmp_path):
-    """With ``$TWIN_ATTENTION_MARCH`` naming an AVX2 target (x86-64-v3), the compiler's
-    preprocessor tells the target: ``auto`` passes the kernel by, saying why, and still
-    nothing is built."""
+    """With ``$TWIN_ATTENTION_MARCH`` naming another target, the compiler's preprocessor
+    tells it, and nothing is built: an untuned one (x86-64, SSE2) is passed by, saying
+    why; an AVX2 one (x86-64-v3) too on a CPU with AVX-512 (the wider vectors win), and
+    taken on a CPU whose widest vectors are AVX2's."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("an x86-64 target")
-    got = _ask(tmp_path, TWIN_ATTENTION_MARCH="x86-64-v3")
+    got = _ask(tmp_path / "sse2", TWIN_ATTENTION_MARCH="x86-64")
     assert got["cache"] == [] and "ok" not in got["state"], got
-    assert got["predicted"] == "AVX2"
+    assert got["predicted"] == "SSE2"
     assert got["asked"]["auto"] == [
         "blockwise", "blockwise",
-        ["fused: the CPU kernel is not tuned for this instruction set (AVX2): blockwise is faster"]]
+        ["fused: the CPU kernel is not tuned for this instruction set (SSE2): blockwise is faster"]]
     assert got["asked"]["supports"] == [True, False]
+    got = _ask(tmp_path / "avx2", TWIN_ATTENTION_MARCH="x86-64-v3")
+    assert got["cache"] == [] and "ok" not in got["state"], got
+    assert got["predicted"] == "AVX2"
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        avx512 = "avx512f" in next((line for line in f if line.startswith("flags")), "").split()
+    if avx512:
+        assert got["asked"]["auto"] == [
+            "blockwise", "blockwise",
+            ["fused: the CPU kernel is built for AVX2 but this CPU has AVX-512, which XLA's GEMMs use: "
+             "blockwise is faster"]]
+        assert got["asked"]["supports"] == [True, False]
+    else:
+        assert got["asked"]["auto"] == ["fused", "cpu-kernel", []]
+        assert got["asked"]["supports"] == [True, True]
 
 
 def test_a_build_that_fails_at_the_call_falls_back(tmp_path):

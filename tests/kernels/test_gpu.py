@@ -7,7 +7,10 @@ The settings are the ones GPU kernels treat specially: cuDNN / FlashAttention he
 widths (64, 80, 128, 256, and 36 and 264, which cuDNN refuses), causal with q_len != kv_len (top-left aligned), padding given
 as lengths (cuDNN's sequence lengths in JAX), dense masks with a fully masked row, an
 additive bias, a value width other than the key width, and lengths that are not
-multiples of the kernels' tiles.
+multiples of the kernels' tiles; and the options added since the first GPU run: grouped
+key/value heads, attention sinks (gradient included; ``fused`` refuses them by name on a
+GPU, as cuDNN and SDPA have no sink, so that path is left out of the sinks setting) and
+``layout="bshd"`` (tokens before heads, as cuDNN takes them).
 
 Skipped where no CUDA device is visible to the framework under test (CI has none);
 ``bash benchmarks/gpu_session.sh check`` runs it on a lent GPU.  ``python -m
@@ -66,7 +69,12 @@ SETTINGS: dict[str, tuple[int, int, bool, str]] = {
     "bias": (128, 128, False, "bias"),
     "bias-causal-mask": (128, 128, True, "bias+mask"),
     "value-width": (128, 128, True, "dv"),
+    "gqa": (128, 128, True, "gqa"),
+    "sinks": (128, 128, True, "sinks"),
+    "bshd": (192, 192, True, "bshd+lengths"),
 }
+# The (path, setting) pairs left out: no GPU kernel has a sink (refused by name).
+REFUSED = {("fused", "sinks")}
 PATHS = ("reference", "fused", "blockwise", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -74,6 +82,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 def gpu_cases() -> list[GpuCase]:
     cases = []
     for fw, path, dtype, setting in itertools.product(("torch", "jax"), PATHS, DTYPES, SETTINGS):
+        if (path, setting) in REFUSED:
+            continue
         widths = (64, 128) if path in ("fused", "auto") else (64,)
         cases += [GpuCase(fw, path, dtype, d, setting) for d in widths]
     for fw, dtype, d, setting in itertools.product(("torch", "jax"), DTYPES, (36, 80, 256, 264), ("causal", "lengths", "odd-causal")):
@@ -98,17 +108,20 @@ def case_inputs(case: GpuCase, seed: int = 0) -> dict[str, Any]:
         return (rng.standard_normal(shape) * scale).astype(dt).astype(np.float32)
 
     dv = case.head_dim // 2 if extra == "dv" else case.head_dim
+    kv_heads = HEADS // 2 if extra == "gqa" else HEADS
     out: dict[str, Any] = {
         "q": rounded(BATCH, HEADS, q_len, case.head_dim, scale=1.5),
-        "k": rounded(BATCH, HEADS, kv_len, case.head_dim, scale=1.5),
-        "v": rounded(BATCH, HEADS, kv_len, dv),
+        "k": rounded(BATCH, kv_heads, kv_len, case.head_dim, scale=1.5),
+        "v": rounded(BATCH, kv_heads, kv_len, dv),
         "causal": causal,
         "mask": None,
         "kv_lengths": None,
         "bias": None,
+        "sinks": rounded(HEADS, scale=2.0) if extra == "sinks" else None,
+        "layout": "bshd" if "bshd" in extra else "bhsd",
         "cotangent": rng.uniform(0.5, 1.5, (BATCH, HEADS, q_len, dv)).astype(np.float32),
     }
-    if extra == "lengths":
+    if "lengths" in extra:
         out["kv_lengths"] = np.array([kv_len, 37], dtype=np.int32)
     if "mask" in extra:
         mask = rng.random((BATCH, HEADS, q_len, kv_len)) < 0.7
@@ -119,6 +132,16 @@ def case_inputs(case: GpuCase, seed: int = 0) -> dict[str, Any]:
     return out
 
 
+def _leaf_names(inputs: dict[str, Any]) -> list[str]:
+    """The differentiated inputs, in the order of the gradients returned."""
+    return ["q", "k", "v"] + [n for n in ("bias", "sinks") if inputs[n] is not None]
+
+
+def _to_layout(name: str, array: Any, layout: str) -> Any:
+    """q, k, v (B, H, S, D) as the call's layout takes them ((B, S, H, D) for "bshd")."""
+    return array.swapaxes(1, 2) if layout == "bshd" and name in ("q", "k", "v") else array
+
+
 def _reference(inputs: dict[str, Any]) -> tuple[np.ndarray, list[np.ndarray]]:
     """PyTorch's reference path in float64 on the CPU: output and gradients of
     sum(out * cotangent) w.r.t. q, k, v (and bias)."""
@@ -126,61 +149,65 @@ def _reference(inputs: dict[str, Any]) -> tuple[np.ndarray, list[np.ndarray]]:
 
     from torch_attention.functional import dot_product_attention
 
-    names = ["q", "k", "v"] + (["bias"] if inputs["bias"] is not None else [])
+    names = _leaf_names(inputs)
     leaves = {n: torch.tensor(inputs[n], dtype=torch.float64, requires_grad=True) for n in names}
     out = dot_product_attention(
         leaves["q"], leaves["k"], leaves["v"], causal=inputs["causal"], implementation="reference",
         mask=None if inputs["mask"] is None else torch.from_numpy(inputs["mask"]),
-        kv_lengths=inputs["kv_lengths"], bias=leaves.get("bias"),
+        kv_lengths=inputs["kv_lengths"], bias=leaves.get("bias"), sinks=leaves.get("sinks"),
     )
     assert isinstance(out, torch.Tensor)
     (out * torch.from_numpy(inputs["cotangent"]).double()).sum().backward()
     return out.detach().numpy(), [leaves[n].grad.numpy() for n in names]  # type: ignore[union-attr]
 
 
-def _torch_run(case: GpuCase, inputs: dict[str, Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _torch_run(case: GpuCase, inputs: dict[str, Any], device: str = "cuda") -> tuple[np.ndarray, list[np.ndarray]]:
     import torch
 
     from torch_attention.functional import dot_product_attention
 
-    dtype = getattr(torch, case.dtype)
-    names = ["q", "k", "v"] + (["bias"] if inputs["bias"] is not None else [])
-    leaves = {n: torch.tensor(inputs[n], dtype=dtype, device="cuda", requires_grad=True) for n in names}
+    dtype, layout = getattr(torch, case.dtype), inputs["layout"]
+    names = _leaf_names(inputs)
+    leaves = {n: torch.tensor(_to_layout(n, inputs[n], layout).copy(), dtype=dtype, device=device,
+                              requires_grad=True) for n in names}
     out = dot_product_attention(
         leaves["q"], leaves["k"], leaves["v"], causal=inputs["causal"], implementation=case.implementation,
-        mask=None if inputs["mask"] is None else torch.from_numpy(inputs["mask"]).cuda(),
-        kv_lengths=inputs["kv_lengths"], bias=leaves.get("bias"),
+        mask=None if inputs["mask"] is None else torch.from_numpy(inputs["mask"]).to(device),
+        kv_lengths=inputs["kv_lengths"], bias=leaves.get("bias"), sinks=leaves.get("sinks"), layout=layout,
     )
-    assert isinstance(out, torch.Tensor) and out.device.type == "cuda" and out.dtype == dtype
-    (out.float() * torch.from_numpy(inputs["cotangent"]).cuda()).sum().backward()
-    grads = [leaves[n].grad.float().cpu().numpy() for n in names]  # type: ignore[union-attr]
-    return out.detach().float().cpu().numpy(), grads
+    assert isinstance(out, torch.Tensor) and out.device.type == device and out.dtype == dtype
+    cotangent = torch.from_numpy(_to_layout("q", inputs["cotangent"], layout).copy()).to(device)
+    (out.float() * cotangent).sum().backward()
+    grads = [_to_layout(n, leaves[n].grad.float().cpu().numpy(), layout) for n in names]  # type: ignore[union-attr]
+    return _to_layout("q", out.detach().float().cpu().numpy(), layout), grads
 
 
-def _jax_run(case: GpuCase, inputs: dict[str, Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _jax_run(case: GpuCase, inputs: dict[str, Any], platform: str = "gpu") -> tuple[np.ndarray, list[np.ndarray]]:
     import jax
     import jax.numpy as jnp
 
     from jax_attention.functional import dot_product_attention
 
-    dtype = getattr(jnp, case.dtype)
-    names = ["q", "k", "v"] + (["bias"] if inputs["bias"] is not None else [])
-    leaves = {n: jnp.asarray(inputs[n], dtype=dtype) for n in names}
+    dtype, layout = getattr(jnp, case.dtype), inputs["layout"]
+    names = _leaf_names(inputs)
+    leaves = {n: jnp.asarray(_to_layout(n, inputs[n], layout), dtype=dtype) for n in names}
     mask = None if inputs["mask"] is None else jnp.asarray(inputs["mask"])
-    cot = jnp.asarray(inputs["cotangent"])
+    cot = jnp.asarray(_to_layout("q", inputs["cotangent"], layout))
 
     @jax.jit
     def run(leaves: dict[str, Any]) -> Any:
         out = dot_product_attention(
             leaves["q"], leaves["k"], leaves["v"], causal=inputs["causal"], mask=mask,
-            kv_lengths=inputs["kv_lengths"], bias=leaves.get("bias"), implementation=case.implementation,
+            kv_lengths=inputs["kv_lengths"], bias=leaves.get("bias"), sinks=leaves.get("sinks"), layout=layout,
+            implementation=case.implementation,
         )
         return out
 
     out, vjp = jax.vjp(run, leaves)
-    assert out.dtype == dtype and next(iter(out.devices())).platform == "gpu"
+    assert out.dtype == dtype and next(iter(out.devices())).platform == platform
     (grads,) = vjp(cot.astype(dtype))
-    return np.asarray(out.astype(jnp.float32)), [np.asarray(grads[n].astype(jnp.float32)) for n in names]
+    return (_to_layout("q", np.asarray(out.astype(jnp.float32)), layout),
+            [_to_layout(n, np.asarray(grads[n].astype(jnp.float32)), layout) for n in names])
 
 
 def gpu_errors(case: GpuCase, seed: int = 0) -> dict[str, float]:
@@ -194,8 +221,7 @@ def gpu_errors(case: GpuCase, seed: int = 0) -> dict[str, float]:
     assert np.all(np.isfinite(out)), "non-finite output"
     errors["out"] = float(np.max(np.abs(out - ref_out) / (tol.atol + tol.rtol * np.abs(ref_out))))
     gtol = GRAD_ORACLE[case.dtype]
-    names = ["q", "k", "v", "bias"]
-    for name, g, r in zip(names, grads, ref_grads, strict=False):
+    for name, g, r in zip(_leaf_names(inputs), grads, ref_grads, strict=True):
         # The cotangent is float32 in the reference, but the frameworks see it in the
         # input dtype under JAX; the difference is one rounding, well inside gtol.
         assert np.all(np.isfinite(g)), f"non-finite gradient w.r.t. {name}"
@@ -229,7 +255,7 @@ def test_gpu_cases_cover_every_path_and_dtype() -> None:
     """The table itself (runs everywhere): every path, dtype and setting, both frameworks."""
     seen = {(c.framework, c.implementation, c.dtype, c.setting) for c in CASES}
     for key in itertools.product(("torch", "jax"), PATHS, DTYPES, SETTINGS):
-        assert key in seen, key
+        assert (key[1], key[3]) in REFUSED or key in seen, key
     assert len({c.id for c in CASES}) == len(CASES)
 
 
