@@ -340,6 +340,12 @@ def _run_plan(
     on it (no mask, bias, kv_lengths or segments, and a query offset that is not
     bottom-right aligned)."""
     dropout_rate, training, _ = dropout
+    if (plan.route.path == "fused" and not causal and plan.mask is None and plan.bias is None and plan.window is None
+            and plan.kv_lengths is None and plan.segments is None and isinstance(plan.offset, int)):
+        # every query sees every key (a decoded token over the filled prefix): nothing to
+        # structure, no key to zero, straight to SDPA
+        return _fused(q, k, v, mask=None, causal=False, lengths=None, scale=resolve_scale(scale, q.shape[-1]),
+                      dropout_rate=dropout_rate if training else 0.0)
     path, bias, softcap = plan.route.path, plan.bias, plan.softcap
     if bias is not None:
         bias = bias.to(q.device)
