@@ -23,9 +23,10 @@ The JAX systems use only the module's public API (``init_cache``, ``module(x, ca
 ``nnx.split`` / ``nnx.merge``) and treat the cache as an opaque pytree.  Every system
 decodes the same tokens with the same weights, and the script checks that their outputs
 agree (float32: 1e-4) before it reports.  Cases: every ``--batches`` x ``--prompts``, a
-cache of prompt + new tokens; and the max_len row: with the first prompt, a cache of
-``--long-max-len`` positions against that case's (a step's cost should follow the filled
-part, not max_len).  Results go to ``benchmarks/results/<device>/decode.{json,md}`` (or
+cache of prompt + new tokens; and the max_len row: for each of ``--max-len-batches``,
+with the first prompt, a cache of ``--long-max-len`` positions against that case's (a
+step's cost should follow the filled part, not max_len).  Cases past 64 x 1024 cached
+tokens run ``--long-runs`` times (batch 64 with a 4096-token prompt).  Results go to ``benchmarks/results/<device>/decode.{json,md}`` (or
 ``--out``) with the CPU's instruction set and the CPU kernel's build; the medians of the
 runs are reported, with the range.
 """
@@ -281,18 +282,19 @@ def run(case: Case, d_model: int, heads: int, kv_heads: int, new_tokens: int,
 
 
 def cases(batches: list[int], prompts: list[int], new_tokens: int, runs: int, long_runs: int,
-          long_max_len: int) -> tuple[list[Case], list[tuple[Case, Case]]]:
+          long_max_len: int, max_len_batches: list[int] | None = None) -> tuple[list[Case], list[tuple[Case, Case]]]:
     """The main cases (every batch x prompt, a cache of prompt + new tokens; ``long_runs``
-    runs where batch x (prompt + new) passes 64 x 1024 tokens) and the max_len pairs
-    (the first prompt's case, and the same with a cache of ``long_max_len``, as many runs;
-    none where it is 0 or not longer)."""
+    runs where batch x (prompt + new) passes 64 x 1024 tokens) and the max_len pairs for
+    each of ``max_len_batches`` among ``batches`` (None: all): the first prompt's case,
+    and the same with a cache of ``long_max_len``, as many runs; none where it is 0 or
+    not longer."""
     def runs_for(batch: int, max_len: int) -> int:
         return long_runs if batch * max_len > 64 * 1024 else runs
 
     main = [Case(b, p, p + new_tokens, runs_for(b, p + new_tokens)) for b in batches for p in prompts]
     pairs = []
     if long_max_len > prompts[0] + new_tokens:
-        for b in batches:
+        for b in (batches if max_len_batches is None else [b for b in batches if b in max_len_batches]):
             short = next(c for c in main if c.batch == b and c.prompt_len == prompts[0])
             pairs.append((short, short._replace(max_len=long_max_len)))
     return main, pairs
@@ -368,6 +370,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--long-max-len", type=int, default=4096,
                         help="the max_len row's long cache, with the first prompt (0: no row)")
+    parser.add_argument("--max-len-batches", type=_ints, default=[1, 8],
+                        help="the batches of the max_len row (default 1,8: the issue's decoding targets)")
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
@@ -382,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
     env = host_environment()
     main_cases, pairs = cases(args.batches, args.prompts, args.new_tokens, args.runs, args.long_runs,
-                              args.long_max_len)
+                              args.long_max_len, args.max_len_batches)
     results = {case: run(case, args.d_model, args.heads, args.kv_heads, args.new_tokens, args.systems)
                for case in main_cases + [long for _, long in pairs]}
     env["instruction_sets"] = instruction_sets(env)

@@ -15,8 +15,8 @@ import pytest
 
 from tests.support import needs_both
 
-TINY = ["--batches", "1,2", "--prompts", "5", "--new-tokens", "3", "--long-max-len", "16", "--d-model", "16",
-        "--heads", "4", "--kv-heads", "2", "--runs", "2"]
+TINY = ["--batches", "1,2", "--prompts", "5", "--new-tokens", "3", "--long-max-len", "16", "--max-len-batches", "1,2",
+        "--d-model", "16", "--heads", "4", "--kv-heads", "2", "--runs", "2"]
 
 
 @needs_both
@@ -75,5 +75,7 @@ def test_the_cases_follow_the_flags() -> None:
     main, pairs = cases([1, 64], [128, 4096], 128, runs=5, long_runs=2, long_max_len=4096)
     assert main == [Case(1, 128, 256, 5), Case(1, 4096, 4224, 5), Case(64, 128, 256, 5), Case(64, 4096, 4224, 2)]
     assert pairs == [(Case(1, 128, 256, 5), Case(1, 128, 4096, 5)), (Case(64, 128, 256, 5), Case(64, 128, 4096, 5))]
+    assert cases([1, 64], [128], 128, runs=5, long_runs=2, long_max_len=4096, max_len_batches=[1, 8])[1] == [
+        (Case(1, 128, 256, 5), Case(1, 128, 4096, 5))]
     assert cases([8], [128], 128, runs=5, long_runs=2, long_max_len=0)[1] == []
     assert cases([8], [128], 128, runs=5, long_runs=2, long_max_len=256)[1] == []  # not longer
