@@ -26,15 +26,17 @@ agree (float32: 1e-4) before it reports.  Cases: every ``--batches`` x ``--promp
 cache of prompt + new tokens; and the max_len row: for each of ``--max-len-batches``,
 with the first prompt, a cache of ``--long-max-len`` positions against that case's (a
 step's cost should follow the filled part, not max_len).  Cases past 64 x 1024 cached
-tokens run ``--long-runs`` times (batch 64 with a 4096-token prompt).  Results go to ``benchmarks/results/<device>/decode.{json,md}`` (or
-``--out``) with the CPU's instruction set and the CPU kernel's build; the medians of the
-runs are reported, with the range.
+tokens run ``--long-runs`` times (batch 64 with a 4096-token prompt), and a system whose
+run passes ``--budget-s`` seconds runs no more in its case.  Results go to
+``benchmarks/results/<device>/decode.{json,md}`` (or ``--out``) with the CPU's
+instruction set and the CPU kernel's build; the medians of the runs are reported, with the range.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -209,9 +211,9 @@ def ours_jax_loop(module: Any, fresh: Callable[[], Any], tokens: np.ndarray) -> 
         cache, outs = jax.lax.fori_loop(0, tokens.shape[1], body, (cache, outs))
         return outs, cache
 
-    loop = jax.jit(decode_all, donate_argnums=(2,))
     new = jnp.asarray(tokens)
-    jax.block_until_ready(loop(state, new, fresh()))  # compile once, outside the clock
+    # compiled ahead of time, outside the clock (a warm-up call would decode every token once more)
+    loop = jax.jit(decode_all, donate_argnums=(2,)).lower(state, new, fresh()).compile()
 
     def run() -> tuple[float, np.ndarray]:
         cache = fresh()
@@ -245,10 +247,11 @@ def prepare(systems: tuple[str, ...], torch_module: Any, prompt: np.ndarray, tok
 
 
 def run(case: Case, d_model: int, heads: int, kv_heads: int, new_tokens: int,
-        systems: tuple[str, ...] = SYSTEMS) -> dict[str, Any]:
+        systems: tuple[str, ...] = SYSTEMS, budget_s: float = math.inf) -> dict[str, Any]:
     """One case: every system prepared, then ``case.runs`` rounds, each system once per
-    round (interleaved: a slow moment of the machine hits every system); the outputs
-    checked against the reference's (``REFERENCE``, else the first system)."""
+    round (interleaved: a slow moment of the machine hits every system), except that a
+    system with a run past ``budget_s`` runs no more (its row says how many it had); the
+    outputs checked against the reference's (``REFERENCE``, else the first system)."""
     rng = np.random.default_rng(0)
     prompt = rng.standard_normal((case.batch, case.prompt_len, d_model)).astype(np.float32)
     tokens = rng.standard_normal((case.batch, new_tokens, d_model)).astype(np.float32)
@@ -257,6 +260,8 @@ def run(case: Case, d_model: int, heads: int, kv_heads: int, new_tokens: int,
     outputs: dict[str, np.ndarray] = {}
     for _ in range(case.runs):
         for name, runner in runners.items():
+            if times[name] and max(times[name]) > budget_s:
+                continue
             elapsed, out = runner()
             times[name].append(elapsed)
             outputs[name] = out
@@ -271,7 +276,7 @@ def run(case: Case, d_model: int, heads: int, kv_heads: int, new_tokens: int,
         rows.append({
             "system": name, "median_s": median, "min_s": min(ts), "max_s": max(ts),
             "tokens_per_s": case.batch * new_tokens / median, "ms_per_step": 1e3 * median / new_tokens,
-            "max_abs_diff": float(np.max(np.abs(outputs[name] - outputs[reference]))),
+            "max_abs_diff": float(np.max(np.abs(outputs[name] - outputs[reference]))), "runs": len(ts),
         })
     return {
         "config": {"batch": case.batch, "d_model": d_model, "num_heads": heads, "num_kv_heads": kv_heads,
@@ -339,8 +344,8 @@ def markdown(results: list[dict[str, Any]], max_len: list[dict[str, Any]], env: 
              f"CPU instruction set: {isa.get('isa')}; CPU kernel built for {isa.get('kernel_isa_built') or isa.get('kernel_isa')}"
              f" (TWIN_ATTENTION_MARCH={isa.get('twin_attention_march') or 'unset'}); torch CPU capability "
              f"{isa.get('torch_cpu_capability')}; load average at start {env.get('load_average_at_start')}.", "",
-             "| batch | prompt | max_len | new tokens | system | tokens/s | x torch-sdpa | ms/step | range (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | prompt | max_len | new tokens | system | tokens/s | x torch-sdpa | ms/step | range (s) | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c = r["config"]
         base = {row["system"]: row["tokens_per_s"] for row in r["rows"]}.get(REFERENCE)
@@ -348,7 +353,8 @@ def markdown(results: list[dict[str, Any]], max_len: list[dict[str, Any]], env: 
             rel = f"{row['tokens_per_s'] / base:.2f}" if base else "-"
             lines.append(
                 f"| {c['batch']} | {c['prompt_len']} | {c['max_len']} | {c['new_tokens']} | {row['system']} | "
-                f"{row['tokens_per_s']:.0f} | {rel} | {row['ms_per_step']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f} |")
+                f"{row['tokens_per_s']:.0f} | {rel} | {row['ms_per_step']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f} | "
+                f"{row['runs']} |")
     if max_len:
         lines += ["", "max_len: the decode time with a long cache over a short one (the same prompt and tokens; "
                   "target: within 1.2x)", "",
@@ -377,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--long-runs", type=int, default=2, help="runs of a case past 64 x 1024 cached tokens")
+    parser.add_argument("--budget-s", type=float, default=20.0,
+                        help="a system with a run longer than this runs no more in that case (default 20)")
     parser.add_argument("--systems", type=lambda s: tuple(s.split(",")), default=SYSTEMS,
                         help=f"comma-separated, of {','.join(SYSTEMS)}")
     parser.add_argument("--out", type=Path)
@@ -387,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = host_environment()
     main_cases, pairs = cases(args.batches, args.prompts, args.new_tokens, args.runs, args.long_runs,
                               args.long_max_len, args.max_len_batches)
-    results = {case: run(case, args.d_model, args.heads, args.kv_heads, args.new_tokens, args.systems)
+    results = {case: run(case, args.d_model, args.heads, args.kv_heads, args.new_tokens, args.systems, args.budget_s)
                for case in main_cases + [long for _, long in pairs]}
     env["instruction_sets"] = instruction_sets(env)
     env["load_average_at_end"] = os.getloadavg()

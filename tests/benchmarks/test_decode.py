@@ -36,6 +36,7 @@ def test_every_system_decodes_the_same_and_the_results_record_the_machine(
         for row in result["rows"]:
             assert row["max_abs_diff"] < decode.AGREEMENT
             assert row["tokens_per_s"] > 0 and row["min_s"] <= row["median_s"] <= row["max_s"]
+            assert row["runs"] == 2
     rows = saved["max_len"]
     assert [(m["batch"], m["system"]) for m in rows] == [(b, s) for b in (1, 2) for s in decode.SYSTEMS]
     assert all(m["short_max_len"] == 8 and m["long_max_len"] == 16 for m in rows)
@@ -46,6 +47,15 @@ def test_every_system_decodes_the_same_and_the_results_record_the_machine(
     assert isa["isa"] == saved["environment"]["cpu"]["isa"]
     text = (tmp_path / "decode.md").read_text()
     assert f"CPU instruction set: {isa['isa']}" in text and "ours-jax-loop" in text and "| 16 vs 8 |" in text
+
+
+@needs_both
+def test_a_system_past_the_budget_runs_once(tmp_path: Path) -> None:
+    from benchmarks import decode
+
+    record = decode.main([*TINY, "--batches", "1", "--long-max-len", "0", "--budget-s", "0", "--out", str(tmp_path)])
+    assert [row["runs"] for row in record["results"][0]["rows"]] == [1] * len(decode.SYSTEMS)
+    assert record["results"][0]["config"]["runs"] == 2
 
 
 @needs_both
