@@ -383,8 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--long-runs", type=int, default=2, help="runs of a case past 64 x 1024 cached tokens")
-    parser.add_argument("--budget-s", type=float, default=20.0,
-                        help="a system with a run longer than this runs no more in that case (default 20)")
+    parser.add_argument("--budget-s", type=float, default=10.0,
+                        help="a system with a run longer than this runs no more in that case (default 10)")
     parser.add_argument("--systems", type=lambda s: tuple(s.split(",")), default=SYSTEMS,
                         help=f"comma-separated, of {','.join(SYSTEMS)}")
     parser.add_argument("--out", type=Path)
