@@ -20,6 +20,7 @@ from attention_spec.planning import CallOps, plan_call
 from attention_spec.registry import AttentionConfig, Projection, make_config
 from attention_spec.rope import check_module_positions
 from torch_attention import functional
+from torch_attention._cache import append_at
 
 
 class _Call(NamedTuple):
@@ -38,6 +39,10 @@ class _Call(NamedTuple):
     kv_segment_ids: Tensor | None = None  # int (B, S)
     cache: Any = None  # functional.KVCache
     positions: Tensor | None = None  # int (B, T) or (1, T): rope's positions (None: the default)
+    plans: dict[str, Any] | None = None  # a checked decode step's kept attention plans (see _prepare)
+
+
+_CACHE_FIELD = _Call._fields.index("cache")
 
 
 def _prefix(t: Tensor | None, n: int) -> Tensor | None:
@@ -48,7 +53,20 @@ def _prefix(t: Tensor | None, n: int) -> Tensor | None:
 
 def _check_room(cache: Any, new: int, max_len: int) -> None:
     """``check_cache_room`` on the fullest example's fill (read from the device)."""
-    check_cache_room(int(cache.lengths.max()), new, max_len)
+    check_cache_room(max(cache.lengths.tolist()), new, max_len)
+
+
+def _first_parameter(module: nn.Module) -> Tensor | None:
+    """``next(module.parameters(), None)`` without its generators (a decode step asks it
+    every token): the module's own parameters, then each submodule's, depth first."""
+    for p in module._parameters.values():
+        if p is not None:
+            return p
+    for child in module._modules.values():
+        found = None if child is None else _first_parameter(child)
+        if found is not None:
+            return found
+    return None
 
 
 # The array work that planning a call asks of this twin.
@@ -137,9 +155,8 @@ class AttentionModule(nn.Module):
 
     def _compute_dtype(self) -> str | None:
         """The dtype the module computes in: its parameters'; None without parameters."""
-        for p in self.parameters():
-            return dtype_name(p.dtype)
-        return None
+        p = _first_parameter(self)
+        return None if p is None else dtype_name(p.dtype)
 
     # ------------------------------------------------------------------ the call
 
@@ -233,7 +250,60 @@ class AttentionModule(nn.Module):
     ) -> _Call:
         """Every check of one call (``plan_call``), before any work (a cached call's
         included: nothing after these raises for the call's input, so a refused call never
-        writes its cache); the inputs batched and canonical."""
+        writes its cache); the inputs batched and canonical.
+
+        A decode step repeats its checks at every token; they read only shapes, dtypes and
+        the module's config, never values, except the cache's room, which reads its fill.
+        So a cached call with nothing but x (``_step_key``) whose key equals the last such
+        call's that passed reuses that call's checked plan and checks only the room: the
+        same errors, at the same point, before any work (a changed module, x or cache
+        changes the key and is checked in full)."""
+        key = self._step_key(x, cache, implementation, return_weights) if (
+            mask is None and dropout_mask is None and kv_lengths is None and bias is None and context is None
+            and segment_ids is None and kv_segment_ids is None and positions is None) else None
+        checked = self.__dict__.get("_checked_step")
+        if key is not None and checked is not None and checked[0] == key:
+            _check_room(cache, x.shape[1], cache.key.shape[2])
+            kept = checked[1]  # (_replace(x=x, cache=cache), built directly: a decode step asks it every token)
+            return _Call._make((x, *kept[1:_CACHE_FIELD], cache, *kept[_CACHE_FIELD + 1:]))
+        call = self._prepare_in_full(x, mask, dropout_mask, kv_lengths, implementation, bias, context=context,
+                                     segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
+                                     return_weights=return_weights, positions=positions)
+        if key is not None:  # (set past nn.Module.__setattr__: a plain attribute, not state)
+            call = call._replace(plans={})
+            self.__dict__["_checked_step"] = (key, call._replace(x=cast(Tensor, None), cache=None))
+        return call
+
+    def _step_key(self, x: Any, cache: Any, implementation: str | None, return_weights: bool) -> tuple[Any, ...] | None:
+        """Everything the checks of a cached call with nothing but x read: the module's
+        config, compute dtype and mode, the call's options, and the shapes and dtypes of x
+        and of the cache's fields; None for an x or a cache that is not what a decode
+        step takes (a plain tensor, a ``KVCache`` of tensors), which is checked in full."""
+        if not isinstance(x, Tensor) or type(cache) is not functional.KVCache:
+            return None
+        key, value, lengths = cache
+        if not (isinstance(key, Tensor) and isinstance(value, Tensor) and isinstance(lengths, Tensor)):
+            return None
+        return (self.spec, self._compute_dtype(), self.training, implementation, return_weights, x.shape, x.dtype,
+                key.shape, key.dtype, value.shape, value.dtype, lengths.shape, lengths.dtype)
+
+    def _prepare_in_full(
+        self,
+        x: Tensor,
+        mask: Any,
+        dropout_mask: Tensor | None,
+        kv_lengths: Any,
+        implementation: str | None,
+        bias: Any = None,
+        *,
+        context: Any = None,
+        segment_ids: Any = None,
+        kv_segment_ids: Any = None,
+        cache: Any = None,
+        return_weights: bool = False,
+        positions: Any = None,
+    ) -> _Call:
+        """``_prepare``'s checks, every one, through ``plan_call``."""
         plan = plan_call(
             self.spec, _OPS, x, compute_dtype=self._compute_dtype(), training=self.training,
             implementation=implementation, context=context, mask=mask, bias=bias, dropout_mask=dropout_mask,
@@ -273,12 +343,13 @@ class AttentionModule(nn.Module):
             positions = steps if start is None else start.to(q.device)[:, None] + steps
         return functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
 
-    def _attend(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool, **extra: Any) -> Any:
+    def _attention_options(self, call: _Call, return_weights: bool, **extra: Any) -> dict[str, Any]:
+        """``dot_product_attention``'s keywords for this call (``extra`` overrides the
+        module's kv_lengths, alignment and causal, and adds q_offset)."""
         spec = self.spec
-        return functional.dot_product_attention(
-            q, k, v,
+        return dict(
             mask=call.mask,
-            causal=spec.causal,
+            causal=extra.pop("causal", spec.causal),
             kv_lengths=extra.pop("kv_lengths", call.kv_lengths),
             scale=spec.scale,
             mask_strategy=spec.mask_strategy,
@@ -298,6 +369,26 @@ class AttentionModule(nn.Module):
             **extra,
         )
 
+    def _attend(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool, **extra: Any) -> Any:
+        return functional.dot_product_attention(q, k, v, **self._attention_options(call, return_weights, **extra))
+
+    def _attend_all(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool) -> Any:
+        """``_attend`` for queries that see every key of k and v (no causal band, mask,
+        bias, lengths or segments: a decoded token over the filled prefix), with the
+        checks and the route of ``dot_product_attention`` made at the first such call of
+        a checked decode step (kept in ``call.plans``, see ``_prepare``) and reused by
+        the next: nothing of that plan depends on kv_len, the only shape that changes."""
+        plans, spec = cast(dict[str, Any], call.plans), self.spec
+        plan = plans.get("all keys")
+        if plan is None:
+            options = self._attention_options(call, return_weights, causal=False, q_offset=None, alignment="top_left")
+            del options["causal"]
+            plan = plans["all keys"] = functional._plan(q, k, v, **options)
+        return functional._run_plan(
+            q, k, v, plan, causal=False, scale=spec.scale, mask_strategy=spec.mask_strategy,
+            normalization=spec.normalization, dropout=(spec.dropout, self.training, None),
+            return_weights=return_weights)
+
     def _run(self, call: _Call, return_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
         """The work, on checked input: project, attend, merge.  Batched in and out."""
         # q (B, H, T, D), k and v (B, Hkv, S, D)
@@ -315,30 +406,52 @@ class AttentionModule(nn.Module):
         q, k, v = self._project(call.x, None, None, call.implementation)
         cache = call.cache
         batch, seq = call.x.shape[0], call.x.shape[1]
+        fills = cache.lengths.tolist()  # each example's fill before this call (one read)
+        if min(fills) == max(fills) and (call.kv_lengths is None or bool((call.kv_lengths == seq).all())):
+            # One fill for every example and every token valid: one slice written, a static
+            # offset, and no lengths (every key of the prefix is filled), so SDPA gets no mask.
+            if self.spec.rope is not None:
+                q, k = self._rotate(q, k, call.positions, cache.lengths)  # (read before the write)
+            cache = append_at(cache, k, v, fills[0])
+            return self._attend_cached(call, cache, q, fills[0] + seq, fills[0], None, return_weights)
         lengths = call.kv_lengths if call.kv_lengths is not None else torch.full(
             (batch,), seq, dtype=torch.int64, device=q.device)
         start = cache.lengths.clone()
         q, k = self._rotate(q, k, call.positions, start)
         cache = functional.append_to_cache(cache, k, v, lengths.to(q.device))
-        # Eager shapes may change per step: attend over the filled prefix only (the twin
-        # keeps max_len, the fixed shape that lets one compilation serve every step).
-        filled = int(cache.lengths.max())
-        keys, values = cache.key[:, :, :filled].to(q.dtype), cache.value[:, :, :filled].to(q.dtype)
+        kv_lengths = start + lengths.to(q.device)
+        return self._attend_cached(call, cache, q, int(cache.lengths.max()), start, kv_lengths, return_weights)
+
+    def _attend_cached(
+        self, call: _Call, cache: functional.KVCache, q: Tensor, filled: int, q_offset: Tensor | int, kv_lengths: Tensor | None,
+        return_weights: bool,
+    ) -> Any:
+        """q attends to the cache's keys [0, filled) (its fullest example's fill), query 0
+        of each example at key position ``q_offset``: eager shapes may change per step, so
+        a step costs what the filled part costs (the twin keeps max_len, the fixed shape
+        that lets one compilation serve every step).  Returns ``(out, cache)`` or, with
+        ``return_weights``, ``(out, weights, cache)``."""
+        keys, values = cache.key[:, :, :filled], cache.value[:, :, :filled]
+        if keys.dtype != q.dtype:  # (a cache in another dtype than the module's)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if keys.requires_grad or values.requires_grad:
             # Autograd saves what the attention reads; the next step writes the cache in
             # place, so this step reads a copy (gradients still reach every written k and v
             # through the in-place writes, as through the twin's functional update).
             keys, values = keys.clone(), values.clone()
-        call = call._replace(mask=_prefix(call.mask, filled), bias=_prefix(call.bias, filled),
-                             dropout_mask=_prefix(call.dropout_mask, filled))
-        kv_lengths: Tensor | None = start + lengths.to(q.device)
-        q_offset: Tensor | int = start
-        if bool((start == start[0]).all()) and bool((lengths == seq).all()):
-            # one fill for every example: a static offset, and no lengths (every key of
-            # the prefix is filled), so SDPA gets no mask for a single decoded token
-            q_offset, kv_lengths = int(start[0]), None
-        result = self._attend(call, q, keys, values, return_weights,
-                              kv_lengths=kv_lengths, q_offset=q_offset, alignment="top_left")
+        if call.mask is not None or call.bias is not None or call.dropout_mask is not None:
+            call = call._replace(mask=_prefix(call.mask, filled), bias=_prefix(call.bias, filled),
+                                 dropout_mask=_prefix(call.dropout_mask, filled))
+        spec = self.spec
+        if (isinstance(q_offset, int) and q_offset + 1 == filled and q.shape[2] == 1 and spec.window is None
+                and call.plans is not None and not spec.sinks and call.mask is None and call.bias is None
+                and call.dropout_mask is None):
+            # One query at the last filled position: every key is before it, causal or not.
+            # (Sinks stay on the general path: a kept plan would hold the module's tensor.)
+            result = self._attend_all(call, q, keys, values, return_weights)
+        else:
+            result = self._attend(call, q, keys, values, return_weights, kv_lengths=kv_lengths, q_offset=q_offset,
+                                  alignment="top_left")
         if return_weights:  # zero weights on the unfilled positions: (B, H, T, max_len), as the twin's
             out, weights = cast(tuple[Tensor, Tensor], result)
             weights = torch.nn.functional.pad(weights, (0, cache.key.shape[2] - filled))
@@ -357,10 +470,10 @@ class AttentionModule(nn.Module):
     def _linear(layer: nn.Module | nn.Parameter, inputs: Tensor, implementation: str) -> Tensor:
         """inputs @ a projection's weight (+ bias) through ``functional.linear``: an
         ``nn.Linear``'s math, or a bare (d_in, d_out) matrix used as x @ W."""
-        if isinstance(layer, nn.Parameter):
-            return functional.linear(inputs, layer.T, implementation=implementation)
-        linear = cast(nn.Linear, layer)
-        return functional.linear(inputs, linear.weight, linear.bias, implementation=implementation)
+        if isinstance(layer, nn.Module):  # (tested first: isinstance of a Parameter runs Python code)
+            linear = cast(nn.Linear, layer)
+            return functional.linear(inputs, linear.weight, linear.bias, implementation=implementation)
+        return functional.linear(inputs, layer.T, implementation=implementation)
 
     def _project(
         self, x: Tensor, keys: Tensor | None, values: Tensor | None, implementation: str
@@ -370,14 +483,17 @@ class AttentionModule(nn.Module):
         spec = self.spec
         keys = x if keys is None else keys
         values = x if values is None else values
-        if not spec.projections():
+        names = {p.role: p.name for p in spec.projections()}  # (one pass over the registry's list)
+        if not names:
             # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
             return x.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1)
 
         def project(role: str, inputs: Tensor, heads: int) -> Tensor:
-            layer = getattr(self, cast(Projection, spec.projection(role)).name)
+            t = self._linear(getattr(self, names[role]), inputs, implementation)
+            if spec.qk_norm is not None:
+                t = self._normalise_qk(role, t)
             # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
-            return self._split_heads(self._normalise_qk(role, self._linear(layer, inputs, implementation)), heads)
+            return self._split_heads(t, heads)
 
         kv_heads = spec.kv_heads
         return project("query", x, spec.num_heads), project("key", keys, kv_heads), project("value", values, kv_heads)

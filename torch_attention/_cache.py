@@ -42,3 +42,15 @@ def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KV
         store.scatter_(2, where, new.to(store.dtype))
     cache.lengths.add_(lengths.to(cache.lengths.dtype))
     return cache
+
+
+def append_at(cache: KVCache, k: Tensor, v: Tensor, start: int) -> KVCache:
+    """``append_to_cache`` where every example holds ``start`` positions and every token of
+    k (B, Hkv, T, D) and v is valid: positions start .. start + T - 1 written as one slice
+    of each store (no index tensors), every fill advanced by T.  In place, with the same
+    contract (the caller has checked the call, room included)."""
+    end = start + k.shape[-2]
+    for store, new in ((cache.key, k), (cache.value, v)):
+        store[:, :, start:end] = new if new.dtype == store.dtype else new.to(store.dtype)
+    cache.lengths.add_(k.shape[-2])
+    return cache

@@ -34,7 +34,7 @@ def _fused(
     if full is None and bias is None:
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_rate, is_causal=causal, scale=scale,
                                              enable_gqa=gqa)
-        return out.to(out_dtype)
+        return out if out.dtype == out_dtype else out.to(out_dtype)  # (a decode step's path: no no-op call)
     if causal:  # SDPA takes is_causal or attn_mask, not both
         full = combine_masks(full, causal_mask(q.shape[-2], k.shape[-2], device=q.device))
     if bias is not None:

@@ -318,6 +318,34 @@ def dot_product_attention(
         window=window, alignment=alignment, q_offset=q_offset, segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids, sinks=sinks,
     )
+    result = _run_plan(q, k, v, plan, causal=causal, scale=scale, mask_strategy=mask_strategy,
+                       normalization=normalization, dropout=(dropout_rate, training, dropout_mask),
+                       return_weights=return_weights)
+    if layout == "bhsd":
+        return result
+    if isinstance(result, tuple):  # the weights stay (..., H, T, S)
+        return result[0].transpose(-3, -2), result[1]
+    return result.transpose(-3, -2)
+
+
+def _run_plan(
+    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, *, causal: bool, scale: float | None, mask_strategy: str,
+    normalization: str, dropout: tuple[float, bool, Tensor | None], return_weights: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The work of a call that ``_plan`` checked and planned, q, k and v heads first: the
+    mask's structure, unseen keys zeroed, then the planned path.  ``dropout`` is
+    (rate, training, dropout_mask), as given to the plan.  A caller that keeps a plan
+    (a module's decode step) gives it the options it was made with, and q, k and v of
+    the shapes and dtypes it was made for, kv_len aside where nothing of the plan depends
+    on it (no mask, bias, kv_lengths or segments, and a query offset that is not
+    bottom-right aligned)."""
+    dropout_rate, training, _ = dropout
+    if (plan.route.path == "fused" and not causal and plan.mask is None and plan.bias is None and plan.window is None
+            and plan.kv_lengths is None and plan.segments is None and isinstance(plan.offset, int)):
+        # every query sees every key (a decoded token over the filled prefix): nothing to
+        # structure, no key to zero, straight to SDPA
+        return _fused(q, k, v, mask=None, causal=False, lengths=None, scale=resolve_scale(scale, q.shape[-1]),
+                      dropout_rate=dropout_rate if training else 0.0)
     path, bias, softcap = plan.route.path, plan.bias, plan.softcap
     if bias is not None:
         bias = bias.to(q.device)
@@ -339,13 +367,9 @@ def dot_product_attention(
         result = _explicit(
             q, k, v, mask=combine_masks(mask, lengths), causal=causal, offset=offset, window=window, scale=scale,
             mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap,
-            dropout=(dropout_rate, training, dropout_mask), return_weights=return_weights, sinks=plan.sinks,
+            dropout=dropout, return_weights=return_weights, sinks=plan.sinks,
         )
-    if layout == "bhsd":
-        return result
-    if isinstance(result, tuple):  # the weights stay (..., H, T, S)
-        return result[0].transpose(-3, -2), result[1]
-    return result.transpose(-3, -2)
+    return result
 
 
 def _structure(
