@@ -13,11 +13,20 @@ from attention_spec import dtype_name
 class KVCache(NamedTuple):
     """Keys and values of earlier positions for decoding: key (B, Hkv, max_len, D), value
     (B, Hkv, max_len, Dv), and lengths (B,), how many positions of each example are
-    filled.  ``AttentionModule.init_cache`` makes one; ``append_to_cache`` fills it."""
+    filled.  ``AttentionModule.init_cache`` makes one; ``append_to_cache`` fills it.
+    Every call checks eagerly, so running past ``max_len`` raises before any work and a
+    cache never holds an overflow (the Flax twin's jitted steps record one instead, in a
+    fourth field that ``check()`` raises)."""
 
     key: Tensor
     value: Tensor
     lengths: Tensor
+
+    def check(self) -> KVCache:
+        """The cache itself: the Flax twin's ``KVCache.check``, for code that runs on
+        either.  Nothing to raise here: a PyTorch call that would run past ``max_len``
+        raised before it wrote."""
+        return self
 
 
 def cache_fields(cache: Any) -> Any:

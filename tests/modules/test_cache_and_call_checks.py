@@ -385,3 +385,22 @@ def test_batch_zero_with_a_cache_names_no_refused_call(fw: str) -> None:
     assert "init_cache(0" not in str(error)
     with pytest.raises(ValueError, match=re.escape("batch_size must be >= 1; got 0")):
         m.init_cache(0, 4)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_fresh_and_a_used_cache_check_as_themselves(fw: str):
+    """``cache.check()`` in both twins (code that decodes on either can call it): the
+    cache itself, from ``init_cache`` and after an eager step that fits."""
+    m = _module(fw)
+    cache = m.init_cache(2, 8)
+    assert cache.check() is cache
+    if fw == "torch":
+        import torch
+
+        _, cache = m(torch.from_numpy(_x(seq=3)), cache=cache)
+    else:
+        import jax.numpy as jnp
+
+        _, cache = m(jnp.asarray(_x(seq=3)), cache=cache)
+    assert cache.check() is cache
+    assert [int(n) for n in cache.lengths] == [3, 3]
