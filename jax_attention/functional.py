@@ -198,10 +198,6 @@ def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, imple
         cpu_kernel = why is None
         declined = () if why is None or implementation != "auto" else (("fused", why),)
     preference: tuple[str, ...] = ("fused", "blockwise") if backend in ("gpu", "tpu") or cpu_kernel else ("blockwise",)
-    if backend == "cpu" and implementation == "auto" and q.shape[-2] <= FEW_QUERY_ROWS:
-        few = (f"{q.shape[-2]} query rows (at most {FEW_QUERY_ROWS}, as a decode step has): "
-               "the explicit math is faster on CPU")
-        declined, preference = tuple((path, few) for path in preference), ()
     path, reasons = resolve_route(
         implementation,
         preference=preference,
@@ -215,6 +211,11 @@ def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, imple
         fused_blockers=fused_blockers(q.dtype == jnp.float64, call.softcap,
                                       sinks=call.sinks is not None and not cpu_kernel),
     )
+    if backend == "cpu" and implementation == "auto" and path != "reference" and q.shape[-2] <= FEW_QUERY_ROWS:
+        few = (f"{q.shape[-2]} query rows (at most {FEW_QUERY_ROWS}, as a decode step has): "
+               "the explicit math is faster on CPU")
+        reasons = (*reasons, *(f"{p}: {few}" for p in preference[preference.index(path):]))
+        path = "reference"
     if path == "blockwise":
         kernel = "blockwise" if _blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
     elif path == "fused":
