@@ -136,11 +136,13 @@ def test_linear_against_the_oracle(path: str, with_bias: bool) -> None:
 
 def test_only_fused_and_auto_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU in float32, ``fused`` runs the kernel, and ``auto`` too where the kernel is
-    tuned for the CPU (AVX-512; ``test_cpu_kernel`` checks both builds); ``reference`` and
+    tuned for the CPU (``test_cpu_kernel`` checks the builds) and x has more than
+    ``FEW_ROWS`` rows (a decode step's few tokens stay on XLA's dot); ``reference`` and
     ``blockwise`` are XLA's dot and never ask for it; other dtypes stay on XLA."""
     import jax.numpy as jnp
 
     from jax_attention import functional
+    from jax_attention._linear import FEW_ROWS
 
     kernel = _kernel()
     calls: list[tuple[bool, bool]] = []
@@ -151,7 +153,7 @@ def test_only_fused_and_auto_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> 
         return product(a, b, trans_a=trans_a, trans_b=trans_b)
 
     monkeypatch.setattr(kernel, "matmul", counted)
-    x, w = jnp.ones((2, 5, 8), jnp.float32), jnp.ones((8, 3), jnp.float32)
+    x, w = jnp.ones((2, 20, 8), jnp.float32), jnp.ones((8, 3), jnp.float32)
     for path in ("reference", "blockwise"):
         functional.linear(x, w, implementation=path)
     functional.linear(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), implementation="auto")
@@ -159,6 +161,11 @@ def test_only_fused_and_auto_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> 
     for path in ("fused", "auto"):
         functional.linear(x, w, implementation=path)
     assert calls == [(False, False)] * (1 if kernel.auto_declines() else 2)
+    del calls[:]
+    few = jnp.ones((2, FEW_ROWS // 2, 8), jnp.float32)  # FEW_ROWS rows in all
+    functional.linear(few, w, implementation="auto")
+    functional.linear(few, w, implementation="fused")
+    assert calls == [(False, False)]  # fused only
 
 
 def test_linear_promotes_as_flax_does() -> None:
