@@ -180,7 +180,7 @@ _ASK = """
 import json, os, sys, warnings, numpy as np, jax.numpy as jnp
 from jax_attention import _cpu_kernel
 from jax_attention.functional import cpu_kernel_supports, dot_product_attention, route
-q = jnp.ones((1, 2, 16, 8), jnp.float32)
+q = jnp.ones((1, 2, 32, 8), jnp.float32)  # more than FEW_QUERY_ROWS rows
 asked = {i: list(route(q, q, q, causal=True, implementation=i)) for i in ("auto", "fused", "blockwise", "reference")}
 asked["supports"] = [cpu_kernel_supports(q, implementation=i) for i in ("fused", "auto")]
 result = {"asked": asked, "cache": sorted(os.listdir(os.environ["TWIN_ATTENTION_CACHE"])),
