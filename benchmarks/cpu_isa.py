@@ -71,19 +71,29 @@ def main(argv: list[str] | None = None) -> int:
             for fn in by_path.values():  # compile and warm up
                 jax.block_until_ready(fn(q, k, v))
                 jax.block_until_ready(fn(q, k, v))
+            # JAX's paths interleaved, the order rotating so that no path always runs right
+            # after the same other (a path timed just after the kernel's cold exit was
+            # measured up to 18% slower); then PyTorch's runs on their own, after them:
+            # interleaved, its OpenMP threads, spinning after each call, took the cores from
+            # the JAX call after it (the same program, auto and fused, timed 1.3x apart).
+            jax_paths = PATHS[:-1]
             for run in range(args.runs):
-                # the order rotates, so that no path always runs right after the same other
-                # (a path timed just after the kernel's cold exit was measured up to 18% slower)
-                order = PATHS[run % len(PATHS):] + PATHS[:run % len(PATHS)]
-                for path in order:
-                    fn = by_path[path]
-                    start = time.perf_counter()
-                    jax.block_until_ready(fn(q, k, v))
-                    times[path].append(time.perf_counter() - start)
+                for path in jax_paths[run % len(jax_paths):] + jax_paths[:run % len(jax_paths)]:
+                    times[path].append(_seconds(by_path[path], q, k, v))
+            times["torch"] = [_seconds(by_path["torch"], q, k, v) for _ in range(args.runs)]
             cells = " | ".join(f"{statistics.median(times[path]) * 1e3:.1f}" for path in PATHS)
             print(f"| {batch} {heads} {seq} {width} | {phase} | {cells} |")
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def _seconds(fn: Callable[..., object], *args: object) -> float:
+    """One call's wall time, the result made ready."""
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
 
 
 def _torch_calls(q: object, k: object, v: object) -> tuple[Callable[..., object], Callable[..., object]]:
