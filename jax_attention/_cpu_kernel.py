@@ -383,9 +383,8 @@ def predicted_instruction_set() -> str | None:
     if _state.get("ok"):
         return instruction_set()
     march = os.environ.get("TWIN_ATTENTION_MARCH") or "native"
-    flags = _cpu_flags_line().split(":", 1)[-1].split()
-    if march == "native" and flags:
-        return next((isa for isa, flag in _NEEDS_FLAG.items() if flag in flags), "generic")
+    if march == "native" and _cpu_flags_line():
+        return cpu_instruction_set() or "generic"
     compiler = _compiler()
     return None if compiler is None else _target_instruction_set(compiler, march)
 

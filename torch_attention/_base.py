@@ -266,9 +266,21 @@ class AttentionModule(nn.Module):
             _check_room(cache, x.shape[1], cache.key.shape[2])
             kept = checked[1]  # (_replace(x=x, cache=cache), built directly: a decode step asks it every token)
             return _Call._make((x, *kept[1:_CACHE_FIELD], cache, *kept[_CACHE_FIELD + 1:]))
-        call = self._prepare_in_full(x, mask, dropout_mask, kv_lengths, implementation, bias, context=context,
-                                     segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
-                                     return_weights=return_weights, positions=positions)
+        # every check, through plan_call
+        plan = plan_call(
+            self.spec, _OPS, x, compute_dtype=self._compute_dtype(), training=self.training,
+            implementation=implementation, context=context, mask=mask, bias=bias, dropout_mask=dropout_mask,
+            kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
+            return_weights=return_weights,
+        )
+        positions = self._check_positions(positions, x, context)
+        keys, values, mask, bias = plan.keys, plan.values, plan.mask, plan.bias
+        if not plan.batched:  # (T, C) -> (1, T, C); masks broadcast from the right
+            x = x.unsqueeze(0)
+            keys, values, mask, bias, positions = (
+                t if t is None else t.unsqueeze(0) for t in (keys, values, mask, bias, positions))
+        call = _Call(x, mask, dropout_mask, plan.kv_lengths, plan.implementation, plan.batched, bias,
+                     keys, values, plan.segment_ids, plan.kv_segment_ids, cache, positions)
         if key is not None:  # (set past nn.Module.__setattr__: a plain attribute, not state)
             call = call._replace(plans={})
             self.__dict__["_checked_step"] = (key, call._replace(x=cast(Tensor, None), cache=None))
@@ -286,38 +298,6 @@ class AttentionModule(nn.Module):
             return None
         return (self.spec, self._compute_dtype(), self.training, implementation, return_weights, x.shape, x.dtype,
                 key.shape, key.dtype, value.shape, value.dtype, lengths.shape, lengths.dtype)
-
-    def _prepare_in_full(
-        self,
-        x: Tensor,
-        mask: Any,
-        dropout_mask: Tensor | None,
-        kv_lengths: Any,
-        implementation: str | None,
-        bias: Any = None,
-        *,
-        context: Any = None,
-        segment_ids: Any = None,
-        kv_segment_ids: Any = None,
-        cache: Any = None,
-        return_weights: bool = False,
-        positions: Any = None,
-    ) -> _Call:
-        """``_prepare``'s checks, every one, through ``plan_call``."""
-        plan = plan_call(
-            self.spec, _OPS, x, compute_dtype=self._compute_dtype(), training=self.training,
-            implementation=implementation, context=context, mask=mask, bias=bias, dropout_mask=dropout_mask,
-            kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
-            return_weights=return_weights,
-        )
-        positions = self._check_positions(positions, x, context)
-        keys, values, mask, bias = plan.keys, plan.values, plan.mask, plan.bias
-        if not plan.batched:  # (T, C) -> (1, T, C); masks broadcast from the right
-            x = x.unsqueeze(0)
-            keys, values, mask, bias, positions = (
-                t if t is None else t.unsqueeze(0) for t in (keys, values, mask, bias, positions))
-        return _Call(x, mask, dropout_mask, plan.kv_lengths, plan.implementation, plan.batched, bias,
-                     keys, values, plan.segment_ids, plan.kv_segment_ids, cache, positions)
 
     # ------------------------------------------------------------------ rotary positions
 
