@@ -48,8 +48,9 @@ import numpy as np
 _SOURCES = Path(__file__).with_name("csrc")
 _SOURCE = _SOURCES / "flash_attention_cpu.cc"  # the translation unit: includes the headers beside it
 _FORWARD, _BACKWARD = "twin_attention_flash_fwd", "twin_attention_flash_bwd"
-_MATMUL = "twin_attention_matmul"
-_SYMBOLS = ("TwinAttentionFlashFwd", "TwinAttentionFlashBwd", "TwinAttentionMatmul", "TwinAttentionInstructionSet")
+_DECODE, _MATMUL = "twin_attention_decode_fwd", "twin_attention_matmul"
+_SYMBOLS = ("TwinAttentionFlashFwd", "TwinAttentionFlashBwd", "TwinAttentionDecodeFwd", "TwinAttentionMatmul",
+            "TwinAttentionInstructionSet")
 # The instruction sets the kernel is tuned for (its vectors and tiles as wide as their
 # registers).  Elsewhere (SSE2, NEON, untimed) "auto" passes it by; "fused" still runs it.
 _TUNED_FOR = ("AVX-512", "AVX2")
@@ -227,6 +228,7 @@ def _load() -> ctypes.CDLL:
     _, library = _verified()
     jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.TwinAttentionFlashFwd), platform="cpu")
     jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(library.TwinAttentionFlashBwd), platform="cpu")
+    jax.ffi.register_ffi_target(_DECODE, jax.ffi.pycapsule(library.TwinAttentionDecodeFwd), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(library.TwinAttentionMatmul), platform="cpu")
     return library
 
@@ -304,15 +306,17 @@ def instruction_set() -> str | None:
         return str(_state["isa"])
 
 
-def auto_declines() -> str | None:
+def auto_declines(few_rows: bool = False) -> str | None:
     """Why ``implementation="auto"`` does not run the kernel on this machine, or None
     where it does: a build for an instruction set it is tuned for (AVX-512, AVX2) that is
     the widest this CPU has.  Otherwise the blockwise path is faster and ``auto`` takes
-    it; an explicit ``"fused"`` still runs the kernel."""
+    it; an explicit ``"fused"`` still runs the kernel.  For a call of few query rows
+    (``few_rows``: the forward for few rows, which reads keys and values more than it
+    multiplies them) a tuned build is taken on a wider CPU too."""
     isa = instruction_set()
     if isa is None:
         return f"the CPU kernel is not available: {build_error()}"
-    return _declines_for(isa)
+    return _declines_for(isa, few_rows)
 
 
 def cpu_instruction_set() -> str | None:
@@ -321,13 +325,18 @@ def cpu_instruction_set() -> str | None:
     return next((isa for isa, flag in _NEEDS_FLAG.items() if flag in flags), None)
 
 
-def _declines_for(isa: str) -> str | None:
+def _declines_for(isa: str, few_rows: bool = False) -> str | None:
     """``auto``'s word on a build for ``isa``: not tuned for it, or narrower than this CPU
     (an AVX2 build, ``$TWIN_ATTENTION_MARCH=x86-64-v3``, on an AVX-512 CPU: XLA's own
     GEMMs, which the blockwise path runs, use the wider vectors there and win; measured
-    in benchmarks/results/<cpu>/cpu-isa.md)."""
+    in benchmarks/results/<cpu>/cpu-isa.md).  The forward for few rows (``few_rows``)
+    is taken from a narrower tuned build too: a decode step on the AVX2 build of a Zen 5
+    ran 0.76-1.2 ms at batch 64 against 1.5-2.2 ms for the explicit math, and no slower
+    at batch 1 and 8 (benchmarks/results/<cpu>/decode.md)."""
     if isa not in _TUNED_FOR:
         return f"the CPU kernel is not tuned for this instruction set ({isa}): blockwise is faster"
+    if few_rows:
+        return None
     widest = cpu_instruction_set()
     if widest is not None and widest in _TUNED_FOR and _TUNED_FOR.index(widest) < _TUNED_FOR.index(isa):
         return (f"the CPU kernel is built for {isa} but this CPU has {widest}, which XLA's GEMMs use: "
@@ -389,7 +398,7 @@ def predicted_instruction_set() -> str | None:
     return None if compiler is None else _target_instruction_set(compiler, march)
 
 
-def auto_would_decline() -> str | None:
+def auto_would_decline(few_rows: bool = False) -> str | None:
     """``auto_declines``'s answer asked without building the kernel: why
     ``implementation="auto"`` would not run it on this machine (a kernel known to be
     missing, or a target it is not tuned for), or None where it would.  The call that
@@ -400,7 +409,7 @@ def auto_would_decline() -> str | None:
     isa = predicted_instruction_set()
     if isa is None:
         return "the CPU kernel's instruction set cannot be told without building it"
-    return _declines_for(isa)
+    return _declines_for(isa, few_rows)
 
 
 def _attributes(scale: float, offset: int, left: int | None, right: int | None) -> dict[str, Any]:
@@ -428,6 +437,24 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, sca
     shapes = (jax.ShapeDtypeStruct((batch, q_len, heads, v.shape[-1]), jnp.float32), rows, rows)
     call = jax.ffi.ffi_call(_FORWARD, shapes, vmap_method="sequential")
     out, row_max, row_sum = call(q, k, v, lengths, _sinks_operand(sinks), **_attributes(scale, offset, left, right))
+    return out, row_max, row_sum
+
+
+def decode_forward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float, offset: int,
+                   left: int | None, right: int | None, sinks: jax.Array | None = None,
+                   heads_first: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``forward`` for few query rows (``csrc/decode.h``): keys and values read where
+    they lie, none past a length, in either layout: tokens before heads as ``forward``
+    takes them, or with ``heads_first`` q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S,
+    Dv) and out (B, H, T, Dv), as a module's cache holds them.  The row statistics are
+    ``forward``'s, (B, H, T)."""
+    batch = q.shape[0]
+    heads, q_len = (q.shape[1], q.shape[2]) if heads_first else (q.shape[2], q.shape[1])
+    rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    shapes = (jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), jnp.float32), rows, rows)
+    call = jax.ffi.ffi_call(_DECODE, shapes, vmap_method="sequential")
+    out, row_max, row_sum = call(q, k, v, lengths, _sinks_operand(sinks), heads_first=np.bool_(heads_first),
+                                 **_attributes(scale, offset, left, right))
     return out, row_max, row_sum
 
 

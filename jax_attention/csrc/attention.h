@@ -35,10 +35,19 @@ struct Problem {
   const int32_t* lengths;
   const float* sinks;  // (H,), or null: no sinks
 
+  bool heads_first = false;  // (B, H, T, width) arrays instead: decode.h's operands
+
   int64_t group() const { return heads / kv_heads; }
-  // Row r of head h of example b in a (B, T, H, width) array, and its row stride.
-  int64_t q_row(int64_t b, int64_t h, int64_t r) const { return (b * q_len + r) * heads + h; }
-  int64_t kv_row(int64_t b, int64_t hk, int64_t c) const { return (b * kv_len + c) * kv_heads + hk; }
+  // Row r of head h of example b in a (B, T, H, width) array ((B, H, T, width) where
+  // heads_first), and the rows between one token of a head and the next.
+  int64_t q_row(int64_t b, int64_t h, int64_t r) const {
+    return heads_first ? (b * heads + h) * q_len + r : (b * q_len + r) * heads + h;
+  }
+  int64_t kv_row(int64_t b, int64_t hk, int64_t c) const {
+    return heads_first ? (b * kv_heads + hk) * kv_len + c : (b * kv_len + c) * kv_heads + hk;
+  }
+  int64_t q_step() const { return heads_first ? 1 : heads; }
+  int64_t kv_step() const { return heads_first ? 1 : kv_heads; }
   int64_t length(int64_t b) const { return std::clamp<int64_t>(lengths[b], 0, kv_len); }
   // Keys [first, last) that query row r of example b sees.
   int64_t first(int64_t r) const { return left < 0 ? 0 : std::max<int64_t>(0, r + offset - left); }
@@ -99,20 +108,25 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& f) {
 }
 
 static bool consistent(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi::F32>& v,
-                       const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::F32>& sinks) {
+                       const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::F32>& sinks,
+                       bool heads_first = false) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const int t = heads_first ? 2 : 1, h = heads_first ? 1 : 2;  // the token and head axes
   return qd.size() == 4 && kd.size() == 4 && vd.size() == 4 && kd[0] == qd[0] && vd[0] == qd[0] &&
-         kd[2] == vd[2] && kd[2] > 0 && qd[2] % kd[2] == 0 && kd[1] == vd[1] && kd[3] == qd[3] &&
+         kd[h] == vd[h] && kd[h] > 0 && qd[h] % kd[h] == 0 && kd[t] == vd[t] && kd[3] == qd[3] &&
          lengths.element_count() == static_cast<size_t>(qd[0]) &&
-         (sinks.element_count() == 0 || sinks.element_count() == static_cast<size_t>(qd[2]));
+         (sinks.element_count() == 0 || sinks.element_count() == static_cast<size_t>(qd[h]));
 }
 
+// The problem of a call's operands, tokens before heads, or heads before tokens
+// (heads_first: q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)).
 static Problem problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi::F32>& v,
                        const ffi::Buffer<ffi::S32>& lengths, const ffi::Buffer<ffi::F32>& sinks, float scale,
-                       int64_t offset, int64_t left, int64_t right) {
+                       int64_t offset, int64_t left, int64_t right, bool heads_first = false) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  return Problem{qd[0],  qd[2], kd[2], qd[1], kd[1], qd[3], vd[3], scale, offset, left, right, lengths.typed_data(),
-                 sinks.element_count() == 0 ? nullptr : sinks.typed_data()};
+  const int t = heads_first ? 2 : 1, h = heads_first ? 1 : 2;  // the token and head axes
+  return Problem{qd[0], qd[h], kd[h], qd[t], kd[t], qd[3], vd[3], scale, offset, left, right, lengths.typed_data(),
+                 sinks.element_count() == 0 ? nullptr : sinks.typed_data(), heads_first};
 }
 
 // A row's sink joined to its normaliser (sinks): the keys' scaled maximum top = max * scale

@@ -3,13 +3,16 @@
 //
 // Built on first use by jax_attention/_cpu_kernel.py with the machine's C++ compiler
 // (-O3 -march=native) and registered as the custom-call targets
-// "twin_attention_flash_fwd", "twin_attention_flash_bwd" and "twin_attention_matmul".
+// "twin_attention_flash_fwd", "twin_attention_flash_bwd", "twin_attention_decode_fwd"
+// and "twin_attention_matmul".
 //
 //   vec.h        vector types and helpers (GCC vector extensions), exp
 //   scratch.h    working memory: per-thread buffers kept between calls
 //   gemm.h       the matrix products: in place on cached tiles, and packed in parallel
 //   attention.h  the problem's geometry, masking, operand checks, the parallel loop
+//   online_softmax.h  the forwards' online softmax: a tile's weights, a finished row
 //   forward.h    the forward handler
+//   decode.h     the forward of few query rows (a decode step), keys read in place
 //   backward.h   the backward handler
 //   this file    the projections' handler and the FFI registrations
 
@@ -17,6 +20,7 @@
 
 #include "attention.h"
 #include "backward.h"
+#include "decode.h"
 #include "forward.h"
 #include "gemm.h"
 #include "xla/ffi/api/ffi.h"
@@ -85,6 +89,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TwinAttentionFlashFwd, twin::Forward,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // row_max
                                   .Ret<ffi::Buffer<ffi::F32>>());  // row_sum
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TwinAttentionDecodeFwd, twin::Decode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q (B, T, H, D), or (B, H, T, D)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k (B, S, Hkv, D), or (B, Hkv, S, D)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v (B, S, Hkv, Dv), or (B, Hkv, S, Dv)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths (B,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks (H,), or (0,): none
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Attr<bool>("heads_first")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out, in q's layout
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // row_max (B, H, T)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // row_sum (B, H, T)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TwinAttentionFlashBwd, twin::Backward,
                               ffi::Ffi::Bind()

@@ -2,17 +2,16 @@
 // maximum and sum for the backward.
 //
 // The math is that of jax_attention.functional's blockwise path: float32 throughout,
-// scores never stored beyond one (rows x keys) tile, the softmax's row maximum taken over
-// the unscaled scores and exp((s - max) * scale), a row with nothing to attend to giving
-// zeros.  Work is shared by (batch, head, query block).  Attention sinks join each row's
-// normaliser once its keys are summed (finish_with_sink); without them the rows finish
-// as before, bit for bit.
+// scores never stored beyond one (rows x keys) tile, and the online softmax of
+// online_softmax.h.  Work is shared by (batch, head, query block).  Attention sinks join
+// each row's normaliser once its keys are summed (finish_row).
 #pragma once
 #include <algorithm>
 #include <cstdint>
 
 #include "attention.h"
 #include "gemm.h"
+#include "online_softmax.h"
 #include "scratch.h"
 #include "vec.h"
 
@@ -87,21 +86,6 @@ struct ForwardArgs {
   float *out, *row_max, *row_sum;
 };
 
-// The block's rows finished with head h's sink in their normalisers (join_sink): a row
-// that saw nothing stays zeros, with maximum and normaliser 0.
-static void finish_with_sink(const Problem& pb, const ForwardArgs& a, int64_t b, int64_t h, int64_t r0, int64_t rows,
-                             const float* acc, int64_t Dvp, const float* m, const float* l) {
-  const int64_t head = b * pb.heads + h, Dv = pb.v_width;
-  for (int64_t i = 0; i < rows; ++i) {
-    float* O = a.out + pb.q_row(b, h, r0 + i) * Dv;
-    const SinkJoin join = l[i] == 0.0f ? SinkJoin{0.0f, 1.0f, 0.0f} : join_sink(m[i], l[i], pb.scale, pb.sinks[h]);
-    const float factor = join.keys / join.denominator;
-    for (int64_t c = 0; c < Dv; ++c) O[c] = acc[i * Dvp + c] * factor;
-    a.row_max[head * pb.q_len + r0 + i] = l[i] == 0.0f ? 0.0f : m[i];
-    a.row_sum[head * pb.q_len + r0 + i] = join.normaliser;
-  }
-}
-
 static void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, int64_t h, int64_t r0) {
   const int64_t D = pb.width, Dv = pb.v_width, Dvp = a.kv->Dvp, keys = a.kv->keys;
   const int64_t rows = std::min(kFwdRows, pb.q_len - r0);
@@ -132,44 +116,13 @@ static void forward_block(const Problem& pb, const ForwardArgs& a, int64_t b, in
     const int64_t c0 = t * keys, n = std::min(keys, hi - c0), cols = round_up(n, kPad);
     gemm(rows, cols, D, Q, ldq, a.kv->kt_of(unit, t, D), a.kv->ld, s, cols, false);  // q k^T
     hide(pb, b, r0, rows, c0, n, cols, s, cols);
-    for (int64_t i = 0; i < rows; ++i) {
-      float* row = s + i * cols;
-      vf mx = splat(neg_inf);
-      for (int64_t c = 0; c < cols; c += kLanes) {
-        const vf x = load(row + c);
-        mx = x > mx ? x : mx;
-      }
-      float tile_max = mx[0];
-      for (int j = 1; j < kLanes; ++j) tile_max = std::max(tile_max, mx[j]);
-      const float m_new = std::max(m[i], tile_max);
-      if (m_new == neg_inf) {  // nothing seen yet: zero weights
-        std::fill(row, row + cols, 0.0f);
-        continue;
-      }
-      vf sum = vf{};
-      for (int64_t c = 0; c < cols; c += kLanes) {
-        const vf p = exp_nonpositive((load(row + c) - m_new) * scale);
-        store(row + c, p);
-        sum += p;
-      }
-      const float tile_sum = sum_lanes(sum);
-      if (m[i] != m_new) {  // the maximum grew: rescale what was summed so far
-        const float rescale = m[i] == neg_inf ? 0.0f : exp_nonpositive(splat((m[i] - m_new) * scale))[0];
-        l[i] *= rescale;
-        float* o = acc + i * Dvp;
-        for (int64_t c = 0; c < Dvp; c += kLanes) store(o + c, load(o + c) * rescale);
-        m[i] = m_new;
-      }
-      l[i] += tile_sum;
-    }
+    softmax_tile(rows, cols, scale, s, m, l, acc, Dvp);
     gemm(rows, Dvp, cols, s, cols, a.kv->v_of(pb, b, h / pb.group(), t), a.kv->ldv, acc, Dvp, true);  // p v
   }
-  if (pb.sinks != nullptr) return finish_with_sink(pb, a, b, h, r0, rows, acc, Dvp, m, l);
   for (int64_t i = 0; i < rows; ++i) {
-    float* O = a.out + pb.q_row(b, h, r0 + i) * Dv;
-    for (int64_t c = 0; c < Dv; ++c) O[c] = l[i] == 0.0f ? 0.0f : acc[i * Dvp + c] / l[i];
-    a.row_max[head * pb.q_len + r0 + i] = l[i] == 0.0f ? 0.0f : m[i];
-    a.row_sum[head * pb.q_len + r0 + i] = l[i];
+    const int64_t stat = head * pb.q_len + r0 + i;
+    finish_row(pb, h, acc + i * Dvp, m[i], l[i], a.out + pb.q_row(b, h, r0 + i) * Dv, a.row_max + stat,
+               a.row_sum + stat);
   }
 }
 
