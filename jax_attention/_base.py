@@ -396,9 +396,13 @@ class AttentionModule(nnx.Module):
 
     def _attend(self, call: _Call, q: Array, k: Array, v: Array, return_weights: bool, key: Array | None,
                 **extra: Any) -> Any:
+        return functional.dot_product_attention(q, k, v, **self._options(call, return_weights, key, **extra))
+
+    def _options(self, call: _Call, return_weights: bool, key: Array | None, **extra: Any) -> dict[str, Any]:
+        """The keywords of a call's attention (``functional.dot_product_attention``'s, and
+        ``functional.route``'s): the spec's and the call's, ``extra`` overriding."""
         spec = self.spec
-        return functional.dot_product_attention(
-            q, k, v,
+        return dict(
             mask=call.mask,
             causal=extra.pop("causal", spec.causal),
             kv_lengths=extra.pop("kv_lengths", call.kv_lengths),
@@ -436,7 +440,8 @@ class AttentionModule(nnx.Module):
     def _run_cached(self, call: _Call, return_weights: bool, key: Array | None) -> Any:
         """A decode step: x's keys and values appended to (a new) cache, then x attends to
         every filled position, query t of example b at key position lengths[b] + t, over
-        the cache's first positions up to the fullest fill (``_over_filled``).  A step
+        the cache's first positions up to the fullest fill (``_over_filled``), or over the
+        whole cache on a kernel that reads no key past a length (``_reads_to_lengths``).  A step
         that runs past max_len (possible only under jit) writes nothing and returns NaN
         outputs and the cache with its overflow record (``append_to_cache``)."""
         folded = self._folds(call, return_weights)
@@ -451,18 +456,22 @@ class AttentionModule(nnx.Module):
         else:
             where = {"q_offset": start, "alignment": "top_left"}
 
+        # On a kernel that reads no key past a length, the whole cache as it lies
+        whole = not return_weights and not self._draws(call) and self._reads_to_lengths(
+            call, q, cache, kv_lengths=filled, **where)
+
         def attend(c: _Call, n: int) -> Any:
             def one(q: Array, keys: Array, values: Array, filled: Array) -> Any:
                 keys, values = keys[:, :, :n].astype(q.dtype), values[:, :, :n].astype(q.dtype)
                 return self._attend(c, q, keys, values, return_weights, key, kv_lengths=filled, **where)
 
             operands = (q, cache.key, cache.value, filled)
-            if not folded or q.shape[0] == 1 or 2 * cache.key[:, :, :n].nbytes <= _DECODE_BYTES:
+            if whole or not folded or q.shape[0] == 1 or 2 * cache.key[:, :, :n].nbytes <= _DECODE_BYTES:
                 return one(*operands)
             # a long bucket, example by example: each call's temporaries stay small
             return jax.lax.map(lambda o: one(*(t[None] for t in o))[0], operands)
 
-        result = self._over_filled(call, attend, filled, int(cache.key.shape[2]), return_weights)
+        result = self._over_filled(call, attend, filled, int(cache.key.shape[2]), return_weights or whole)
         if folded:
             result = result.reshape(*shape[:3], -1)
         if return_weights:
@@ -477,9 +486,11 @@ class AttentionModule(nnx.Module):
         repeats the cache's keys and values per query head (a copy of the cache each
         step).  The causal mask is dropped: the token sits at its example's fill, so the
         keys it may see are exactly the ``kv_lengths`` (the fill after the write) that
-        every row keeps, whatever the path.  (On CPU, ``"auto"`` then runs the explicit
-        math, as ``functional.route`` says of so few query rows, and XLA's dot for the
-        projections of so few tokens: ``functional.FEW_QUERY_ROWS``, ``_linear.FEW_ROWS``.)"""
+        every row keeps, whatever the path.  (On CPU, ``"auto"`` then runs the CPU
+        kernel's forward for few rows over the whole cache as it lies, as
+        ``functional.route`` says of so few query rows (the explicit math where auto
+        passes the kernel by), and XLA's dot for the projections of so few tokens:
+        ``functional.FEW_QUERY_ROWS``, ``_linear.FEW_ROWS``.)"""
         spec = self.spec
         return (call.x.shape[1] == 1 and spec.window is None and not spec.sinks and not return_weights
                 and not self._draws(call)
@@ -493,13 +504,25 @@ class AttentionModule(nnx.Module):
             return call.kv_lengths
         return jnp.full((call.x.shape[0],), call.x.shape[1], jnp.int32)
 
-    def _over_filled(self, call: _Call, attend: Any, filled: Array, max_len: int, return_weights: bool) -> Any:
+    def _reads_to_lengths(self, call: _Call, q: Array, cache: functional.KVCache, **extra: Any) -> bool:
+        """Whether a cached step's attention over the whole cache (``extra``: the step's
+        keywords) runs on a kernel that reads no key past ``kv_lengths``
+        (``functional.READS_TO_LENGTHS``: on CPU, the kernel's forward for few rows), so
+        that it costs what the filled positions cost without buckets (``_over_filled``).
+        Asked of ``functional.route``, on shapes."""
+        keys, values = (jax.ShapeDtypeStruct(t.shape, q.dtype) for t in (cache.key, cache.value))
+        chosen = functional.route(q, keys, values, **self._options(call, False, None, **extra))
+        return chosen.kernel in functional.READS_TO_LENGTHS
+
+    def _over_filled(self, call: _Call, attend: Any, filled: Array, max_len: int, whole: bool) -> Any:
         """``attend(call, n)`` over the cache's first n positions, n the smallest of
         ``fill_buckets(max_len)`` that holds the fullest fill (``over_filled``; known
         eagerly, a ``lax.switch`` under jit), the call's key-axis inputs cut to n.  Over
-        all ``max_len`` positions where the result's shape or draw depends on it: the
-        returned weights (B, H, T, max_len), and dropout drawn from a key."""
-        if return_weights or self._draws(call):
+        all ``max_len`` positions where the result's shape or draw depends on it (the
+        returned weights (B, H, T, max_len), and dropout drawn from a key) and where
+        ``whole`` says so (a kernel that reads no key past a length,
+        ``_reads_to_lengths``)."""
+        if whole or self._draws(call):
             return attend(call, max_len)
         return over_filled(lambda n: attend(_first_keys(call, n, max_len), n), jnp.max(filled), max_len,
                            fill_buckets(max_len))

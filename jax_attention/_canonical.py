@@ -271,12 +271,15 @@ class Structure(NamedTuple):
 
 
 def structure(q: Any, k: Array, v: Array, call: Canonical, causal: bool, structural: bool,
-              layout: str = "bhsd") -> Structure:
+              layout: str = "bhsd", reads_to_lengths: bool = False) -> Structure:
     """Segments, and positions that differ per example, are a dense mask on every path; a
     static offset and the window stay structural where a path can use them
-    (``structural``).  Keys and values that no query may attend to become zeros.  q is
-    read for its shape, (..., H, T, D); k and v are in ``layout`` (``"bshd"``: (..., S,
-    Hkv, D), as the fused kernels take them) and are returned in it."""
+    (``structural``).  Keys and values that no query may attend to become zeros, but for
+    a path that reads no key past ``kv_lengths`` (``reads_to_lengths``: the library's CPU
+    kernel) those past a length stay as they are: it never reads them, and a copy of a
+    long cache would cost what the cache's length costs.  q is read for its shape, (...,
+    H, T, D); k and v are in ``layout`` (``"bshd"``: (..., S, Hkv, D), as the fused
+    kernels take them) and are returned in it."""
     q_len, kv_len = q.shape[-2], k.shape[-3] if layout == "bshd" else k.shape[-2]
     mask, offset, window = call.mask, call.offset, call.window
     if call.segments is not None:
@@ -286,7 +289,8 @@ def structure(q: Any, k: Array, v: Array, call: Canonical, causal: bool, structu
     if not isinstance(offset, int) or (not structural and (window is not None or (causal and offset))):
         mask = combine_masks(mask, band(q_len, kv_len, offset, causal, window, q.ndim))
         offset, causal, window = 0, False, None
-    live = live_keys(mask, causal, call.kv_lengths, q_len, kv_len, q.ndim, offset=offset, window=window)
+    lengths = None if reads_to_lengths else call.kv_lengths
+    live = live_keys(mask, causal, lengths, q_len, kv_len, q.ndim, offset=offset, window=window)
     groups = q.shape[-3] // k.shape[-2 if layout == "bshd" else -3] if q.ndim >= 3 else 1
     if live is not None:
         if groups > 1 and live.shape[-3] > 1:  # a key is live if any head of its group sees it

@@ -36,37 +36,39 @@ def fits(q: Array, *, mask: Array | None = None, bias: Array | None = None, segm
 
 
 def declines(q: Array, *, mask: Array | None = None, bias: Array | None = None, segments: Array | None = None,
-             offset: int | Array = 0, implementation: str = "fused") -> str | None:
+             offset: int | Array = 0, implementation: str = "fused", few_rows: bool = False) -> str | None:
     """Why ``implementation`` (``"fused"`` or ``"auto"``) does not run the kernel for a
     call on XLA's CPU backend (None: it does), asked without building it: the call
     (``fits``), then the machine: a kernel known not to be had (turned off, or a build
     that failed), and for ``"auto"`` one built for another instruction set than the one
-    it is tuned for (``_cpu_kernel.auto_would_decline``)."""
+    it is tuned for (``_cpu_kernel.auto_would_decline``; ``few_rows``: a call for the
+    forward for few rows, which a tuned build takes on a wider CPU too)."""
     why = fits(q, mask=mask, bias=bias, segments=segments, offset=offset)
     if why is not None:
         return why
     if implementation == "auto":
-        return _cpu_kernel.auto_would_decline()
+        return _cpu_kernel.auto_would_decline(few_rows)
     missing = _cpu_kernel.known_unavailable()
     return None if missing is None else f"the CPU kernel is not available: {missing}"
 
 
 def cpu_kernel_supports(q: Array, *, mask: Array | None = None, bias: Array | None = None,
                         segments: Array | None = None, offset: int | Array = 0,
-                        implementation: str = "fused") -> bool:
+                        implementation: str = "fused", few_rows: bool = False) -> bool:
     """Whether ``implementation`` (``"fused"`` or ``"auto"``) runs the library's CPU
     kernel (``_cpu_kernel``) for a call, asked without building it: XLA's CPU backend,
     float32, bfloat16 or float16 inputs (computed in float32), no dense mask, bias or
     segment ids, one query offset for every example (causal, window, ``kv_lengths`` and
     grouped heads are the kernel's own), and a kernel not known to be missing (turned
     off, or a build that failed); for ``"auto"`` also a kernel for the instruction set it
-    is tuned for (AVX-512; elsewhere the blockwise path is faster, and
-    ``_cpu_kernel.auto_declines()`` says so), told from the build's target without
-    building.  Elsewhere the fused path is ``jax.nn.dot_product_attention``.  The call
+    is tuned for, the widest this CPU has (``few_rows``: or a narrower one; elsewhere
+    the blockwise path is faster, and ``_cpu_kernel.auto_declines()`` says so), told
+    from the build's target without building.  Elsewhere the fused path is ``jax.nn.dot_product_attention``.  The call
     builds the kernel on first use; where only the kernel itself is missing (a failed
     build) an explicit ``"fused"`` says so with a ``RuntimeWarning``."""
     return jax.default_backend() == "cpu" and declines(
-        q, mask=mask, bias=bias, segments=segments, offset=offset, implementation=implementation) is None
+        q, mask=mask, bias=bias, segments=segments, offset=offset, implementation=implementation,
+        few_rows=few_rows) is None
 
 
 def candidate(q: Array, implementation: str, *, mask: Array | None = None, bias: Array | None = None,
@@ -80,17 +82,18 @@ def candidate(q: Array, implementation: str, *, mask: Array | None = None, bias:
     return cpu_kernel_supports(q, mask=mask, bias=bias, segments=segments, offset=offset, implementation="auto")
 
 
-def confirm(implementation: str) -> bool:
+def confirm(implementation: str, few_rows: bool = False) -> bool:
     """Whether the kernel runs a call that was routed to it (or, for an explicit
     ``"fused"``, would be): it is built and loaded, building it on its first use, and
-    for ``"auto"`` built for the instruction set it is tuned for.  An explicit
+    for ``"auto"`` built for the instruction set it is tuned for (``few_rows``: the
+    forward for few rows, ``_cpu_kernel.auto_declines``).  An explicit
     ``"fused"`` that cannot have it says so (``_cpu_kernel.warn_fallback``, naming the
     caller of this function's caller)."""
     if not _cpu_kernel.available():
         if implementation == "fused":
             _cpu_kernel.warn_fallback()
         return False
-    return implementation != "auto" or _cpu_kernel.auto_declines() is None
+    return implementation != "auto" or _cpu_kernel.auto_declines(few_rows) is None
 
 
 class _KernelStatic(NamedTuple):
@@ -128,9 +131,37 @@ def _kernel_attention_bwd(st: _KernelStatic, residuals: Any, d_out: Array) -> tu
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def _few_rows_attention(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array, sinks: Array | None,
+                        heads_first: bool) -> Array:
+    """``_kernel_attention`` for few query rows (``_cpu_kernel.decode_forward``): keys and
+    values read where they lie, in either layout (``heads_first``: q (B, H, T, D), k and v
+    (B, Hkv, S, D), the output (B, H, T, Dv)); the gradient is the kernel's backward."""
+    return _few_rows_fwd(st, q, k, v, lengths, sinks, heads_first)[0]
+
+
+def _few_rows_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array, sinks: Array | None,
+                  heads_first: bool) -> tuple[Array, Any]:
+    out, row_max, row_sum = _cpu_kernel.decode_forward(q, k, v, lengths, sinks=sinks, heads_first=heads_first,
+                                                       **st._asdict())
+    return out, (q, k, v, lengths, sinks, out, row_max, row_sum)
+
+
+def _few_rows_bwd(st: _KernelStatic, heads_first: bool, residuals: Any, d_out: Array) -> tuple[Any, ...]:
+    # The backward takes tokens before heads: heads-first operands swap in and out.
+    swap = (lambda t: jnp.swapaxes(t, 1, 2)) if heads_first else (lambda t: t)
+    q, k, v, lengths, sinks, out, row_max, row_sum = residuals
+    dq, dk, dv, dsinks = _cpu_kernel.backward(swap(q), swap(k), swap(v), lengths, swap(out), swap(d_out), row_max,
+                                              row_sum, sinks=sinks, **st._asdict())
+    return swap(dq), swap(dk), swap(dv), float0(lengths), None if sinks is None else dsinks
+
+
+_few_rows_attention.defvjp(_few_rows_fwd, _few_rows_bwd)
+
+
 def attend(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | None, scale: float,
                offset: int, window: tuple[int | None, int | None] | None, sinks: Array | None = None,
-               layout: str = "bhsd") -> Array:
+               layout: str = "bhsd", few_rows: bool = False) -> Array:
     """The fused path on CPU: the library's kernel on (..., H, T, D) inputs, or (..., T, H,
     D) ones with ``layout="bshd"`` (leading dimensions flattened into one batch), in
     float32, the output in v's dtype and in the inputs' layout.  Causal,
@@ -141,17 +172,27 @@ def attend(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | No
     The kernel takes tokens before heads, (B, T, H, D): a module's head split (a
     transpose to (B, H, T, D)) and the transpose back here cancel under jit, so the
     projections feed the kernel with no copy in between; ``"bshd"`` inputs are passed
-    through as they are, eagerly too."""
+    through as they are, eagerly too.
+
+    ``few_rows`` (``functional.route``'s ``"cpu-decode"``: at most ``FEW_QUERY_ROWS``
+    query rows) runs the kernel's forward for few rows, on either layout as it is: keys
+    and values are read where they lie and none past a length, so a decode step over a
+    cache costs what its filled part costs."""
     tokens_first = layout == "bshd"
     batch, kv_len = math.prod(q.shape[:-3]), k.shape[-3 if tokens_first else -2]
     lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     left, right = reach(causal, window)
+    st = _KernelStatic(scale, offset, left, right)
+    sinks32 = None if sinks is None else sinks.astype(jnp.float32)
+    if few_rows:
+        q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]).astype(jnp.float32) for t in (q, k, v))
+        out = _few_rows_attention(st, q4, k4, v4, lengths, sinks32, not tokens_first)
+        return out.reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)
     if tokens_first:  # already (..., T, H, D): only the leading dimensions are flattened
         q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]).astype(jnp.float32) for t in (q, k, v))
     else:
         q4, k4, v4 = (bthd(t, batch).astype(jnp.float32) for t in (q, k, v))
-    sinks32 = None if sinks is None else sinks.astype(jnp.float32)
-    out = _kernel_attention(_KernelStatic(scale, offset, left, right), q4, k4, v4, lengths, sinks32)  # (B, T, H, Dv)
+    out = _kernel_attention(st, q4, k4, v4, lengths, sinks32)  # (B, T, H, Dv)
     if not tokens_first:
         out = jnp.swapaxes(out, 1, 2)
     return out.reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)

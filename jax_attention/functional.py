@@ -98,12 +98,18 @@ FUSED_DRAWS_DROPOUT = False
 # From this many keys on, the blockwise path walks key tiles in loops (``_tiled``)
 # instead of unrolling one (block, S) score block per query block.
 _LONG_SEQUENCE = 4096
-# On CPU, "auto" runs a call of at most this many query rows (a decode step: one token,
-# or, folded, one token's query heads of a key/value head) as the explicit math: the
-# blockwise path's query blocks and the kernel's are mostly empty there, and the weights
-# are a few rows of S.  Measured per step (d_model 512, 8 / 2 heads, 256 positions):
-# 66 / 277 us at batch 1 / 8, against 64 / 447 blockwise and 166 / 433 on the kernel.
+# On CPU, a call of at most this many query rows (a decode step: one token, or, folded,
+# one token's query heads of a key/value head) runs on the CPU kernel's forward for few
+# rows ("cpu-decode", csrc/decode.h), which reads keys and values where they lie and none
+# past a length; where "auto" passes the kernel by, on the explicit math: the blockwise
+# path's query blocks are mostly empty there, and the weights are a few rows of S.
+# Measured per step before the few-rows forward (d_model 512, 8 / 2 heads, 256
+# positions): 66 / 277 us at batch 1 / 8 explicit, 64 / 447 blockwise, 166 / 433 on the
+# kernel's blocks of query rows.
 FEW_QUERY_ROWS = 16
+# The kernels that read no key past ``kv_lengths``: a call on them costs what the keys
+# up to each example's length cost, however long its buffers (a cache's max_len).
+READS_TO_LENGTHS = ("cpu-decode",)
 # (query rows, keys) of one tile of the loops: a (256, 512) float32 score tile is 512 KiB.
 _LONG_TILE = (256, 512)
 _LONG_BACKWARD_TILE = (512, 256)
@@ -136,7 +142,7 @@ def _blockwise_plan(q_len: int, kv_len: int) -> tuple[int, tuple[int, int] | Non
 
 
 def route(
-    q: Array, k: Array, v: Array, *, mask: Array | None = None, causal: bool = False, kv_lengths: Any = None,
+    q: Array | jax.ShapeDtypeStruct, k: Array | jax.ShapeDtypeStruct, v: Array | jax.ShapeDtypeStruct, *, mask: Array | None = None, causal: bool = False, kv_lengths: Any = None,
     scale: float | None = None, mask_strategy: str = "fill", normalization: str = "softmax",
     dropout_rate: float = 0.0, dropout_mask: Array | None = None, deterministic: bool = True,
     rng: Array | None = None, return_weights: bool = False, implementation: str = "auto",
@@ -148,30 +154,33 @@ def route(
     ``Route(path, kernel, reasons)``, the path (``"reference"``, ``"fused"`` or
     ``"blockwise"``), the kernel that runs it here (``"reference"``; ``"blockwise"``,
     the unrolled query blocks, or ``"blockwise-tiled"``, the loops from
-    ``_LONG_SEQUENCE`` keys on; ``"cpu-kernel"``, the library's CPU kernel;
+    ``_LONG_SEQUENCE`` keys on; ``"cpu-kernel"``, the library's CPU kernel, and
+    ``"cpu-decode"``, its forward for at most ``FEW_QUERY_ROWS`` query rows;
     ``"xla"``, ``"cudnn"`` or ``"splash"``, ``jax.nn.dot_product_attention``'s
     kernels and Pallas splash attention) and, for ``"auto"``, why each faster path was
     passed by (``Route.explain()`` prints them).
 
-    The arguments are checked as the call checks them (the same errors, before any
+    q, k and v are read for their shapes and dtypes only: ``jax.ShapeDtypeStruct`` will
+    do.  The arguments are checked as the call checks them (the same errors, before any
     work), and nothing is built: the CPU kernel's answer comes from what is known of
     it (turned off, a failed build, the instruction set its build targets).  The call
     builds the kernel on first use; should that build fail, the call falls back as the
     route of a machine without the kernel (``"auto"``: blockwise; ``"fused"``: XLA's
     kernel, with a ``RuntimeWarning``)."""
-    q, k, v = _heads_first(q, k, v, layout)
+    shaped = _heads_first(q, k, v, layout)
     call = canonicalise(
-        q, k, v, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
+        *shaped, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
         dropout_mask=dropout_mask, deterministic=deterministic, scale=scale, mask_strategy=mask_strategy,
         normalization=normalization, window=window, alignment=alignment, q_offset=q_offset,
         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
     )
-    return _route(q, k, v, call, causal=causal, implementation=implementation, return_weights=return_weights,
+    return _route(*shaped, call, causal=causal, implementation=implementation, return_weights=return_weights,
                   normalization=normalization, dropout_active=not deterministic and dropout_rate > 0.0,
                   dropout_mask_given=dropout_mask is not None)
 
 
-def _heads_first(q: Array, k: Array, v: Array, layout: str) -> tuple[Any, Any, Any]:
+def _heads_first(q: Array | jax.ShapeDtypeStruct, k: Array | jax.ShapeDtypeStruct, v: Array | jax.ShapeDtypeStruct,
+                 layout: str) -> tuple[Any, Any, Any]:
     """q, k and v checked in ``layout`` (``check_qkv_in_layout``; the layout first) and
     given as (..., H, S, D): the arrays themselves for ``"bhsd"``, their shapes and dtypes
     (``jax.ShapeDtypeStruct``) for ``"bshd"``, which is all the checks and the route read."""
@@ -190,11 +199,12 @@ def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, imple
     ``"auto"``, where it is tuned for the CPU), else with why not; then
     ``resolve_route``'s choice by the options, and the kernel of the path."""
     backend = jax.default_backend()
+    few_rows = backend == "cpu" and q.shape[-2] <= FEW_QUERY_ROWS
     cpu_kernel = False
     declined: tuple[tuple[str, str], ...] = ()  # (path, why) of the fast paths this machine passes by
     if backend == "cpu" and implementation in ("fused", "auto"):
         why = _cpu_fused.declines(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset,
-                                  implementation=implementation)
+                                  implementation=implementation, few_rows=few_rows)
         cpu_kernel = why is None
         declined = () if why is None or implementation != "auto" else (("fused", why),)
     preference: tuple[str, ...] = ("fused", "blockwise") if backend in ("gpu", "tpu") or cpu_kernel else ("blockwise",)
@@ -211,15 +221,18 @@ def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, imple
         fused_blockers=fused_blockers(q.dtype == jnp.float64, call.softcap,
                                       sinks=call.sinks is not None and not cpu_kernel),
     )
-    if backend == "cpu" and implementation == "auto" and path != "reference" and q.shape[-2] <= FEW_QUERY_ROWS:
+    on_kernel = path == "fused" and cpu_kernel
+    if few_rows and implementation == "auto" and path != "reference" and not on_kernel:
         few = (f"{q.shape[-2]} query rows (at most {FEW_QUERY_ROWS}, as a decode step has): "
                "the explicit math is faster on CPU")
         reasons = (*reasons, *(f"{p}: {few}" for p in preference[preference.index(path):]))
         path = "reference"
     if path == "blockwise":
         kernel = "blockwise" if _blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
+    elif on_kernel:
+        kernel = "cpu-decode" if few_rows else "cpu-kernel"
     elif path == "fused":
-        kernel = "cpu-kernel" if cpu_kernel else kernel_for(q, k, v, plain=_plain(q, k, call, causal))
+        kernel = kernel_for(q, k, v, plain=_plain(q, k, call, causal))
     else:
         kernel = "reference"
     return Route(path, kernel, reasons)
@@ -361,16 +374,19 @@ def dot_product_attention(
         dropout_mask_given=dropout_mask is not None,
     )
     chosen = decide()
-    if chosen.kernel == "cpu-kernel" or (implementation == "fused" and _cpu_fused.candidate(
+    on_kernel = chosen.kernel in ("cpu-kernel", "cpu-decode")
+    if on_kernel or (implementation == "fused" and _cpu_fused.candidate(
             q, implementation, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset)):
-        if not _cpu_fused.confirm(implementation):  # builds the kernel on its first use
+        if not _cpu_fused.confirm(implementation, few_rows=chosen.kernel == "cpu-decode"):  # builds it on first use
             chosen = decide()  # without it (known now): blockwise for "auto", XLA's kernel for "fused"
+            on_kernel = False
     scale = resolve_scale(scale, q.shape[-1])
     if chosen.path == "fused":  # the kernels take either layout as it is (splash transposes)
-        s = structure(shaped[0], k, v, call, causal, structural=chosen.kernel == "cpu-kernel", layout=layout)
-        if chosen.kernel == "cpu-kernel":
+        s = structure(shaped[0], k, v, call, causal, structural=on_kernel, layout=layout, reads_to_lengths=on_kernel)
+        if on_kernel:
             return _cpu_fused.attend(q, s.k, s.v, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
-                                     offset=s.offset, window=s.window, sinks=call.sinks, layout=layout)
+                                     offset=s.offset, window=s.window, sinks=call.sinks, layout=layout,
+                                     few_rows=chosen.kernel == "cpu-decode")
         return _fused(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
                       precision=precision, kernel=chosen.kernel, bias=call.bias, layout=layout)
     if layout == "bshd":  # the explicit paths: once in, once out below

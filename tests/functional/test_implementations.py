@@ -208,23 +208,32 @@ def test_auto_takes_the_fast_path(fw):
 
 
 def test_auto_on_cpu_by_query_rows():
-    """JAX on CPU: ``route`` says that a call of at most ``FEW_QUERY_ROWS`` query rows runs
-    the explicit math, and why; one more row takes the fast path (the kernel or blockwise)."""
+    """JAX on CPU: a call of at most ``FEW_QUERY_ROWS`` query rows runs on the CPU kernel's
+    forward for few rows (``"cpu-decode"``) where ``auto`` takes the kernel, else the
+    explicit math, and ``route`` says why (here with a mask, which the kernel does not
+    take); one more row takes the fast path (the kernel's blocks of rows, or blockwise)."""
     import jax
     import jax.numpy as jnp
 
+    from jax_attention import _cpu_fused
     from jax_attention.functional import FEW_QUERY_ROWS, route
 
     if jax.default_backend() != "cpu":
         pytest.skip("the CPU's rule")
+    k = jnp.ones((2, 4, 300, 8), jnp.float32)
     for rows in (1, FEW_QUERY_ROWS):
         q = jnp.ones((2, 4, rows, 8), jnp.float32)
-        k = jnp.ones((2, 4, 300, 8), jnp.float32)
         chosen = route(q, k, k, causal=True)
-        assert chosen.path == "reference", chosen.explain()
-        assert any(f"{rows} query rows (at most {FEW_QUERY_ROWS}" in reason for reason in chosen.reasons), chosen
+        if _cpu_fused.cpu_kernel_supports(q, implementation="auto", few_rows=True):
+            assert (chosen.path, chosen.kernel) == ("fused", "cpu-decode"), chosen.explain()
+        else:
+            assert chosen.path == "reference", chosen.explain()
+        assert route(q, k, k, causal=True, implementation="fused").kernel in ("cpu-decode", "xla")
+        masked = route(q, k, k, mask=jnp.ones((300,), bool), causal=True)
+        assert masked.path == "reference", masked.explain()
+        assert any(f"{rows} query rows (at most {FEW_QUERY_ROWS}" in reason for reason in masked.reasons), masked
     q = jnp.ones((2, 4, FEW_QUERY_ROWS + 1, 8), jnp.float32)
-    assert route(q, k, k, causal=True).path in ("fused", "blockwise")
+    assert route(q, k, k, causal=True).kernel in ("cpu-kernel", "blockwise")
     assert route(q[:, :, :1], k, k, implementation="blockwise").path == "blockwise"  # asked for: taken
 
 

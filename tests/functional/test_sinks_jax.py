@@ -66,12 +66,12 @@ class Case:
     oracle: dict[str, Any] = field(default_factory=dict)
     kernel: bool = True
 
-    def inputs(self, seed: int = 0) -> tuple[np.ndarray, ...]:
+    def inputs(self, seed: int = 0, q_len: int = T) -> tuple[np.ndarray, ...]:
         """q, k, v, the cotangent: float64 holding float32 values."""
         rng = np.random.default_rng(seed)
         q, k, v = (rng.standard_normal(shape).astype(np.float32).astype(np.float64)
-                   for shape in ((B, H, T, D), (B, self.kv_heads, S, D), (B, self.kv_heads, S, D)))
-        return q, k, v, rng.uniform(0.5, 1.5, (B, H, T, D))
+                   for shape in ((B, H, q_len, D), (B, self.kv_heads, S, D), (B, self.kv_heads, S, D)))
+        return q, k, v, rng.uniform(0.5, 1.5, (B, H, q_len, D))
 
 
 CASES = [
@@ -124,7 +124,7 @@ def _refuses_sinks_here(path: str) -> bool:
     if path != "fused":
         return False
     try:
-        return _route(implementation="fused").kernel != "cpu-kernel"
+        return _route(implementation="fused").kernel not in ("cpu-kernel", "cpu-decode")
     except ValueError as error:
         assert SINKS_FUSED_BLOCKER in str(error), error
         return True
@@ -338,8 +338,28 @@ def test_the_cpu_kernel_takes_sinks():
 
     if jax.default_backend() != "cpu":
         pytest.skip("the library's kernel is on XLA's CPU backend")
-    assert _route(implementation="fused").kernel == "cpu-kernel"
+    assert _route(implementation="fused").kernel == "cpu-decode"  # T = 9: the forward for few rows
     assert SINKS_FUSED_BLOCKER not in " ".join(_route(implementation="auto").reasons)
+
+
+@pytest.mark.parametrize("case_id", ["plain", "gqa-causal", "lengths-causal-empty-example"])
+def test_the_kernels_blocks_of_rows_take_sinks(case_id: str):
+    """The cases above have T = 9 query rows, which the CPU kernel's forward for few rows
+    computes (``"cpu-decode"``); with 40 rows its blocks of query rows do
+    (``"cpu-kernel"``): against the oracle too, with the same gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention.functional import route
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the library's kernel is on XLA's CPU backend")
+    case = BY_ID[case_id]
+    q, k, v, cot = case.inputs(q_len=40)
+    assert route(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), sinks=jnp.asarray(SINKS, jnp.float32),
+                 implementation="fused").kernel == "cpu-kernel"
+    _check(_run("fused", q, k, v, SINKS, cot, "float32", **case.call), _expected(case, q, k, v, SINKS, cot),
+           "float32")
 
 
 @pytest.mark.parametrize("case", ["float64", "dropout", "mask"])

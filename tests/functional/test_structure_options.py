@@ -371,8 +371,9 @@ def test_torch_fused_hands_sdpa_the_grouped_heads(monkeypatch, call):
 @pytest.mark.parametrize("call", list(GQA_CALLS))
 def test_jax_fused_hands_the_kernel_the_grouped_heads(monkeypatch, call):
     """Whichever kernel the fused path runs (``jax.nn.dot_product_attention``, or the
-    library's CPU kernel where it takes the call), it gets k and v with their Hkv heads,
-    (B, S, Hkv, D), never repeated."""
+    library's CPU kernel where it takes the call: for these 5 query rows its forward for
+    few rows, on the heads-first layout as given), it gets k and v with their Hkv heads,
+    (B, S, Hkv, D) or (B, Hkv, S, D), never repeated."""
     import jax
 
     from jax_attention import _cpu_kernel
@@ -381,17 +382,19 @@ def test_jax_fused_hands_the_kernel_the_grouped_heads(monkeypatch, call):
 
     def spying(real):  # type: ignore[no-untyped-def]
         def spy(query, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
-            seen.append(tuple(key.shape))
+            shape = tuple(key.shape)
+            seen.append((shape[0], shape[2], shape[1], shape[3]) if kwargs.get("heads_first") else shape)
             assert tuple(value.shape)[:-1] == tuple(key.shape)[:-1]
             return real(query, key, value, *args, **kwargs)
         return spy
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", spying(jax.nn.dot_product_attention))
     monkeypatch.setattr(_cpu_kernel, "forward", spying(_cpu_kernel.forward))
+    monkeypatch.setattr(_cpu_kernel, "decode_forward", spying(_cpu_kernel.decode_forward))
     s = Scenario("gqa", 5, 7, heads=4, kv_heads=1, call=GQA_CALLS[call])
     q, k, v, _ = s.inputs()
     got = run("jax", q, k, v, implementation="fused", **s.call)
-    assert seen == [(2, 7, 1, 8)], seen  # (B, S, Hkv, D)
+    assert seen == [(2, 7, 1, 8)], seen  # (B, S, Hkv, D), in the order of the tokens-first layout
     _check_gqa_output(s, got["output"])
 
 

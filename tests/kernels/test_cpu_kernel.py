@@ -2,8 +2,9 @@
 built on first use).  Against the float64 oracle at sizes that cross its query blocks
 (96 rows forward, 64 backward) and key tiles (512 keys forward, 128 backward), with
 widths that are not whole vectors, grouped heads, windows, offsets and lengths, forward
-and backward; keys past a length that hold NaN; rows with nothing to attend to; half
-precision; ``auto``'s choice (the kernel only where it is built for AVX-512); the fallback
+and backward; the forward for few query rows (a decode step: ``decode.h``, keys read in
+place in either layout); keys past a length that hold NaN; rows with nothing to attend
+to; half precision; ``auto``'s choice (the kernel only where it is built for AVX-512); the fallback
 where it cannot be built; jit and vmap.
 (The structure scenarios of ``test_structure_options`` run it too, through ``fused``
 and ``auto``.)"""
@@ -78,6 +79,15 @@ CASES = [
     # (S * Hkv * Dv floats): the forward copies them
     ("v-copied-wide-span", 1, 16, 8, 40, 2048, 32, 144, {"causal": True, "alignment": "bottom_right"},
      {"causal": True, "offset": 2008}),
+    # at most FEW_QUERY_ROWS query rows: the forward for few rows (decode.h), keys read in
+    # place over several 256-key tiles, a tile cut short by a length, an empty example
+    ("few-rows-one-token-gqa-lengths", 3, 8, 2, 1, 777, 64, 64, {"kv_lengths": np.array([777, 0, 300])},
+     {"mask": _lengths_mask(np.array([777, 0, 300]), 777)}),
+    ("few-rows-window-offset-odd-widths", 2, 4, 2, 16, 600, 40, 24,
+     {"window": (100, 0), "q_offset": 500, "kv_lengths": np.array([600, 520])},
+     {"window": (100, 0), "offset": 500, "mask": _lengths_mask(np.array([600, 520]), 600)}),
+    ("few-rows-causal-bottom-right", 1, 3, 3, 5, 1030, 32, 48, {"causal": True, "alignment": "bottom_right"},
+     {"causal": True, "offset": 1025}),
 ]
 
 
@@ -129,8 +139,8 @@ def test_keys_past_a_length_never_reach_an_output():
 
 
 def test_the_kernel_itself_never_reads_past_a_length():
-    """The kernel's own contract, without ``dot_product_attention`` (which zeroes keys
-    past a length before any path): Inf and NaN in the rows between a length and the
+    """The kernel's own contract, without ``dot_product_attention`` (which hands it keys
+    past a length as they are, and zeroes them for the other paths): Inf and NaN in the rows between a length and the
     end of its 16-key vector (333 .. 335) change nothing, forward or backward."""
     import jax.numpy as jnp
 
@@ -153,6 +163,65 @@ def test_the_kernel_itself_never_reads_past_a_length():
         np.testing.assert_array_equal(got, want)
     dk, dv = dirty[-3:-1]  # (..., dq, dk, dv, dsinks)
     assert np.all(dk[1, 333:] == 0) and np.all(dv[1, 333:] == 0)
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_the_forward_for_few_rows_reads_in_place_and_never_past_a_length(heads_first: bool):
+    """The forward for few rows (``decode_forward``) on either layout, keys and values
+    read where they lie: NaN and Inf past each length change nothing; it equals the
+    forward of blocks of rows (whose tiles are larger, so within rounding), grouped
+    heads, a window and sinks included."""
+    import jax.numpy as jnp
+
+    from jax_attention import _cpu_kernel
+
+    q, k, v, _ = (np.swapaxes(a, 1, 2).astype(np.float32) for a in _inputs(2, 6, 2, 3, 700, 64, 48, seed=7))
+    lengths = jnp.asarray([700, 333], jnp.int32)
+    attrs = dict(scale=0.125, offset=690, left=400, right=0, sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0, 1.0, -3.0]))
+    blocks = _cpu_kernel.forward(*map(jnp.asarray, (q, k, v)), lengths, **attrs)
+
+    def few(k: np.ndarray, v: np.ndarray) -> list[np.ndarray]:
+        swap = (lambda t: np.swapaxes(t, 1, 2)) if heads_first else (lambda t: t)
+        out, row_max, row_sum = _cpu_kernel.decode_forward(*(jnp.asarray(swap(t)) for t in (q, k, v)), lengths,
+                                                           heads_first=heads_first, **attrs)
+        return [swap(np.asarray(out)), np.asarray(row_max), np.asarray(row_sum)]
+
+    clean = few(k, v)
+    k[1, 333:], v[1, 333:] = np.nan, np.inf
+    for got, want in zip(few(k, v), clean, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(clean, blocks, strict=True):
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_few_rows_in_either_layout_against_the_oracle(layout: str):
+    """``dot_product_attention`` on few rows (``"cpu-decode"``) in either layout, as the
+    module's cached steps and a caller holding (B, S, H, D) call it: output and gradients
+    against the oracle."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention.functional import dot_product_attention, route
+
+    q, k, v, cot = _inputs(2, 8, 2, 4, 300, 64, 64, seed=9)
+    lengths = np.array([300, 129])
+    scale = 1.0 / math.sqrt(64)
+    out, weights = reference.attention(q, k, v, scale=scale, mask=_lengths_mask(lengths, 300))
+    want = {"output": out, **oracle_gradients(q, k, v, weights, cot, scale)}
+    swap = (lambda t: jnp.swapaxes(t, 1, 2)) if layout == "bshd" else (lambda t: t)
+    q32, k32, v32 = (swap(jnp.asarray(t, jnp.float32)) for t in (q, k, v))
+    assert route(q32, k32, v32, kv_lengths=lengths, layout=layout).kernel == "cpu-decode"
+
+    def attend(q_: Any, k_: Any, v_: Any) -> Any:
+        return dot_product_attention(q_, k_, v_, kv_lengths=jnp.asarray(lengths), layout=layout)
+
+    o, pullback = jax.vjp(attend, q32, k32, v32)
+    grads = pullback(swap(jnp.asarray(cot, jnp.float32)))
+    got = {"output": swap(o), **{f"grad {n}": swap(g) for n, g in zip("qkv", grads, strict=True)}}
+    findings = [compare(n, np.asarray(got[n], np.float64), want[n],
+                        (ORACLE if n == "output" else GRAD_ORACLE)["float32"], ("kernel", "oracle")) for n in want]
+    assert all(f.ok for f in findings), "\n".join(f.describe() for f in findings if not f.ok)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

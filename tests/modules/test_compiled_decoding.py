@@ -109,6 +109,8 @@ def test_decoding_past_2048_runs_the_tiled_blockwise_kernel() -> None:
 
 @needs_jax
 def test_a_jitted_step_has_no_host_callback_and_attends_by_buckets() -> None:
+    """On a path that reads every key it is given (here the explicit math), a step
+    attends over the smallest bucket of positions that holds the fill: one switch."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -119,12 +121,47 @@ def test_a_jitted_step_has_no_host_callback_and_attends_by_buckets() -> None:
     graphdef, state = nnx.split(m)
     cache = m.init_cache(2, 1000)
     for tokens in (1, 3):
-        jaxpr = str(jax.make_jaxpr(lambda s, x, c: nnx.merge(graphdef, s)(x, cache=c))(
+        jaxpr = str(jax.make_jaxpr(lambda s, x, c: nnx.merge(graphdef, s)(x, cache=c, implementation="reference"))(
             state, jnp.zeros((2, tokens, 16)), cache))
         assert "callback" not in jaxpr
         assert jaxpr.count("cond[") == 1  # one switch over the buckets 128, 256, 512, 1000
     assert jax_attention._cache.fill_buckets(1000) == (128, 256, 512, 1000)
     assert jax_attention._cache.fill_buckets(128) == (128,)
+
+
+@needs_jax
+def test_a_step_on_the_cpu_kernel_reads_the_cache_as_it_lies() -> None:
+    """On CPU, a one-token step (its query heads folded into rows) runs on the kernel's
+    forward for few rows, which reads no key past a length: no buckets (no switch), and
+    no operation in the compiled step makes a cache-sized array but the write into the
+    cache itself (no copy, no zeroing past the fill), so a step costs what the filled
+    part costs, whatever max_len."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jax_attention
+    from jax_attention import _cpu_fused
+
+    q = jnp.zeros((2, 2, 2, 8), jnp.float32)
+    if not _cpu_fused.cpu_kernel_supports(q, implementation="auto", few_rows=True) or not _cpu_fused.confirm(
+            "auto", few_rows=True):
+        pytest.skip("auto runs the CPU kernel only on XLA's CPU backend, where it is built and tuned for the CPU")
+    m = jax_attention.MultiHeadAttention(16, 16, None, 0.0, 4, num_kv_heads=2, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(m)
+    cache = m.init_cache(2, 1000)
+
+    def step(s: Any, x: Any, c: Any) -> Any:
+        return nnx.merge(graphdef, s)(x, cache=c)
+
+    assert "cond[" not in str(jax.make_jaxpr(step)(state, jnp.zeros((2, 1, 16)), cache))
+    text = jax.jit(step, donate_argnums=2).lower(state, jnp.zeros((2, 1, 16)), cache).compile().as_text()
+    assert "twin_attention_decode_fwd" in text
+    sized = [line for line in text.splitlines() if "f32[2,2,1000,4]" in line.split("=", 1)[-1].split("(", 1)[0]
+             and not any(op in line for op in ("parameter(", "get-tuple-element(", "tuple(", "scatter", "fusion("))]
+    assert not sized, sized
+    fusions = [line for line in text.splitlines() if "= f32[2,2,1000,4]" in line and "fusion(" in line]
+    assert all("scatter" in line or "dynamic-update-slice" in line for line in fusions), fusions
 
 
 @needs_jax
