@@ -29,7 +29,7 @@ def host_environment() -> dict[str, Any]:
         "device": gpus[0]["name"] if gpus else f"{cpu_model} ({cores} cores)",
         "gpus": gpus,
         "driver": gpus[0]["driver"] if gpus else None,
-        "cpu": {"model": cpu_model, "cores": cores, **instruction_sets()},
+        "cpu": {"model": cpu_model, "cores": cores, "generation": cpu_generation(), **instruction_sets()},
         "load_average_at_start": load_average(),
         "cpu_busy_at_start": cpu_busy(),
         "python": platform.python_version(),
@@ -116,11 +116,46 @@ def cpu_busy(seconds: float = 1.0) -> float | None:
 
 
 def device_slug(env: dict[str, Any]) -> str:
-    """A folder name for the device: ``nvidia-h100-80gb-hbm3``, ``cpu-2core-amd-epyc``."""
+    """A folder name for the device: ``nvidia-h100-80gb-hbm3``,
+    ``cpu-2core-intel-xeon-processor``, and where the model name hides the CPU's
+    generation (a cloud's "AMD EPYC"), that generation too: ``cpu-2core-amd-epyc-zen5``."""
     if env["gpus"]:
         return _slug(env["gpus"][0]["name"])
     model = re.sub(r"\((R|TM)\)|\bCPU\b|@.*", " ", env["cpu"]["model"])
-    return f"cpu-{env['cpu']['cores']}core-{_slug(model)}"
+    generation = env["cpu"].get("generation")
+    suffix = f"-{generation}" if generation and generation not in model.lower() else ""
+    return f"cpu-{env['cpu']['cores']}core-{_slug(model)}{suffix}"
+
+
+# AMD's CPU family (and, in family 0x19, model ranges) of each Zen generation.
+_ZEN_19H = (("zen3", ((0x00, 0x0F), (0x20, 0x5F))), ("zen4", ((0x10, 0x1F), (0x60, 0xAF))))
+
+
+def cpu_generation() -> str | None:
+    """The CPU's generation where /proc/cpuinfo tells it and the model name may not (a
+    virtual machine's "AMD EPYC"): ``zen3``, ``zen4`` or ``zen5`` for AMD (CPU family
+    0x19 by model, 0x1A); None otherwise."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return None
+    if fields.get("vendor_id") != "AuthenticAMD":
+        return None
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return None
+    if family == 0x1A:
+        return "zen5"
+    if family == 0x19:
+        return next((name for name, ranges in _ZEN_19H if any(lo <= model <= hi for lo, hi in ranges)), None)
+    return None
 
 
 def runtime_environment(framework: str) -> dict[str, Any]:

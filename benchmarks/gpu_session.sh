@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh check                # GPU paths against the reference, fused/auto tests
 #   bash benchmarks/gpu_session.sh short [BUDGET_S]     # one call of a short lease: the GPU table, the
 #                                                       # fused/auto tests for 240 s, the cores at S 4k/16k
+#   bash benchmarks/gpu_session.sh decode               # the cache's and decoding tests with JAX on the GPU
 #   bash benchmarks/gpu_session.sh suite                # the rest of the suite, through nox -s tests-cuda
 #   bash benchmarks/gpu_session.sh core [BUDGET_S]      # the sweep: every kernel alone (CORE_SYSTEMS)
 #   bash benchmarks/gpu_session.sh modules [BUDGET_S]   # the sweep: ours, Flax's and torch's modules
@@ -71,6 +72,18 @@ case "$phase" in
     echo "gpu table exit $table, fused/auto tests exit $suite (124: cut off)"
     [ "$table" = 0 ]
     exit $?
+    ;;
+  decode)
+    # The cache's tests (compiled decoding: no host round trip, donation in place, the
+    # overflow record) with JAX on the GPU.  (benchmarks.decode times PyTorch on the CPU
+    # only, so it has no GPU comparison to make.)
+    tests_on_gpu
+    timeout 450 python -m pytest -q -rfE -p no:cacheprovider -p no:benchmark -n 8 \
+      tests/modules/test_compiled_decoding.py tests/modules/test_cache_and_call_checks.py \
+      --junitxml="$log/gpu-decode.xml" 2>&1 | tee "$log/gpu-decode.log" | tail -40
+    tests=${PIPESTATUS[0]}
+    echo "decoding tests exit $tests"
+    exit "$tests"
     ;;
   suite)
     # Every test that check leaves out (about 2200), with JAX on the GPU, through the noxfile's
