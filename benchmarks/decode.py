@@ -25,7 +25,9 @@ decodes the same tokens with the same weights, and the script checks that their 
 agree (float32: 1e-4) before it reports.  Cases: every ``--batches`` x ``--prompts``, a
 cache of prompt + new tokens; and the max_len row: for each of ``--max-len-batches``,
 with the first prompt, a cache of ``--long-max-len`` positions against that case's (a
-step's cost should follow the filled part, not max_len).  Cases past 64 x 1024 cached
+step's cost should follow the filled part, not max_len), the two caches run together,
+round by round (``run_together``), so that their ratio is not a drift of the machine
+between them.  Cases past 64 x 1024 cached
 tokens run ``--long-runs`` times (batch 64 with a 4096-token prompt), and a system whose
 run passes ``--budget-s`` seconds runs no more in its case.  Results go to
 ``benchmarks/results/<device>/decode.{json,md}`` (or ``--out``) with the CPU's
@@ -248,23 +250,44 @@ def prepare(systems: tuple[str, ...], torch_module: Any, prompt: np.ndarray, tok
 
 def run(case: Case, d_model: int, heads: int, kv_heads: int, new_tokens: int,
         systems: tuple[str, ...] = SYSTEMS, budget_s: float = math.inf) -> dict[str, Any]:
-    """One case: every system prepared, then ``case.runs`` rounds, each system once per
-    round (interleaved: a slow moment of the machine hits every system), except that a
-    system with a run past ``budget_s`` runs no more (its row says how many it had); the
-    outputs checked against the reference's (``REFERENCE``, else the first system)."""
+    """One case (``run_together`` of it alone)."""
+    return run_together([case], d_model, heads, kv_heads, new_tokens, systems, budget_s)[case]
+
+
+def run_together(cases: list[Case], d_model: int, heads: int, kv_heads: int, new_tokens: int,
+                 systems: tuple[str, ...] = SYSTEMS, budget_s: float = math.inf) -> dict[Case, dict[str, Any]]:
+    """Cases of one batch and prompt (a max_len pair: the same tokens and weights, two
+    caches): every system of every case prepared, then rounds, each (case, system) once
+    per round while it has runs left (interleaved: a slow moment of the machine hits
+    every system and both caches alike, so that a ratio between the cases is not a
+    drift of the machine), except that a system with a run past ``budget_s`` runs no
+    more in its case (its row says how many it had); each case's outputs checked
+    against its reference's (``REFERENCE``, else the first system)."""
+    first = cases[0]
+    assert all((c.batch, c.prompt_len) == (first.batch, first.prompt_len) for c in cases), cases
     rng = np.random.default_rng(0)
-    prompt = rng.standard_normal((case.batch, case.prompt_len, d_model)).astype(np.float32)
-    tokens = rng.standard_normal((case.batch, new_tokens, d_model)).astype(np.float32)
-    runners = prepare(systems, _torch_setup(d_model, heads, kv_heads), prompt, tokens, case.max_len)
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    outputs: dict[str, np.ndarray] = {}
-    for _ in range(case.runs):
-        for name, runner in runners.items():
-            if times[name] and max(times[name]) > budget_s:
-                continue
-            elapsed, out = runner()
-            times[name].append(elapsed)
-            outputs[name] = out
+    prompt = rng.standard_normal((first.batch, first.prompt_len, d_model)).astype(np.float32)
+    tokens = rng.standard_normal((first.batch, new_tokens, d_model)).astype(np.float32)
+    module = _torch_setup(d_model, heads, kv_heads)
+    runners = {case: prepare(systems, module, prompt, tokens, case.max_len) for case in cases}
+    times: dict[Case, dict[str, list[float]]] = {case: {name: [] for name in systems} for case in cases}
+    outputs: dict[Case, dict[str, np.ndarray]] = {case: {} for case in cases}
+    for round_ in range(max(case.runs for case in cases)):
+        for case in cases:
+            for name, runner in runners[case].items():
+                done = times[case][name]
+                if round_ >= case.runs or (done and max(done) > budget_s):
+                    continue
+                elapsed, out = runner()
+                done.append(elapsed)
+                outputs[case][name] = out
+    return {case: _summary(case, times[case], outputs[case], d_model, heads, kv_heads, new_tokens, systems)
+            for case in cases}
+
+
+def _summary(case: Case, times: dict[str, list[float]], outputs: dict[str, np.ndarray], d_model: int, heads: int,
+             kv_heads: int, new_tokens: int, systems: tuple[str, ...]) -> dict[str, Any]:
+    """A case's record: the outputs checked against the reference's, each system's median."""
     reference = REFERENCE if REFERENCE in outputs else systems[0]
     for name, out in outputs.items():
         err = float(np.max(np.abs(out - outputs[reference])))
@@ -395,8 +418,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = host_environment()
     main_cases, pairs = cases(args.batches, args.prompts, args.new_tokens, args.runs, args.long_runs,
                               args.long_max_len, args.max_len_batches)
-    results = {case: run(case, args.d_model, args.heads, args.kv_heads, args.new_tokens, args.systems, args.budget_s)
-               for case in main_cases + [long for _, long in pairs]}
+    long_of = dict(pairs)  # a case of the max_len row runs together with its long twin
+    results: dict[Case, dict[str, Any]] = {}
+    for case in main_cases:
+        together = [case, long_of[case]] if case in long_of else [case]
+        results.update(run_together(together, args.d_model, args.heads, args.kv_heads, args.new_tokens,
+                                    args.systems, args.budget_s))
     env["instruction_sets"] = instruction_sets(env)
     env["load_average_at_end"] = os.getloadavg()
     record: dict[str, Any] = {"environment": env, "results": [results[c] for c in main_cases],
