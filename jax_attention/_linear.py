@@ -44,8 +44,23 @@ def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = N
     if not few and candidate(x, implementation) and confirm(implementation) and dtype == jnp.float32:
         y = _kernel_linear(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
     else:
-        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+        y = _xla_product(x, kernel, precision)
     return y if bias is None else y + bias.astype(dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def _xla_product(x: Array, kernel: Array, precision: Precision) -> Array:
+    """x (..., d_in) @ kernel (d_in, d_out) on XLA's dot, the kernel viewed as
+    (d_in, 1, d_out).  The products are the same; the unit dimension is for the weight
+    gradient x^T dy.  With a 2-d kernel, XLA's CPU backend folds that product's
+    transposes into a dot whose left operand is contracted over its rows, which its
+    fast matrix product (YNNPACK) does not take, and runs it on its generic dot at about
+    half the rate.  With the unit dimension it computes dy^T x on YNNPACK and transposes
+    the small (d_out, d_in) result, as it does for Flax's ``nnx.MultiHeadAttention``,
+    whose kernels are 3-d.  Measured on the 2-core Zen 5 (x (32, 128, 256), kernel
+    (256, 256), float32, forward + backward, medians of 40): 5.0 -> 2.5 ms natively,
+    4.6 -> 2.6 ms in the AVX2 build (``--xla_cpu_max_isa=AVX2``)."""
+    y = jax.lax.dot_general(x, kernel[:, None, :], (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    return y.reshape(*x.shape[:-1], kernel.shape[1])
 
 
 @jax.custom_vjp
