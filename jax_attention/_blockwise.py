@@ -122,7 +122,7 @@ def _flash(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, ma
     the same kind (a leading 1: one for every slice); ``length`` (N,) key counts;
     ``sinks`` (N,) each slice's sink logit in the compute dtype, differentiable; the
     structure (causal, window, offset, blocks) in ``st``."""
-    return _slices_forward(st, q, k, v, bias, mask, length, sinks, vectorised=st.tile is not None)[0]
+    return _slices_forward(st, q, k, v, bias, mask, length, sinks, vectorised=_vectorised(st))[0]
 
 
 def _per_slice(bias: Array | None, mask: Array | None, length: Array | None, sinks: Array | None = None,
@@ -139,12 +139,21 @@ def _per_slice(bias: Array | None, mask: Array | None, length: Array | None, sin
 
 def _one_block(st: FlashStatic) -> bool:
     """Whether each slice is a single unrolled block (S <= 128 by default): too little
-    work for a ``lax.map`` / ``lax.scan`` step, so a differentiated call runs such slices
-    vectorised (``vmap``), forward and backward.  Measured on the 2-core CPU (causal,
-    head width 64, float32): the core's forward + backward took 0.77-0.89x the time at
-    B32 H4 S128 and B64 H4 S64, MultiHeadAttention's 0.95-0.97x at B32 H4 S128; but its
-    forward alone took 1.05-1.08x, so an undifferentiated call maps them one at a time."""
+    work for a ``lax.map`` / ``lax.scan`` step, so such slices run vectorised (``vmap``),
+    forward and backward.  Measured on the 2-core CPU (causal, head width 64, float32):
+    the core's forward + backward took 0.77-0.89x the time at B32 H4 S128 and B64 H4 S64,
+    MultiHeadAttention's 0.95-0.97x at B32 H4 S128 (Zen 4).  The forward alone took
+    1.05-1.08x then; vectorised, MultiHeadAttention's forward now takes 0.93-1.00x the
+    time at B32 H4 S128 and 0.84-0.87x at B64 H4 S64 (Zen 5, two processes each, natively
+    and in the AVX2 build).  The scores of every slice then exist at once, (N, T, S) with
+    S at most a block: twice q's size at head width 64, as in training."""
     return st.tile is None and st.q_len <= st.block
+
+
+def _vectorised(st: FlashStatic) -> bool:
+    """Whether the slices run vectorised (``vmap``) rather than one at a time
+    (``lax.map``): the loops, and single blocks (``_one_block``)."""
+    return st.tile is not None or _one_block(st)
 
 
 def _slices_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
@@ -166,8 +175,7 @@ def _slices_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array |
 
 def _flash_fwd(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
                length: Array | None, sinks: Array | None) -> tuple[Array, Any]:
-    return _slices_forward(st, q, k, v, bias, mask, length, sinks,
-                           vectorised=st.tile is not None or _one_block(st))
+    return _slices_forward(st, q, k, v, bias, mask, length, sinks, vectorised=_vectorised(st))
 
 
 def _flash_bwd(st: FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
