@@ -248,12 +248,6 @@ def prepare(systems: tuple[str, ...], torch_module: Any, prompt: np.ndarray, tok
     return runners
 
 
-def run(case: Case, d_model: int, heads: int, kv_heads: int, new_tokens: int,
-        systems: tuple[str, ...] = SYSTEMS, budget_s: float = math.inf) -> dict[str, Any]:
-    """One case (``run_together`` of it alone)."""
-    return run_together([case], d_model, heads, kv_heads, new_tokens, systems, budget_s)[case]
-
-
 def run_together(cases: list[Case], d_model: int, heads: int, kv_heads: int, new_tokens: int,
                  systems: tuple[str, ...] = SYSTEMS, budget_s: float = math.inf) -> dict[Case, dict[str, Any]]:
     """Cases of one batch and prompt (a max_len pair: the same tokens and weights, two

@@ -134,6 +134,32 @@ def test_linear_against_the_oracle(path: str, with_bias: bool) -> None:
         _check("dbias", np.asarray(grads[2]), want[3], GRAD_ORACLE["float32"], labels)
 
 
+@pytest.mark.parametrize("path", ["blockwise", "reference"])
+def test_forward_mode_on_xlas_dot(path: str) -> None:
+    """On XLA's dot (``_xla_product``, its kernel viewed as (d_in, 1, d_out)) ``linear``
+    stays differentiable forward (no ``custom_vjp``): ``jax.jvp`` in x, the kernel and
+    the bias together gives dx W + x dW + db, held to the float64 oracle."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention.functional import linear
+
+    rng = np.random.default_rng(5)
+    x, dx = (rng.standard_normal((2, 9, 70)).astype(np.float32) for _ in range(2))
+    w, dw = ((rng.standard_normal((70, 30)) / 8).astype(np.float32) for _ in range(2))
+    b, db = (rng.standard_normal(30).astype(np.float32) for _ in range(2))
+
+    def f(x_: Any, w_: Any, b_: Any) -> Any:
+        return linear(x_, w_, b_, implementation=path, precision="highest")
+
+    y, dy = jax.jvp(f, tuple(map(jnp.asarray, (x, w, b))), tuple(map(jnp.asarray, (dx, dw, db))))
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    labels = (path, "oracle")
+    _check("y", np.asarray(y), x64 @ w64 + b, ORACLE["float32"], labels)
+    _check("dy", np.asarray(dy), dx.astype(np.float64) @ w64 + x64 @ dw.astype(np.float64) + db,
+           ORACLE["float32"], labels)
+
+
 def test_only_fused_and_auto_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU in float32, ``fused`` runs the kernel, and ``auto`` too where the kernel is
     tuned for the CPU (``test_cpu_kernel`` checks the builds) and x has more than
