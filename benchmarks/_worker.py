@@ -4,6 +4,15 @@
 
 Appends to RESULTS.jsonl a ``{"runtime": ...}`` line, then a ``{"measurement": ...}``
 line per config as each finishes, so that what was measured survives a crash.
+
+    python -m benchmarks._worker --in-turns JOB.json
+
+One system at one config, measured a sample at a time as the runner asks, so that its
+samples take turns with other systems' (``runner``'s turns).  It answers on stdout, on
+lines that start with ``@@ ``: first ``{"runtime": ..., "built": ERROR-OR-NULL}``; then,
+per line read from stdin, ``prepare PHASE`` -> ``{"sample_s": S, "runs": N}`` (or
+``{"failed": ...}``), ``sample PHASE`` -> ``{"ok": BOOL}``, ``finish`` ->
+``{"measurement": ...}``, after which it exits.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import time
 from benchmarks import report
 from benchmarks.configs import Config
 from benchmarks.environment import runtime_environment
-from benchmarks.measure import OUT_OF_TIME, empty_result, measure
+from benchmarks.measure import OUT_OF_TIME, InTurns, empty_result, measure
 from benchmarks.systems import configure_jax, configure_torch, framework_of
 
 
@@ -49,5 +58,42 @@ def main(job_path: str, results_path: str) -> None:
             print(report.progress_line(result), flush=True)
 
 
+REPLY = "@@ "  # marks the lines the runner reads (anything else a library prints is passed on)
+
+
+def in_turns(job_path: str) -> None:
+    with open(job_path) as f:
+        job = json.load(f)
+    system = job["system"]
+    framework = framework_of(system)
+    configure_jax() if framework == "jax" else configure_torch()
+
+    def reply(line: dict) -> None:
+        print(REPLY + json.dumps(line), flush=True)
+
+    runtime = runtime_environment(framework)
+    case = InTurns(system, Config.from_json(job["config"]), warmup=job["warmup"], warmup_s=job.get("warmup_s", 0.0))
+    reply({"runtime": runtime, "built": case.result["error"]})
+    for line in sys.stdin:
+        command, *argument = line.split()
+        if command == "prepare":
+            sample_s = case.prepare(argument[0])
+            phase = case.phases.get(argument[0])
+            if sample_s is None or phase is None:
+                reply({"failed": case.result["error"]})
+            else:
+                reply({"sample_s": sample_s, "runs": phase.runs_for(job["runs"], job.get("timed_s", 0.0))})
+        elif command == "sample":
+            reply({"ok": case.sample(argument[0])})
+        elif command == "finish":
+            reply({"measurement": case.finish()})
+            return
+        else:
+            raise ValueError(f"unknown command {line.strip()!r}")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "--in-turns":
+        in_turns(sys.argv[2])
+    else:
+        main(*sys.argv[1:])

@@ -206,8 +206,9 @@ class Mode:
     # call of milliseconds is the median of tens of samples rather than of five.
     warmup_s: float = 0.0
     timed_s: float = 0.0
-    # One worker process per (config, system), systems interleaved per config: each
-    # case's resident high-water mark is its own, and a slow moment hits every system.
+    # One worker process per (config, system), the workers of a config alive together and
+    # timed in turns (a round is one run of each; runner._run_in_turns): each case's
+    # resident high-water mark is its own, and a slow spell of the host hits every system.
     process_per_case: bool = False
 
 

@@ -59,6 +59,105 @@ def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bo
     return result
 
 
+# A call shorter than this is called once, untimed, before each turn's timed run: the
+# turn before was another process's, which left the caches cold and this process's
+# thread pool asleep; a timed run should find them as a run after another run does.
+REWARM_BELOW_S = 0.2
+
+
+class InTurns:
+    """One case measured a sample at a time, for a runner that interleaves the samples of
+    several systems (``runner``'s turns): built on creation, then per phase ``prepare`` (the
+    first call, the warm-up) and ``sample`` as often as the runner asks, then ``finish``,
+    the measurement ``measure`` would give.  A failure ends the case with an ``error``; what
+    it measured before stays.  ``host_share`` covers the samples only: between its turns
+    the case is idle while other systems run."""
+
+    PHASES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}  # the result's key: the phase's name in errors
+
+    def __init__(self, system: str, config: Config, *, warmup: int, warmup_s: float = 0.0) -> None:
+        self.system, self.config, self.warmup, self.warmup_s = system, config, warmup, warmup_s
+        self.result = empty_result(system, config)
+        self.rss_before = _max_rss_bytes()
+        self.ticks = {"total": 0, "idle": 0, "steal": 0}
+        self.own_s = 0.0
+        self.phases: dict[str, Phase] = {}
+        self.times: dict[str, list[float]] = {}
+        self.case: Case | None = None
+        try:
+            self.case = build(system, config)
+        except Exception as error:
+            self._fail("build", error)
+
+    @property
+    def failed(self) -> bool:
+        return self.result["error"] is not None
+
+    def prepare(self, phase: str) -> float | None:
+        """Compiles and warms up ``phase`` ("fwd" or "fwd_bwd"); about how long one
+        sample will last, or None where it failed."""
+        if self.failed or self.case is None:
+            return None
+        call = self.case.forward if phase == "fwd" else self.case.forward_backward
+        try:
+            self.phases[phase] = Phase(call, self.warmup, self.warmup_s)
+        except Exception as error:
+            self._fail(self.PHASES[phase], error)
+            return None
+        self.times[phase] = []
+        gc.collect()
+        return self.phases[phase].sample_s
+
+    def sample(self, phase: str) -> bool:
+        """One timed run of ``phase``; False where it failed."""
+        if self.failed:
+            return False
+        ticks, own = cpu_ticks(), time.process_time()
+        gc.disable()  # no collector pauses inside a timed run
+        try:
+            timed = self.phases[phase]
+            if timed.sample_s / timed.repeat < REWARM_BELOW_S:
+                timed.call(1)  # untimed: the caches and thread pool as a run after another finds them
+            seconds = timed.sample()
+        except Exception as error:
+            self._fail(self.PHASES[phase], error)
+            return False
+        finally:
+            gc.enable()
+        after = cpu_ticks()
+        self.own_s += time.process_time() - own
+        if ticks is not None and after is not None:
+            for key in self.ticks:
+                self.ticks[key] += after[key] - ticks[key]
+        self.times[phase].append(seconds)
+        return True
+
+    def finish(self) -> dict[str, Any]:
+        """The measurement, as ``measure`` gives it; frees the case."""
+        projections = 0 if is_core(self.system) else self.config.projection_flops()
+        flops = {"fwd": (self.config.flops(), projections),
+                 "fwd_bwd": (self.config.fwd_bwd_flops(), 3 * projections)}
+        for phase, times in self.times.items():
+            failed_here = self.failed and self.result["error"].startswith(self.PHASES[phase] + ":")
+            if times and not failed_here:
+                self.result[phase] = self.phases[phase].summary(times, *flops[phase])
+        if self.case is not None and not self.failed:
+            try:
+                self.result.update(self.case.memory())
+            except Exception as error:
+                self._fail("memory", error)
+        self.case = None
+        _release(framework_of(self.system))
+        self.result["max_rss_growth_bytes"] = _max_rss_bytes() - self.rss_before
+        zero = {"total": 0, "idle": 0, "steal": 0}
+        self.result["host_share"] = host_share(zero, self.ticks, self.own_s) if self.ticks["total"] else None
+        return self.result
+
+    def _fail(self, phase: str, error: BaseException) -> None:
+        if not self.failed:
+            self.result["error"] = f"{phase}: {describe(error)}"
+
+
 OUT_OF_TIME = "not run: the run's time budget (--budget-s) was spent"
 
 
@@ -88,32 +187,54 @@ def _time(
     call: Callable[[int], None], runs: int, warmup: int, flops: int, projection_flops: int,
     warmup_s: float = 0.0, timed_s: float = 0.0,
 ) -> dict[str, Any]:
-    compile_s = _clock(call, 1)
-    one = compile_s
-    warmed, done = 0.0, 0
-    while done < warmup or (warmed < warmup_s and done < MAX_RUNS):
-        one = _clock(call, 1)
-        warmed, done = warmed + one, done + 1
-    repeat = max(1, min(MAX_REPEAT, int(SAMPLE_S / max(one, 1e-9))))
-    runs = max(runs, min(MAX_RUNS, math.ceil(timed_s / max(one * repeat, 1e-9))))
+    phase = Phase(call, warmup, warmup_s)
+    runs = phase.runs_for(runs, timed_s)
     gc.collect()
     gc.disable()  # no collector pauses inside the timed runs (as timeit does)
     try:
-        times = [_clock(call, repeat) / repeat for _ in range(runs)]
+        times = [phase.sample() for _ in range(runs)]
     finally:
         gc.enable()
-    median = statistics.median(times)
-    q1, _, q3 = statistics.quantiles(times, n=4) if runs > 1 else (median, median, median)
-    return {
-        "compile_s": compile_s,
-        "median_ms": median * 1e3,
-        "iqr_pct": 100 * (q3 - q1) / median,  # spread: interquartile range over the median
-        "tflops": flops / median / 1e12,
-        "tflops_incl_projections": (flops + projection_flops) / median / 1e12,
-        "runs": runs,
-        "calls_per_run": repeat,
-        "times_ms": [t * 1e3 for t in times],
-    }
+    return phase.summary(times, flops, projection_flops)
+
+
+class Phase:
+    """One phase of a case (the forward, or forward + backward), warmed up and ready to be
+    sampled: the first call is timed as ``compile_s``, then ``warmup`` calls (more, until
+    they have lasted ``warmup_s``); a sample is ``repeat`` back-to-back calls, as many as
+    fill ``SAMPLE_S`` where one call is shorter."""
+
+    def __init__(self, call: Callable[[int], None], warmup: int, warmup_s: float = 0.0) -> None:
+        self.call = call
+        self.compile_s = _clock(call, 1)
+        one, warmed, done = self.compile_s, 0.0, 0
+        while done < warmup or (warmed < warmup_s and done < MAX_RUNS):
+            one = _clock(call, 1)
+            warmed, done = warmed + one, done + 1
+        self.repeat = max(1, min(MAX_REPEAT, int(SAMPLE_S / max(one, 1e-9))))
+        self.sample_s = one * self.repeat  # about how long a sample lasts
+
+    def runs_for(self, runs: int, timed_s: float) -> int:
+        """``runs``, or more where they do not fill ``timed_s`` (up to ``MAX_RUNS``)."""
+        return max(runs, min(MAX_RUNS, math.ceil(timed_s / max(self.sample_s, 1e-9))))
+
+    def sample(self) -> float:
+        """One timed run: seconds per call."""
+        return _clock(self.call, self.repeat) / self.repeat
+
+    def summary(self, times: list[float], flops: int, projection_flops: int) -> dict[str, Any]:
+        median = statistics.median(times)
+        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (median, median, median)
+        return {
+            "compile_s": self.compile_s,
+            "median_ms": median * 1e3,
+            "iqr_pct": 100 * (q3 - q1) / median,  # spread: interquartile range over the median
+            "tflops": flops / median / 1e12,
+            "tflops_incl_projections": (flops + projection_flops) / median / 1e12,
+            "runs": len(times),
+            "calls_per_run": self.repeat,
+            "times_ms": [t * 1e3 for t in times],
+        }
 
 
 def _clock(call: Callable[[int], None], repeat: int) -> float:

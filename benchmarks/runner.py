@@ -69,10 +69,9 @@ def run(
     env["runtime"] = {}
     deadline = None if budget_s is None else time.time() + budget_s
     measurements: list[dict[str, Any]] = []
-    if mode.process_per_case:
-        jobs = [(system, [c]) for c in mode.configs for system in mode.systems if c.runs_system(system)]
-    else:
-        jobs = [(system, [c for c in mode.configs if c.runs_system(system)]) for system in mode.systems]
+    jobs = [] if mode.process_per_case else [
+        (system, [c for c in mode.configs if c.runs_system(system)]) for system in mode.systems
+    ]
     earlier = out_dir / f"{mode.name}.json"
     earlier_results = json.loads(earlier.read_text()) if append and earlier.exists() else None
     earlier_malloc = None if earlier_results is None else earlier_results["settings"].get("malloc", "system")
@@ -106,6 +105,16 @@ def run(
                 env["runtime"].setdefault(framework_of(system), runtime)
             measurements += done
             report.write_json(results_so_far(), out_dir)
+    for config in mode.configs if mode.process_per_case else ():
+        systems = [s for s in mode.systems if config.runs_system(s)]
+        if deadline is not None and time.time() > deadline:
+            done = [empty_result(s, config, OUT_OF_TIME) for s in systems]
+        else:
+            runtimes, done = _run_in_turns(config, systems, mode, echo, preload)
+            for system, runtime in runtimes.items():
+                env["runtime"].setdefault(framework_of(system), runtime)
+        measurements += done
+        report.write_json(results_so_far(), out_dir)
     env["load_average_at_end"] = load_average()  # this run's own work included
     env["cpu_busy_at_end"] = cpu_busy()
     results = results_so_far()
@@ -159,12 +168,20 @@ def notes(mode: Mode, env: dict[str, Any], malloc: str = "system") -> list[str]:
         "within a process. On CPU not measured (n/a); the JSON's max_rss_growth_bytes is how "
         "much the worker process's high-water resident set grew during the case (0 when an "
         "earlier case of the same system had used more).",
-        ("Each (config, system) runs in a worker process of its own, the systems interleaved per config; "
-         "the 'resident peak MiB' column is how much that process's high-water resident set grew during "
+        ("Each (config, system) runs in a worker process of its own; the workers of a config are alive "
+         "together and take turns: a round is one timed run of each system (one after another, the order "
+         "rotated every round, a pause of SETTLE_S = 10 ms between turns), and a phase is as many rounds "
+         "as the system wanting the most runs asks for, so every system of a config has the same number of "
+         "runs, run i of each taken within one round ('times_ms' in the JSON, in round order). Why: on a "
+         "shared virtual machine the host can take a share of a core's vector units for seconds at a time "
+         "(measured on the 2-core Zen 5: 20% less float32 matmul throughput in episodes of 1-10 s, scalar "
+         "code and memory copies unaffected), and systems timed one after another were compared across "
+         "such episodes; in turns, each episode falls on every system alike. "
+         "The 'resident peak MiB' column is how much that process's high-water resident set grew during "
          "the case (its memory above the imported frameworks), and 'fwd of matmul rate' is the forward's "
          "FLOP rate, projections included, over a plain float32 1024^3 matmul's rate in the same "
          "framework measured at the worker's start; 'host: others / steal' is the share of the machine's "
-         "CPU time, over the case, that other processes used and that the hypervisor stole (from "
+         "CPU time, over the case's timed runs, that other processes used and that the hypervisor stole (from "
          "/proc/stat; above a few percent, the case shared the machine)."
          if mode.process_per_case else
          "Each system runs in a worker process of its own, one system after another."),
@@ -211,6 +228,122 @@ def _busy_machine_warning(env: dict[str, Any]) -> list[str]:
     ]
 
 
+SETTLE_S = 0.01  # between two systems' turns: the last one's thread pool goes back to sleep
+
+
+def _run_in_turns(
+    config: Config, systems: list[str], mode: Mode, echo: Callable[[str], None], preload: str | None = None,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """One worker per system at ``config``, started one after another, then each phase
+    timed in rounds of one sample per system (``runs``: what the system wanting the most
+    asks for).  Returns each system's runtime description and its measurement, in
+    ``systems`` order."""
+    workers: list[_TurnWorker] = []
+    try:
+        for system in systems:  # one at a time: each start measures the machine's matmul rate
+            workers.append(_TurnWorker(system, config, mode, preload))
+        for phase in ("fwd", "fwd_bwd") if mode.backward else ("fwd",):
+            live = [w for w in workers if w.alive]
+            wanted = [w.prepare(phase) for w in live]  # one at a time: nothing else runs during a warm-up
+            live = [w for w, runs in zip(live, wanted, strict=True) if runs is not None]
+            for turn in turns(len(live), max((r for r in wanted if r is not None), default=0)):
+                if live[turn].alive:
+                    time.sleep(SETTLE_S)
+                    live[turn].sample(phase)
+        done = [w.finish() for w in workers]
+    finally:
+        for w in workers:
+            w.stop()
+    for m in done:
+        echo(report.progress_line(m))
+    return {w.system: w.runtime for w in workers if w.runtime}, done
+
+
+def turns(systems: int, rounds: int) -> list[int]:
+    """Which system samples when: ``rounds`` rounds of every system once, the order
+    rotated by one each round, so that no system always runs right after the same one."""
+    return [(r + i) % systems for r in range(rounds) for i in range(systems)]
+
+
+class _TurnWorker:
+    """The runner's end of a ``python -m benchmarks._worker --in-turns`` process."""
+
+    def __init__(self, system: str, config: Config, mode: Mode, preload: str | None) -> None:
+        self.system, self.config = system, config
+        self.runtime: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.measurement: dict[str, Any] | None = None
+        self._job = tempfile.NamedTemporaryFile("w", prefix="benchmarks-", suffix=".json", delete=False)
+        json.dump({"system": system, "config": config.to_json(), "runs": mode.runs, "warmup": mode.warmup,
+                   "warmup_s": mode.warmup_s, "timed_s": mode.timed_s}, self._job)
+        self._job.close()
+        command = [sys.executable, "-m", "benchmarks._worker", "--in-turns", self._job.name]
+        self._process = subprocess.Popen(command, env=_worker_env(preload), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, bufsize=1)
+        first = self._read()
+        if first is not None:
+            self.runtime = first["runtime"]
+            self.error = first["built"]
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    def prepare(self, phase: str) -> int | None:
+        """The runs this system wants of ``phase``, or None where it failed."""
+        answer = self._ask(f"prepare {phase}")
+        if answer is not None and "failed" in answer:
+            self.error = answer["failed"] or f"{phase} failed"
+        return None if answer is None or "failed" in answer else int(answer["runs"])
+
+    def sample(self, phase: str) -> None:
+        answer = self._ask(f"sample {phase}")
+        if answer is not None and not answer["ok"]:
+            self.error = f"{phase} failed"  # the worker's measurement says how
+
+    def finish(self) -> dict[str, Any]:
+        if self.measurement is None:
+            answer = self._ask("finish")
+            self.measurement = answer["measurement"] if answer else empty_result(
+                self.system, self.config, self.error)
+        return self.measurement
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        for pipe in (self._process.stdin, self._process.stdout):
+            if pipe is not None:
+                pipe.close()
+        Path(self._job.name).unlink(missing_ok=True)
+
+    def _ask(self, command: str) -> dict[str, Any] | None:
+        if self._process.poll() is not None:
+            return self._died()
+        try:
+            assert self._process.stdin is not None
+            self._process.stdin.write(command + "\n")
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            pass
+        return self._read()
+
+    def _read(self) -> dict[str, Any] | None:
+        """The worker's next answer (other lines passed on); None where it died, with
+        the error recorded."""
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+            print(line, end="")
+        return self._died()
+
+    def _died(self) -> None:
+        status = self._process.wait()
+        self.error = self.error or f"worker process died (exit status {status})"
+        return None
+
+
 def _run_system(
     system: str, configs: list[Config], mode: Mode, echo: Callable[[str], None], deadline: float | None,
     preload: str | None = None,
@@ -245,10 +378,7 @@ def _worker(
         "runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward, "deadline": deadline,
         "warmup_s": mode.warmup_s, "timed_s": mode.timed_s,
     }
-    env = {**WORKER_ENV, **os.environ}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    if preload:
-        env["LD_PRELOAD"] = " ".join(p for p in (preload, os.environ.get("LD_PRELOAD")) if p)
+    env = _worker_env(preload)
     with tempfile.TemporaryDirectory(prefix="benchmarks-") as tmp:
         job_path, out_path = Path(tmp, "job.json"), Path(tmp, "results.jsonl")
         job_path.write_text(json.dumps(job))
@@ -260,6 +390,14 @@ def _worker(
         status = worker.returncode
         lines = out_path.read_text().splitlines() if out_path.exists() else []
     return status, [json.loads(line) for line in lines]
+
+
+def _worker_env(preload: str | None) -> dict[str, str]:
+    env = {**WORKER_ENV, **os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    if preload:
+        env["LD_PRELOAD"] = " ".join(p for p in (preload, os.environ.get("LD_PRELOAD")) if p)
+    return env
 
 
 def _merge(earlier: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:

@@ -236,6 +236,67 @@ def test_time_floors_add_warmup_and_runs() -> None:
 
 
 
+def test_turns_are_rounds_of_every_system_in_rotated_order() -> None:
+    from benchmarks.runner import turns
+
+    assert turns(3, 2) == [0, 1, 2, 1, 2, 0]
+    assert turns(2, 3) == [0, 1, 1, 0, 0, 1]
+    assert turns(4, 0) == []
+
+
+@needs_both
+def test_a_run_in_turns_gives_every_system_the_same_rounds(tmp_path) -> None:
+    """process_per_case: the systems of a config are timed in turns, a round being one
+    run of each, so every system has as many runs as the one wanting the most; a system
+    that fails (SDPA's cuDNN backend on a CPU) or whose worker dies is recorded and the
+    others go on."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from benchmarks import runner
+
+    config = Config(batch=2, seq=32, heads=2, head_dim=16, causal=True, dtype="float32")
+    broken = "core-torch-sdpa-cudnn" if not torch.cuda.is_available() else None
+    systems = ("ours-jax-fused", "core-torch-fused", "ours-torch-sdpa", *(s for s in (broken,) if s))
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(command, **kwargs):
+        from pathlib import Path
+
+        job = json.loads(Path(command[-1]).read_text())
+        started.append(job["system"])
+        if job["system"] == "ours-torch-sdpa":  # a worker that starts, answers, then dies
+            line = "@@ " + json.dumps({"runtime": {}, "built": None})
+            command = [sys.executable, "-c", f"import sys; print({line!r}, flush=True); sys.exit(3)"]
+        return real_popen(command, **kwargs)
+
+    mode = Mode("tiny", (config,), systems, runs=3, backward=True, warmup=1, timed_s=0.3, process_per_case=True)
+    original = runner.subprocess.Popen
+    runner.subprocess.Popen = popen
+    try:
+        results = run(mode, out_dir=tmp_path, echo=lambda _: None)
+    finally:
+        runner.subprocess.Popen = original
+    assert started == list(systems)  # one worker per system, in order
+    by_system = {m["system"]: m for m in results["measurements"]}
+    assert by_system["ours-torch-sdpa"]["error"] == "worker process died (exit status 3)"
+    if broken:
+        assert by_system[broken]["error"].startswith("fwd: RuntimeError: No viable backend")
+        assert by_system[broken]["fwd"] is None
+    measured = [by_system[s] for s in ("ours-jax-fused", "core-torch-fused")]
+    for phase in ("fwd", "fwd_bwd"):
+        runs = {m[phase]["runs"] for m in measured}
+        assert len(runs) == 1 and runs.pop() > 3  # 0.3 s of samples of at most 20 ms: more than asked
+        for m in measured:
+            assert m["error"] is None and len(m[phase]["times_ms"]) == m[phase]["runs"]
+            assert all(math.isfinite(t) and t > 0 for t in m[phase]["times_ms"])
+            assert m["host_share"] is not None
+    assert set(results["env"]["runtime"]) == {"jax", "torch"}
+    assert any("take turns" in note for note in results["notes"])
+
 @needs_both
 def test_routes_gives_each_twins_route_per_case(capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m benchmarks.routes``: each twin's route for every dtype, length and case,
