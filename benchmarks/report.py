@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,9 @@ def table(results: dict[str, Any]) -> str:
 
 def ratios_text(results: dict[str, Any]) -> str:
     """``a / b`` of median times for each pair in ``configs.RATIOS`` measured in this run
-    (below 1.0: a is faster)."""
+    (below 1.0: a is faster); where the systems were timed in turns, also the median of
+    the rounds' own ratios (run i of a over run i of b, taken within one round)."""
+    in_turns = results.get("settings", {}).get("in_turns", False)
     by_key = {(m["system"], m["label"]): m for m in results["measurements"]}
     lines = []
     for label in dict.fromkeys(m["label"] for m in sorted_measurements(results)):
@@ -130,7 +133,12 @@ def ratios_text(results: dict[str, Any]) -> str:
             parts = []
             for phase, name in PHASES:
                 if ma[phase] and mb[phase]:
-                    parts.append(f"{name} {ma[phase]['median_ms'] / mb[phase]['median_ms']:.2f}")
+                    part = f"{name} {ma[phase]['median_ms'] / mb[phase]['median_ms']:.2f}"
+                    times_a, times_b = ma[phase]["times_ms"], mb[phase]["times_ms"]
+                    if in_turns and len(times_a) == len(times_b):
+                        per_round = statistics.median(x / y for x, y in zip(times_a, times_b, strict=True))
+                        part += f" (per round {per_round:.2f})"
+                    parts.append(part)
             if parts:
                 lines.append(f"- {label}: {a} / {b} = {', '.join(parts)}")
     if not lines:

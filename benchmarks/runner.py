@@ -91,7 +91,7 @@ def run(
             "env": env,
             "settings": {"runs": mode.runs, "warmup": mode.warmup, "backward": mode.backward,
                          "warmup_s": mode.warmup_s, "timed_s": mode.timed_s, "malloc": malloc,
-                         "ld_preload": preload},
+                         "ld_preload": preload, "in_turns": mode.process_per_case},
             "notes": notes(mode, env, malloc),
             "systems": list(mode.systems),
             "measurements": measurements,
@@ -174,9 +174,11 @@ def notes(mode: Mode, env: dict[str, Any], malloc: str = "system") -> list[str]:
          "as the system wanting the most runs asks for, so every system of a config has the same number of "
          "runs, run i of each taken within one round ('times_ms' in the JSON, in round order). Why: on a "
          "shared virtual machine the host can take a share of a core's vector units for seconds at a time "
-         "(measured on the 2-core Zen 5: 20% less float32 matmul throughput in episodes of 1-10 s, scalar "
-         "code and memory copies unaffected), and systems timed one after another were compared across "
-         "such episodes; in turns, each episode falls on every system alike. "
+         "(measured on the 2-core Zen 5 with python -m benchmarks.spells: a float32 matmul 15-35% slower "
+         "in spells of a second to most of a minute, scalar code and memory copies unaffected), and "
+         "systems timed one after another were compared across such spells; in turns, each spell falls on "
+         "every system alike; the ratios also give the median of the rounds' own ratios ('per round'). "
+         "A call shorter than 0.2 s is called once, untimed, before each timed run of its turn. "
          "The 'resident peak MiB' column is how much that process's high-water resident set grew during "
          "the case (its memory above the imported frameworks), and 'fwd of matmul rate' is the forward's "
          "FLOP rate, projections included, over a plain float32 1024^3 matmul's rate in the same "

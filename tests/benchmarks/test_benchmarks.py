@@ -315,3 +315,42 @@ def test_routes_gives_each_twins_route_per_case(capsys: pytest.CaptureFixture[st
             assert route.path != "fused"
     routes.main()
     assert len(capsys.readouterr().out.splitlines()) == 1 + len(found)
+
+
+def test_spells_probe_and_its_summary() -> None:
+    """``python -m benchmarks.spells``: each window has a positive time per loop; the fast
+    level is the median of the fastest quarter, and a window more than ``slow`` above it
+    counts as slow (worked by hand: eight matmul windows, two of them 1.2x)."""
+    from benchmarks import spells
+
+    windows = spells.probe(0.3, window_s=0.06)
+    assert windows and all(w[name] > 0 for w in windows for name in spells.LOOPS)
+    made = [{"t": float(i), "matmul": m, "copy": 1.0, "scalar": 2.0}
+            for i, m in enumerate((1.0, 1.0, 1.02, 1.2, 1.0, 1.2, 1.05, 0.98))]
+    levels = spells.summary(made, slow=0.1)
+    assert levels["matmul"] == {"fast_s": 0.99, "slow_fraction": 0.25}  # fastest two: 0.98, 1.0
+    assert levels["copy"] == {"fast_s": 1.0, "slow_fraction": 0.0}
+    assert spells.main(["--seconds", "0.2", "--window-s", "0.06"]) == 0
+
+
+def test_ratios_per_round_where_timed_in_turns() -> None:
+    """Timed in turns, a ratio also gives the median of the rounds' own ratios (worked by
+    hand: rounds 10/20, 30/20, 12/24 -> 0.5, 1.5, 0.5 -> 0.5, where the medians give
+    12/20 = 0.60); timed one after another, or with unequal runs, only the medians'."""
+    from benchmarks.report import ratios_text
+
+    config = Config(1, 8, 1, 8, True, "float32")
+
+    def measurement(system: str, times: list[float]) -> dict:
+        import statistics
+
+        return {"system": system, "label": config.label, "config": config.to_json(), "error": None,
+                "fwd": {"median_ms": statistics.median(times), "times_ms": times}, "fwd_bwd": None}
+
+    results = {"systems": ["ours-jax-auto", "flax-nnx-mha"], "settings": {"in_turns": True},
+               "measurements": [measurement("ours-jax-auto", [10.0, 30.0, 12.0]),
+                                measurement("flax-nnx-mha", [20.0, 20.0, 24.0])]}
+    line = f"- {config.label}: ours-jax-auto / flax-nnx-mha = forward 0.60 (per round 0.50)"
+    assert line in ratios_text(results).splitlines()
+    results["settings"]["in_turns"] = False
+    assert f"- {config.label}: ours-jax-auto / flax-nnx-mha = forward 0.60" in ratios_text(results).splitlines()
