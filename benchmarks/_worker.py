@@ -10,7 +10,7 @@ line per config as each finishes, so that what was measured survives a crash.
 One system at one config, measured a sample at a time as the runner asks, so that its
 samples take turns with other systems' (``runner``'s turns).  It answers on stdout, on
 lines that start with ``@@ ``: first ``{"runtime": ..., "built": ERROR-OR-NULL}``; then,
-per line read from stdin, ``prepare PHASE`` -> ``{"sample_s": S, "runs": N}`` (or
+per line read from stdin, ``prepare PHASE`` -> ``{"runs": N}`` (or
 ``{"failed": ...}``), ``sample PHASE`` -> ``{"ok": BOOL}``, ``finish`` ->
 ``{"measurement": ...}``, after which it exits.
 """
@@ -24,7 +24,7 @@ import time
 from benchmarks import report
 from benchmarks.configs import Config
 from benchmarks.environment import runtime_environment
-from benchmarks.measure import OUT_OF_TIME, InTurns, empty_result, measure
+from benchmarks.measure import OUT_OF_TIME, CaseTimer, empty_result, measure
 from benchmarks.systems import configure_jax, configure_torch, framework_of
 
 
@@ -72,17 +72,13 @@ def in_turns(job_path: str) -> None:
         print(REPLY + json.dumps(line), flush=True)
 
     runtime = runtime_environment(framework)
-    case = InTurns(system, Config.from_json(job["config"]), warmup=job["warmup"], warmup_s=job.get("warmup_s", 0.0))
+    case = CaseTimer(system, Config.from_json(job["config"]), warmup=job["warmup"], warmup_s=job.get("warmup_s", 0.0))
     reply({"runtime": runtime, "built": case.result["error"]})
     for line in sys.stdin:
         command, *argument = line.split()
         if command == "prepare":
-            sample_s = case.prepare(argument[0])
-            phase = case.phases.get(argument[0])
-            if sample_s is None or phase is None:
-                reply({"failed": case.result["error"]})
-            else:
-                reply({"sample_s": sample_s, "runs": phase.runs_for(job["runs"], job.get("timed_s", 0.0))})
+            runs = case.prepare(argument[0], job["runs"], job.get("timed_s", 0.0))
+            reply({"failed": case.result["error"]} if runs is None else {"runs": runs})
         elif command == "sample":
             reply({"ok": case.sample(argument[0])})
         elif command == "finish":

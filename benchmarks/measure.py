@@ -31,55 +31,39 @@ def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bo
     the launch and synchronisation are then not counted per call); the times are per
     call.  TFLOP/s count the attention core only (``configs.flops``);
     ``tflops_incl_projections`` adds the four projections of a module system."""
-    result = empty_result(system, config)
-    rss_before = _max_rss_bytes()
-    ticks_before, own_before = cpu_ticks(), time.process_time()
-    phase = "build"
-    case: Case | None = None
-    try:
-        case = build(system, config)
-        phase = "fwd"
-        projections = 0 if is_core(system) else config.projection_flops()
-        floors = {"warmup_s": warmup_s, "timed_s": timed_s}
-        result["fwd"] = _time(case.forward, runs, warmup, config.flops(), projections, **floors)
-        if backward:
-            phase = "fwd+bwd"
-            # A projection's backward is 2x its forward: the input and the weight gradients.
-            result["fwd_bwd"] = _time(
-                case.forward_backward, runs, warmup, config.fwd_bwd_flops(), 3 * projections, **floors
-            )
-        result.update(case.memory())
-    except Exception as error:  # any failure of one case is a result, not a crash
-        result["error"] = f"{phase}: {describe(error)}"
-    finally:
-        case = None  # what the case holds is freed before the next one is built
-        _release(framework_of(system))
-    result["max_rss_growth_bytes"] = _max_rss_bytes() - rss_before
-    result["host_share"] = host_share(ticks_before, cpu_ticks(), time.process_time() - own_before)
-    return result
+    case = CaseTimer(system, config, warmup=warmup, warmup_s=warmup_s, rewarm=False)
+    for phase in ("fwd", "fwd_bwd") if backward else ("fwd",):
+        wanted = case.prepare(phase, runs, timed_s)
+        for _ in range(wanted or 0):
+            if not case.sample(phase):
+                break
+    return case.finish()
 
 
 # A call shorter than this is called once, untimed, before each turn's timed run: the
 # turn before was another process's, which left the caches cold and this process's
 # thread pool asleep; a timed run should find them as a run after another run does.
 REWARM_BELOW_S = 0.2
+NO_TICKS = {"total": 0, "idle": 0, "steal": 0}  # cpu_ticks' keys: CaseTimer sums the timed runs' ticks
 
 
-class InTurns:
-    """One case measured a sample at a time, for a runner that interleaves the samples of
-    several systems (``runner``'s turns): built on creation, then per phase ``prepare`` (the
-    first call, the warm-up) and ``sample`` as often as the runner asks, then ``finish``,
-    the measurement ``measure`` would give.  A failure ends the case with an ``error``; what
-    it measured before stays.  ``host_share`` covers the samples only: between its turns
-    the case is idle while other systems run."""
+class CaseTimer:
+    """One case measured a sample at a time: built on creation, then per phase ``prepare``
+    (the first call, the warm-up) and ``sample`` as often as asked, then ``finish``, the
+    measurement.  ``measure`` samples it straight through; ``runner``'s turns interleave
+    the samples of several systems' cases (``rewarm``: see ``REWARM_BELOW_S``).  A failure
+    ends the case with an ``error``; what it measured before stays.  ``host_share``
+    covers the timed runs only (in turns, the case is idle in between)."""
 
     PHASES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}  # the result's key: the phase's name in errors
 
-    def __init__(self, system: str, config: Config, *, warmup: int, warmup_s: float = 0.0) -> None:
+    def __init__(self, system: str, config: Config, *, warmup: int, warmup_s: float = 0.0,
+                 rewarm: bool = True) -> None:
         self.system, self.config, self.warmup, self.warmup_s = system, config, warmup, warmup_s
+        self.rewarm = rewarm
         self.result = empty_result(system, config)
         self.rss_before = _max_rss_bytes()
-        self.ticks = {"total": 0, "idle": 0, "steal": 0}
+        self.ticks = dict(NO_TICKS)
         self.own_s = 0.0
         self.phases: dict[str, Phase] = {}
         self.times: dict[str, list[float]] = {}
@@ -93,9 +77,9 @@ class InTurns:
     def failed(self) -> bool:
         return self.result["error"] is not None
 
-    def prepare(self, phase: str) -> float | None:
-        """Compiles and warms up ``phase`` ("fwd" or "fwd_bwd"); about how long one
-        sample will last, or None where it failed."""
+    def prepare(self, phase: str, runs: int, timed_s: float = 0.0) -> int | None:
+        """Compiles and warms up ``phase`` ("fwd" or "fwd_bwd"); how many timed runs it
+        wants (``runs``, or more to fill ``timed_s``), or None where it failed."""
         if self.failed or self.case is None:
             return None
         call = self.case.forward if phase == "fwd" else self.case.forward_backward
@@ -106,7 +90,7 @@ class InTurns:
             return None
         self.times[phase] = []
         gc.collect()
-        return self.phases[phase].sample_s
+        return self.phases[phase].runs_for(runs, timed_s)
 
     def sample(self, phase: str) -> bool:
         """One timed run of ``phase``; False where it failed."""
@@ -116,7 +100,7 @@ class InTurns:
         gc.disable()  # no collector pauses inside a timed run
         try:
             timed = self.phases[phase]
-            if timed.sample_s / timed.repeat < REWARM_BELOW_S:
+            if self.rewarm and timed.one_s < REWARM_BELOW_S:
                 timed.call(1)  # untimed: the caches and thread pool as a run after another finds them
             seconds = timed.sample()
         except Exception as error:
@@ -149,8 +133,7 @@ class InTurns:
         self.case = None
         _release(framework_of(self.system))
         self.result["max_rss_growth_bytes"] = _max_rss_bytes() - self.rss_before
-        zero = {"total": 0, "idle": 0, "steal": 0}
-        self.result["host_share"] = host_share(zero, self.ticks, self.own_s) if self.ticks["total"] else None
+        self.result["host_share"] = host_share(NO_TICKS, self.ticks, self.own_s)
         return self.result
 
     def _fail(self, phase: str, error: BaseException) -> None:
@@ -211,8 +194,9 @@ class Phase:
         while done < warmup or (warmed < warmup_s and done < MAX_RUNS):
             one = _clock(call, 1)
             warmed, done = warmed + one, done + 1
+        self.one_s = one  # about how long one call lasts
         self.repeat = max(1, min(MAX_REPEAT, int(SAMPLE_S / max(one, 1e-9))))
-        self.sample_s = one * self.repeat  # about how long a sample lasts
+        self.sample_s = one * self.repeat  # and one sample
 
     def runs_for(self, runs: int, timed_s: float) -> int:
         """``runs``, or more where they do not fill ``timed_s`` (up to ``MAX_RUNS``)."""

@@ -29,7 +29,7 @@ from benchmarks.environment import (
     load_average,
     preload_for,
 )
-from benchmarks.measure import MAX_RUNS, OUT_OF_TIME, empty_result
+from benchmarks.measure import MAX_RUNS, OUT_OF_TIME, REWARM_BELOW_S, empty_result
 from benchmarks.systems import framework_of
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: benchmarks and the twins
@@ -170,7 +170,7 @@ def notes(mode: Mode, env: dict[str, Any], malloc: str = "system") -> list[str]:
         "earlier case of the same system had used more).",
         ("Each (config, system) runs in a worker process of its own; the workers of a config are alive "
          "together and take turns: a round is one timed run of each system (one after another, the order "
-         "rotated every round, a pause of SETTLE_S = 10 ms between turns), and a phase is as many rounds "
+         f"rotated every round, a pause of {SETTLE_S * 1e3:g} ms between turns), and a phase is as many rounds "
          "as the system wanting the most runs asks for, so every system of a config has the same number of "
          "runs, run i of each taken within one round ('times_ms' in the JSON, in round order). Why: on a "
          "shared virtual machine the host can take a share of a core's vector units for seconds at a time "
@@ -178,7 +178,7 @@ def notes(mode: Mode, env: dict[str, Any], malloc: str = "system") -> list[str]:
          "in spells of a second to most of a minute, scalar code and memory copies unaffected), and "
          "systems timed one after another were compared across such spells; in turns, each spell falls on "
          "every system alike; the ratios also give the median of the rounds' own ratios ('per round'). "
-         "A call shorter than 0.2 s is called once, untimed, before each timed run of its turn. "
+         f"A call shorter than {REWARM_BELOW_S:g} s is called once, untimed, before each timed run of its turn. "
          "The 'resident peak MiB' column is how much that process's high-water resident set grew during "
          "the case (its memory above the imported frameworks), and 'fwd of matmul rate' is the forward's "
          "FLOP rate, projections included, over a plain float32 1024^3 matmul's rate in the same "
