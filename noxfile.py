@@ -9,8 +9,10 @@ the multi-GB CUDA build.  The pin comes from the environment variable ``TORCH_SP
 supplies the CPU wheel for it), e.g. ``TORCH_SPEC="torch==2.13.0" nox -s tests``.
 
 Plain ``nox`` runs the CPU sessions (tests, tests-torch, tests-jax, x64, lint);
-quick (the tests not marked ``slow``, a few minutes), tests-distributed (CPU, also part of
-``tests``), tests-cuda, tests-tpu and bench run only when named with ``-s``.
+quick (the tests not marked ``slow``: every feature once), exhaustive (the full products of
+the option axes), tests-distributed (CPU, also part of ``tests``), tests-cuda, tests-tpu and
+bench run only when named with ``-s``.  Every pytest session runs two worker processes
+(``pyproject.toml``); ``-- -n 0`` runs one.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ def quick(session: nox.Session) -> None:
     least once, the larger grids and the longest tests left out (``tests`` runs them)."""
     _install_all(session)
     session.run("pytest", "-m", "not slow", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def exhaustive(session: nox.Session) -> None:
+    """CPU, both frameworks: ``pytest --exhaustive``, the default run plus the rest of
+    every full product of option axes that the default run covers pairwise."""
+    _install_all(session)
+    session.run("pytest", "--exhaustive", *session.posargs)
 
 
 @nox.session(name="tests-torch", python=PYTHON)
@@ -97,7 +107,7 @@ def tests_cuda(session: nox.Session) -> None:
     session.install("jax[cuda12]", "flax")
     session.install("torch")  # the default index's build, which is the CUDA one
     session.install("-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "-n", "0", *session.posargs)  # one process: JAX takes most of the GPU's memory
 
 
 @nox.session(name="tests-tpu", python=PYTHON)
@@ -109,7 +119,7 @@ def tests_tpu(session: nox.Session) -> None:
     session.install("jax[tpu]", "flax")
     session.install(TORCH_SPEC, "--index-url", TORCH_CPU_INDEX)
     session.install("-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "-n", "0", *session.posargs)  # one process owns the TPU
 
 
 @nox.session(python=PYTHON)

@@ -263,17 +263,29 @@ def make_mask(kind: str, batch: int, heads: int, seq: int, rng: np.random.Genera
     raise ValueError(f"unknown mask kind {kind!r}")
 
 
-def _pairwise(axes: list[tuple[Any, ...]], valid: Any = None) -> list[tuple[Any, ...]]:
-    """A covering array of strength 2: every pair of values of every two axes that some
-    valid row can hold appears in at least one row.  ``valid(partial)`` says whether a
-    partial row ({axis index: value}) breaks no constraint.  Greedy and deterministic:
-    each row starts from the first uncovered pair and takes, axis by axis, the value that
-    covers the most new pairs (ties to the earlier value)."""
+def covering(axes: list[tuple[Any, ...]], valid: Any = None, strength: int = 2,
+             start: tuple[tuple[Any, ...], ...] = ()) -> list[tuple[Any, ...]]:
+    """A covering array: with ``strength=2`` (pairwise), every pair of values of every two
+    axes that some valid row can hold appears in at least one row; with ``strength=1``,
+    every value of every axis does.  ``valid(partial)`` says whether a partial row ({axis
+    index: value}) breaks no constraint.  Rows in ``start`` count as chosen already (a
+    pairwise design grown from a smaller one).  Greedy and deterministic: each row starts
+    from the first uncovered pair (value) and takes, axis by axis, the value that covers
+    the most new ones (ties to the earlier value)."""
+    if strength not in (1, 2):
+        raise ValueError(f"strength must be 1 or 2, got {strength}")
     valid = valid or (lambda partial: True)
-    pairs = list(itertools.combinations(range(len(axes)), 2))
-    uncovered = {
-        (i, a, j, b) for i, j in pairs for a in axes[i] for b in axes[j] if valid({i: a, j: b})
-    }
+    if strength == 1:
+        # a value is a pair of an axis with itself: the same bookkeeping covers both strengths
+        pairs = [(i, i) for i in range(len(axes))]
+        uncovered = {(i, a, i, a) for i in range(len(axes)) for a in axes[i] if valid({i: a})}
+    else:
+        pairs = list(itertools.combinations(range(len(axes)), 2))
+        uncovered = {
+            (i, a, j, b) for i, j in pairs for a in axes[i] for b in axes[j] if valid({i: a, j: b})
+        }
+    for full in start:
+        uncovered -= {(i, full[i], j, full[j]) for i, j in pairs}
     rows: list[tuple[Any, ...]] = []
     while uncovered:
         i, a, j, b = min(uncovered, key=lambda p: (p[0], axes[p[0]].index(p[1]), p[2], axes[p[2]].index(p[3])))
@@ -288,6 +300,11 @@ def _pairwise(axes: list[tuple[Any, ...]], valid: Any = None) -> list[tuple[Any,
         rows.append(full)
         uncovered -= {(i, full[i], j, full[j]) for i, j in pairs}
     return rows
+
+
+def _pairwise(axes: list[tuple[Any, ...]], valid: Any = None) -> list[tuple[Any, ...]]:
+    """The matrix's design: ``covering(axes, valid)``, every feasible pair once at least."""
+    return covering(axes, valid)
 
 
 AXES = ("variant", "batch", "heads", "seq", "mask", "dtype", "direction", "implementation")
@@ -306,9 +323,11 @@ def _valid(partial: dict[int, Any]) -> bool:
 
 
 def _gain(row: dict[int, Any], axis: int, uncovered: set[tuple[Any, ...]], value: Any) -> int:
-    """How many uncovered pairs ``value`` on ``axis`` would cover, with the partial ``row``."""
-    return sum(((min(axis, o), value if axis < o else row[o], max(axis, o), row[o] if axis < o else value)
-                in uncovered) for o in row)
+    """How many uncovered pairs ``value`` on ``axis`` would cover, with the partial ``row``
+    (a value alone counts as the pair of its axis with itself)."""
+    own = (axis, value, axis, value) in uncovered
+    return own + sum(((min(axis, o), value if axis < o else row[o], max(axis, o), row[o] if axis < o else value)
+                      in uncovered) for o in row)
 
 
 @cache

@@ -1,6 +1,6 @@
 """Strict test settings: JAX rank promotion raises (a strictness setting of the tests, not
-something the library needs), and bounded compile caches; the
-helpers the tests share are in ``tests/support.py``.
+something the library needs), and bounded compile caches; the tiers (``--exhaustive``)
+and their time budgets; the helpers the tests share are in ``tests/support.py``.
 
 No precision flag is set here: the library passes ``precision=`` to its own matmuls, and
 ``check_parity`` sets full-precision matmuls (JAX "highest", PyTorch TF32 off) in a
@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
+from typing import Any
 
 import pytest
 
@@ -50,3 +52,68 @@ def _bounded_compile_caches():  # type: ignore[no-untyped-def]
         if maps is not None and maps > MAX_MAPS:
             jax.clear_caches()
             gc.collect()
+
+
+# --------------------------------------------------------------------------- tiers and budgets
+#
+# quick (``-m "not slow"``): every feature at least once; default (plain ``pytest``, CI):
+# every feasible pair of option values; exhaustive (``--exhaustive``): the full products.
+# The budgets are for a 2-core CPU (docs/architecture.md, "Adding a test").
+BUDGET_S = {"quick": 180, "default": 900}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help="also run the tests marked exhaustive: the full products of option axes "
+                          "that the default run covers pairwise (tests/support.py, tiered)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The quick tier runs each test function once: its first case not marked slow. (A
+    # parametrised test's other cases show the same feature again; they run by default.)
+    quick_seen: set[str] = set()
+    for item in items:
+        if item.get_closest_marker("slow"):
+            continue
+        function = item.nodeid.split("[")[0]  # file::[class::]function
+        if function in quick_seen:
+            item.add_marker(pytest.mark.slow)
+        quick_seen.add(function)
+    if config.getoption("--exhaustive"):
+        return
+    left_out = [item for item in items if item.get_closest_marker("exhaustive")]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_STARTED] = time.monotonic()
+
+
+def _tier(config: pytest.Config) -> str | None:
+    """Which tier this run is, by its options (None: a selection of its own)."""
+    if config.getoption("--exhaustive"):
+        return "exhaustive"
+    marks = (config.getoption("-m") or "").strip()
+    if config.args and any(os.path.abspath(a) != os.path.abspath("tests") for a in config.args if a):
+        return None
+    if config.getoption("-k") or marks not in ("", "not slow"):
+        return None
+    return "quick" if marks == "not slow" else "default"
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or config.option.collectonly or _STARTED not in config.stash:
+        return
+    took = time.monotonic() - config.stash[_STARTED]
+    tier = _tier(config)
+    budget = BUDGET_S.get(tier or "")
+    line = f"suite time: {took:.0f} s"
+    if budget is not None:
+        line += f" ({tier} tier; budget {budget} s on 2 cores{', OVER BUDGET' if took > budget else ''})"
+    terminalreporter.write_line(line)
+
+
+_STARTED = pytest.StashKey[float]()

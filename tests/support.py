@@ -5,6 +5,7 @@ constructor errors of both twins."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from typing import Any
 
 import numpy as np
@@ -49,3 +50,87 @@ def constructor_errors(options: dict[str, Any], variant: str = "MultiHeadAttenti
             build()
         found.append((info.type, str(info.value)))
     return found
+
+
+# --------------------------------------------------------------------------- tiers of cases
+#
+# A test over several option axes takes its cases from ``tiered``, not from stacked
+# ``parametrize`` decorators (a full product): the default run (plain ``pytest``, CI)
+# runs the cases that show every feasible pair of values together; the rest of the
+# product is marked ``exhaustive`` and runs only with ``pytest --exhaustive``; the quick
+# tier (``pytest -m "not slow"``) runs one case of each test function (conftest.py).
+
+
+def _value_of(entry: Any) -> tuple[Any, tuple[Any, ...], str | None]:
+    """(value, marks, id) of an axis entry: a plain value or a one-value ``pytest.param``."""
+    if isinstance(entry, type(pytest.param(None))):
+        (value,) = entry.values
+        return value, tuple(entry.marks), entry.id
+    return entry, (), None
+
+
+def _id_of(name: str, value: Any, given: str | None, index: int) -> str:
+    if given is not None:
+        return given
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return str(value)
+    return f"{name}{index}"
+
+
+def tiered(argnames: str, *axes: Any, valid: Any = None, strength: int = 2) -> list[Any]:
+    """``pytest.param`` rows for ``@pytest.mark.parametrize(argnames, tiered(...))`` over
+    the product of ``axes`` (one sequence of values per name; a value may be a one-value
+    ``pytest.param`` carrying marks and an id), constrained by ``valid(row)`` (a dict of
+    name -> value of a partial row: False if no case may hold those values together).
+
+    Rows of a covering of every single value: no mark (the quick tier). Further rows of a
+    pairwise covering grown from them (``strength=2``), or of a second covering of every
+    single value, its axes read backwards (``strength=1``: for two axes, where pairwise is
+    the whole product): ``slow``. Every other row of the product: ``slow`` and
+    ``exhaustive``. (Of the unmarked rows, the quick tier runs the first: conftest.py runs
+    each test function once there.) Ids join the values' ids with "-" in the order of
+    ``argnames``."""
+    from parity_tests.cases import covering
+
+    names = [n.strip() for n in argnames.split(",")]
+    if len(names) != len(axes):
+        raise ValueError(f"{len(names)} names ({argnames}) for {len(axes)} axes")
+    entries = [[_value_of(e) for e in axis] for axis in axes]
+    # covering() works on indices, so that unhashable values (arrays, dicts) can be axes
+    index_axes = [tuple(range(len(axis))) for axis in entries]
+
+    def index_valid(partial: dict[int, int]) -> bool:
+        return valid is None or bool(valid({names[a]: entries[a][i][0] for a, i in partial.items()}))
+
+    once = covering(index_axes, index_valid, strength=1)
+    if strength == 2:
+        pairs = covering(index_axes, index_valid, strength=2, start=tuple(once)) if len(axes) > 1 else []
+    else:
+        pairs = covering([axis[::-1] for axis in index_axes], index_valid, strength=1)
+    tier = {**{row: 2 for row in itertools.product(*index_axes) if index_valid(dict(enumerate(row)))},
+            **{row: 1 for row in pairs}, **{row: 0 for row in once}}
+    params = []
+    for row in itertools.product(*index_axes):  # the product's order, so ids read as before
+        if row not in tier:
+            continue
+        picked = [entries[a][i] for a, i in enumerate(row)]
+        marks = [m for _, ms, _ in picked for m in ms]
+        if tier[row] >= 1:
+            marks.append(pytest.mark.slow)
+        if tier[row] == 2:
+            marks.append(pytest.mark.exhaustive)
+        ident = "-".join(_id_of(names[a], v, given, i) for a, (i, (v, _, given)) in enumerate(zip(row, picked, strict=True)))
+        params.append(pytest.param(*(v for v, _, _ in picked), marks=marks, id=ident))
+    return params
+
+
+def quick_only(values: Any, *keep: int) -> list[Any]:
+    """``values`` as parameters of one axis, all but those at the indices ``keep`` (the
+    first, by default) marked ``slow``: the case that the quick tier runs."""
+    keep = keep or (0,)
+    params = []
+    for i, entry in enumerate(values):
+        value, marks, given = _value_of(entry)
+        extra = () if i in keep else (pytest.mark.slow,)
+        params.append(pytest.param(value, marks=(*marks, *extra), id=given))
+    return params
