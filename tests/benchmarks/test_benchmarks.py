@@ -147,6 +147,7 @@ def test_backward_rate_and_target_table() -> None:
     assert row == f"| {config.label} | 550 | 458 | - | 1.04 (cudnn) | 1.10 (flash) | 3.50 |"
 
 
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_appending_keeps_what_a_later_run_left_out_of_time(tmp_path) -> None:
     config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
     mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
@@ -156,6 +157,7 @@ def test_appending_keeps_what_a_later_run_left_out_of_time(tmp_path) -> None:
     assert again["measurements"] == measured  # the measurement, not the "not run" entry
 
 
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_the_allocator_reaches_every_worker_and_the_results(tmp_path, monkeypatch) -> None:
     """The allocator is recorded in the results; one result never mixes two allocators;
     an unknown or missing allocator is refused before anything runs; a preloaded one is in
@@ -245,6 +247,7 @@ def test_turns_are_rounds_of_every_system_in_rotated_order() -> None:
 
 
 @needs_both
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_a_run_in_turns_gives_every_system_the_same_rounds(tmp_path) -> None:
     """process_per_case: the systems of a config are timed in turns, a round being one
     run of each, so every system has as many runs as the one wanting the most; a system

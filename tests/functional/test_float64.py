@@ -19,15 +19,23 @@ from tests.support import needs_both
 
 pytestmark = needs_both
 
-# Every variant on the reference path, with and without a mask; every variant on each
-# other path with a mask (rows fully masked included).  The quick tier (``-m "not slow"``)
-# runs the masked case of each variant on one path, the paths in turn.
+# Every variant on the reference path, with and without a mask, and with a mask (rows
+# fully masked included) on one other path, the paths in turn (every path meets about a
+# third of the variants); on every path with --exhaustive.
 PATHS = ("reference", "blockwise", "fused", "auto")
+
+
+def _tier(i: int, variant: str, impl: str, masked: bool) -> tuple[pytest.MarkDecorator, ...]:
+    runnable = [p for p in PATHS[1:] if VARIANTS[variant].runs_on(p)]
+    if impl == "reference" or (runnable and impl == runnable[i % len(runnable)]):
+        return ()
+    return (pytest.mark.slow, pytest.mark.exhaustive)
+
+
 PARAMS = [
-    pytest.param(v, masked, impl, id=f"{v}-{'mask' if masked else 'nomask'}-{impl}",
-                 marks=() if masked and impl == PATHS[i % len(PATHS)] else pytest.mark.slow)
+    pytest.param(v, masked, impl, id=f"{v}-{'mask' if masked else 'nomask'}-{impl}", marks=_tier(i, v, impl, masked))
     for i, v in enumerate(VARIANTS)
-    for impl in ("reference", "blockwise", "fused", "auto")
+    for impl in PATHS
     for masked in ((False, True) if impl == "reference" else (True,))
     if VARIANTS[v].runs_on(impl)
 ]

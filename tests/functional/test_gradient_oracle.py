@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from parity_tests.cases import IMPLEMENTATIONS, VARIANTS, make_mask
-from tests.support import needs_both
+from tests.support import needs_both, tiered
 
 pytestmark = needs_both
 
@@ -48,12 +48,11 @@ def _within(ad: float, fd: float, magnitude: float, dtype: str) -> tuple[bool, f
 # --------------------------------------------------------------------------- modules
 
 
-# The quick tier (``-m "not slow"``) runs each variant on one path, the paths in turn.
-MODULE_CASES = [
-    pytest.param(v, path, id=f"{v}-{path}",
-                 marks=() if path == IMPLEMENTATIONS[i % len(IMPLEMENTATIONS)] else pytest.mark.slow)
-    for i, v in enumerate(VARIANTS) for path in IMPLEMENTATIONS if VARIANTS[v].runs_on(path)
-]
+# Each variant on two paths, every path on about half the variants; every variant on every
+# path with --exhaustive.
+MODULE_CASES = tiered("variant_id,implementation", list(VARIANTS), IMPLEMENTATIONS, strength=1,
+                      valid=lambda row: "implementation" not in row or "variant_id" not in row
+                      or VARIANTS[row["variant_id"]].runs_on(row["implementation"]))
 
 
 @pytest.mark.parametrize(("variant_id", "implementation"), MODULE_CASES)

@@ -11,9 +11,9 @@ import pytest
 
 from parity_tests.cases import VARIANTS, make_mask
 from parity_tests.tolerances import GRAD_PARITY, PARITY
-from tests.support import needs_jax, needs_torch
+from tests.support import needs_jax, needs_torch, quick_only, tiered
 
-FRAMEWORKS = [pytest.param("torch", marks=needs_torch), pytest.param("jax", marks=needs_jax)]
+FRAMEWORKS = [pytest.param("torch", marks=needs_torch, id="torch"), pytest.param("jax", marks=needs_jax, id="jax")]
 PATHS = ("fused", "blockwise")  # "auto" is one of these; see test_auto_*
 MASKS = ("none", "lengths", "random", "fully-masked")
 SEQ = 150  # > 128: the blockwise path really runs in two blocks
@@ -83,22 +83,21 @@ def assert_close(got, expected, tol):
     assert (np.abs(got - expected) <= bound).all(), float(np.abs(got - expected).max())
 
 
-# Two mask kinds per variant, in rotation, so each kind meets every path several times
-# without compiling 4 x 9 x 3 JAX programs.
+# One mask kind per variant, in rotation, so each kind meets every path with several
+# variants, and one framework per variant, in turn (the matrix runs every variant in both
+# twins), without compiling 4 x 21 x 3 JAX programs; the other framework and a second
+# kind per variant with --exhaustive.
 COMBOS = [
-    (variant_id, MASKS[(i + j) % len(MASKS)])
+    pytest.param(variant_id, MASKS[(i + j) % len(MASKS)], fw, id=f"{variant_id}-{MASKS[(i + j) % len(MASKS)]}-{fw.id}",
+                 marks=(*fw.marks, *(() if j == 0 and f == i % 2 else (pytest.mark.slow, pytest.mark.exhaustive))))
     for i, variant_id in enumerate(VARIANTS)
     for j in (0, 2)
+    for f, fw in enumerate(FRAMEWORKS)
 ]
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize(
-    "variant_id,mask_kind",
-    # the quick tier (``-m "not slow"``) runs one mask kind per variant, every kind in turn
-    [pytest.param(v, m, id=f"{v}-{m}", marks=() if n % 4 in (0, 3) else pytest.mark.slow)
-     for n, (v, m) in enumerate(COMBOS)],
-)
+@pytest.mark.parametrize("variant_id,mask_kind,fw", [pytest.param(*c.values[:2], c.values[2].values[0], id=c.id, marks=c.marks)
+                                                   for c in COMBOS])
 def test_paths_match_reference(fw, variant_id, mask_kind):
     spec = VARIANTS[variant_id]
     heads = 2 if spec.multihead else 1
@@ -256,7 +255,7 @@ def test_auto_resolution_rules():
 
 
 @needs_jax
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", quick_only([False, True]))
 def test_tpu_splash_kernel_matches_reference(causal):
     """The TPU fused path (Pallas splash attention), run in the Pallas interpreter on CPU:
     forward and gradients against the reference math."""
@@ -287,9 +286,8 @@ def test_tpu_splash_kernel_matches_reference(causal):
         assert_close(g, e, GRAD_PARITY["float32"])
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("path", ["fused", "blockwise"])
+@pytest.mark.parametrize("path,dtype,fw", tiered("path,dtype,fw", ["fused", "blockwise"], ["bfloat16", "float16"],
+                                                 FRAMEWORKS))
 def test_paths_match_reference_in_half_precision(fw, dtype, path):
     """Half-precision inputs: every path keeps its softmax in float32 and agrees with the
     reference within the dtype's tolerance, masks and fully masked rows included."""

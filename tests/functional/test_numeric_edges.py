@@ -21,9 +21,9 @@ import pytest
 
 from parity_tests.reference import attention as oracle
 from parity_tests.tolerances import ORACLE
-from tests.support import needs_both, needs_jax, needs_torch
+from tests.support import needs_both, needs_jax, needs_torch, tiered
 
-FRAMEWORKS = [pytest.param("torch", marks=needs_torch), pytest.param("jax", marks=needs_jax)]
+FRAMEWORKS = [pytest.param("torch", marks=needs_torch, id="torch"), pytest.param("jax", marks=needs_jax, id="jax")]
 PATHS = ("reference", "blockwise", "fused", "auto")
 # |<grad, u> - central difference of the oracle| <= GRAD_RTOL * (sum |grad_i u_i| + |difference|):
 # float32 autograd against float64 differences (measured <= 3.6e-8 here, 2026-11-25).
@@ -105,20 +105,20 @@ def _neg_inf_bias_problem(kind: str) -> tuple[dict[str, np.ndarray], np.ndarray,
 
 
 # the fused path refuses softcap (test_bias_softcap.py): "auto" then takes another
-PATH_SOFTCAP = [pytest.param(path, softcap, id=f"{path}-{'softcap' if softcap else 'plain'}")
+PATH_SOFTCAP = [pytest.param((path, softcap), id=f"{path}-{'softcap' if softcap else 'plain'}")
                 for path in PATHS for softcap in (None, 2.0) if not (path == "fused" and softcap)]
 
 
-# the quick tier (``-m "not slow"``) runs "both" (a row blocked throughout and a key blocked in part)
-@pytest.mark.parametrize("kind", [pytest.param("row", marks=pytest.mark.slow),
-                                  pytest.param("part", marks=pytest.mark.slow), "both"])
-@pytest.mark.parametrize(("path", "softcap"), PATH_SOFTCAP)
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_neg_inf_bias_blocks_its_key_on_every_path(fw: str, path: str, kind: str, softcap: float | None) -> None:
+# pairwise over (framework, path with or without softcap, kind: "both" is a row blocked
+# throughout and a key blocked in part); the product with --exhaustive
+@pytest.mark.parametrize("fw,path_softcap,kind", tiered("fw,path_softcap,kind", FRAMEWORKS, PATH_SOFTCAP,
+                                                        ["both", "row", "part"]))
+def test_neg_inf_bias_blocks_its_key_on_every_path(fw: str, path_softcap: tuple[str, float | None], kind: str) -> None:
     """Outputs against the oracle (which blocks a -inf entry as it blocks a masked one),
     zeros for a row that is -inf throughout, and gradients: finite, zero for the -inf
     entries of the bias and the never-seen key's value, and equal to the oracle's central
     differences along random directions."""
+    path, softcap = path_softcap
     arrays, cot, scale = _neg_inf_bias_problem(kind)
     out, *grads = run_with_grads(fw, arrays, cot, implementation=path, softcap=softcap)
     options: dict[str, Any] = dict(scale=scale, softcap=softcap)
@@ -256,10 +256,10 @@ def _long_problem(q_len: int, option: str) -> tuple[dict[str, np.ndarray], dict[
 
 
 # the quick tier (``-m "not slow"``) runs one query on the blockwise path
-@pytest.mark.parametrize("q_len", [1, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("option", ["plain", "bias", "softcap", "mask", "lengths", "causal"])
-@pytest.mark.parametrize("path", ["blockwise", pytest.param("auto", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("fw", FRAMEWORKS)
+# pairwise over (framework, path, option, query rows); the full product with --exhaustive
+@pytest.mark.parametrize("fw,path,option,q_len", tiered(
+    "fw,path,option,q_len", FRAMEWORKS, ["blockwise", "auto"], ["plain", "bias", "softcap", "mask", "lengths", "causal"],
+    [1, 3]))
 def test_few_queries_over_long_keys(fw: str, path: str, option: str, q_len: int) -> None:
     """One (or three) queries over 4096 keys, fewer than a tile's rows: outputs against the
     oracle, gradients against the reference path's (itself checked against the oracle)."""

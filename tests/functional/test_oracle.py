@@ -13,7 +13,7 @@ from attention_spec.registry import REGISTRY, variant
 from parity_tests import reference
 from parity_tests.cases import VARIANTS, make_mask
 from parity_tests.tolerances import FLOAT32_ORACLE_RELATIVE
-from tests.support import needs_jax, needs_torch
+from tests.support import needs_jax, needs_torch, tiered
 
 SHAPES = [(2, 6, 2), (1, 5, 4), (3, 1, 1)]  # (batch, seq, heads)
 MASKS = ["none", "random", "fully-masked", "padding"]
@@ -33,14 +33,19 @@ def problem(variant_id, batch, seq, heads, mask_kind, seed=0):
     return spec, config, x, mask
 
 
-# The quick tier (``-m "not slow"``) runs each variant once, on the first shape, the masks in turn.
+def _valid(row):
+    """A single-head variant takes the shapes of one head, and the first shape (its heads
+    argument is ignored there)."""
+    spec = VARIANTS.get(row.get("variant", ""))
+    return spec is None or "shape" not in row or spec.multihead or row["shape"][2] == 1 or row["shape"] == SHAPES[0]
+
+
+# Pairwise over (variant, shape, mask): every variant meets every shape and every mask; the
+# full product with --exhaustive.
 PARAMS = [
-    pytest.param(v, *shape, m, id=f"{v}-b{shape[0]}-T{shape[1]}-h{shape[2]}-{m}",
-                 marks=() if shape == SHAPES[0] and m == MASKS[i % len(MASKS)] else pytest.mark.slow)
-    for i, v in enumerate(VARIANTS)
-    for shape in SHAPES
-    for m in MASKS
-    if VARIANTS[v].multihead or shape[2] == 1 or shape == (2, 6, 2)
+    pytest.param(p.values[0], *p.values[1], p.values[2], id=f"{p.values[0]}-b{p.values[1][0]}-T{p.values[1][1]}"
+                 f"-h{p.values[1][2]}-{p.values[2]}", marks=p.marks)
+    for p in tiered("variant,shape,mask", list(VARIANTS), SHAPES, MASKS, valid=_valid)
 ]
 
 

@@ -948,6 +948,7 @@ def test_jit_dynamic_needs_seq_len_and_longrope_picks_from_traced_positions() ->
 
 
 @needs_torch
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_torch_compile_equals_eager() -> None:
     import torch
 

@@ -31,7 +31,7 @@ from parity_tests import reference
 from parity_tests.harness import compare
 from parity_tests.tolerances import GRAD_ORACLE, ORACLE
 from tests.functional.test_structure_options import oracle_gradients, small_tiles
-from tests.support import needs_jax
+from tests.support import needs_jax, quick_only, tiered
 
 pytestmark = needs_jax
 
@@ -86,7 +86,11 @@ CASES = [
 ]
 BY_ID = {c.id: c for c in CASES}
 PATHS = ("reference", "blockwise", "blockwise-tiles", "fused", "auto")
-CASE_PATHS = [pytest.param(c.id, p, id=f"{c.id}-{p}") for c in CASES for p in PATHS if c.kernel or p != "fused"]
+# Each case on two paths, every path on several cases;
+# every case on every path with --exhaustive.
+CASE_PATHS = tiered("case_id,path", [c.id for c in CASES], PATHS, strength=1,
+                    valid=lambda row: "path" not in row or row["path"] != "fused" or BY_ID[row["case_id"]].kernel
+                    if "case_id" in row else True)
 
 
 def _run(path: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks: np.ndarray, cot: np.ndarray | None,
@@ -163,8 +167,9 @@ def test_every_path_against_the_oracle_float32(case_id: str, path: str):
     _check(got, want, "float32")
 
 
-@pytest.mark.parametrize("path", ["reference", "blockwise", "blockwise-tiles", "auto"])
-@pytest.mark.parametrize("case_id", ["gqa-causal", "lengths-causal-empty-example", "softcap-bias"])
+@pytest.mark.parametrize("case_id,path", tiered(
+    "case_id,path", ["gqa-causal", "lengths-causal-empty-example", "softcap-bias"],
+    ["reference", "blockwise", "blockwise-tiles", "auto"], strength=1))
 def test_float64_against_the_oracle(case_id: str, path: str):
     """float64 stays float64 on every path that takes it (the fused path refuses it)."""
     import jax
@@ -177,8 +182,8 @@ def test_float64_against_the_oracle(case_id: str, path: str):
     _check(got, want, "float64")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("path", ["reference", "blockwise", "fused"])
+@pytest.mark.parametrize("path,dtype", tiered("path,dtype", ["reference", "blockwise", "fused"],
+                                             ["bfloat16", "float16"], strength=1))
 def test_half_precision_computes_in_float32(dtype: str, path: str):
     """Half-precision q, k, v and sinks: the oracle on the rounded inputs, at the dtype's bar."""
     if _refuses_sinks_here(path):
@@ -278,7 +283,7 @@ def test_the_sink_gradient_against_finite_differences_of_the_oracle(case_id: str
     np.testing.assert_allclose(got["grad sinks"], numeric, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("path", ["reference", "blockwise", "blockwise-tiles", "fused", "auto"])
+@pytest.mark.parametrize("path", quick_only(["reference", "blockwise", "blockwise-tiles", "fused", "auto"], 4))
 def test_under_jit(path: str):
     """Jitted, with the sinks traced: the oracle's output and the same gradients."""
     if _refuses_sinks_here(path):

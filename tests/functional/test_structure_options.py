@@ -222,9 +222,14 @@ def _scenarios() -> list[Scenario]:
 
 
 SCENARIOS = {s.id: s for s in _scenarios()}
-# The quick tier (``-m "not slow"``) runs each scenario on one path, the paths in turn.
+# Each scenario runs on two paths, the pairs of paths in turn, so that every path meets
+# every kind of scenario (12 to 14 each); the other two paths of each scenario with
+# --exhaustive.
 SCENARIO_PATHS = [
-    pytest.param(name, path, id=f"{name}-{path}", marks=() if path == PATHS[i % len(PATHS)] else pytest.mark.slow)
+    pytest.param(name, path, id=f"{name}-{path}",
+                 marks=(() if i % 3 == 0 and path == PATHS[i % len(PATHS)]
+                        else (pytest.mark.slow,) if path in (PATHS[i % len(PATHS)], PATHS[(i + 1 + (i // 4) % 3) % len(PATHS)])
+                        else (pytest.mark.slow, pytest.mark.exhaustive)))
     for i, name in enumerate(SCENARIOS) for path in PATHS
 ]
 
@@ -306,8 +311,9 @@ def test_against_the_oracle(fw: str, name: str, path: str):
 
 
 @needs_jax
-# the quick tier (``-m "not slow"``) runs every fourth scenario
-@pytest.mark.parametrize("name", [n if i % 4 == 0 else pytest.param(n, marks=pytest.mark.slow)
+# every other scenario (the rest with --exhaustive)
+@pytest.mark.parametrize("name", [n if i % 8 == 0 else pytest.param(n, marks=pytest.mark.slow) if i % 2 == 0
+                                  else pytest.param(n, marks=(pytest.mark.slow, pytest.mark.exhaustive))
                                   for i, n in enumerate(SCENARIOS)])
 def test_blockwise_tiles_against_the_oracle(name: str):
     """The long-sequence form of JAX's blockwise path (loops over key tiles), which

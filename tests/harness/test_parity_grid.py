@@ -1,5 +1,6 @@
 """Every variant, PyTorch -> Flax with weights copied, over batch {1, 3}, seq {1, 5,
-context_length}, heads {1, 2, 4}, with and without a mask: outputs and attention weights,
+context_length}, heads {1, 2, 4}, with and without a mask (pairwise; the full product with
+``--exhaustive``): outputs and attention weights,
 on the reference path (the only one that has weights; the other paths are in the matrix,
 test_matrix.py).  (Gradients are compared across the larger matrix in test_matrix.py; here they would
 double the compile time for no extra coverage.)"""
@@ -10,33 +11,26 @@ import numpy as np
 import pytest
 
 from parity_tests.cases import VARIANTS, make_mask
-from tests.support import needs_both
+from tests.support import needs_both, tiered
 
 pytestmark = needs_both
 
 CONTEXT_LENGTH = 8
 
 
-def heads_of(spec):
-    return (1, 2, 4) if spec.multihead else (1,)
+def _valid(row):
+    """A single-head variant has one head."""
+    spec = VARIANTS.get(row.get("variant_id", ""))
+    return spec is None or spec.multihead or row.get("heads", 1) == 1
 
 
-def grid():
-    for variant_id, spec in VARIANTS.items():
-        for batch in (1, 3):
-            for seq in (1, 5, CONTEXT_LENGTH):
-                for heads in heads_of(spec):
-                    for masked in (False, True):
-                        # the quick tier (``-m "not slow"``) runs one point per variant
-                        quick = (batch, seq, masked) == (3, 5, True) and heads == max(heads_of(spec))
-                        yield pytest.param(
-                            variant_id, batch, seq, heads, masked,
-                            id=f"{variant_id}-b{batch}-T{seq}-h{heads}-{'mask' if masked else 'nomask'}",
-                            marks=() if quick else pytest.mark.slow,
-                        )
+# Pairwise over the five axes (tests/support.py, tiered): every variant meets every batch,
+# length, head count and mask; the full product (564 cases) runs with --exhaustive.
+GRID = tiered("variant_id,batch,seq,heads,masked", list(VARIANTS), (1, 3), (1, 5, CONTEXT_LENGTH), (1, 2, 4),
+              (False, True), valid=_valid)
 
 
-@pytest.mark.parametrize("variant_id,batch,seq,heads,masked", list(grid()))
+@pytest.mark.parametrize("variant_id,batch,seq,heads,masked", GRID)
 def test_twins_agree(variant_id, batch, seq, heads, masked):
     import torch
 

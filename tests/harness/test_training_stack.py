@@ -22,7 +22,7 @@ import pytest
 
 from parity_tests import reference
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import needs_both
+from tests.support import needs_both, tiered
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 D_IN, D_OUT, HEADS = 12, 16, 4
@@ -109,17 +109,11 @@ def _torch_module(options: dict[str, Any]) -> Any:
     return torch_attention.MultiHeadAttention(D_IN, D_OUT, None, 0.0, HEADS, True, **options).eval()
 
 
-# The quick tier (``-m "not slow"``) runs each option once, the fast paths in turn.
-QUICK_OPTIONS = {("cross-kdim-vdim-gqa", "blockwise"), ("cross-causal-bottom-right", "fused"),
-                 ("packed-causal-window", "auto"), ("window-two-sided", "blockwise")}
-
-
+# Each option set on two paths, every path several times; every option set on every path
+# with --exhaustive.
 @needs_both
-@pytest.mark.parametrize(
-    ("config", "path"),
-    [pytest.param(c, p, id=f"{c[0]}-{p}", marks=() if (c[0], p) in QUICK_OPTIONS else pytest.mark.slow)
-     for c in CONFIGS for p in PATHS],
-)
+@pytest.mark.parametrize(("config", "path"), tiered(
+    "config,path", [pytest.param(c, id=c[0]) for c in CONFIGS], PATHS, strength=1))
 def test_module_options(config: tuple[Any, ...], path: str) -> None:
     import torch
 
@@ -228,8 +222,7 @@ def _valid_rows(outs: list[np.ndarray], b: int) -> np.ndarray:
 
 
 @needs_both
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("path", [p if p == "auto" else pytest.param(p, marks=pytest.mark.slow) for p in PATHS])
+@pytest.mark.parametrize("path,dtype", tiered("path,dtype", PATHS[::-1], ["float32", "bfloat16"], strength=1))
 def test_decode_equals_full_forward(path: str, dtype: str) -> None:
     """Padded prompt + 64 tokens + a chunk, GQA (4 query heads, 2 kv heads), a window:
     both frameworks equal their own full causal forward, and each other."""

@@ -86,6 +86,7 @@ def _calls(positions: np.ndarray) -> dict[str, Any]:
 @needs_both
 @pytest.mark.parametrize("implementation", ["reference", "blockwise", "fused", "auto"])
 @pytest.mark.parametrize("name", ["v3", "v2"])
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_both_twins_are_the_native_layer_beyond_position_400(name: str, implementation: str) -> None:
     """Ours (from_hf) and its Flax twin against the native layer: outputs and the input
     gradient on the real rows, every parameter's gradient (the same names on both

@@ -299,6 +299,7 @@ def test_a_failed_build_is_reported(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # builds the kernel anew (about 25 s); the quick tier runs this machine's build
 def test_a_build_for_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
     """A library built for an instruction set (AVX-512 here, $TWIN_ATTENTION_MARCH for
     another machine) on a CPU whose flags lack it (avx512f) is refused before its first call (which would die of SIGILL):
@@ -455,6 +456,7 @@ def _run_script(script: str, env: dict[str, str]) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # builds the kernel anew (about 25 s); the quick tier runs this machine's build
 def test_the_portable_build_avx2(portable_cache: dict[str, str]):
     """The kernel built for x86-64-v3 (AVX2, no AVX-512: the vector code's other
     branch, exp and the matrix product's 6 x 16 tile included) in a process of its

@@ -165,6 +165,7 @@ def test_a_library_without_the_kernels_symbols_is_rebuilt(cache: Cache):
     assert cache.libraries() == [cache.target.name]
 
 
+@pytest.mark.slow  # about 14 s; the quick tier checks the cache in test_a_truncated_library_is_rebuilt_not_loaded
 def test_the_symbols_are_checked_after_load(cache: Cache):
     """Even with a record that vouches for it (size and checksum), a library without the
     kernel's symbols is caught after loading: rebuilt, or, where the rebuild fails, the
@@ -183,6 +184,7 @@ def test_the_symbols_are_checked_after_load(cache: Cache):
     assert digest in _cpu_kernel._record_path(cache.target).read_text()
 
 
+@pytest.mark.slow  # about 14 s; the quick tier checks the cache in test_a_truncated_library_is_rebuilt_not_loaded
 def test_a_compiler_that_writes_nothing_caches_nothing(cache: Cache):
     """A compiler that exits 0 without writing its output is a failed build (said so),
     leaves no empty library behind, and the next process builds again."""

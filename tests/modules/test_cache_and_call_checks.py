@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support import needs_jax, needs_torch
+from tests.support import needs_jax, needs_torch, tiered
 
-FRAMEWORKS = [pytest.param("torch", marks=needs_torch), pytest.param("flax", marks=needs_jax)]
+FRAMEWORKS = [pytest.param("torch", marks=needs_torch, id="torch"), pytest.param("flax", marks=needs_jax, id="flax")]
 PATHS = ("reference", "fused", "blockwise", "auto")
 D_IN = 8
 
@@ -187,9 +187,9 @@ def _flax_grads(m: Any, x: np.ndarray, cot: np.ndarray, path: str, chunks: list[
     return {"x": np.asarray(g_x), **flat}
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-# the quick tier (``-m "not slow"``) differentiates through the cache on the default path only
-@pytest.mark.parametrize("path", [p if p == "auto" else pytest.param(p, marks=pytest.mark.slow) for p in PATHS])
+# each framework on two paths, every path once (auto first: the case of the quick tier);
+# the rest with --exhaustive
+@pytest.mark.parametrize("path,fw", tiered("path,fw", PATHS[::-1], FRAMEWORKS, strength=1))
 def test_backward_through_cached_steps_equals_the_full_forward(fw: str, path: str) -> None:
     """A prompt of 3, one token, a chunk of 2: the gradients of the decoded outputs w.r.t.
     x and every parameter are those of one causal forward (PyTorch raised "modified by

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import needs_both, needs_jax
+from tests.support import needs_both, needs_jax, quick_only, tiered
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 
@@ -69,9 +69,11 @@ def _decode(flax_m: Any, x: np.ndarray, prompt: int, max_len: int, implementatio
 
 
 @needs_both
-@pytest.mark.parametrize("by_example", [False, True], ids=["batched", "by-example"])
-@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["grouped", "mha"])
-@pytest.mark.parametrize("implementation", PATHS)
+# pairwise over (path, heads, by example): every path grouped and not, batched and not
+@pytest.mark.parametrize("implementation,heads,by_example", tiered(
+    "implementation,heads,by_example", PATHS,
+    [pytest.param((4, 2), id="grouped"), pytest.param((2, 2), id="mha")],
+    [pytest.param(False, id="batched"), pytest.param(True, id="by-example")]))
 def test_decoding_equals_the_oracle_and_the_full_forward(implementation: str, heads: tuple[int, int],
                                                          by_example: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt of 124, a chunk of 3 and 13 single tokens, jitted and donated, with a
@@ -91,6 +93,7 @@ def test_decoding_equals_the_oracle_and_the_full_forward(implementation: str, he
 
 
 @needs_both
+@pytest.mark.slow
 def test_decoding_past_2048_runs_the_tiled_blockwise_kernel() -> None:
     """Fills past 2048 of a cache of 4200 attend over 4096 positions, where the blockwise
     path walks key tiles in loops ("blockwise-tiled")."""
@@ -165,7 +168,7 @@ def test_a_step_on_the_cpu_kernel_reads_the_cache_as_it_lies() -> None:
 
 
 @needs_jax
-@pytest.mark.parametrize("implementation", PATHS)
+@pytest.mark.parametrize("implementation", quick_only(PATHS, 3))
 def test_a_donated_cache_is_updated_in_place(implementation: str) -> None:
     """The compiled step aliases every field of a donated cache to the cache it returns
     (input_output_alias) and copies none of them."""

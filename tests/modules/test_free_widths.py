@@ -157,6 +157,7 @@ def test_twins_have_the_same_parameters_shapes_and_cache(name: str) -> None:
 
 @needs_both
 @pytest.mark.parametrize("name", ["llama-like", "all"])
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_decoding_with_the_cache_equals_the_full_forward(name: str) -> None:
     """A prompt of 3 tokens then 3 single steps, through a cache of head_dim-wide keys
     and values, give the full causal forward's outputs, in both twins."""

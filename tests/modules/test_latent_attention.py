@@ -18,7 +18,7 @@ import pytest
 
 from attention_spec.rope import RopeConfig
 from parity_tests.tolerances import GRAD_ORACLE, GRAD_PARITY, ORACLE, PARITY
-from tests.support import constructor_errors, needs_both, needs_torch, random_x
+from tests.support import constructor_errors, needs_both, needs_torch, quick_only, random_x, tiered
 
 D_IN, HEADS, B, T = 16, 4, 2, 9
 FIRST = 480  # positions from here on: where RoPE's errors show
@@ -142,9 +142,8 @@ def _oracle_checks(torch_m: Any, x: np.ndarray, mask: Any, report: Any, position
 
 
 @needs_both
-@pytest.mark.parametrize("mask", ["none", "padding", "random"])
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", list(CONFIGS))
+# pairwise over (config, path, mask): every path meets both configs and every mask
+@pytest.mark.parametrize("name,path,mask", tiered("name,path,mask", list(CONFIGS), PATHS, ["none", "padding", "random"]))
 def test_every_path_matches_the_oracle_and_the_twin(name: str, path: str, mask: str) -> None:
     """Outputs, input and parameter gradients, twin against twin and each against the
     float64 oracle, at positions from 480 on; the attention weights on the reference path."""
@@ -163,7 +162,7 @@ def test_every_path_matches_the_oracle_and_the_twin(name: str, path: str, mask: 
 
 
 @needs_both
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", quick_only(PATHS, 1))
 def test_padding_by_lengths_window_and_bias(path: str) -> None:
     """kv_lengths, a causal window and an additive bias, with the absorbed form too: the
     twins agree, and equal the oracle given the same as one mask and bias."""
@@ -189,7 +188,7 @@ def test_padding_by_lengths_window_and_bias(path: str) -> None:
 
 
 @needs_both
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", quick_only(PATHS, 2))
 def test_packed_sequences_attend_as_each_sequence_alone(path: str) -> None:
     """segment_ids: two sequences packed in one row (positions restarting at each) give
     each sequence's own output, in both twins and both forms."""
@@ -212,7 +211,7 @@ def test_packed_sequences_attend_as_each_sequence_alone(path: str) -> None:
 
 
 @needs_both
-@pytest.mark.parametrize("path", ["reference", "auto"])
+@pytest.mark.parametrize("path", quick_only(["reference", "auto"], 1))
 def test_dropout_in_training_mode(path: str) -> None:
     """Training mode with a shared dropout keep-mask: the twins agree, outputs and every
     gradient, in both forms (dropout acts on the weights, before the value half of
@@ -254,6 +253,7 @@ def test_the_absorbed_form_equals_the_expanded_one_in_float64(name: str) -> None
 
 
 @needs_both
+@pytest.mark.slow
 def test_unbatched_input_and_weights_through_the_cache() -> None:
     """An unbatched (T, d_in) x is the batched call's example; a cached call with
     return_weights gives (B, H, T, max_len) weights, zeros past the fill, equal to the full
@@ -331,7 +331,7 @@ def _hf_layer(name: str, seed: int) -> tuple[Any, Any, Any]:
 
 
 @needs_both
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", quick_only(list(CONFIGS), 1))
 def test_both_twins_match_transformers_deepseek_v3_attention(name: str) -> None:
     """Outputs and input gradients at positions from 480 on, with a padding mask, within the
     float32 parity tolerance: both twins, the absorbed form too."""
@@ -394,8 +394,7 @@ def test_the_cache_holds_the_latent_and_the_rope_key(dtype: str) -> None:
 
 
 @needs_both
-@pytest.mark.parametrize("absorb", [False, True])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name,absorb", tiered("name,absorb", list(CONFIGS), [False, True]))
 def test_decoding_equals_the_full_forward(name: str, absorb: bool) -> None:
     """A prompt, then single steps and a chunk, through the latent cache (keys and values
     rebuilt from it, or absorbed) equal the full causal forward, positions from 480 on, in
@@ -419,6 +418,7 @@ def test_decoding_equals_the_full_forward(name: str, absorb: bool) -> None:
 
 
 @needs_both
+@pytest.mark.slow
 def test_a_padded_prompt_decodes_as_each_example_alone() -> None:
     """kv_lengths with a cache: example 1's prompt has 3 valid tokens of 5; its next step
     sits at its own fill, as if decoded alone (both twins, both forms)."""
@@ -467,6 +467,7 @@ def test_the_flax_decode_step_compiles_once() -> None:
 
 
 @needs_both
+@pytest.mark.slow
 def test_a_refused_call_leaves_the_cache_as_it_was() -> None:
     """Every check before any work: a bad mask, a path that refuses, no room, a cache of
     another shape; the cache's latent, rope key and fill are unchanged after each."""

@@ -17,7 +17,7 @@ import pytest
 from attention_spec.conversion import flax_shapes, rules_for, torch_shapes
 from parity_tests.cases import IMPLEMENTATIONS, Case
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import constructor_errors, needs_both, needs_jax, needs_torch, random_x
+from tests.support import constructor_errors, needs_both, needs_jax, needs_torch, random_x, tiered
 
 D_IN = 32
 BASE = {"d_in": D_IN, "d_out": D_IN, "context_length": 16, "dropout": 0.0, "num_heads": 4}
@@ -150,8 +150,8 @@ def test_twins_have_the_same_parameters_and_round_trips_are_bit_exact(name: str)
 
 
 @needs_both
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", CONFIGS)
+# each configuration on two paths, every path on several; the rest with --exhaustive
+@pytest.mark.parametrize("name,implementation", tiered("name,implementation", list(CONFIGS), IMPLEMENTATIONS, strength=1))
 def test_parity_and_oracle_on_every_path(name: str, implementation: str) -> None:
     """Twin against twin (outputs, input and parameter gradients, the norms' included) and
     each twin against the float64 oracle, with a padding mask, on each path."""
@@ -179,6 +179,7 @@ def test_parity_and_oracle_on_every_path(name: str, implementation: str) -> None
 
 @needs_both
 @pytest.mark.parametrize("name", ["rms-head", "layer-all"])
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_decoding_with_the_cache_equals_the_full_forward(name: str) -> None:
     """Keys are normalised before they enter the cache: a prompt then single steps give
     the full causal forward's outputs, in both twins."""
@@ -219,8 +220,8 @@ def test_flax_under_jit_equals_eager(name: str) -> None:
 
 
 @needs_both
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("variant", ["mha-qknorm-rms-gqa", "mha-qknorm-layer-all"])
+@pytest.mark.parametrize("variant,implementation", tiered(
+    "variant,implementation", ["mha-qknorm-rms-gqa", "mha-qknorm-layer-all"], IMPLEMENTATIONS, strength=1))
 def test_the_matrix_variants_on_every_path(variant: str, implementation: str) -> None:
     from parity_tests.matrix import run_case
 

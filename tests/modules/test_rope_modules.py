@@ -142,6 +142,7 @@ def test_unbatched_and_shared_positions() -> None:
 
 @needs_both
 @pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_decoding_with_the_cache_equals_the_full_forward(explicit: bool) -> None:
     """A prompt of 3 tokens then single steps through a cache: the positions continue
     from each example's fill (or are given: the same numbers), in both twins."""

@@ -195,6 +195,7 @@ def test_the_sinks_gradient_is_the_oracles_finite_difference() -> None:
 
 
 @needs_both
+@pytest.mark.slow  # the quick tier shows this feature in another test
 def test_decoding_with_the_cache_equals_the_full_forward() -> None:
     """gpt-oss's layer decodes a prompt then single steps as its full causal forward, in
     both twins (the window and the rope positions follow the cache)."""
