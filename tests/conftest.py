@@ -56,9 +56,9 @@ def _bounded_compile_caches():  # type: ignore[no-untyped-def]
 
 # --------------------------------------------------------------------------- tiers and budgets
 #
-# quick (``-m "not slow"``): every feature at least once; default (plain ``pytest``, CI):
+# quick (``-m "not slow"``): each test function once; default (plain ``pytest``, CI):
 # every feasible pair of option values; exhaustive (``--exhaustive``): the full products.
-# The budgets are for a 2-core CPU (docs/architecture.md, "Adding a test").
+# The budgets are for a 2-core CPU (docs/architecture.md, "The tiers, and adding a test").
 BUDGET_S = {"quick": 180, "default": 900}
 
 

@@ -104,7 +104,7 @@ def tiered(argnames: str, *axes: Any, valid: Any = None, strength: int = 2) -> l
 
     once = covering(index_axes, index_valid, strength=1)
     if strength == 2:
-        pairs = covering(index_axes, index_valid, strength=2, start=tuple(once)) if len(axes) > 1 else []
+        pairs = covering(index_axes, index_valid, strength=2, start=tuple(once))
     else:
         pairs = covering([axis[::-1] for axis in index_axes], index_valid, strength=1)
     tier = {**{row: 2 for row in itertools.product(*index_axes) if index_valid(dict(enumerate(row)))},

@@ -88,7 +88,7 @@ def assert_close(got, expected, tol):
 # twins), without compiling 4 x 21 x 3 JAX programs; the other framework and a second
 # kind per variant with --exhaustive.
 COMBOS = [
-    pytest.param(variant_id, MASKS[(i + j) % len(MASKS)], fw, id=f"{variant_id}-{MASKS[(i + j) % len(MASKS)]}-{fw.id}",
+    pytest.param(variant_id, MASKS[(i + j) % len(MASKS)], fw.id, id=f"{variant_id}-{MASKS[(i + j) % len(MASKS)]}-{fw.id}",
                  marks=(*fw.marks, *(() if j == 0 and f == i % 2 else (pytest.mark.slow, pytest.mark.exhaustive))))
     for i, variant_id in enumerate(VARIANTS)
     for j in (0, 2)
@@ -96,8 +96,7 @@ COMBOS = [
 ]
 
 
-@pytest.mark.parametrize("variant_id,mask_kind,fw", [pytest.param(*c.values[:2], c.values[2].values[0], id=c.id, marks=c.marks)
-                                                   for c in COMBOS])
+@pytest.mark.parametrize("variant_id,mask_kind,fw", COMBOS)
 def test_paths_match_reference(fw, variant_id, mask_kind):
     spec = VARIANTS[variant_id]
     heads = 2 if spec.multihead else 1
