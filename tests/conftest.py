@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.support import HAS_JAX
+from tests.tiers import QUICK_STAND_INS
 
 if HAS_JAX:
     import jax
@@ -72,20 +74,41 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The quick tier runs each test function once: its first case not marked slow. (A
     # parametrised test's other cases show the same feature again; they run by default.)
+    # The functions in tests/tiers.py's table are left out of it: a quicker test (named
+    # there) touches their feature.
     quick_seen: set[str] = set()
     for item in items:
+        function = _function(item)
+        if function in QUICK_STAND_INS:
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("slow"):
             continue
-        function = item.nodeid.split("[")[0]  # file::[class::]function
         if function in quick_seen:
             item.add_marker(pytest.mark.slow)
         quick_seen.add(function)
+    if _tier(config) is not None:  # the whole suite collected: the table must name tests that are there
+        _check_stand_ins({_function(item) for item in items}, quick_seen)
     if config.getoption("--exhaustive"):
         return
     left_out = [item for item in items if item.get_closest_marker("exhaustive")]
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
+
+
+def _function(item: pytest.Item) -> str:
+    """file::[class::]function: without pytest's parameters ("[...]") or those of absl's
+    ``parameterized`` and ``chex.variants`` ("_('fused')__with_jit"), so that a
+    parametrised test is one function."""
+    return re.sub(r"_\(.*$", "", item.nodeid.split("[")[0])
+
+
+def _check_stand_ins(collected: set[str], quick: set[str]) -> None:
+    stale = [f"{left} (not collected)" for left in QUICK_STAND_INS if left not in collected]
+    stale += [f"{stand_in}, standing in for {left} (not collected, or not in the quick tier)"
+              for left, stand_in in QUICK_STAND_INS.items() if stand_in not in quick]
+    if stale:
+        raise pytest.UsageError("tests/tiers.py names tests that do not run as it says:\n  " + "\n  ".join(stale))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

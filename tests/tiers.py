@@ -1,0 +1,158 @@
+"""Which test functions the quick tier leaves out, and the quick test that touches the same
+feature instead (conftest.py marks the first ``slow`` and checks, on a whole run, that
+both are collected and that the second runs in the quick tier).
+
+The quick tier (``pytest -m "not slow"``, 3 minutes on 2 cores) runs each test function
+once; a function whose one case costs seconds (a subprocess, a kernel build, a whole
+model, a long decode) is left out of it when a quicker test touches its feature. The
+default run and CI run all of them. Measured on a 2-core Zen 3 (AVX2): the functions
+below took 2.5-36 s each in the quick tier, 640 s of its 985 s of test time.
+"""
+
+from __future__ import annotations
+
+B = "tests/benchmarks/"
+D = "tests/distributed/"
+E = "tests/examples/"
+F = "tests/functional/"
+H = "tests/harness/"
+I = "tests/interop/"  # noqa: E741
+K = "tests/kernels/"
+M = "tests/modules/"
+
+QUICK_STAND_INS: dict[str, str] = {
+    # benchmarks: the tiny runs of the sweep and of the decode loop
+    B + "test_benchmarks.py::test_tiny_run_writes_json_table_and_plot":
+        B + "test_benchmarks.py::test_a_spent_budget_records_every_case_as_not_run",
+    B + "test_benchmarks.py::test_time_floors_add_warmup_and_runs":
+        B + "test_benchmarks.py::test_a_spent_budget_records_every_case_as_not_run",
+    B + "test_decode.py::test_every_system_decodes_the_same_and_the_results_record_the_machine":
+        B + "test_decode.py::test_a_system_that_decodes_differently_is_refused",
+    B + "test_decode.py::test_a_system_past_the_budget_runs_once":
+        B + "test_decode.py::test_a_system_that_decodes_differently_is_refused",
+    # scale-out: one JAX ring and one PyTorch ring stay
+    D + "test_distributed.py::test_sharded_training_step_equals_unsharded":
+        D + "test_distributed.py::test_jax_ring_on_one_device_in_process",
+    # whole-model ports
+    E + "test_ports.py::test_a_faithful_port_shows_no_divergence":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    E + "test_ports.py::test_a_port_without_padding_idx_fails_at_that_embedding_row":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    E + "test_ports.py::test_ten_adamw_steps_agree_and_train":
+        H + "test_training_parity.py::test_ten_steps_agree",
+    E + "test_ports.py::test_the_examples_use_our_attention_at_512_positions":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    E + "test_ports.py::test_logits_and_every_gradient_agree":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    H + "test_divergence.py::test_a_faithful_port_is_clean_forward_and_backward":
+        H + "test_divergence.py::test_one_weight_nudged_by_1e3_is_located_at_its_projection",
+    H + "test_divergence.py::test_a_wrong_layernorm_epsilon_is_located_at_that_norm":
+        H + "test_divergence.py::test_one_weight_nudged_by_1e3_is_located_at_its_projection",
+    H + "test_divergence.py::test_qk_norms_are_seen_as_submodules_and_located":
+        H + "test_divergence.py::test_a_swapped_rotary_layout_is_located_at_that_rotation",
+    # functional options
+    F + "test_bias_softcap.py::test_twins_agree":
+        F + "test_bias_softcap.py::test_modules_take_bias_and_softcap",
+    F + "test_bias_softcap.py::test_module_bias_fused_without_softcap":
+        F + "test_bias_softcap.py::test_modules_take_bias_and_softcap",
+    F + "test_chex.py::test_one_sgd_step_in_each_framework_gives_the_same_tree":
+        H + "test_training_parity.py::test_ten_steps_agree",
+    F + "test_chex.py::test_module_under_nnx_jit_traces_once_per_mode":
+        F + "test_chex.py::test_functional_core_traces_once_per_shape_and_options",
+    F + "test_dropout_paths.py::test_flax_module_dropout_in_training_mode":
+        F + "test_jit.py::test_flax_dropout_train_draws_and_advances",
+    F + "test_implementations.py::test_tpu_splash_kernel_matches_reference":
+        F + "test_implementations.py::test_auto_on_cpu_by_query_rows",
+    F + "test_long_sequences.py::test_real_tiles_against_the_reference_path":
+        F + "test_long_sequences.py::test_training_memory_at_32768_keys_is_not_quadratic",
+    F + "test_masks_dropout.py::test_fully_masked_rows_have_finite_zero_gradients_jax":
+        F + "test_masks_dropout.py::test_fully_masked_module_rows_agree_between_frameworks",
+    F + "test_numeric_edges.py::test_decode_one_token_at_a_time_into_a_4096_cache":
+        M + "test_compiled_decoding.py::test_a_jitted_step_has_no_host_callback_and_attends_by_buckets",
+    F + "test_route_jax.py::test_asking_for_another_target_builds_nothing":
+        F + "test_route_jax.py::test_asking_builds_nothing",
+    F + "test_route_jax.py::test_a_build_that_fails_at_the_call_falls_back":
+        K + "test_build_kernel.py::test_a_failed_build_exits_non_zero_saying_why",
+    F + "test_sinks_jax.py::test_every_path_against_the_oracle_float32":
+        F + "test_sinks_jax.py::test_float64_against_the_oracle",
+    F + "test_sinks_jax.py::test_the_kernels_blocks_of_rows_take_sinks":
+        F + "test_sinks_jax.py::test_logits_of_1e4_against_the_oracle",
+    F + "test_structure_options.py::test_blockwise_tiles_give_keys_outside_every_window_no_gradient":
+        F + "test_structure_options.py::test_keys_outside_every_window_get_no_gradient",
+    # the harness
+    H + "test_training_stack.py::test_decode_equals_full_forward":
+        M + "test_compiled_decoding.py::test_a_donated_cache_is_updated_in_place",
+    H + "test_training_stack.py::test_cached_step_with_mask_bias_and_weights_matches_the_twin":
+        M + "test_compiled_decoding.py::test_a_step_on_the_cpu_kernel_reads_the_cache_as_it_lies",
+    H + "test_training_stack.py::test_refused_decode_leaves_the_cache_as_it_was":
+        M + "test_cache_and_call_checks.py::test_a_donated_cache_comes_back_with_the_record_after_an_overflow",
+    H + "test_training_stack.py::test_module_options":
+        H + "test_training_stack.py::test_gqa_projections_are_sized_for_kv_heads_and_convert",
+    # interop
+    I + "test_conversion.py::test_jax_interop_works_without_torch":
+        I + "test_conversion.py::test_jax_array_converters_round_trip_numpy_and_state",
+    I + "test_from_hf_latent.py::test_the_twins_train_in_parity":
+        I + "test_from_hf_latent.py::test_round_trips_are_bit_exact",
+    I + "test_native_flax.py::test_from_nnx_matches_native":
+        I + "test_native_flax.py::test_from_linen_matches_native",
+    I + "test_native_flax.py::test_from_nnx_cross_attention":
+        I + "test_native_flax.py::test_from_linen_matches_native",
+    I + "test_native_flax.py::test_nnx_round_trips_are_exact":
+        I + "test_native_flax.py::test_to_nnx_matches_ours_causal_and_unbiased",
+    I + "test_native_flax.py::test_native_is_causal_is_our_causal_mask":
+        I + "test_native_flax.py::test_to_nnx_matches_ours_causal_and_unbiased",
+    # the CPU kernel: its builds
+    K + "test_cpu_kernel.py::test_auto_and_an_avx2_build":
+        K + "test_cpu_kernel.py::test_auto_takes_the_kernel_where_it_applies",
+    K + "test_cpu_kernel.py::test_the_kernel_can_be_turned_off_or_required":
+        K + "test_cpu_kernel.py::test_only_a_fused_or_auto_call_asks_for_the_kernel",
+    K + "test_cpu_kernel.py::test_without_the_kernel_fused_is_xla_and_auto_blockwise":
+        K + "test_cpu_kernel.py::test_only_a_fused_or_auto_call_asks_for_the_kernel",
+    K + "test_cpu_kernel_cache.py::test_a_truncated_library_is_rebuilt_not_loaded":
+        K + "test_cpu_kernel_cache.py::test_a_library_without_the_kernels_symbols_is_rebuilt",
+    K + "test_build_kernel.py::test_the_command_builds_into_the_cache_and_a_later_load_does_not_rebuild":
+        K + "test_build_kernel.py::test_a_failed_build_exits_non_zero_saying_why",
+    # modules
+    M + "test_compiled_decoding.py::test_decoding_equals_the_oracle_and_the_full_forward":
+        M + "test_compiled_decoding.py::test_a_donated_cache_is_updated_in_place",
+    M + "test_free_widths.py::test_twins_have_the_same_parameters_shapes_and_cache":
+        M + "test_free_widths.py::test_parity_and_oracle_on_every_path",
+    M + "test_free_widths.py::test_the_matrix_variants_on_every_path":
+        M + "test_free_widths.py::test_parity_and_oracle_on_every_path",
+    M + "test_free_widths.py::test_nnx_multihead_takes_free_widths":
+        M + "test_free_widths.py::test_parity_and_oracle_on_every_path",
+    M + "test_global_state.py::test_the_modules_are_float32_accurate_without_any_global_flag":
+        M + "test_global_state.py::test_check_parity_sets_full_precision_inside_and_restores_the_flags",
+    M + "test_latent_attention.py::test_decoding_equals_the_full_forward":
+        M + "test_compiled_decoding.py::test_latent_attention_records_an_overflow_under_jit_too",
+    M + "test_latent_attention.py::test_the_flax_decode_step_compiles_once":
+        M + "test_compiled_decoding.py::test_latent_attention_records_an_overflow_under_jit_too",
+    M + "test_latent_attention.py::test_both_twins_match_transformers_deepseek_v3_attention":
+        I + "test_from_hf_latent.py::test_round_trips_are_bit_exact",
+    M + "test_latent_attention.py::test_packed_sequences_attend_as_each_sequence_alone":
+        M + "test_latent_attention.py::test_every_path_matches_the_oracle_and_the_twin",
+    M + "test_latent_attention.py::test_padding_by_lengths_window_and_bias":
+        M + "test_latent_attention.py::test_every_path_matches_the_oracle_and_the_twin",
+    M + "test_latent_attention.py::test_dropout_in_training_mode":
+        M + "test_latent_attention.py::test_every_path_matches_the_oracle_and_the_twin",
+    M + "test_latent_attention.py::test_parameters_are_hugging_face_s":
+        M + "test_latent_attention.py::test_round_trips_are_bit_exact",
+    M + "test_latent_attention.py::test_softcap_is_refused_by_the_fused_path_by_name":
+        M + "test_latent_attention.py::test_a_bad_call_has_one_error_text",
+    M + "test_qk_norm.py::test_flax_under_jit_equals_eager":
+        M + "test_qk_norm.py::test_parity_and_oracle_on_every_path",
+    M + "test_qk_norm.py::test_the_matrix_variants_on_every_path":
+        M + "test_qk_norm.py::test_parity_and_oracle_on_every_path",
+    M + "test_registry.py::test_per_call_implementation_override":
+        H + "test_harness.py::test_the_modules_run_on_the_path_asked_for",
+    M + "test_registry.py::test_flax_dtype_is_computation_param_dtype_is_storage":
+        H + "test_harness.py::test_pytorchs_dtype_is_flaxs_param_dtype",
+    M + "test_rope_modules.py::test_oracle_and_twin_at_positions_beyond_400":
+        M + "test_rope_modules.py::test_llama_attention_with_the_same_weights_at_positions_beyond_400",
+    M + "test_rope_modules.py::test_a_padded_prompt_continues_from_each_example_s_fill":
+        M + "test_rope_modules.py::test_unbatched_and_shared_positions",
+    M + "test_rope_modules.py::test_apply_rope_with_transformers_inv_freq_is_bit_for_bit":
+        F + "test_rope.py::test_inv_freq_default_matches_transformers_default",
+    M + "test_sinks_modules.py::test_the_sinks_gradient_is_the_oracles_finite_difference":
+        F + "test_sinks_jax.py::test_the_sink_gradient_against_finite_differences_of_the_oracle",
+}
