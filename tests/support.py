@@ -86,7 +86,8 @@ def tiered(argnames: str, *axes: Any, valid: Any = None, strength: int = 2) -> l
     Rows of a covering of every single value: no mark (the quick tier). Further rows of a
     pairwise covering grown from them (``strength=2``), or of a second covering of every
     single value, its axes read backwards (``strength=1``: for two axes, where pairwise is
-    the whole product): ``slow``. Every other row of the product: ``slow`` and
+    the whole product), or none (``strength=0``: one covering is enough by default, where
+    another test runs every pair): ``slow``. Every other row of the product: ``slow`` and
     ``exhaustive``. (Of the unmarked rows, the quick tier runs the first: conftest.py runs
     each test function once there.) Ids join the values' ids with "-" in the order of
     ``argnames``."""
@@ -102,11 +103,15 @@ def tiered(argnames: str, *axes: Any, valid: Any = None, strength: int = 2) -> l
     def index_valid(partial: dict[int, int]) -> bool:
         return valid is None or bool(valid({names[a]: entries[a][i][0] for a, i in partial.items()}))
 
+    if strength not in (0, 1, 2):
+        raise ValueError(f"strength must be 0, 1 or 2; got {strength!r}")
     once = covering(index_axes, index_valid, strength=1)
     if strength == 2:
         pairs = covering(index_axes, index_valid, strength=2, start=tuple(once))
-    else:
+    elif strength == 1:
         pairs = covering([axis[::-1] for axis in index_axes], index_valid, strength=1)
+    else:
+        pairs = []
     tier = {**{row: 2 for row in itertools.product(*index_axes) if index_valid(dict(enumerate(row)))},
             **{row: 1 for row in pairs}, **{row: 0 for row in once}}
     params = []

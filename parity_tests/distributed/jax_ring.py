@@ -158,9 +158,10 @@ def error_texts() -> dict[str, str]:
     return texts
 
 
-def parity(out_path: str, twins_in: str | None, twins_out: str | None) -> None:
+def parity(out_path: str, twins_in: str | None, twins_out: str | None, only: set[str] | None = None) -> None:
+    """The report of every case of ``CASES`` (of those whose ids are in ``only``)."""
     report: dict[str, Any] = {"cases": []}
-    for case in CASES:
+    for case in (c for c in CASES if only is None or c.id in only):
         inputs = case_inputs(case)
         ring = with_grads(jax.jit(ring_fn(case, case.devices, inputs)), case, inputs)
         ref = with_grads(reference(case, inputs), case, inputs)
@@ -236,7 +237,12 @@ def scale(out_path: str) -> None:
 if __name__ == "__main__":
     jax.config.update("jax_numpy_rank_promotion", "raise")
     mode, out_path, *twins = sys.argv[1:]
+    only = None
+    if "--cases" in twins:  # --cases id,id,...: those cases only
+        at = twins.index("--cases")
+        only = set(twins[at + 1].split(","))
+        del twins[at : at + 2]
     if mode == "parity":
-        parity(out_path, twins[0] if twins else None, twins[1] if twins else None)
+        parity(out_path, twins[0] if twins else None, twins[1] if twins else None, only)
     else:
         scale(out_path)

@@ -21,7 +21,8 @@ report.
   S = 65536 runs on 8 devices.
 - Bad input: the same error texts from both rings.
 
-The quick tier (``-m "not slow"``) leaves out the tests that read the JAX rings' and the
+The default run checks ten of the JAX ring's cases, which hold every value of every axis
+(``DEFAULT_RING_CASES``); ``--exhaustive`` checks them all.  The quick tier (``-m "not slow"``) leaves out the tests that read the JAX rings' and the
 four-process PyTorch ring's subprocesses (minutes); the sharded step, the two-process ring,
 DDP, the one-device JAX ring and the zigzag helpers stay.
 
@@ -43,7 +44,7 @@ import pytest
 
 from attention_spec.arrays import check_sinks
 from attention_spec.parallel import RING_POSITIONS_WITHOUT_ROPE, check_ring_rope
-from parity_tests.distributed import CASES, case_inputs, oracle_output, twin_cases
+from parity_tests.distributed import CASES, DEFAULT_RING_CASES, case_inputs, oracle_output, twin_cases
 from parity_tests.tolerances import ORACLE
 from tests.support import HAS_JAX, HAS_TORCH, needs_both, needs_jax, needs_torch
 
@@ -80,12 +81,13 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def jax_parity(workdir: Path) -> dict[str, Any]:
+def jax_parity(workdir: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
     if not HAS_JAX:
         pytest.skip("JAX / Flax are not installed")
     out = workdir / "jax_parity.json"
+    only = [] if request.config.getoption("--exhaustive") else ["--cases", ",".join(DEFAULT_RING_CASES)]
     _wait([_run(["parity_tests.distributed.jax_ring", "parity", str(out), str(workdir / "twins_in.npz"),
-                 str(workdir / "jax_twins.npz")])])
+                 str(workdir / "jax_twins.npz"), *only])])
     return dict(json.loads(out.read_text()))
 
 
@@ -181,9 +183,27 @@ def _sharded_step_report() -> dict[str, Any]:
     return dict(json.loads(log.strip().splitlines()[-1]))
 
 
+def test_the_default_ring_cases_hold_every_value_of_every_axis() -> None:
+    """The default run's JAX ring cases (the rest under --exhaustive) show every value that
+    some case holds: devices, causality, layout, padding (one example fully masked),
+    widths, grouped heads, key lengths, magnitude, sinks and rope."""
+    chosen = [c for c in CASES if c.id in DEFAULT_RING_CASES]
+    assert len(chosen) == len(DEFAULT_RING_CASES)
+
+    def values(case: Any) -> dict[str, Any]:
+        return {"devices": case.devices, "causal": case.causal, "layout": case.layout,
+                "padded": case.lengths is not None, "fully masked": 0 in (case.lengths or ()),
+                "v_width": case.v_width, "kv_heads": case.kv_heads, "kv_seq": case.kv_seq,
+                "magnitude": case.magnitude, "sinks": case.sinks, "rope": case.rope}
+
+    for axis in values(CASES[0]):
+        assert {values(c)[axis] for c in chosen} == {values(c)[axis] for c in CASES}, axis
+
+
 @needs_jax
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c.id for c in CASES])
+@pytest.mark.parametrize("case", [c.id if c.id in DEFAULT_RING_CASES else pytest.param(c.id, marks=pytest.mark.exhaustive)
+                                  for c in CASES])
 def test_jax_ring_equals_single_device(jax_parity: dict[str, Any], case: str) -> None:
     for result in _case_errors(jax_parity, case):
         assert result["finite"]

@@ -25,7 +25,7 @@ from parity_tests import reference
 from parity_tests.harness import compare
 from parity_tests.tolerances import GRAD_ORACLE, GRAD_PARITY, ORACLE, PARITY
 from tests.functional.test_structure_options import FRAMEWORKS, PATHS, oracle_gradients, run
-from tests.support import needs_jax
+from tests.support import needs_jax, tiered
 
 B, H, T, S, D, DV = 2, 4, 6, 9, 8, 5
 LAYOUT_ERROR = "layout must be one of 'bhsd', 'bshd'; got 'BSHD'"
@@ -95,9 +95,7 @@ def _route(fw: str, shapes: tuple[Any, ...], **options: Any) -> Any:
     return jax_route(*(jnp.zeros(s) for s in shapes), **arrays)
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(("name", "path", "fw"), tiered("name,path,fw", list(CASES), PATHS, FRAMEWORKS))
 def test_bshd_equals_bhsd_transposed_and_the_oracle(fw: str, path: str, name: str):
     kv_heads, call, oracle_mask = CASES[name]
     q, k, v, cot = _inputs(kv_heads)
