@@ -1,6 +1,6 @@
 """Every variant, PyTorch -> Flax with weights copied, over batch {1, 3}, seq {1, 5,
-context_length}, heads {1, 2, 4}, with and without a mask (pairwise; the full product with
-``--exhaustive``): outputs and attention weights,
+context_length}, heads {1, 2, 4}, with and without a mask (one covering of the values; every
+pair, and the full product, with ``--exhaustive``): outputs and attention weights,
 on the reference path (the only one that has weights; the other paths are in the matrix,
 test_matrix.py).  (Gradients are compared across the larger matrix in test_matrix.py; here they would
 double the compile time for no extra coverage.)"""
@@ -24,10 +24,12 @@ def _valid(row):
     return spec is None or spec.multihead or row.get("heads", 1) == 1
 
 
-# Pairwise over the five axes (tests/support.py, tiered): every variant meets every batch,
-# length, head count and mask; the full product (564 cases) runs with --exhaustive.
+# One covering of the five axes (tests/support.py, tiered, strength=0): every variant once,
+# every batch, length (the context length included), head count and mask with several
+# variants; the matrix (test_matrix.py) runs every pair of these axes, weights compared on
+# the reference path. The pairs, then the full product (564 cases), with --exhaustive.
 GRID = tiered("variant_id,batch,seq,heads,masked", list(VARIANTS), (1, 3), (1, 5, CONTEXT_LENGTH), (1, 2, 4),
-              (False, True), valid=_valid)
+              (False, True), valid=_valid, strength=0)
 
 
 @pytest.mark.parametrize("variant_id,batch,seq,heads,masked", GRID)

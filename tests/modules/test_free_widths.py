@@ -17,7 +17,7 @@ import pytest
 from attention_spec.conversion import rules_for, torch_shapes
 from parity_tests.cases import IMPLEMENTATIONS, Case
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import constructor_errors, needs_both, needs_jax, needs_torch, random_x
+from tests.support import constructor_errors, needs_both, needs_jax, needs_torch, random_x, tiered
 
 D_IN = 40
 BASE = {"d_in": D_IN, "d_out": D_IN, "context_length": 16, "dropout": 0.0, "num_heads": 4}
@@ -216,8 +216,10 @@ def test_parity_and_oracle_on_every_path(name: str, implementation: str) -> None
 
 
 @needs_both
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("variant", ["mha-headdim-gqa", "mha-outwidth-nobias"])
+# Every path once (the matrix, test_matrix.py, runs both variants on every path in its
+# own shapes); both variants on every path with --exhaustive.
+@pytest.mark.parametrize("variant,implementation", tiered(
+    "variant,implementation", ["mha-headdim-gqa", "mha-outwidth-nobias"], IMPLEMENTATIONS, strength=0))
 def test_the_matrix_variants_on_every_path(variant: str, implementation: str) -> None:
     """The parity matrix's free-width variants, at 4 heads (2 key/value heads for the
     grouped one), run as the matrix runs them: both twins, gradients, the oracle."""
