@@ -103,15 +103,15 @@ CASES = tuple(
 
 
 # The JAX ring compiles each case (2-10 s on a 2-core CPU), so the default test run takes
-# these ten, which hold every value of every axis above (2, 4 and 8 devices; causal or
-# not; both layouts; padding, a fully masked example, grouped heads of 1 and 2, a wider
-# value, shorter and longer keys, logits of 1e10, sinks of 3 and 30, rope at the default
-# and at given positions); ``pytest --exhaustive`` and the workers' default take all.
+# eight: seven, the fewest that hold every value of every axis above (2, 4 and 8 devices;
+# causal or not; both layouts; padding, a fully masked example, grouped heads of 1 and 2,
+# a wider value, shorter and longer keys, logits of 1e10, sinks of 3 and 30, rope at the
+# default and at given positions), and issue 24's maximum found on another member than
+# the first; ``pytest --exhaustive`` and the workers' default take all.
 DEFAULT_RING_CASES = (
-    "n2-full-contiguous-pad48-17", "n8-causal-contiguous-dv12-kvheads2", "n4-causal-zigzag-pad33-0-kvheads1",
-    "n2-full-contiguous-pad80-37-kvseq80", "n8-causal-contiguous-pad16-5-kvseq16",
-    "n2-causal-zigzag-pad29-0-x100000-sinks3", "n4-full-contiguous-kvheads2-sinks30",
-    "n4-causal-zigzag-sinks3-rope-default", "n4-causal-contiguous-pad41-6-rope-given",
+    "n8-causal-contiguous-dv12-kvheads2", "n2-full-contiguous-pad80-37-kvseq80", "n4-causal-zigzag-kvseq16",
+    "n4-full-contiguous-kvheads2-sinks30", "n2-causal-zigzag-pad29-0-x100000-sinks3",
+    "n2-full-contiguous-pad48-17-rope-default", "n2-causal-zigzag-kvheads1-sinks3-rope-given",
     "n4-full-contiguous-pad41-0-x100000",
 )
 
