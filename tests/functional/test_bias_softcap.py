@@ -15,9 +15,9 @@ import pytest
 
 from parity_tests import reference
 from parity_tests.tolerances import GRAD_PARITY, ORACLE, PARITY
-from tests.support import needs_both, needs_jax, needs_torch
+from tests.support import needs_both, needs_jax, needs_torch, tiered
 
-FRAMEWORKS = [pytest.param("torch", marks=needs_torch), pytest.param("jax", marks=needs_jax)]
+FRAMEWORKS = [pytest.param("torch", marks=needs_torch, id="torch"), pytest.param("jax", marks=needs_jax, id="jax")]
 PATHS = ("reference", "blockwise", "fused", "auto")
 B, H, T, S, D = 2, 2, 5, 7, 4
 CASES = ("none", "mask", "causal", "causal-mask-lengths")
@@ -126,9 +126,10 @@ def torch_float64_grads(q, k, v, bias, options, softcap=None):
     return [a.grad.numpy() for a in arrays]
 
 
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("softcap", [None, 2.0], ids=["nocap", "cap2"])
-@pytest.mark.parametrize("case", CASES)
+# Every pair of case, cap and framework by default (8 of the 16; the rest with
+# --exhaustive); each case runs on every path.
+@pytest.mark.parametrize(("case", "softcap", "fw"), tiered(
+    "case,softcap,fw", CASES, [pytest.param(None, id="nocap"), pytest.param(2.0, id="cap2")], FRAMEWORKS))
 def test_every_path_matches_the_oracle(fw, case, softcap):
     q, k, v, bias, options = case_inputs(case)
     expected = oracle(q, k, v, bias, options, softcap)
