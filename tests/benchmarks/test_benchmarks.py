@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +16,32 @@ from benchmarks import Config, Mode, flops, fwd_bwd_flops, run
 from benchmarks.configs import CORE_SYSTEMS
 from benchmarks.measure import OUT_OF_TIME
 from benchmarks.report import backward_tflops, targets_text
-from tests.support import needs_both
+from benchmarks.systems import framework_of
+from tests.support import HAS_JAX, HAS_TORCH, needs_both
 
 SYSTEMS = ("ours-jax-fused", "flax-nnx-mha", "ours-torch-sdpa")
+TINY = Config(batch=2, seq=32, heads=2, head_dim=16, causal=True, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Mode, Path, dict]:
+    """A tiny run, each system in a worker of its own, one after another: (mode, folder,
+    results).  A worker's start (importing its framework, the matmul probe) costs
+    seconds, so the tests that read such a run share this one; a test that runs again
+    into a folder copies the JSON there first.  Where one framework is missing (nox's
+    tests-torch and tests-jax), the other's systems run."""
+    installed = {"jax": HAS_JAX, "torch": HAS_TORCH}
+    mode = Mode("tiny", (TINY,), tuple(s for s in SYSTEMS if installed[framework_of(s)]),
+                runs=2, backward=True, warmup=1)
+    out = tmp_path_factory.mktemp("tiny")
+    return mode, out, run(mode, out_dir=out, echo=lambda _: None)
+
+
+def _copy_of(tiny_run: tuple[Mode, Path, dict], folder: Path) -> Path:
+    """The shared run's JSON in ``folder`` (an earlier run there, to append to)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tiny_run[1] / "tiny.json", folder / "tiny.json")
+    return folder
 
 
 def test_flops_by_hand() -> None:
@@ -59,14 +84,10 @@ def test_modes_follow_the_issue() -> None:
 
 
 @needs_both
-def test_tiny_run_writes_json_table_and_plot(tmp_path) -> None:
-    tiny = Mode(
-        "tiny", (Config(batch=2, seq=32, heads=2, head_dim=16, causal=True, dtype="float32"),),
-        SYSTEMS, runs=2, backward=True, warmup=1,
-    )
-    results = run(tiny, out_dir=tmp_path, echo=lambda _: None)
+def test_tiny_run_writes_json_table_and_plot(tiny_run) -> None:
+    _, out, results = tiny_run
 
-    saved = json.loads((tmp_path / "tiny.json").read_text())
+    saved = json.loads((out / "tiny.json").read_text())
     assert saved == json.loads(json.dumps(results))
     env = saved["env"]
     for key in ("device", "date", "cpu", "packages", "runtime"):
@@ -85,25 +106,28 @@ def test_tiny_run_writes_json_table_and_plot(tmp_path) -> None:
             expected = (1 if phase == "fwd" else 3.5) * flops(2, 2, 32, 16, True) / (timing["median_ms"] / 1e3) / 1e12
             assert timing["tflops"] == pytest.approx(expected)
 
-    table = (tmp_path / "tiny.md").read_text()
+    table = (out / "tiny.md").read_text()
     assert "| config | system | fwd ms (IQR) |" in table
     for system in SYSTEMS:
         assert f"| B2-S32-H2-D16-causal-float32 | {system} |" in table
-    png = (tmp_path / "tiny.png").read_bytes()
+    png = (out / "tiny.png").read_bytes()
     assert png.startswith(b"\x89PNG")
 
 
 @needs_both
 @pytest.mark.slow  # five systems, each compiled forward and backward; the tiny run covers the machinery
-def test_core_systems_time_the_function_alone(tmp_path) -> None:
+def test_core_systems_time_the_function_alone() -> None:
     # The kernels alone: no projection FLOPs; a backend that cannot run (SDPA's cuDNN
-    # and memory-efficient kernels on CPU) is a recorded error, not a crash.
+    # and memory-efficient kernels on CPU) is a recorded error, not a crash.  Measured in
+    # this process, as a worker measures each case: the workers, the JSON and the table
+    # are the tiny run's (five more workers would cost a framework import each).
+    import torch
+
+    from benchmarks.measure import measure
+
     config = Config(batch=1, seq=32, heads=2, head_dim=16, causal=False, dtype="float32")
     systems = ("core-jax-fused", "core-flax", "core-torch-fused", "core-torch-sdpa-flash", "core-torch-sdpa-cudnn")
-    results = run(Mode("full", (config,), systems, runs=2, backward=True, warmup=1), out_dir=tmp_path,
-                  echo=lambda _: None)
-    by_system = {m["system"]: m for m in results["measurements"]}
-    import torch
+    by_system = {system: measure(system, config, runs=2, warmup=1, backward=True) for system in systems}
 
     runnable = list(systems[:3])
     if torch.cuda.is_available():  # SDPA's flash kernel takes float16 and bfloat16 only on CUDA
@@ -148,29 +172,27 @@ def test_backward_rate_and_target_table() -> None:
 
 
 @pytest.mark.slow  # the quick tier shows this feature in another test
-def test_appending_keeps_what_a_later_run_left_out_of_time(tmp_path) -> None:
-    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
-    mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
-    measured = run(mode, out_dir=tmp_path, echo=lambda _: None)["measurements"]
-    assert measured[0]["error"] is None
-    again = run(mode, out_dir=tmp_path, echo=lambda _: None, append=True, budget_s=-1.0)
-    assert again["measurements"] == measured  # the measurement, not the "not run" entry
+def test_appending_keeps_what_a_later_run_left_out_of_time(tiny_run, tmp_path) -> None:
+    mode, _, results = tiny_run
+    measured = results["measurements"]
+    assert measured and all(m["error"] is None for m in measured)
+    again = run(mode, out_dir=_copy_of(tiny_run, tmp_path), echo=lambda _: None, append=True, budget_s=-1.0)
+    assert again["measurements"] == measured  # the measurements, not the "not run" entries
 
 
 @pytest.mark.slow  # the quick tier shows this feature in another test
-def test_the_allocator_reaches_every_worker_and_the_results(tmp_path, monkeypatch) -> None:
+def test_the_allocator_reaches_every_worker_and_the_results(tiny_run, tmp_path, monkeypatch) -> None:
     """The allocator is recorded in the results; one result never mixes two allocators;
     an unknown or missing allocator is refused before anything runs; a preloaded one is in
     the LD_PRELOAD the worker is started with."""
     from benchmarks import environment, runner
 
-    config = Config(batch=1, seq=8, heads=1, head_dim=8, causal=True, dtype="float32")
-    mode = Mode("tiny", (config,), ("core-torch-fused",), runs=1, backward=False, warmup=0)
-    results = run(mode, out_dir=tmp_path, echo=lambda _: None)
+    mode, _, results = tiny_run
+    config = TINY
     assert results["settings"]["malloc"] == "system" and results["settings"]["ld_preload"] is None
     assert any(note.startswith("Allocator: the system's") for note in results["notes"])
     with pytest.raises(ValueError, match="measured with the system allocator, this run asks for tcmalloc"):
-        run(mode, out_dir=tmp_path, echo=lambda _: None, append=True, malloc="tcmalloc")
+        run(mode, out_dir=_copy_of(tiny_run, tmp_path), echo=lambda _: None, append=True, malloc="tcmalloc")
     with pytest.raises(ValueError, match="unknown allocator 'jemalloc'"):
         environment.preload_for("jemalloc")
     monkeypatch.setattr(environment, "_TCMALLOC_NAMES", ("libno-such-allocator.so.0",))
@@ -233,7 +255,9 @@ def test_time_floors_add_warmup_and_runs() -> None:
     assert warmups >= 10  # 0.03 s of 2 ms calls: at least 10 (sleep may run long)
     assert 3 < floored["runs"] <= 6 and floored["calls_per_run"] >= 5  # 0.1 s of samples of ~20 ms
     assert len(floored["times_ms"]) == floored["runs"]
-    capped = _time(call, runs=3, warmup=0, flops=1, projection_flops=0, timed_s=1000.0)
+    # A call that returns at once: a sample is then MAX_REPEAT calls, not 20 ms of sleep,
+    # and the cap is reached in milliseconds.
+    capped = _time(lambda repeat: None, runs=3, warmup=0, flops=1, projection_flops=0, timed_s=1000.0)
     assert capped["runs"] == MAX_RUNS
 
 
