@@ -193,8 +193,12 @@ def test_round_trips_are_bit_exact(name: str) -> None:
 
 
 @needs_both
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", CONFIGS)
+# Each width config on one path, each path with one config (the matrix, test_matrix.py,
+# runs the free-width variants, head_dim with grouped heads and out_features without
+# out_proj's bias, on every path: both twins, gradients, float64); every config on every
+# path with --exhaustive.
+@pytest.mark.parametrize("name,implementation", tiered("name,implementation", list(CONFIGS), IMPLEMENTATIONS,
+                                                       strength=0))
 def test_parity_and_oracle_on_every_path(name: str, implementation: str) -> None:
     """Twin against twin (outputs, input and parameter gradients) and each twin against
     the float64 oracle, with a padding mask, on each path."""
