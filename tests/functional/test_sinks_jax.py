@@ -93,11 +93,28 @@ CASE_PATHS = tiered("case_id,path", [c.id for c in CASES], PATHS, strength=1,
                     if "case_id" in row else True)
 
 
-def _run(path: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks: np.ndarray, cot: np.ndarray | None,
-         dtype: str, *, jit: bool = False, **options: Any) -> dict[str, np.ndarray]:
-    """The output of ``dot_product_attention`` on ``path`` in ``dtype`` (``"blockwise-tiles"``:
-    the blockwise path's loops on tiny tiles) and, with a cotangent, the gradients of
-    ``sum(out * cot)`` w.r.t. q, k, v and the sinks, as float64 NumPy arrays."""
+# One compiled program per call (path, dtype, jit, shapes, options), shared by every test
+# that makes the call on other data: the output and the gradients of ``sum(out * cot)``
+# together.  Op by op (jax.vjp called eagerly) a new call compiled each of its operations
+# on its own, seconds a case; the float64 reference path of ``_expected`` is one program
+# per case for the whole file.  Inside jax.vjp the library sees q, k, v and the sinks
+# traced either way, and the options concrete (closed over, as they were).  Half
+# precision still runs op by op, as an eager caller's call: under jit XLA may keep excess
+# precision between operations, which would hide one that the library leaves in half.
+_PROGRAMS: dict[tuple[Any, ...], Any] = {}
+_HALF = ("bfloat16", "float16")
+
+
+def _static(value: Any) -> Any:
+    """``value`` as part of a key: an array by its shape, dtype and bytes."""
+    if isinstance(value, np.ndarray):
+        return value.shape, value.dtype.str, value.tobytes()
+    return value if isinstance(value, (int, float, str, type(None))) else tuple(_static(v) for v in value)
+
+
+def _program(path: str, jit: bool, grads: bool, eager: bool, options: dict[str, Any]) -> Any:
+    """The call of ``_run``, jitted unless ``eager`` (its arrays made JAX's here, under the
+    caller's x64 flag)."""
     import jax
     import jax.numpy as jnp
 
@@ -110,12 +127,33 @@ def _run(path: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks: np.ndarr
         return dot_product_attention(q_, k_, v_, sinks=s_, implementation=implementation, **arrays)
 
     function = jax.jit(attend) if jit else attend
+
+    def output_and_grads(q_: Any, k_: Any, v_: Any, s_: Any, cot_: Any) -> Any:
+        out, pullback = jax.vjp(function, q_, k_, v_, s_)
+        return out, pullback(cot_.astype(out.dtype))
+
+    call = output_and_grads if grads else function
+    return call if eager else jax.jit(call)
+
+
+def _run(path: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks: np.ndarray, cot: np.ndarray | None,
+         dtype: str, *, jit: bool = False, **options: Any) -> dict[str, np.ndarray]:
+    """The output of ``dot_product_attention`` on ``path`` in ``dtype`` (``"blockwise-tiles"``:
+    the blockwise path's loops on tiny tiles) and, with a cotangent, the gradients of
+    ``sum(out * cot)`` w.r.t. q, k, v and the sinks, as float64 NumPy arrays; ``jit``: the
+    call jitted on its own, its gradients those of the jitted function."""
+    import jax
+    import jax.numpy as jnp
+
     inputs = [jnp.asarray(a, dtype) for a in (q, k, v, sinks)]
-    with small_tiles() if path == "blockwise-tiles" else contextlib.nullcontext():
+    key = (path, dtype, jit, cot is None, bool(jax.config.jax_enable_x64), tuple(a.shape for a in inputs),
+           tuple(sorted((name, _static(value)) for name, value in options.items())))
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = _program(path, jit, cot is not None, dtype in _HALF, options)
+    with small_tiles() if path == "blockwise-tiles" else contextlib.nullcontext():  # traced on the first call
         if cot is None:
-            return {"output": np.asarray(function(*inputs), np.float64)}
-        out, pullback = jax.vjp(function, *inputs)
-        grads = pullback(jnp.asarray(cot, out.dtype))
+            return {"output": np.asarray(_PROGRAMS[key](*inputs), np.float64)}
+        out, grads = _PROGRAMS[key](*inputs, jnp.asarray(cot, dtype))
     result = {"output": np.asarray(out, np.float64)}
     result.update({f"grad {n}": np.asarray(g, np.float64) for n, g in zip(("q", "k", "v", "sinks"), grads, strict=True)})
     return result
@@ -167,9 +205,15 @@ def test_every_path_against_the_oracle_float32(case_id: str, path: str):
     _check(got, want, "float32")
 
 
+# Each case once and each path once by default (strength=0): what the rest would show
+# runs by default elsewhere: the cases on every path in float32 above, the float64
+# reference path on every case (test_the_float64_reference_path_is_the_oracle, and its
+# gradients are those every case here is compared with), causal grouped heads on the
+# blockwise path with the lengths case (which has both), the tiny tiles on the lengths
+# case under jit.  Every case on every path with --exhaustive.
 @pytest.mark.parametrize("case_id,path", tiered(
     "case_id,path", ["gqa-causal", "lengths-causal-empty-example", "softcap-bias"],
-    ["reference", "blockwise", "blockwise-tiles", "auto"], strength=1))
+    ["reference", "blockwise", "blockwise-tiles", "auto"], strength=0))
 def test_float64_against_the_oracle(case_id: str, path: str):
     """float64 stays float64 on every path that takes it (the fused path refuses it)."""
     import jax
@@ -247,8 +291,13 @@ def test_the_float64_reference_path_is_the_oracle(case_id: str):
     out, weights = reference.attention(q, k_rep, v_rep, scale=1 / math.sqrt(D), sinks=SINKS, **case.oracle)
     with jax.enable_x64(True):
         arrays: dict[str, Any] = {n: jnp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in case.call.items()}
-        got_out, got_weights = dot_product_attention(*(jnp.asarray(a) for a in (q, k, v)), sinks=jnp.asarray(SINKS),
-                                                     implementation="reference", return_weights=True, **arrays)
+
+        @jax.jit  # one program: op by op, each operation compiled on its own cost more
+        def with_weights(q_: Any, k_: Any, v_: Any, s_: Any) -> Any:
+            return dot_product_attention(q_, k_, v_, sinks=s_, implementation="reference", return_weights=True,
+                                         **arrays)
+
+        got_out, got_weights = with_weights(*(jnp.asarray(a) for a in (q, k, v, SINKS)))
         got = _run("reference", q, k, v, SINKS, cot, "float64", **case.call)
     assert np.all(weights.sum(-1) < 1.0)
     findings = [compare("output", got_out, out, ORACLE["float64"]),

@@ -20,7 +20,7 @@ import pytest
 from parity_tests import reference
 from parity_tests.harness import compare
 from parity_tests.tolerances import GRAD_ORACLE, ORACLE
-from tests.functional.test_structure_options import oracle_gradients, run
+from tests.functional.test_structure_options import oracle_gradients
 from tests.support import needs_jax
 
 pytestmark = needs_jax
@@ -47,15 +47,51 @@ def _inputs(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, widt
     return q, k, v, cot
 
 
+# One jitted program per call (shapes and options), reused where only the data changes.
+_PROGRAMS: dict[tuple[Any, ...], Any] = {}
+
+
+def _fused(q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray, **options: Any) -> dict[str, np.ndarray]:
+    """``dot_product_attention(..., implementation="fused")`` in float32 on q, k, v (options:
+    NumPy arrays or Python values): the output and the gradients of ``sum(out * cot)``
+    w.r.t. q, k, v, as float64.  Jitted: every case has shapes of its own, and called op by
+    op (jax.vjp eagerly) each operation around the kernel compiled apart, twice the time
+    (``test_jit_and_vmap``: jitted, the kernel gives eager's numbers)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention.functional import dot_product_attention
+
+    key = (q.shape, k.shape, v.shape, tuple(sorted(
+        (name, (a.shape, a.dtype.str, a.tobytes()) if isinstance(a, np.ndarray) else a) for name, a in options.items())))
+    if key not in _PROGRAMS:
+        arrays = {name: jnp.asarray(a) if isinstance(a, np.ndarray) else a for name, a in options.items()}
+
+        def output_and_grads(q_: Any, k_: Any, v_: Any, cot_: Any) -> Any:
+            out, pullback = jax.vjp(lambda *a: dot_product_attention(*a, implementation="fused", **arrays), q_, k_, v_)
+            return out, pullback(cot_)
+
+        _PROGRAMS[key] = jax.jit(output_and_grads)
+    out, grads = _PROGRAMS[key](*(jnp.asarray(a, jnp.float32) for a in (q, k, v, cot)))
+    return {"output": np.asarray(out, np.float64),
+            **{f"grad {n}": np.asarray(g, np.float64) for n, g in zip("qkv", grads, strict=True)}}
+
+
 def _lengths_mask(lengths: np.ndarray, kv_len: int) -> np.ndarray:
     return (np.arange(kv_len)[None, :] < lengths[:, None])[:, None, None, :]
 
 
-# (id, batch, heads, kv_heads, T, S, D, Dv, call options, oracle options)
+# (id, batch, heads, kv_heads, T, S, D, Dv, call options, oracle options).  The float64
+# loop oracle costs B * H * T * S steps of Python (about 5 us each): the sizes that a case
+# is about (blocks and tiles crossed, a span of memory) stay, its batch and heads are as
+# few as show it, with at least two (batch, kv head) units where the case is not about
+# the backward's split of one unit between threads.
 CASES = [
-    ("causal-multi-block", 2, 4, 4, 300, 300, 64, 64, {"causal": True}, {"causal": True}),
+    ("causal-multi-block", 1, 2, 2, 300, 300, 64, 64, {"causal": True}, {"causal": True}),
     ("full-cross-odd", 1, 2, 2, 97, 1100, 40, 24, {}, {}),
-    ("causal-gqa-tiles", 1, 4, 2, 700, 700, 64, 80, {"causal": True}, {"causal": True}),
+    # past 512 keys: two forward key tiles, backward tiles of 128 keys (530: not whole
+    # vectors, so V is copied)
+    ("causal-gqa-tiles", 1, 4, 2, 530, 530, 64, 80, {"causal": True}, {"causal": True}),
     ("lengths-gqa1", 3, 2, 1, 130, 257, 32, 32, {"kv_lengths": np.array([257, 0, 100])},
      {"mask": _lengths_mask(np.array([257, 0, 100]), 257)}),
     ("window-offset", 1, 2, 2, 260, 600, 64, 64, {"window": (100, 30), "q_offset": 200},
@@ -71,13 +107,14 @@ CASES = [
     ("negative-offset-empty-rows", 1, 2, 2, 40, 30, 8, 8, {"causal": True, "q_offset": -10},
      {"causal": True, "offset": -10}),
     # every example at full length and S, Dv whole vectors: the forward reads V in place
-    # (two key tiles of 512 and 128 here, Dv != D, grouped heads)
-    ("v-in-place-causal-gqa", 2, 4, 2, 208, 640, 64, 48, {"causal": True}, {"causal": True}),
+    # (two key tiles of 512 and 128 here, Dv != D, grouped heads; two blocks of rows)
+    ("v-in-place-causal-gqa", 2, 4, 2, 112, 640, 64, 48, {"causal": True}, {"causal": True}),
     ("v-in-place-full-lengths-window", 1, 2, 2, 100, 128, 32, 32,
      {"window": (20, 5), "kv_lengths": np.array([128])}, {"window": (20, 5)}),
     # full lengths and whole vectors, but a head's values spread over more than 8 MiB
-    # (S * Hkv * Dv floats): the forward copies them
-    ("v-copied-wide-span", 1, 16, 8, 40, 2048, 32, 144, {"causal": True, "alignment": "bottom_right"},
+    # (S * Hkv * Dv floats; wide values rather than many heads, for the oracle's sake):
+    # the forward copies them
+    ("v-copied-wide-span", 1, 4, 2, 40, 2048, 32, 528, {"causal": True, "alignment": "bottom_right"},
      {"causal": True, "offset": 2008}),
     # at most FEW_QUERY_ROWS query rows: the forward for few rows (decode.h), keys read in
     # place over several 256-key tiles, a tile cut short by a length, an empty example
@@ -105,7 +142,7 @@ def test_against_the_oracle(case: tuple[Any, ...]):
     scale = 1.0 / math.sqrt(width)
     out, weights = reference.attention(q, k, v, scale=scale, **oracle)
     want = {"output": out, **oracle_gradients(q, k, v, weights, cot, scale)}
-    got = run("jax", q, k, v, cot, implementation="fused", **call)
+    got = _fused(q, k, v, cot, **call)
     findings = [compare("output", got["output"], want["output"], ORACLE["float32"], ("kernel", "oracle"))]
     findings += [compare(g, got[g], want[g], GRAD_ORACLE["float32"], ("kernel", "oracle"))
                  for g in ("grad q", "grad k", "grad v")]
@@ -116,8 +153,7 @@ def test_rows_with_nothing_to_attend_to_are_zero():
     """A query before every key (negative offset, causal) and an example of length 0:
     zero output rows, and no gradient flows through them."""
     q, k, v, cot = _inputs(2, 2, 2, 20, 30, 16, 16)
-    got = run("jax", q, k, v, cot, implementation="fused", causal=True, q_offset=-5,
-              kv_lengths=np.array([30, 0]))
+    got = _fused(q, k, v, cot, causal=True, q_offset=-5, kv_lengths=np.array([30, 0]))
     assert np.all(got["output"][:, :, :5] == 0) and np.all(got["output"][1] == 0)
     assert np.all(got["grad q"][:, :, :5] == 0) and np.all(got["grad q"][1] == 0)
     assert np.all(got["grad k"][1] == 0) and np.all(got["grad v"][1] == 0)
@@ -129,10 +165,10 @@ def test_keys_past_a_length_never_reach_an_output():
     with zeros there, and zero gradients for those keys."""
     q, k, v, cot = _inputs(2, 4, 2, 150, 700, 64, 64, seed=3)
     lengths = np.array([700, 333])
-    clean = run("jax", q, k, v, cot, implementation="fused", causal=True, kv_lengths=lengths)
+    clean = _fused(q, k, v, cot, causal=True, kv_lengths=lengths)
     k[1, :, 333:] = np.nan
     v[1, :, 333:] = np.inf
-    dirty = run("jax", q, k, v, cot, implementation="fused", causal=True, kv_lengths=lengths)
+    dirty = _fused(q, k, v, cot, causal=True, kv_lengths=lengths)
     for name, value in clean.items():
         np.testing.assert_array_equal(dirty[name], value, err_msg=name)
     assert np.all(dirty["grad k"][1, :, 333:] == 0) and np.all(dirty["grad v"][1, :, 333:] == 0)
