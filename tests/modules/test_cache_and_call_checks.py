@@ -181,7 +181,12 @@ def _flax_grads(m: Any, x: np.ndarray, cot: np.ndarray, path: str, chunks: list[
             out = jnp.concatenate(outs, axis=1)
         return (out * jnp.asarray(cot)).sum()
 
-    g_module, g_x = nnx.grad(loss, argnums=(0, 1))(m, jnp.asarray(x))
+    # "auto" eagerly, as a user's first try runs it (each eager call plans with concrete
+    # lengths); every other path under jit: one program, where eagerly every primitive of
+    # the steps and of their transposes compiles on its own (about 200 programs, 5-15 s a
+    # path), and what an eager call adds, its checks, changes no value.
+    grad = nnx.grad(loss, argnums=(0, 1))
+    g_module, g_x = (grad if path == "auto" else nnx.jit(grad))(m, jnp.asarray(x))
     flat = {"/".join(map(str, p)): np.asarray(v.get_value() if hasattr(v, "get_value") else v)
             for p, v in nnx.to_flat_state(g_module)}
     return {"x": np.asarray(g_x), **flat}

@@ -142,8 +142,13 @@ def _oracle_checks(torch_m: Any, x: np.ndarray, mask: Any, report: Any, position
 
 
 @needs_both
-# pairwise over (config, path, mask): every path meets both configs and every mask
-@pytest.mark.parametrize("name,path,mask", tiered("name,path,mask", list(CONFIGS), PATHS, ["none", "padding", "random"]))
+# two coverings of (config, path, mask) by default (8 cases, each config on three paths,
+# each mask on two or three), every pair with --exhaustive: the parity matrix
+# (tests/harness/test_matrix.py) holds every path and every mask of a V3-like latent
+# variant against the float64 references, test_from_hf_latent.py both configurations on
+# every path against the native layer
+@pytest.mark.parametrize("name,path,mask", tiered("name,path,mask", list(CONFIGS), PATHS, ["none", "padding", "random"],
+                                                  strength=1))
 def test_every_path_matches_the_oracle_and_the_twin(name: str, path: str, mask: str) -> None:
     """Outputs, input and parameter gradients, twin against twin and each against the
     float64 oracle, at positions from 480 on; the attention weights on the reference path."""
@@ -365,7 +370,9 @@ def test_both_twins_match_transformers_deepseek_v3_attention(name: str) -> None:
             out = flax_m(xj, jnp.asarray(allowed), positions=jnp.asarray(positions), absorb=absorb)
             return (out * jnp.asarray(cot)).sum(), out
 
-        (_, flax_out), flax_grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(x))
+        # jitted: one program, where eagerly each primitive of the forward and of its
+        # transpose is compiled on its own (some 200, 10 s); the same computation
+        (_, flax_out), flax_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(x))
         tol, grad_tol = PARITY["float32"], GRAD_PARITY["float32"]
         for out, grad in ((got.detach().numpy(), got_grad.numpy()), (np.asarray(flax_out), np.asarray(flax_grad))):
             np.testing.assert_allclose(out, want.detach().numpy(), rtol=tol.rtol, atol=tol.atol)
@@ -395,27 +402,41 @@ def test_the_cache_holds_the_latent_and_the_rope_key(dtype: str) -> None:
     assert per_token < 2 * HEADS * (V3["qk_nope_head_dim"] + V3["qk_rope_head_dim"]) * (4 if dtype == "float32" else 2)
 
 
+def _decode_in_steps(module: Any, x: Any, positions: Any, absorb: bool) -> tuple[list[Any], Any]:
+    """x (B, T, d_in) through a latent cache of T + 2: a prompt of 4, two single tokens, a
+    chunk of 3; (the steps' outputs, the cache)."""
+    cache, steps = module.init_cache(B, T + 2), []
+    for start, stop in ((0, 4), (4, 5), (5, 6), (6, T)):
+        out, cache = module(x[:, start:stop], cache=cache, positions=positions[:, start:stop], absorb=absorb)
+        steps.append(out)
+    return steps, cache
+
+
 @needs_both
-@pytest.mark.parametrize("name,absorb", tiered("name,absorb", list(CONFIGS), [False, True]))
+# v3 expanded and v2lite absorbed by default, the other two with --exhaustive: v3 absorbed
+# decodes in test_the_flax_decode_step_compiles_once, v2lite expanded in the unbatched
+# and padded-prompt tests (and a chunk into a filled cache here in both forms)
+@pytest.mark.parametrize("name,absorb", tiered("name,absorb", list(CONFIGS), [False, True], strength=0))
 def test_decoding_equals_the_full_forward(name: str, absorb: bool) -> None:
     """A prompt, then single steps and a chunk, through the latent cache (keys and values
     rebuilt from it, or absorbed) equal the full causal forward, positions from 480 on, in
     both twins; torch's gradients through the steps equal the full forward's."""
     import jax.numpy as jnp
     import torch
+    from flax import nnx
 
     torch_m, flax_m = _pair(CONFIGS[name], seed=10)
     x, positions = random_x((B, T, D_IN), seed=11), _positions()
     full = torch_m(torch.from_numpy(x), positions=torch.from_numpy(positions)).detach().numpy()
     tol = PARITY["float32"]
-    for module, wrap in ((torch_m, torch.from_numpy), (flax_m, jnp.asarray)):
-        cache = module.init_cache(B, T + 2)
-        steps = []
-        for start, stop in ((0, 4), (4, 5), (5, 6), (6, T)):
-            out, cache = module(wrap(x[:, start:stop]), cache=cache, positions=wrap(positions[:, start:stop]),
-                                absorb=absorb)
-            steps.append(_np(out))
-        np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=tol.rtol, atol=tol.atol)
+    # Flax's steps in one jitted program, the cache threaded through them traced as a
+    # jitted decode step has it: eagerly, each primitive of a step of a new shape was
+    # compiled on its own (10-20 s a configuration). The eager cached calls are in the
+    # unbatched, padded-prompt and refused-call tests.
+    flax_decode = nnx.jit(_decode_in_steps, static_argnames="absorb")
+    for module, decode, wrap in ((torch_m, _decode_in_steps, torch.from_numpy), (flax_m, flax_decode, jnp.asarray)):
+        steps, cache = decode(module, wrap(x), wrap(positions), absorb=absorb)
+        np.testing.assert_allclose(np.concatenate([_np(s) for s in steps], axis=1), full, rtol=tol.rtol, atol=tol.atol)
         assert _np(cache.lengths).tolist() == [T, T]
 
 
@@ -445,9 +466,10 @@ def test_a_padded_prompt_decodes_as_each_example_alone() -> None:
 def test_the_flax_decode_step_compiles_once() -> None:
     """Under nnx.jit, fixed max_len shapes: every single-token step reuses one trace."""
     import jax.numpy as jnp
+    import torch
     from flax import nnx
 
-    _, flax_m = _pair(V3, seed=14)
+    torch_m, flax_m = _pair(V3, seed=14)
     traces: list[int] = []
 
     @nnx.jit(static_argnames="absorb")
@@ -456,7 +478,9 @@ def test_the_flax_decode_step_compiles_once() -> None:
         return module(x, cache=cache, positions=positions, absorb=absorb)
 
     x, positions = random_x((B, 5, D_IN), seed=15), _positions(seq=5)
-    full = np.asarray(flax_m(jnp.asarray(x), positions=jnp.asarray(positions)))
+    # the twin's full forward, as test_decoding_equals_the_full_forward's (the Flax one,
+    # eager, compiled some 50 primitives for this alone)
+    full = _np(torch_m(torch.from_numpy(x), positions=torch.from_numpy(positions)))
     tol = PARITY["float32"]
     for count, absorb in enumerate((False, True), start=1):
         cache = flax_m.init_cache(B, 5)
@@ -475,12 +499,16 @@ def test_a_refused_call_leaves_the_cache_as_it_was() -> None:
     another shape; the cache's latent, rope key and fill are unchanged after each."""
     import jax.numpy as jnp
     import torch
+    from flax import nnx
 
     torch_m, flax_m = _pair({**V3, "softcap": 20.0}, seed=16)
     x = random_x((B, 3, D_IN), seed=17)
-    for module, wrap in ((torch_m, torch.from_numpy), (flax_m, jnp.asarray)):
-        cache = module.init_cache(B, 4)
-        _, cache = module(wrap(x[:, :2]), cache=cache)
+    # the prompt that fills the cache: Flax's jitted, one program where an eager call
+    # compiled some 100 primitives (the refused calls, the test, are eager)
+    flax_prompt = nnx.jit(lambda module, x, cache: module(x, cache=cache))
+    for module, prompt, wrap in ((torch_m, lambda m, x, cache: m(x, cache=cache), torch.from_numpy),
+                                 (flax_m, flax_prompt, jnp.asarray)):
+        _, cache = prompt(module, wrap(x[:, :2]), module.init_cache(B, 4))
         before = [_np(t) for t in cache]
         bad_calls = (
             ({"cache": cache, "mask": wrap(np.ones((B, HEADS, 1, 3), bool))}, ValueError, "mask"),
