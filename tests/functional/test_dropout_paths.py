@@ -202,6 +202,12 @@ def test_jax_dropout_follows_the_key() -> None:
     other = jax_dropout("auto", 0.5, False, seed=1)
     np.testing.assert_array_equal(first, again)
     assert not np.array_equal(first == 0, other == 0)
+    # the key's draw is jax.random's of the weights' shape, bit for bit (the library
+    # draws it flat, which compiles faster): the same key drops what that mask drops
+    import jax
+
+    as_shaped = jax_dropout("reference", 0.5, False, dropout_mask=jax.random.bernoulli(jax.random.key(0), 0.5, (B, H, T, S)))
+    np.testing.assert_array_equal(first, as_shaped)
 
 
 @needs_jax
