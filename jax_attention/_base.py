@@ -28,12 +28,26 @@ from jax_attention import functional
 from jax_attention._cache import append_to_cache, check_room, fill_buckets, over_filled
 
 
+def draw(sample: Any, key: Array, shape: tuple[int, ...], dtype: Any, *args: Any) -> Array:
+    """``sample(key, shape, dtype, *args)`` (``jax.random.uniform``, ``normal``): the same
+    numbers, drawn over a flat length rounded up to a power of two and cut to ``shape``.
+    Under the default PRNG (threefry, partitionable: jax's default) each number is a
+    function of its flat index alone, so the cut is the draw of ``shape`` itself (a test
+    holds it), and XLA compiles one program per power of two instead of one per shape
+    (0.4-1.0 s each on a CPU: a model's first construction paid it for every new width).
+    Any other key or PRNG setting draws ``shape`` directly."""
+    if str(jax.random.key_impl(key)) != "threefry2x32" or not jax.config.jax_threefry_partitionable:
+        return sample(key, shape, dtype, *args)
+    size = math.prod(shape)
+    return sample(key, (1 << max(size - 1, 0).bit_length(),), dtype, *args)[:size].reshape(shape)
+
+
 def torch_linear_init(fan_in: int) -> Any:
     """PyTorch's ``nn.Linear`` default for kernel and bias: uniform in +-1/sqrt(fan_in)."""
     bound = 1.0 / math.sqrt(fan_in)
 
     def init(key: Array, shape: Any, dtype: Any = jnp.float32) -> Array:
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
+        return draw(jax.random.uniform, key, tuple(shape), dtype, -bound, bound)
 
     return init
 
@@ -182,7 +196,7 @@ class AttentionModule(nnx.Module):
         spec = self.spec
         width, fan_in = cast(int, spec.fan_out(proj.role)), cast(int, spec.fan_in(proj.role))
         if proj.layout == "matrix":  # N(0, 1), as torch.randn in seed 004
-            return nnx.Param(jax.random.normal(rngs.params(), (fan_in, width), self.param_dtype))
+            return nnx.Param(draw(jax.random.normal, rngs.params(), (fan_in, width), self.param_dtype))
         # Tensor parallelism (Megatron): q/k/v split their output features (the heads) over
         # the "model" mesh axis, out_proj splits its input features and reduces over it.
         partitioning = ("model", None) if proj.role == "out" else (None, "model")

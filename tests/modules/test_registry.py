@@ -145,6 +145,28 @@ def test_declared_parameters_are_the_flax_module_s(name: str, out_proj: bool) ->
     assert len(rules) == len(params)
 
 
+@needs_jax
+def test_flax_initial_weights_are_jax_random_draws_of_their_shapes() -> None:
+    """The JAX twin draws its initial weights flat (one compiled program per power of two,
+    not per shape); the numbers are those of the draw of each shape itself, and a
+    projection's lie in nn.Linear's +-1/sqrt(fan_in)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_attention._base import draw
+
+    key = jax.random.key(7)
+    for shape in [(8, 4), (4,), (3, 5, 7), (1, 1), (0, 3), (33, 31)]:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            np.testing.assert_array_equal(draw(jax.random.uniform, key, shape, dtype, -0.5, 0.5),
+                                          jax.random.uniform(key, shape, dtype, -0.5, 0.5))
+            np.testing.assert_array_equal(draw(jax.random.normal, key, shape, dtype),
+                                          jax.random.normal(key, shape, dtype))
+    kernel = flax_module("MultiHeadAttention").W_query.kernel.get_value()
+    assert kernel.shape == (D_IN, WIDTH) and float(jnp.abs(kernel).max()) <= 1 / np.sqrt(D_IN)
+    assert float(jnp.abs(kernel).max()) > 0.5 / np.sqrt(D_IN)
+
+
 # --------------------------------------------------------------------------- the config
 
 
