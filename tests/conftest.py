@@ -159,6 +159,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_STARTED] = time.monotonic()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # At exit, pytest's unraisable-exception plugin runs the garbage collector five times
+    # (gc_collect_harder) over what the process holds: in a worker, JAX's caches of
+    # thousands of programs, about 10 s at the end of each run. Every test has finished
+    # and has had its own unraisable exceptions reported: what is left is frozen, so
+    # those collections have nothing to walk.
+    gc.freeze()
+
+
 def _tier(config: pytest.Config) -> str | None:
     """Which tier this run is, by its options (None: a selection of its own)."""
     marks = (config.getoption("-m") or "").strip()
