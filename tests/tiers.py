@@ -75,8 +75,6 @@ QUICK_STAND_INS: dict[str, str] = {
         K + "test_build_kernel.py::test_a_failed_build_exits_non_zero_saying_why",
     F + "test_sinks_jax.py::test_every_path_against_the_oracle_float32":
         F + "test_sinks_jax.py::test_float64_against_the_oracle",
-    F + "test_sinks_jax.py::test_the_kernels_blocks_of_rows_take_sinks":
-        F + "test_sinks_jax.py::test_logits_of_1e4_against_the_oracle",
     F + "test_structure_options.py::test_blockwise_tiles_give_keys_outside_every_window_no_gradient":
         F + "test_structure_options.py::test_keys_outside_every_window_get_no_gradient",
     # the harness
