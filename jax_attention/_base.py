@@ -36,7 +36,7 @@ def draw(sample: Any, key: Array, shape: tuple[int, ...], dtype: Any, *args: Any
     holds it), and XLA compiles one program per power of two instead of one per shape
     (0.4-1.0 s each on a CPU: a model's first construction paid it for every new width).
     Any other key or PRNG setting draws ``shape`` directly."""
-    if str(jax.random.key_impl(key)) != "threefry2x32" or not jax.config.jax_threefry_partitionable:
+    if str(jax.random.key_impl(key)) != "threefry2x32" or not getattr(jax.config, "jax_threefry_partitionable", False):
         return sample(key, shape, dtype, *args)
     size = math.prod(shape)
     return sample(key, (1 << max(size - 1, 0).bit_length(),), dtype, *args)[:size].reshape(shape)

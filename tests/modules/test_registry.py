@@ -165,6 +165,8 @@ def test_flax_initial_weights_are_jax_random_draws_of_their_shapes() -> None:
 
     for (got, want), case in zip(both(jax.random.key(7)), cases, strict=True):
         np.testing.assert_array_equal(got, want, err_msg=str(case[:3]))
+    # and the flat draw is the one taken under the default PRNG: 33 x 31 = 1023 numbers as 1024
+    assert "1024" in str(jax.make_jaxpr(lambda k: draw(jax.random.uniform, k, (33, 31), jnp.float32))(jax.random.key(7)))
     kernel = flax_module("MultiHeadAttention").W_query.kernel.get_value()
     assert kernel.shape == (D_IN, WIDTH) and float(jnp.abs(kernel).max()) <= 1 / np.sqrt(D_IN)
     assert float(jnp.abs(kernel).max()) > 0.5 / np.sqrt(D_IN)
