@@ -164,7 +164,7 @@ def parity(out_path: str, twins_in: str | None, twins_out: str | None, only: set
     for case in (c for c in CASES if only is None or c.id in only):
         inputs = case_inputs(case)
         ring = with_grads(jax.jit(ring_fn(case, case.devices, inputs)), case, inputs)
-        ref = with_grads(reference(case, inputs), case, inputs)
+        ref = with_grads(jax.jit(reference(case, inputs)), case, inputs)  # one program, not one per operation
         errors = {n: float(np.abs(ring[n] - ref[n]).max()) for n in ref}
         scales = {n: float(np.abs(ref[n]).max()) for n in ref}
         finite = all(bool(np.isfinite(t).all()) for t in ring.values())

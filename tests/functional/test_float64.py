@@ -19,17 +19,23 @@ from tests.support import needs_both
 
 pytestmark = needs_both
 
-# Every variant on the reference path with a mask (rows fully masked included), and on
-# one other path, the paths in turn (every path meets about a third of the variants);
-# without a mask on the reference path every third variant; the rest with --exhaustive.
+# Every variant once with a mask, on the paths that compute in float64 in turn (the
+# reference path, which compares the weights too, the blockwise path, auto): what
+# float64 proves is per variant (its module code keeps float64) and per path (its code
+# keeps it); the fused path, which refuses float64 or keeps it, on the first variant
+# that runs there; without a mask on the reference path every third variant. The
+# matrix compares every variant's weights on the reference path in the other dtypes.
+# The rest with --exhaustive.
 PATHS = ("reference", "blockwise", "fused", "auto")
+ROTATION = ("reference", "blockwise", "auto")
+FIRST_ON_FUSED = next(v for v in VARIANTS if VARIANTS[v].runs_on("fused"))
 
 
 def _tier(i: int, variant: str, impl: str, masked: bool) -> tuple[pytest.MarkDecorator, ...]:
-    runnable = [p for p in PATHS[1:] if VARIANTS[variant].runs_on(p)]
-    if impl == "reference" and (masked or i % 3 == 0):
+    runnable = [p for p in ROTATION if VARIANTS[variant].runs_on(p)]
+    if impl == "reference" and not masked and i % 3 == 0:
         return ()
-    if impl != "reference" and runnable and impl == runnable[i % len(runnable)]:
+    if masked and (impl == runnable[i % len(runnable)] or (impl == "fused" and variant == FIRST_ON_FUSED)):
         return ()
     return (pytest.mark.slow, pytest.mark.exhaustive)
 
