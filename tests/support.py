@@ -139,3 +139,27 @@ def quick_only(values: Any, *keep: int) -> list[Any]:
         extra = () if i in keep else (pytest.mark.slow,)
         params.append(pytest.param(value, marks=(*marks, *extra), id=given))
     return params
+
+
+# --------------------------------------------------------------------------- compiled programs shared by tests
+
+_PROGRAMS: dict[tuple[Any, ...], Any] = {}
+
+
+def options_key(options: dict[str, Any]) -> tuple[Any, ...]:
+    """Call options as part of a cache key: an array by its shape, dtype and bytes."""
+    def static(value: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            return value.shape, value.dtype.str, value.tobytes()
+        return value if isinstance(value, (int, float, str, type(None))) else tuple(static(v) for v in value)
+
+    return tuple(sorted((name, static(value)) for name, value in options.items()))
+
+
+def shared_program(key: tuple[Any, ...], build: Any) -> Any:
+    """The program cached under ``key`` in this process, ``build()`` on first use: one
+    compiled function for every test that makes the same call on other data (op by op,
+    or a new jit per test, each call compiled afresh)."""
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = build()
+    return _PROGRAMS[key]

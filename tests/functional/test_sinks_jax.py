@@ -31,7 +31,7 @@ from parity_tests import reference
 from parity_tests.harness import compare
 from parity_tests.tolerances import GRAD_ORACLE, ORACLE
 from tests.functional.test_structure_options import oracle_gradients, small_tiles
-from tests.support import needs_jax, quick_only, tiered
+from tests.support import needs_jax, options_key, quick_only, shared_program, tiered
 
 pytestmark = needs_jax
 
@@ -101,15 +101,7 @@ CASE_PATHS = tiered("case_id,path", [c.id for c in CASES], PATHS, strength=1,
 # traced either way, and the options concrete (closed over, as they were).  Half
 # precision still runs op by op, as an eager caller's call: under jit XLA may keep excess
 # precision between operations, which would hide one that the library leaves in half.
-_PROGRAMS: dict[tuple[Any, ...], Any] = {}
 _HALF = ("bfloat16", "float16")
-
-
-def _static(value: Any) -> Any:
-    """``value`` as part of a key: an array by its shape, dtype and bytes."""
-    if isinstance(value, np.ndarray):
-        return value.shape, value.dtype.str, value.tobytes()
-    return value if isinstance(value, (int, float, str, type(None))) else tuple(_static(v) for v in value)
 
 
 def _program(path: str, jit: bool, grads: bool, eager: bool, options: dict[str, Any]) -> Any:
@@ -146,14 +138,13 @@ def _run(path: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks: np.ndarr
     import jax.numpy as jnp
 
     inputs = [jnp.asarray(a, dtype) for a in (q, k, v, sinks)]
-    key = (path, dtype, jit, cot is None, bool(jax.config.jax_enable_x64), tuple(a.shape for a in inputs),
-           tuple(sorted((name, _static(value)) for name, value in options.items())))
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = _program(path, jit, cot is not None, dtype in _HALF, options)
+    key = ("sinks", path, dtype, jit, cot is None, bool(jax.config.jax_enable_x64), tuple(a.shape for a in inputs),
+           options_key(options))
+    program = shared_program(key, lambda: _program(path, jit, cot is not None, dtype in _HALF, options))
     with small_tiles() if path == "blockwise-tiles" else contextlib.nullcontext():  # traced on the first call
         if cot is None:
-            return {"output": np.asarray(_PROGRAMS[key](*inputs), np.float64)}
-        out, grads = _PROGRAMS[key](*inputs, jnp.asarray(cot, dtype))
+            return {"output": np.asarray(program(*inputs), np.float64)}
+        out, grads = program(*inputs, jnp.asarray(cot, dtype))
     result = {"output": np.asarray(out, np.float64)}
     result.update({f"grad {n}": np.asarray(g, np.float64) for n, g in zip(("q", "k", "v", "sinks"), grads, strict=True)})
     return result

@@ -21,7 +21,7 @@ from parity_tests import reference
 from parity_tests.harness import compare
 from parity_tests.tolerances import GRAD_ORACLE, ORACLE
 from tests.functional.test_structure_options import oracle_gradients
-from tests.support import needs_jax
+from tests.support import needs_jax, options_key, shared_program
 
 pytestmark = needs_jax
 
@@ -47,10 +47,6 @@ def _inputs(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, widt
     return q, k, v, cot
 
 
-# One jitted program per call (shapes and options), reused where only the data changes.
-_PROGRAMS: dict[tuple[Any, ...], Any] = {}
-
-
 def _fused(q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray, **options: Any) -> dict[str, np.ndarray]:
     """``dot_product_attention(..., implementation="fused")`` in float32 on q, k, v (options:
     NumPy arrays or Python values): the output and the gradients of ``sum(out * cot)``
@@ -62,17 +58,15 @@ def _fused(q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray, **optio
 
     from jax_attention.functional import dot_product_attention
 
-    key = (q.shape, k.shape, v.shape, tuple(sorted(
-        (name, (a.shape, a.dtype.str, a.tobytes()) if isinstance(a, np.ndarray) else a) for name, a in options.items())))
-    if key not in _PROGRAMS:
-        arrays = {name: jnp.asarray(a) if isinstance(a, np.ndarray) else a for name, a in options.items()}
+    arrays = {name: jnp.asarray(a) if isinstance(a, np.ndarray) else a for name, a in options.items()}
 
-        def output_and_grads(q_: Any, k_: Any, v_: Any, cot_: Any) -> Any:
-            out, pullback = jax.vjp(lambda *a: dot_product_attention(*a, implementation="fused", **arrays), q_, k_, v_)
-            return out, pullback(cot_)
+    def output_and_grads(q_: Any, k_: Any, v_: Any, cot_: Any) -> Any:
+        out, pullback = jax.vjp(lambda *a: dot_product_attention(*a, implementation="fused", **arrays), q_, k_, v_)
+        return out, pullback(cot_)
 
-        _PROGRAMS[key] = jax.jit(output_and_grads)
-    out, grads = _PROGRAMS[key](*(jnp.asarray(a, jnp.float32) for a in (q, k, v, cot)))
+    program = shared_program(("cpu-kernel", q.shape, k.shape, v.shape, options_key(options)),
+                             lambda: jax.jit(output_and_grads))
+    out, grads = program(*(jnp.asarray(a, jnp.float32) for a in (q, k, v, cot)))
     return {"output": np.asarray(out, np.float64),
             **{f"grad {n}": np.asarray(g, np.float64) for n, g in zip("qkv", grads, strict=True)}}
 
