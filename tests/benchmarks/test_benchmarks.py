@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -232,34 +233,35 @@ def test_a_run_with_the_installed_tcmalloc(tmp_path) -> None:
     assert results["measurements"][0]["error"] is None
 
 
-def test_time_floors_add_warmup_and_runs() -> None:
-    """A call of about 2 ms with floors of 0.03 s warm-up and 0.1 s timed: more warm-up
-    calls than asked for, and more timed runs (a sample is the ~10 calls that fill
-    SAMPLE_S = 20 ms, so about five), never beyond MAX_RUNS; without floors, exactly what
-    was asked."""
-    import time
+def test_time_floors_add_warmup_and_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call of 1/512 s (about 2 ms) with floors of 0.03 s warm-up and 0.1 s timed: more
+    warm-up calls than asked for (16: the first sum past 0.03 s), and more timed runs (a
+    sample is the 10 calls that fill SAMPLE_S = 20 ms, so ceil(0.1 / 0.0195) = 6), never
+    beyond MAX_RUNS; without floors, exactly what was asked. The clock is the test's own
+    (each call lasts exactly its repeat times 1/512 s, a binary fraction, so no sum rounds):
+    a sleeping call on a loaded machine runs long at random, and the counts with it."""
+    from benchmarks import measure
 
-    from benchmarks.measure import MAX_RUNS, _time
-
+    one_call = 1 / 512
     calls: list[int] = []
 
-    def call(repeat: int) -> None:
-        calls.append(repeat)
-        time.sleep(0.002 * repeat)
+    def clock(call: Callable[[int], None], repeat: int) -> float:
+        call(repeat)
+        return one_call * repeat
 
-    plain = _time(call, runs=3, warmup=1, flops=1, projection_flops=0)
-    assert plain["runs"] == 3 and len(calls) == 1 + 1 + 3
+    monkeypatch.setattr(measure, "_clock", clock)
+    plain = measure._time(calls.append, runs=3, warmup=1, flops=1, projection_flops=0)
+    assert plain["runs"] == 3 and calls == [1, 1, 10, 10, 10]
     calls.clear()
-    floored = _time(call, runs=3, warmup=1, flops=1, projection_flops=0, warmup_s=0.03, timed_s=0.1)
-    warmups = len(calls) - 1 - floored["runs"]
-    assert warmups >= 10  # 0.03 s of 2 ms calls: at least 10 (sleep may run long)
-    assert 3 < floored["runs"] <= 6 and floored["calls_per_run"] >= 5  # 0.1 s of samples of ~20 ms
-    assert len(floored["times_ms"]) == floored["runs"]
-    # A call that returns at once: a sample is then MAX_REPEAT calls, not 20 ms of sleep,
-    # and the cap is reached in milliseconds.
-    capped = _time(lambda repeat: None, runs=3, warmup=0, flops=1, projection_flops=0, timed_s=1000.0)
-    assert capped["runs"] == MAX_RUNS
-
+    floored = measure._time(calls.append, runs=3, warmup=1, flops=1, projection_flops=0, warmup_s=0.03, timed_s=0.1)
+    assert calls == [1] + [1] * 16 + [10] * 6
+    assert floored["runs"] == 6 and floored["calls_per_run"] == 10
+    assert floored["times_ms"] == [one_call * 1e3] * 6 and floored["median_ms"] == one_call * 1e3
+    # A call that returns at once: a sample is then MAX_REPEAT calls, not 20 ms of calls,
+    # and the cap is reached at once.
+    monkeypatch.setattr(measure, "_clock", lambda call, repeat: call(repeat) or 1e-7 * repeat)
+    capped = measure._time(lambda repeat: None, runs=3, warmup=0, flops=1, projection_flops=0, timed_s=1000.0)
+    assert capped["runs"] == measure.MAX_RUNS and capped["calls_per_run"] == measure.MAX_REPEAT
 
 
 def test_turns_are_rounds_of_every_system_in_rotated_order() -> None:
