@@ -87,16 +87,23 @@ def run(fw: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray | 
 
         from jax_attention.functional import dot_product_attention as jax_attention
 
-        def attend(q_: Any, k_: Any, v_: Any) -> Any:
-            return jax_attention(q_, k_, v_, **arrays)
+        # One program (output and gradients), traced here: the option arrays are its
+        # arguments, the other options and ``small_tiles``' settings are read as it traces.
+        traced = {name: value for name, value in arrays.items() if isinstance(value, jax.Array)}
+        fixed = {name: value for name, value in arrays.items() if name not in traced}
+
+        def attend(q_: Any, k_: Any, v_: Any, traced_: dict[str, Any]) -> Any:
+            return jax_attention(q_, k_, v_, **traced_, **fixed)
+
+        @jax.jit
+        def forward_backward(qkv: list[Any], traced_: dict[str, Any], cot_: Any) -> Any:
+            out, pullback = jax.vjp(lambda q_, k_, v_: attend(q_, k_, v_, traced_), *qkv)
+            return out, None if cot_ is None else pullback(cot_.astype(out.dtype))
 
         inputs = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
-        if cot is None:
-            result["output"] = np.asarray(attend(*inputs), np.float64)
-            return result
-        out, pullback = jax.vjp(attend, *inputs)
+        out, grads = forward_backward(inputs, traced, None if cot is None else jnp.asarray(cot))
         result["output"] = np.asarray(out, np.float64)
-        for name, g in zip("qkv", pullback(jnp.asarray(cot, out.dtype)), strict=True):
+        for name, g in zip("qkv", grads or (), strict=False):
             result[f"grad {name}"] = np.asarray(g, np.float64)
         return result
 
