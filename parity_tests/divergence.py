@@ -510,7 +510,7 @@ def _flax_cotangents(model: Any, xs: Sequence[Any], call: Any, recorder: _FlaxRe
                 total = total + jnp.sum(leaf.astype(acc) * jnp.asarray(projections[path], acc))
         return total
 
-    grads = jax.grad(loss)(deltas)
+    grads = jax.jit(jax.grad(loss))(deltas)  # one program, not one per operation of the backward
     for record, (ins, outs) in zip(recorder.records, grads, strict=True):
         record.in_cots = [None if g is None else np.asarray(g) for g in ins]
         record.out_cots = [None if g is None else np.asarray(g) for g in outs]
