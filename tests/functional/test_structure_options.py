@@ -60,11 +60,14 @@ def _to(fw: str, value: Any, dtype: Any = None) -> Any:
     return jnp.asarray(value) if dtype is None else jnp.asarray(value, dtype)
 
 
-def run(fw: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray | None = None,
-        **options: Any) -> dict[str, np.ndarray]:
+def run(fw: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray | None = None, *,
+        eager: bool = False, **options: Any) -> dict[str, np.ndarray]:
     """``dot_product_attention`` of one framework in float32 on q, k, v; ``options`` hold
     NumPy arrays (mask, kv_lengths, q_offset, segment_ids...) or Python values.  Returns
-    the output and, with a cotangent, the gradients of ``sum(out * cot)`` w.r.t. q, k, v."""
+    the output and, with a cotangent, the gradients of ``sum(out * cot)`` w.r.t. q, k, v.
+    JAX computes them as one jitted program, or, with ``eager``, op by op (as a caller
+    without jit: XLA then runs each operation as written, where under jit it may fuse a
+    transposition into a product and round otherwise)."""
     arrays = {name: _to(fw, value) for name, value in options.items()}
     result: dict[str, np.ndarray] = {}
     with full_precision():
@@ -87,6 +90,19 @@ def run(fw: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray | 
 
         from jax_attention.functional import dot_product_attention as jax_attention
 
+        inputs = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+        if eager:
+            def call(q_: Any, k_: Any, v_: Any) -> Any:
+                return jax_attention(q_, k_, v_, **arrays)
+
+            if cot is None:
+                result["output"] = np.asarray(call(*inputs), np.float64)
+                return result
+            out, pullback = jax.vjp(call, *inputs)
+            result["output"] = np.asarray(out, np.float64)
+            for name, g in zip("qkv", pullback(jnp.asarray(cot, out.dtype)), strict=True):
+                result[f"grad {name}"] = np.asarray(g, np.float64)
+            return result
         # One program (output and gradients), traced here: the option arrays are its
         # arguments, the other options and ``small_tiles``' settings are read as it traces.
         traced = {name: value for name, value in arrays.items() if isinstance(value, jax.Array)}
@@ -100,7 +116,6 @@ def run(fw: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray | 
             out, pullback = jax.vjp(lambda q_, k_, v_: attend(q_, k_, v_, traced_), *qkv)
             return out, None if cot_ is None else pullback(cot_.astype(out.dtype))
 
-        inputs = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
         out, grads = forward_backward(inputs, traced, None if cot is None else jnp.asarray(cot))
         result["output"] = np.asarray(out, np.float64)
         for name, g in zip("qkv", grads or (), strict=False):
