@@ -40,14 +40,15 @@ def _valid(row):
     return spec is None or "shape" not in row or spec.multihead or row["shape"][2] == 1 or row["shape"] == SHAPES[0]
 
 
-# Two coverings of (variant, shape, mask): every variant with two shapes and two masks,
-# every shape and mask with many variants (the matrix, test_matrix.py, runs every pair
-# of variant, batch, length, heads and mask against the float64 reference); the pairs
-# that remain, then the full product, with --exhaustive.
+# One covering of (variant, shape, mask): every variant with its own initial weights
+# (what this file adds), every shape and mask with several variants; the matrix
+# (test_matrix.py) runs every pair of variant, batch, length, heads and mask against the
+# float64 reference, on converted weights. A second covering, the pairs, then the full
+# product, with --exhaustive.
 PARAMS = [
     pytest.param(p.values[0], *p.values[1], p.values[2], id=f"{p.values[0]}-b{p.values[1][0]}-T{p.values[1][1]}"
                  f"-h{p.values[1][2]}-{p.values[2]}", marks=p.marks)
-    for p in tiered("variant,shape,mask", list(VARIANTS), SHAPES, MASKS, valid=_valid, strength=1)
+    for p in tiered("variant,shape,mask", list(VARIANTS), SHAPES, MASKS, valid=_valid, strength=0)
 ]
 
 
