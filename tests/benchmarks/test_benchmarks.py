@@ -242,14 +242,16 @@ def test_time_floors_add_warmup_and_runs(monkeypatch: pytest.MonkeyPatch) -> Non
     a sleeping call on a loaded machine runs long at random, and the counts with it."""
     from benchmarks import measure
 
+    def clock_of(seconds_per_call: float) -> Callable[[Callable[[int], None], int], float]:
+        def clock(call: Callable[[int], None], repeat: int) -> float:
+            call(repeat)
+            return seconds_per_call * repeat
+
+        return clock
+
     one_call = 1 / 512
     calls: list[int] = []
-
-    def clock(call: Callable[[int], None], repeat: int) -> float:
-        call(repeat)
-        return one_call * repeat
-
-    monkeypatch.setattr(measure, "_clock", clock)
+    monkeypatch.setattr(measure, "_clock", clock_of(one_call))
     plain = measure._time(calls.append, runs=3, warmup=1, flops=1, projection_flops=0)
     assert plain["runs"] == 3 and calls == [1, 1, 10, 10, 10]
     calls.clear()
@@ -259,7 +261,7 @@ def test_time_floors_add_warmup_and_runs(monkeypatch: pytest.MonkeyPatch) -> Non
     assert floored["times_ms"] == [one_call * 1e3] * 6 and floored["median_ms"] == one_call * 1e3
     # A call that returns at once: a sample is then MAX_REPEAT calls, not 20 ms of calls,
     # and the cap is reached at once.
-    monkeypatch.setattr(measure, "_clock", lambda call, repeat: call(repeat) or 1e-7 * repeat)
+    monkeypatch.setattr(measure, "_clock", clock_of(1e-7))
     capped = measure._time(lambda repeat: None, runs=3, warmup=0, flops=1, projection_flops=0, timed_s=1000.0)
     assert capped["runs"] == measure.MAX_RUNS and capped["calls_per_run"] == measure.MAX_REPEAT
 

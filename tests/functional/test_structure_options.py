@@ -90,36 +90,26 @@ def run(fw: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, cot: np.ndarray | 
 
         from jax_attention.functional import dot_product_attention as jax_attention
 
-        inputs = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
-        if eager:
-            def call(q_: Any, k_: Any, v_: Any) -> Any:
-                return jax_attention(q_, k_, v_, **arrays)
-
-            if cot is None:
-                result["output"] = np.asarray(call(*inputs), np.float64)
-                return result
-            out, pullback = jax.vjp(call, *inputs)
-            result["output"] = np.asarray(out, np.float64)
-            for name, g in zip("qkv", pullback(jnp.asarray(cot, out.dtype)), strict=True):
-                result[f"grad {name}"] = np.asarray(g, np.float64)
-            return result
-        # One program (output and gradients), traced here: the option arrays are its
-        # arguments, the other options and ``small_tiles``' settings are read as it traces.
+        # The option arrays are the program's arguments; the other options, and
+        # ``small_tiles``' settings, are read as it traces.
         traced = {name: value for name, value in arrays.items() if isinstance(value, jax.Array)}
         fixed = {name: value for name, value in arrays.items() if name not in traced}
 
-        def attend(q_: Any, k_: Any, v_: Any, traced_: dict[str, Any]) -> Any:
-            return jax_attention(q_, k_, v_, **traced_, **fixed)
-
-        @jax.jit
         def forward_backward(qkv: list[Any], traced_: dict[str, Any], cot_: Any) -> Any:
-            out, pullback = jax.vjp(lambda q_, k_, v_: attend(q_, k_, v_, traced_), *qkv)
-            return out, None if cot_ is None else pullback(cot_.astype(out.dtype))
+            def call(*qkv_: Any) -> Any:
+                return jax_attention(*qkv_, **traced_, **fixed)
 
-        out, grads = forward_backward(inputs, traced, None if cot is None else jnp.asarray(cot))
+            if cot_ is None:
+                return call(*qkv), None
+            out, pullback = jax.vjp(call, *qkv)
+            return out, pullback(cot_.astype(out.dtype))
+
+        program = forward_backward if eager else jax.jit(forward_backward)  # op by op, or one program
+        inputs = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+        out, grads = program(inputs, traced, None if cot is None else jnp.asarray(cot))
         result["output"] = np.asarray(out, np.float64)
-        for name, g in zip("qkv", grads or (), strict=False):
-            result[f"grad {name}"] = np.asarray(g, np.float64)
+        if grads is not None:
+            result.update({f"grad {name}": np.asarray(g, np.float64) for name, g in zip("qkv", grads, strict=True)})
         return result
 
 
