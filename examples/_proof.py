@@ -11,7 +11,7 @@ there, and each call turns them back into integers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,9 +48,6 @@ class Port:
     rules: list[Any]
     torch_call: Callable[..., Any]  # (hf model, ids (B, T), attention_mask (B, T) or None) -> logits
     flax_call: Callable[..., Any]  # (flax model, ids, attention_mask or None) -> logits
-    # locate_divergence's pairs for modules named differently: Hugging Face's projections
-    # (q_proj, ..., o_proj) with ours (W_query, ..., out_proj)
-    module_map: dict[str, str] = field(default_factory=dict)
 
 
 def randomise(model: Any, seed: int, std: float) -> None:
@@ -194,9 +191,9 @@ def prove_training(port: Port, batches: Sequence[tuple[np.ndarray, np.ndarray]],
 
 def locate(port: Port, ids: np.ndarray) -> DivergenceReport:
     """``locate_divergence`` on unpadded ids (its modules are compared at every row,
-    and a padded row differs by convention), forward and backward, with the port's
-    ``module_map``."""
-    return locate_divergence(port.hf, port.flax, ids, module_map=port.module_map,
+    and a padded row differs by convention), forward and backward; Hugging Face's
+    attention children are paired with ours by ``locate_divergence`` itself."""
+    return locate_divergence(port.hf, port.flax, ids,
                              torch_call=lambda m, x: port.torch_call(m, x, None),
                              flax_call=lambda m, x: port.flax_call(m, x, None))
 

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attention_spec.specs import Rule, packed_qkv_rules
 from examples._proof import (
     ExactZero,
     Port,
@@ -33,7 +32,7 @@ from examples._proof import (
     summary,
     tokens,
 )
-from parity_tests import copy_params, to_flax
+from parity_tests import copy_params, infer_param_map, to_flax
 from torch_attention.interop import from_hf
 
 VOCAB, WIDTH, HEADS, LAYERS, POSITIONS = 96, 32, 4, 2, 512
@@ -133,36 +132,13 @@ class GPT2LMHead(nnx.Module):
         return {"logits": self.lm_head(hidden, self.transformer.wte.embedding[...])}
 
 
-def rules(hf: Any) -> list[Rule]:
-    """Every Hugging Face parameter's place in the port (``lm_head.weight`` is
-    ``transformer.wte.weight``, one parameter, which PyTorch lists once)."""
-    out = [Rule("transformer.wte.weight", ("transformer", "wte", "embedding"), ()),
-           Rule("transformer.wpe.weight", ("transformer", "wpe", "embedding"), ()),
-           Rule("transformer.ln_f.weight", ("transformer", "ln_f", "scale"), ()),
-           Rule("transformer.ln_f.bias", ("transformer", "ln_f", "bias"), ())]
-    for i in range(len(hf.transformer.h)):
-        hf_name, path = f"transformer.h.{i}", ("transformer", "h", i)
-        out += packed_qkv_rules(f"{hf_name}.attn.c_attn.weight", [(*path, "attn", w, "kernel") for w in _QKV],
-                                layout="in_out", bias=f"{hf_name}.attn.c_attn.bias",
-                                biases=[(*path, "attn", w, "bias") for w in _QKV])
-        for hf_module, flax_module in (("attn.c_proj", ("attn", "out_proj")), ("mlp.c_fc", ("mlp", "c_fc")),
-                                       ("mlp.c_proj", ("mlp", "c_proj"))):  # Conv1D: (in, out) already
-            out += [Rule(f"{hf_name}.{hf_module}.weight", (*path, *flax_module, "kernel"), ()),
-                    Rule(f"{hf_name}.{hf_module}.bias", (*path, *flax_module, "bias"), ())]
-        for norm in ("ln_1", "ln_2"):
-            out += [Rule(f"{hf_name}.{norm}.weight", (*path, norm, "scale"), ()),
-                    Rule(f"{hf_name}.{norm}.bias", (*path, norm, "bias"), ())]
-    return out
-
-
-_QKV = ("W_query", "W_key", "W_value")
-
-
 def port(hf: Any) -> GPT2LMHead:
-    """The Flax NNX port of a ``GPT2LMHeadModel``, every weight copied through ``rules``
-    (checked, names and shapes, before anything is written)."""
+    """The Flax NNX port of a ``GPT2LMHeadModel``, every weight copied through the map
+    ``infer_param_map`` derives from the two models (the packed ``c_attn`` split in three,
+    Conv1D weights as they are, ``lm_head.weight`` the embedding's, one parameter that
+    PyTorch lists once and the port ties too), checked before anything is written."""
     model = GPT2LMHead(hf, nnx.Rngs(0))
-    copy_params(hf, model, rules(hf), to="flax")
+    copy_params(hf, model, infer_param_map(hf, model), to="flax")
     return model
 
 
@@ -181,16 +157,10 @@ def exact_zeros(hf: Any) -> list[ExactZero]:
                       ("transformer", "h", i, "attn", "W_key", "bias")) for i in range(len(hf.transformer.h))]
 
 
-def module_map(hf: Any) -> dict[str, str]:
-    """Hugging Face's ``c_proj`` paired with our ``out_proj``, for ``locate_divergence``.
-    Its packed ``c_attn`` (q, k and v in one output) has no single module of ours to pair
-    with: a wrong query, key or value weight shows first at the attention's output."""
-    return {f"transformer.h.{i}.attn.c_proj": f"transformer/h/{i}/attn/out_proj" for i in range(len(hf.transformer.h))}
-
-
 def make_port(seed: int = 0) -> Port:
     hf = hf_model(seed)
-    return Port(hf, port(hf), rules(hf), torch_call, flax_call, module_map(hf))
+    flax = port(hf)
+    return Port(hf, flax, infer_param_map(hf, flax), torch_call, flax_call)
 
 
 def batches(n: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:

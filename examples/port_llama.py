@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attention_spec.specs import Rule, linear_rules
 from examples._proof import (
     Port,
     left_padding,
@@ -33,13 +32,11 @@ from examples._proof import (
     summary,
     tokens,
 )
-from parity_tests import copy_params, to_flax
+from parity_tests import copy_params, infer_param_map, to_flax
 from torch_attention.interop import from_hf
 
 VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, INNER, LAYERS, POSITIONS = 96, 64, 4, 2, 16, 128, 2, 1024
 BATCH, SEQ, PADS = 2, 512, (0, 37)  # the second row left-padded by 37
-# Hugging Face's attention projections and ours
-_PROJECTIONS = (("q_proj", "W_query"), ("k_proj", "W_key"), ("v_proj", "W_value"), ("o_proj", "out_proj"))
 
 
 def hf_model(seed: int = 0) -> Any:
@@ -147,28 +144,13 @@ class LlamaForCausalLM(nnx.Module):
         return {"logits": self.lm_head(self.model(ids, mask)["last_hidden_state"])}
 
 
-def rules(hf: Any) -> list[Rule]:
-    """Every Hugging Face parameter's place in the port: ``nn.Linear`` weights (out, in)
-    transposed into kernels (in, out), norm weights as ``scale``."""
-    out = [Rule("model.embed_tokens.weight", ("model", "embed_tokens", "embedding"), ()),
-           Rule("model.norm.weight", ("model", "norm", "scale"), ()),
-           *linear_rules("lm_head", ("lm_head",), bias=False)]
-    for i in range(len(hf.model.layers)):
-        hf_name, path = f"model.layers.{i}", ("model", "layers", i)
-        for hf_proj, ours in _PROJECTIONS:
-            out += linear_rules(f"{hf_name}.self_attn.{hf_proj}", (*path, "self_attn", ours), bias=False)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out += linear_rules(f"{hf_name}.mlp.{proj}", (*path, "mlp", proj), bias=False)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out.append(Rule(f"{hf_name}.{norm}.weight", (*path, norm, "scale"), ()))
-    return out
-
-
 def port(hf: Any) -> LlamaForCausalLM:
-    """The Flax NNX port of a ``LlamaForCausalLM``, every weight copied through ``rules``
-    (checked, names and shapes, before anything is written)."""
+    """The Flax NNX port of a ``LlamaForCausalLM``, every weight copied through the map
+    ``infer_param_map`` derives from the two models (Hugging Face's projections to ours,
+    ``nn.Linear`` weights transposed into kernels, norm weights as ``scale``), checked
+    before anything is written."""
     model = LlamaForCausalLM(hf, nnx.Rngs(0))
-    copy_params(hf, model, rules(hf), to="flax")
+    copy_params(hf, model, infer_param_map(hf, model), to="flax")
     return model
 
 
@@ -180,16 +162,10 @@ def flax_call(model: LlamaForCausalLM, ids: Any, attention_mask: Any = None) -> 
     return model(ids, attention_mask)["logits"]
 
 
-def module_map(hf: Any) -> dict[str, str]:
-    """Hugging Face's attention projections paired with ours, for ``locate_divergence``
-    (every other module has the same name on both sides)."""
-    return {f"model.layers.{i}.self_attn.{theirs}": f"model/layers/{i}/self_attn/{ours}"
-            for i in range(len(hf.model.layers)) for theirs, ours in _PROJECTIONS}
-
-
 def make_port(seed: int = 0) -> Port:
     hf = hf_model(seed)
-    return Port(hf, port(hf), rules(hf), torch_call, flax_call, module_map(hf))
+    flax = port(hf)
+    return Port(hf, flax, infer_param_map(hf, flax), torch_call, flax_call)
 
 
 def batches(n: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:

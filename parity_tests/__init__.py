@@ -7,7 +7,8 @@ compute the same function, forward and backward, for this library's modules or, 
 reshaped and prefixed weights) and ``torch_call`` / ``flax_call``, for any pair, on the path you choose (``implementation=``), comparing
 attention weights only when asked (``weights=True``).  ``full_precision`` is the context
 they run in (full-precision matmuls, global flags restored); ``copy_params`` copies
-weights through the same map.  ``assert_training_parity`` /
+weights through the same map, and ``infer_param_map`` derives that map for a whole model
+and its port from module types and names.  ``assert_training_parity`` /
 ``check_training_parity`` train copies of both with matched ``torch.optim`` / ``optax``
 optimisers and compare the parameters after every step.  ``locate_divergence`` says where
 a whole ported model parts from its original: the innermost module whose inputs agree and
@@ -29,6 +30,7 @@ from parity_tests.harness import (
     to_flax,
     to_torch,
 )
+from parity_tests.param_map import infer_param_map
 from parity_tests.training import (
     TrainingParityError,
     TrainingReport,
@@ -55,4 +57,5 @@ __all__ = [
     "DivergenceReport",
     "ModulePair",
     "locate_divergence",
+    "infer_param_map",
 ]

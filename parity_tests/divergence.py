@@ -25,7 +25,10 @@ reads them), are gradients of one scalar, ``sum(output * R)`` for a fixed random
 per output array of the model.  PyTorch: every recorded input and output array that
 autograd tracks is replaced, as the module receives or returns it, by an identity view
 (``view_as``), and ``torch.autograd.grad`` differentiates the scalar with respect to
-those views: a module's input view is read by that module alone.  JAX: a second forward
+those views: a module's input view is read by that module alone, through a copy (so that
+an in-place op in the module, ``nn.ReLU(inplace=True)``, writes the copy, not the view);
+an output view written in place after its module returned it (``h += x`` between
+modules) is noticed by its version counter, and that cotangent is not compared.  JAX: a second forward
 adds a zero array to every inexact input leaf as the module receives it and to every
 output leaf as it returns it (``x + 0`` is ``x``), and ``jax.grad`` differentiates the
 scalar with respect to those zeros.  Both are the same quantities, so the twins'
@@ -71,7 +74,7 @@ class Error:
 
     def text(self) -> str:
         if self.ok is None:
-            return "-"
+            return "n/c" if self.note else "-"  # not comparable (the note says why), or nothing to compare
         mark = "" if self.ok else " !"
         structural = self.note and self.max_rel == float("inf")  # not numbers: shapes, structure
         return ("struct" if structural else f"{self.max_rel:.1e}" + ("*" if self.note else "")) + mark
@@ -122,6 +125,7 @@ class DivergenceReport:
     backward_checked: bool
     torch_only: list[str] = field(default_factory=list)
     flax_only: list[str] = field(default_factory=list)
+    backward_note: str = ""  # why backward was not checked, when it was not
 
     @property
     def ok(self) -> bool:
@@ -205,6 +209,9 @@ class _Record:
     out_nodes: list[Any] = field(default_factory=list)
     in_cots: list[np.ndarray | None] = field(default_factory=list)
     out_cots: list[np.ndarray | None] = field(default_factory=list)
+    in_versions: list[int | None] = field(default_factory=list)  # torch: each node's version when marked
+    out_versions: list[int | None] = field(default_factory=list)
+    overwritten: bool = False  # torch: an output written in place after the module returned it
 
 
 class _Recorder:
@@ -271,10 +278,13 @@ class _TorchRecorder(_Recorder):
         nodes = [a.view_as(a) if self.track and isinstance(a, torch.Tensor) and a.requires_grad else None
                  for a in arrays]
         record = self.records[index]
+        versions = [None if n is None else n._version for n in nodes]
         if side == "in":
-            record.in_nodes = nodes
-        else:
-            record.out_nodes = nodes
+            record.in_nodes, record.in_versions = nodes, versions
+            # the module gets a copy: an in-place op in it (``nn.ReLU(inplace=True)``) then
+            # writes the copy, and the input's cotangent stays that of the input
+            return [a if n is None else n.clone() for a, n in zip(arrays, nodes, strict=True)]
+        record.out_nodes, record.out_versions = nodes, versions
         return [a if n is None else n for a, n in zip(arrays, nodes, strict=True)]
 
 
@@ -312,6 +322,7 @@ def _instrument_attention(module: Any, name: tuple[Any, ...], recorder: _Recorde
     instance.  Returns the attributes set, for ``_uninstrument``."""
     spec = module.spec
     linear, rotate, normalise = module._linear, module._rotate, module._normalise_qk
+    rms = getattr(module, "_rms", None)  # latent attention's own RMSNorms, by name
 
     def _linear(layer: Any, inputs: Any, implementation: str) -> Any:
         child = next((p.name for p in spec.declaration.projections if getattr(module, p.name, None) is layer), None)
@@ -330,9 +341,15 @@ def _instrument_attention(module: Any, name: tuple[Any, ...], recorder: _Recorde
             return normalise(role, t)
         return recorder.around((*name, norm), (t,), lambda xs: normalise(role, xs[0]))
 
-    for attribute, function in (("_linear", _linear), ("_rotate", _rotate), ("_normalise_qk", _normalise_qk)):
+    def _rms(norm: str, t: Any) -> Any:
+        return recorder.around((*name, norm), (t,), lambda xs: rms(norm, xs[0]))
+
+    wrappers = {"_linear": _linear, "_rotate": _rotate, "_normalise_qk": _normalise_qk}
+    if rms is not None:
+        wrappers["_rms"] = _rms
+    for attribute, function in wrappers.items():
         object.__setattr__(module, attribute, function)
-    return ["_linear", "_rotate", "_normalise_qk"]
+    return list(wrappers)
 
 
 def _uninstrument(instrumented: list[tuple[Any, list[str]]]) -> None:
@@ -482,6 +499,10 @@ def _torch_cotangents(recorder: _TorchRecorder, out: Any, projections: Mapping[P
         return np.array(as_numpy(torch.zeros_like(node) if grad is None else grad))
 
     for record in recorder.records:
+        # written in place after it was recorded (by code between modules, ``x += y``): its
+        # cotangent is that of what it became, not of the output compared forward
+        record.overwritten = any(n is not None and n._version != v
+                                 for n, v in zip(record.out_nodes, record.out_versions, strict=True))
         record.in_cots = [take(n) for n in record.in_nodes]
         record.out_cots = [take(n) for n in record.out_nodes]
 
@@ -535,15 +556,58 @@ def _tolerance(table: Mapping[str, Tolerance], dtypes: Sequence[str], rtol: floa
     return Tolerance(base.rtol if rtol is None else rtol, base.atol if atol is None else atol, normwise=True)
 
 
+def _splits(fine: Sequence[int], coarse: Sequence[int]) -> bool:
+    """Whether ``fine`` is ``coarse`` with axes split into adjacent ones, unit axes left
+    out: (B, T, H, D) of (B, T, H * D), (B, 1, S, r) of (B, S, r).  The same numbers then
+    lie in the same order, and a reshape pairs them."""
+    fine, coarse = [d for d in fine if d != 1], [d for d in coarse if d != 1]
+    i = 0
+    for d in coarse:
+        p = 1
+        while p < d and i < len(fine):
+            p, i = p * fine[i], i + 1
+        if p != d:
+            return False
+    return i == len(fine)
+
+
+def _aligned(a: np.ndarray, shape: tuple[int, ...], layout: str | None) -> np.ndarray | None:
+    """The PyTorch array in the Flax array's layout where the two hold the same numbers
+    in layouts known here (None: not known): an axis split (or a unit axis) where the
+    other has one axis, and for a module declared ``"heads"`` (a qk-norm over each head:
+    ``torch_attention._hf.hf_children``) heads before positions, (B, H, T, D), where
+    ours has (B, T, H * D).  Decided by shapes and the declaration, never by values."""
+    if a.size != int(np.prod(shape)):
+        return None
+    candidates = [a, np.swapaxes(a, -3, -2)] if layout == "heads" and a.ndim >= 3 else [a]
+    for c in candidates:
+        if _splits(c.shape, shape) or _splits(shape, c.shape):
+            return c.reshape(shape)
+    return None
+
+
 def _compare_arrays(items: Sequence[tuple[str, np.ndarray, np.ndarray]], table: Mapping[str, Tolerance],
-                    rtol: float | None, atol: float | None) -> Error:
-    ok, worst = True, 0.0
+                    rtol: float | None, atol: float | None, layout: str | None = None) -> Error:
+    """Each pair of arrays at the tolerance of their dtypes, the PyTorch one first put in
+    the Flax one's layout where they differ only in it (``_aligned``).  Arrays of as many
+    elements in a layout not known here are not compared (said in the note: the search
+    goes on); arrays of different sizes fail."""
+    ok, worst, compared, notes = True, 0.0, 0, []
     for label, a, b in items:
         if a.shape != b.shape:
-            return Error(False, float("inf"), f"{label}: torch shape {a.shape}, flax shape {b.shape}")
+            aligned = _aligned(a, b.shape, layout)
+            if aligned is None and a.size != b.size:
+                return Error(False, float("inf"), f"{label}: torch shape {a.shape}, flax shape {b.shape}")
+            if aligned is None:
+                notes.append(f"{label} not compared: torch shape {a.shape}, flax shape {b.shape} "
+                             "(as many numbers, in a layout not known here)")
+                continue
+            a = aligned
         finding = compare(label, a, b, _tolerance(table, (a.dtype.name, b.dtype.name), rtol, atol))
-        ok, worst = ok and finding.ok, max(worst, finding.max_rel)
-    return Error(ok, worst)
+        ok, worst, compared = ok and finding.ok, max(worst, finding.max_rel), compared + 1
+    if notes and not compared:
+        return Error(None, 0.0, "; ".join(notes))
+    return Error(ok, worst, "; ".join(notes))
 
 
 def _paths_text(paths: Sequence[Path]) -> str:
@@ -551,7 +615,8 @@ def _paths_text(paths: Sequence[Path]) -> str:
 
 
 def _compare_outputs(t: Sequence[tuple[Path, Any]], f: Sequence[tuple[Path, Any]],
-                     table: Mapping[str, Tolerance], rtol: float | None, atol: float | None) -> Error:
+                     table: Mapping[str, Tolerance], rtol: float | None, atol: float | None,
+                     layout: str | None = None) -> Error:
     """Outputs leaf by leaf, by path (in path order: JAX flattens a dict by sorted keys,
     PyTorch in insertion order); different structures are a divergence, reported."""
     t, f = sorted(t, key=lambda leaf: leaf[0]), sorted(f, key=lambda leaf: leaf[0])
@@ -561,7 +626,7 @@ def _compare_outputs(t: Sequence[tuple[Path, Any]], f: Sequence[tuple[Path, Any]
                      f"structures differ: torch {_paths_text(t_paths)}, flax {_paths_text(f_paths)}")
     items = [(".".join(p) or "output", a, b) for (p, a), (_, b) in zip(t, f, strict=True)
              if a is not None and b is not None]
-    return _compare_arrays(items, table, rtol, atol) if items or not t else NOT_COMPARED
+    return _compare_arrays(items, table, rtol, atol, layout) if items or not t else NOT_COMPARED
 
 
 def _shaped(leaves: Sequence[Any], shape: tuple[int, ...] | None) -> Any:
@@ -570,7 +635,8 @@ def _shaped(leaves: Sequence[Any], shape: tuple[int, ...] | None) -> Any:
 
 
 def _compare_inputs(t: Sequence[Any], f: Sequence[Any], table: Mapping[str, Tolerance],
-                    rtol: float | None, atol: float | None, stream: tuple[int, ...] | None = None) -> Error:
+                    rtol: float | None, atol: float | None, stream: tuple[int, ...] | None = None,
+                    layout: str | None = None) -> Error:
     """Inputs leaf by leaf, in order (positional arguments, then keywords by name).  Two
     versions given different arrays (Hugging Face's attention: an additive mask and the
     rope's cos and sin, as keywords; ours: x, a bool mask and positions) are compared on
@@ -586,7 +652,7 @@ def _compare_inputs(t: Sequence[Any], f: Sequence[Any], table: Mapping[str, Tole
         return Error(None, float("inf"), f"torch passes {len(t)} arrays, flax {len(f)}")
     items = [(f"input[{i}]", a, b) for i, (a, b) in enumerate(zip(t, f, strict=True))
              if a is not None and b is not None]
-    return _compare_arrays(items, table, rtol, atol) if items or not t else NOT_COMPARED
+    return _compare_arrays(items, table, rtol, atol, layout) if items or not t else NOT_COMPARED
 
 
 # --------------------------------------------------------------------------- pairing
@@ -614,6 +680,33 @@ def _flax_key(torch_name: str, mapping: Mapping[str, str]) -> str:
         if torch_name == prefix or (prefix and torch_name.startswith(prefix + ".")):
             return (mapping[prefix] + torch_name[len(prefix):]).strip(".")
     return torch_name
+
+
+def _declared_pairs(torch_model: Any, flax_model: Any, mapping: Mapping[str, str]
+                    ) -> tuple[dict[str, str], dict[str, str]]:
+    """The children of every ``transformers`` attention layer that ``from_hf`` reads, paired
+    with ours where the Flax model holds one of our attention modules at the layer's place
+    ({torch name: flax name}: ``q_proj`` with ``W_query`` ...), and the layouts declared
+    for them ({torch name: layout}: the qk-norms' heads), from
+    ``torch_attention._hf.hf_children``."""
+    from flax import nnx
+
+    from jax_attention._base import AttentionModule
+    from torch_attention._hf import hf_children, supported_hf_classes
+
+    ours = {_dotted(path) for path, m in nnx.iter_modules(flax_model) if isinstance(m, AttentionModule)}
+    pairs: dict[str, str] = {}
+    layouts: dict[str, str] = {}
+    for name, module in torch_model.named_modules():
+        if type(module).__name__ not in supported_hf_classes() or _flax_key(name, mapping) not in ours:
+            continue
+        flax_name = _flax_key(name, mapping)
+        for theirs, (child, layout) in hf_children(module).items():
+            torch_child = f"{name}.{theirs}" if name else theirs
+            pairs[torch_child] = f"{flax_name}.{child}" if flax_name else child
+            if layout is not None:
+                layouts[torch_child] = layout
+    return pairs, layouts
 
 
 def _pair(torch_records: Sequence[_Record], flax_records: Sequence[_Record], mapping: Mapping[str, str]
@@ -698,34 +791,44 @@ def _first_backward(pairs: Sequence[ModulePair]) -> Divergence | None:
 
 
 def _forward_errors(pairs: Sequence[ModulePair], matched: Sequence[tuple[int, int]], t: Sequence[_Record],
-                    f: Sequence[_Record], rtol: float | None, atol: float | None) -> None:
+                    f: Sequence[_Record], rtol: float | None, atol: float | None,
+                    layouts: Mapping[str, str]) -> None:
     for pair, (ti, fi) in zip(pairs, matched, strict=True):
-        outputs = t[ti].outputs
-        stream = np.shape(outputs[0][1]) if outputs and outputs[0][1] is not None else None
-        pair.inputs = _compare_inputs(t[ti].inputs, f[fi].inputs, PARITY, rtol, atol, stream)
-        pair.output = _compare_outputs(t[ti].outputs, f[fi].outputs, PARITY, rtol, atol)
+        outputs, layout = t[ti].outputs, layouts.get(pair.torch_name)
+        stream = np.shape(f[fi].outputs[0][1]) if f[fi].outputs and f[fi].outputs[0][1] is not None else None
+        pair.inputs = _compare_inputs(t[ti].inputs, f[fi].inputs, PARITY, rtol, atol, stream, layout)
+        pair.output = _compare_outputs(outputs, f[fi].outputs, PARITY, rtol, atol, layout)
+
+
+_OVERWRITTEN = Error(None, 0.0, "not compared: PyTorch wrote this output in place after the module returned it, "
+                                "so its cotangent is that of what it became")
 
 
 def _backward_errors(pairs: Sequence[ModulePair], matched: Sequence[tuple[int, int]], t: Sequence[_Record],
-                     f: Sequence[_Record], rtol: float | None, atol: float | None) -> None:
+                     f: Sequence[_Record], rtol: float | None, atol: float | None,
+                     layouts: Mapping[str, str]) -> None:
     for pair, (ti, fi) in zip(pairs, matched, strict=True):
+        layout = layouts.get(pair.torch_name)
         t_out = [(p, c) for (p, _), c in zip(t[ti].outputs, t[ti].out_cots, strict=True)]
         f_out = [(p, c) for (p, _), c in zip(f[fi].outputs, f[fi].out_cots, strict=True)]
-        pair.output_cotangent = _compare_outputs(t_out, f_out, GRAD_PARITY, rtol, atol)
-        pair.input_cotangent = _compare_inputs(t[ti].in_cots, f[fi].in_cots, GRAD_PARITY, rtol, atol)
+        pair.output_cotangent = (_OVERWRITTEN if t[ti].overwritten
+                                 else _compare_outputs(t_out, f_out, GRAD_PARITY, rtol, atol, layout))
+        stream = np.shape(f[fi].outputs[0][1]) if f[fi].outputs and f[fi].outputs[0][1] is not None else None
+        pair.input_cotangent = _compare_inputs(t[ti].in_cots, f[fi].in_cots, GRAD_PARITY, rtol, atol, stream, layout)
 
 
 # --------------------------------------------------------------------------- showing
 
 def _headline(report: DivergenceReport) -> str:
     first = report.first
+    unchecked = f"\n{report.backward_note}" if report.backward_note else ""
     if first is None:
         what = "forward and backward" if report.backward_checked else "forward"
-        return f"no divergence: {len(report.pairs)} module calls agree {what}"
+        return f"no divergence: {len(report.pairs)} module calls agree {what}{unchecked}"
     call = f", call {first.call}" if first.call else ""
     note = f" ({first.note})" if first.note else ""
     return (f"first divergence {first.direction} at {first.torch_name or '(root)'}{call} "
-            f"(flax {first.flax_path}): max rel err {first.max_rel:.2e}{note}")
+            f"(flax {first.flax_path}): max rel err {first.max_rel:.2e}{note}{unchecked}")
 
 
 def _is_first(report: DivergenceReport, pair: ModulePair) -> bool:
@@ -827,7 +930,10 @@ def locate_divergence(
       module_map: {torch module name: flax path (a tuple or ``"a/b/c"``)} for modules named
         differently; a mapped name maps the names below it too (``{"h": "layers"}`` pairs
         ``h.0.attn`` with ``layers.0.attn``).  Unmapped names pair with the same path
-        (``blocks.1.attn`` with ``("blocks", 1, "attn")``).
+        (``blocks.1.attn`` with ``("blocks", 1, "attn")``).  The children of a
+        ``transformers`` attention layer that ``from_hf`` reads are paired with ours without
+        it (``q_proj`` with ``W_query`` ...) wherever the Flax model holds one of our
+        attention modules at the layer's place; the caller's names win.
       backward: when every forward output agrees, also compare the cotangents of every
         module's output and inputs for ``sum(output * R)``, ``R`` standard normal (``seed``).
       rtol, atol: override the harness's tolerances (``PARITY`` forward, ``GRAD_PARITY``
@@ -836,30 +942,44 @@ def locate_divergence(
 
     Every call of every submodule is compared: a module called several times is paired
     call by call.  Inputs are compared leaf by leaf in order (positional arguments, then
-    keywords by name), outputs by path; outputs of different structures are a divergence,
-    reported (not raised).  The models run in ``full_precision()``, in the mode they are in.
+    keywords by name), outputs by path; outputs of different structures, or arrays of
+    different sizes, are a divergence, reported (not raised).  Arrays that hold the same
+    numbers in another layout are compared in the Flax one's (``_aligned``: a split or unit
+    axis; heads before positions where declared); as many numbers in a layout not known
+    here are not compared (``n/c``, with a note) and the search goes on.  The models run
+    in ``full_precision()``, in the mode they are in.
 
     Returns a ``DivergenceReport``: ``first`` (None when nothing diverges: ``ok``), every
-    module pair with its errors, ``str()`` a table.  Raises TypeError for a malformed
+    module pair with its errors, ``backward_note`` (why backward was not checked, when it
+    was not), ``str()`` a table.  Raises TypeError for a malformed
     ``module_map``, ValueError for a dtype without a tolerance (unless rtol and atol are
     given), and whatever the models raise.
     """
     mapping = _check_module_map(module_map)
+    declared, layouts = _declared_pairs(torch_model, flax_model, mapping)
+    mapping = {**declared, **mapping}  # the caller's names win
     with full_precision():
         t_rec, t_out = _run_torch(torch_model, inputs, torch_call, backward)
         xs = _flax_inputs(flax_model, inputs)
         f_rec, _ = _run_flax(flax_model, xs, flax_call)
         pairs, matched, torch_only, flax_only = _pair(t_rec.records, f_rec.records, mapping)
-        _forward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol)
+        _forward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol, layouts)
         first = _first_forward(pairs)
         checked = backward and first is None
         if checked:
             projections = _projections(t_rec.tree, t_out, seed)
             _torch_cotangents(t_rec, t_out, projections)
             _flax_cotangents(flax_model, xs, flax_call, f_rec, projections)
-            _backward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol)
+            _backward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol, layouts)
             first = _first_backward(pairs)
-    report = DivergenceReport(pairs, first, checked, torch_only, flax_only)
+    if not backward:
+        why = "backward not checked: backward=False"
+    elif first is not None and first.direction == "forward":
+        why = (f"backward not checked: the forward parts at {first.torch_name or '(root)'}, and every "
+               "cotangent that reaches it would differ from there back")
+    else:
+        why = ""
+    report = DivergenceReport(pairs, first, checked, torch_only, flax_only, why)
     if plot is not None:
         dtype = module_dtype(torch_model, [x for x in inputs if _is_array(x)])
         forward, gradient = (PARITY.get(dtype, PARITY["float32"]).rtol, GRAD_PARITY.get(dtype, GRAD_PARITY["float32"]).rtol)

@@ -50,6 +50,15 @@ QUICK_STAND_INS: dict[str, str] = {
         H + "test_divergence.py::test_one_weight_nudged_by_1e3_is_located_at_its_projection",
     H + "test_divergence.py::test_qk_norms_are_seen_as_submodules_and_located":
         H + "test_divergence.py::test_a_swapped_rotary_layout_is_located_at_that_rotation",
+    # whole transformers models: Llama's k_proj found at our W_key pairs Hugging Face's children
+    H + "test_whole_ports.py::test_the_derived_map_ports_logits_and_every_gradient":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    H + "test_whole_ports.py::test_a_whole_port_is_ok_forward_and_backward_without_a_module_map":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    H + "test_whole_ports.py::test_a_norm_epsilon_planted_in_layer_1_is_named_there":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    H + "test_whole_ports.py::test_gpt2s_packed_conv1d_and_tied_weights_are_derived":
+        H + "test_whole_ports.py::test_a_tie_is_kept_only_where_the_port_ties_too",
     # functional options
     F + "test_bias_softcap.py::test_twins_agree":
         F + "test_bias_softcap.py::test_modules_take_bias_and_softcap",

@@ -28,14 +28,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from attention_spec.conversion import as_numpy
+from attention_spec.conversion import as_numpy, rules_for
 from attention_spec.huggingface import window_from_hf
 from attention_spec.packing import pack_state_dict, packed_state_dict
 from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
+from attention_spec.specs import Rule, packed_qkv_rules
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
 
-__all__ = ["from_hf", "supported_hf_classes", "to_hf"]
+__all__ = ["from_hf", "hf_children", "hf_rules", "supported_hf_classes", "to_hf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +272,64 @@ def _hf_state(layer: nn.Module, family: _Family, options: Mapping[str, Any], spe
                                   layout=family.layout, packing=family.packing)
         state.update({k: v for k, v in parts.items() if k.startswith("W_")})
     return state
+
+
+def hf_rules(layer: nn.Module) -> list[Rule]:
+    """The weight map from a ``transformers`` attention layer's parameters (its own names,
+    ``q_proj.weight`` ...) to the Flax twin of what ``from_hf(layer)`` gives (paths from
+    that module: ``("W_query", "kernel")`` ...), as ``attention_spec.specs.Rule``s: the
+    one-to-one weights as our declared map moves them (an ``nn.Linear`` weight transposed
+    into a kernel; GPT-2's ``Conv1D`` weights, already (in, out), as they are) and a
+    packed q/k/v weight split into three kernels.  Read from the layer alone (no weight is
+    copied).  BERT's ``output.LayerNorm`` is not ours and has no rule.
+
+    Raises TypeError as ``from_hf`` does; ValueError for a family whose q/k/v are packed
+    per head or in groups (GPT-NeoX, Phi-3), which no ``Rule`` step splits."""
+    if _latent(layer):
+        from torch_attention import _hf_latent
+
+        # the same parameter names on both sides: our declared map as it is
+        return rules_for("MultiHeadLatentAttention", _hf_latent.options(layer))
+    family = _family(layer, "hf_rules")
+    options = _options(layer, family)
+    names = _names(family, options)  # ours -> theirs
+    rules: list[Rule] = []
+    for rule in rules_for("MultiHeadAttention", options):
+        theirs = names.get(rule.torch_name)
+        if theirs is None:  # a packed family's W_query / W_key / W_value: below
+            continue
+        conv1d = family.layout == "in_out" and theirs.endswith(".weight")  # (in, out): the kernel's layout
+        rules.append(Rule(theirs, rule.flax_path, () if conv1d else rule.steps))
+    if family.packed is not None:
+        if family.packing != "thirds":
+            raise ValueError(f"hf_rules: {type(layer).__name__} packs q/k/v {family.packing.replace('_', ' ')}, "
+                             "which no Rule step splits; map its weights by hand (attention_spec.specs.Rule)")
+        roles = ("W_query", "W_key", "W_value")
+        bias = options["qkv_bias"]
+        rules += packed_qkv_rules(f"{family.packed}.weight", [(r, "kernel") for r in roles], layout=family.layout,
+                                  bias=f"{family.packed}.bias" if bias else None,
+                                  biases=[(r, "bias") for r in roles] if bias else None)
+    return rules
+
+
+def hf_children(layer: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """The layer's sub-modules that have a counterpart in what ``from_hf(layer)`` gives,
+    for ``parity_tests.locate_divergence``: {their dotted name: (our sub-module's name,
+    layout)}, where layout ``"heads"`` says that theirs sees the tensor split in heads,
+    (B, T, H, D) or (B, H, T, D), and ours (B, T, H * D): the qk-norms of a per-head
+    scope.  A packed q/k/v has no one counterpart (ours are three); DeepSeek's latent
+    layers have the same names as ours.  Raises TypeError as ``from_hf``."""
+    if _latent(layer):
+        return {name: (name, None) for name, child in layer.named_children() if isinstance(child, nn.Module)}
+    family = _family(layer, "hf_children")
+    roles = [(family.o, "out_proj")]
+    if family.packed is None:
+        roles += [(family.q, "W_query"), (family.k, "W_key"), (family.v, "W_value")]
+    children: dict[str, tuple[str, str | None]] = {theirs: (ours, None) for theirs, ours in roles}
+    if family.norms is not None and all(_get(layer, n) is not None for n in family.norms):
+        layout = "heads" if family.norm_scope == "head" else None
+        children.update({theirs: (ours, layout) for theirs, ours in zip(family.norms, ("q_norm", "k_norm"), strict=True)})
+    return children
 
 
 def _build(options: Mapping[str, Any], like: torch.Tensor) -> MultiHeadAttention:

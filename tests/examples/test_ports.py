@@ -115,7 +115,7 @@ def _nudge(port: Any, path: tuple[Any, ...], by: float = 1e-3) -> None:
 @pytest.mark.parametrize(("name", "module", "path"), NUDGED, ids=[m for _, m, _ in NUDGED])
 def test_a_nudged_weight_is_located_at_its_module(name: str, module: str, path: tuple[Any, ...]) -> None:
     """The first divergence is that module, forward (the attention projections paired
-    through the example's ``module_map``)."""
+    by ``locate_divergence`` itself, no ``module_map``)."""
     from examples._proof import locate
 
     example = _models()[name]

@@ -1,0 +1,162 @@
+"""A weight map between a PyTorch model and its Flax NNX port, derived rather than
+written: ``infer_param_map(torch_model, flax_model)``.
+
+Modules are paired by name: the PyTorch module ``model.layers.0.mlp.up_proj`` with the
+Flax module at the path ``("model", "layers", 0, "mlp", "up_proj")`` (a path's keys as
+text, joined by dots).  Each pair's own parameters are then mapped by what the modules
+are, never by position:
+
+- this library's attention modules (either twin's class on the PyTorch side) and the
+  ``transformers`` attention layers that ``from_hf`` reads (``torch_attention._hf.hf_rules``),
+  paired with our Flax module: by their declared maps, which also name the children
+  (``q_proj`` -> ``W_query``, a packed ``c_attn`` split in three);
+- ``nn.Linear`` -> a Flax module with a ``kernel`` (``nnx.Linear``): weight transposed,
+  bias as it is; GPT-2's ``Conv1D`` (weight already (in, out)) likewise, untransposed;
+- ``nn.Embedding`` -> a Flax module with an ``embedding`` (``nnx.Embed``);
+- a norm (a class named ``*Norm*``: ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face's
+  ``LlamaRMSNorm`` ...) -> a Flax module with a ``scale`` (and ``bias``);
+- any other module whose own parameters have the same names and shapes on both sides:
+  as they are.
+
+What cannot be paired is listed, both sides, in one ValueError, and nothing is returned
+(so nothing is copied), as a map written by hand that does not match is refused by
+``copy_params``.  A weight PyTorch ties to another (an output head that is the
+embedding) is one parameter there: the Flax port must tie it too (``nnx.Embed.attend``),
+or the error says which Flax parameter has no PyTorch weight of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from attention_spec.specs import Path, Rule, Transpose, path_text
+
+__all__ = ["infer_param_map"]
+
+
+def _dotted(path: Path) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def _flax_params(flax_model: Any) -> dict[Path, tuple[int, ...]]:
+    from flax import nnx
+
+    return {tuple(p): tuple(v[...].shape) for p, v in nnx.to_flat_state(nnx.state(flax_model, nnx.Param))}
+
+
+def _is_unit(module: Any) -> bool:
+    """A module mapped as a whole by a declared map: one of ours, or a Hugging Face
+    attention layer that ``from_hf`` reads."""
+    from parity_tests.harness import _is_ours
+    from torch_attention._hf import supported_hf_classes
+
+    return _is_ours(module) or type(module).__name__ in supported_hf_classes()
+
+
+def _unit_rules(module: Any) -> list[Rule]:
+    from attention_spec.conversion import module_rules
+    from parity_tests.harness import _is_ours
+    from torch_attention._hf import hf_rules
+
+    return module_rules(module) if _is_ours(module) else hf_rules(module)
+
+
+def _prefixed(rule: Rule, torch_prefix: str, flax_prefix: Path) -> Rule:
+    names = [f"{torch_prefix}.{n}" if torch_prefix else n for n in rule.torch_names]
+    paths = [(*flax_prefix, *p) for p in rule.flax_paths]
+    return Rule(names if len(names) > 1 else names[0], paths if len(paths) > 1 else paths[0], rule.steps)
+
+
+def _own_rules(module: Any, torch_name: str, own: Mapping[str, tuple[int, ...]], flax_path: Path,
+               flax_own: Mapping[str, tuple[int, ...]]) -> list[Rule] | None:
+    """Rules for one pair's own parameters (``own``: the PyTorch module's, by local name;
+    ``flax_own``: the Flax module's), or None when nothing here says how they map."""
+    from torch import nn
+
+    prefix = f"{torch_name}." if torch_name else ""
+    kind = type(module).__name__
+    if isinstance(module, nn.Linear) and "kernel" in flax_own:  # weight (out, in) -> kernel (in, out)
+        return [Rule(prefix + "weight", (*flax_path, "kernel"), (Transpose(),)),
+                *([Rule(prefix + "bias", (*flax_path, "bias"), ())] if "bias" in own else [])]
+    if kind == "Conv1D" and "kernel" in flax_own:  # transformers' GPT-2 projection: weight (in, out)
+        return [Rule(prefix + t, (*flax_path, f), ()) for t, f in (("weight", "kernel"), ("bias", "bias")) if t in own]
+    if isinstance(module, nn.Embedding) and "embedding" in flax_own:
+        return [Rule(prefix + "weight", (*flax_path, "embedding"), ())]
+    if "Norm" in kind and "scale" in flax_own:
+        return [Rule(prefix + t, (*flax_path, f), ()) for t, f in (("weight", "scale"), ("bias", "bias")) if t in own]
+    if set(own) == set(flax_own) and all(own[n] == flax_own[n] for n in own):
+        return [Rule(prefix + n, (*flax_path, n), ()) for n in own]
+    return None
+
+
+def infer_param_map(torch_model: Any, flax_model: Any) -> list[Rule]:
+    """The weight map between a PyTorch model and its Flax NNX port, from module types
+    and names (see the module's docstring): a list of ``Rule``s that ``copy_params``,
+    ``check_parity``, ``check_training_parity`` and the converter take as ``param_map``.
+
+    Raises ValueError listing every PyTorch parameter and every Flax parameter that no
+    pair accounts for (and why, where a pair was found but its parameters do not map),
+    or a map that does not fit the shapes; TypeError when the models are not a PyTorch
+    ``nn.Module`` and a Flax ``nnx.Module``.
+    """
+    from flax import nnx
+    from torch import nn
+
+    if not isinstance(torch_model, nn.Module) or not isinstance(flax_model, nnx.Module):
+        raise TypeError("infer_param_map takes a PyTorch nn.Module and a Flax nnx.Module; got "
+                        f"{type(torch_model).__name__} and {type(flax_model).__name__}")
+    flax_params = _flax_params(flax_model)
+    flax_modules = {_dotted(tuple(p)): tuple(p) for p, _ in nnx.iter_modules(flax_model)}
+    torch_params = dict(torch_model.named_parameters())
+    tied = {alias: name for (alias, p) in torch_model.named_parameters(remove_duplicate=False)
+            for name, q in torch_params.items() if p is q and alias != name}
+    rules: list[Rule] = []
+    problems: list[str] = []
+    covered: set[str] = set()
+    units: list[str] = []  # names of modules mapped as a whole: their children are theirs
+    for name, module in torch_model.named_modules():
+        if any(name.startswith(u + ".") or u == "" for u in units):
+            continue
+        path = flax_modules.get(name)
+        if path is None:
+            continue
+        if _is_unit(module):
+            try:
+                found = [_prefixed(r, name, path) for r in _unit_rules(module)]
+            except ValueError as err:
+                problems.append(f"  {name}: {err}")
+                continue
+            units.append(name)
+            rules += found
+            covered.update(n for r in found for n in r.torch_names)
+            continue
+        prefix = f"{name}." if name else ""
+        own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False) if prefix + n in torch_params}
+        flax_own = {p[-1]: s for p, s in flax_params.items() if p[:-1] == path and isinstance(p[-1], str)}
+        aliases = [prefix + n for n, _ in module.named_parameters(recurse=False, remove_duplicate=False)
+                   if prefix + n in tied]
+        if aliases and not own and flax_own:
+            problems += [f"  PyTorch ties {a!r} to {tied[a]!r}, but the Flax {path_text(path)} has parameters of its "
+                         f"own ({', '.join(sorted(flax_own))}): tie them in the port too (nnx.Embed.attend)"
+                         for a in aliases]
+            continue
+        if not own:  # nothing of its own, or a weight tied to one mapped elsewhere, as the port ties it
+            continue
+        found = _own_rules(module, name, own, path, flax_own)
+        if found is None:
+            problems.append(f"  {name or '(root)'}: {type(module).__name__} with {sorted(own)} and the Flax "
+                            f"{path_text(path) or '(root)'} with {sorted(flax_own)}: no rule pairs their parameters")
+            continue
+        rules += found
+        covered.update(n for r in found for n in r.torch_names)
+    mapped = {p for r in rules for p in r.flax_paths}
+    problems += [f"  PyTorch parameter {n!r} is paired with nothing in the Flax model" for n in torch_params
+                 if n not in covered]
+    problems += [f"  Flax parameter {path_text(p)!r} is paired with nothing in the PyTorch model" for p in flax_params
+                 if p not in mapped]
+    if problems:
+        raise ValueError("infer_param_map could not pair every parameter (nothing is mapped):\n" + "\n".join(problems))
+    from parity_tests.harness import resolve_rules
+
+    return resolve_rules(torch_model, flax_params, rules)

@@ -1,0 +1,263 @@
+"""Whole ``transformers`` models ported to Flax NNX with nothing written by hand but the
+model's skeleton: Qwen3 (qk-norm over each head) and DeepSeek-V3 (latent attention, dense
+layers), each through ``examples.port_llama``'s decoder with ``to_flax(from_hf(layer))``
+per attention layer.  ``infer_param_map`` derives the weight map (``copy_params`` and
+``check_parity`` take it); ``locate_divergence`` pairs Hugging Face's attention children
+with ours (``q_proj`` with ``W_query``; ``q_norm`` seen as (B, T, H, D) with ours as
+(B, T, H * D); ``kv_b_proj`` with a unit axis) and finds nothing, forward and backward,
+with no ``module_map``; a norm's epsilon planted wrong in layer 1 is named there.  Also
+the map's refusals (unpaired parameters, both sides; a tie the port does not keep) and
+``locate_divergence``'s handling of in-place ops and of layouts it does not know."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.support import needs_both
+
+pytestmark = needs_both
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from flax import nnx  # noqa: E402
+from torch import nn  # noqa: E402
+
+from parity_tests import check_parity, copy_params, locate_divergence  # noqa: E402
+from parity_tests.param_map import infer_param_map  # noqa: E402
+
+VOCAB, WIDTH, SEQ = 96, 64, 48
+
+
+def _config(family: str) -> Any:
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1,
+                  pad_token_id=2, use_cache=False)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=16)
+    else:  # every layer dense (first_k_dense_replace), q through its low-rank path
+        config = transformers.DeepseekV3Config(**common, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                               first_k_dense_replace=2, moe_intermediate_size=32,
+                                               n_routed_experts=4, num_experts_per_tok=2)
+    config._attn_implementation = "eager"
+    return config
+
+
+def _hf(family: str) -> Any:
+    import transformers
+
+    from examples._proof import randomise
+
+    cls = transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(_config(family)).float().eval()
+    randomise(model, 0, std=WIDTH ** -0.5)
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3", "deepseek_v3"])
+def port(request: Any) -> tuple[Any, Any, list[Any]]:
+    """(the Hugging Face model, its Flax port with the weights copied, the derived map)."""
+    from examples.port_llama import LlamaForCausalLM
+
+    hf = _hf(request.param)
+    flax = LlamaForCausalLM(hf, nnx.Rngs(0))
+    rules = infer_param_map(hf, flax)
+    copy_params(hf, flax, rules)
+    return hf, flax, rules
+
+
+def _ids() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, VOCAB, size=(2, SEQ), dtype=np.int64)
+
+
+def _torch_call(m: Any, ids: Any) -> Any:
+    return m(input_ids=ids).logits
+
+
+def _flax_call(m: Any, ids: Any) -> Any:
+    return m(ids)["logits"]
+
+
+def test_the_derived_map_ports_logits_and_every_gradient(port: tuple[Any, Any, list[Any]]) -> None:
+    hf, flax, rules = port
+    attention = [r for r in rules if ".self_attn." in r.torch_names[0]]
+    assert attention and all(r.flax_paths[0][:4] == ("model", "layers", int(r.torch_names[0].split(".")[2]),
+                                                      "self_attn") for r in attention)
+    report = check_parity(hf, flax, _ids(), param_map=rules, torch_call=_torch_call, flax_call=_flax_call)
+    assert report.ok, report.message()
+    assert len([f for f in report.findings if f.name.startswith("grad ")]) == len(list(hf.parameters()))
+
+
+def test_a_whole_port_is_ok_forward_and_backward_without_a_module_map(port: tuple[Any, Any, list[Any]]) -> None:
+    hf, flax, _ = port
+    report = locate_divergence(hf, flax, _ids(), torch_call=_torch_call, flax_call=_flax_call)
+    assert report.ok and report.backward_checked and not report.backward_note, str(report)
+    # every module of Hugging Face's paired, the rotary embedding (ours turns q and k inside) aside
+    assert report.torch_only == ["model.rotary_emb (call 0)"]
+    assert sorted(report.flax_only) == ["model.layers.0.self_attn.rope", "model.layers.1.self_attn.rope"]
+    names = {p.torch_name for p in report.pairs}
+    children = ({"q_proj", "q_norm", "k_norm", "o_proj"} if "q_norm" in dict(hf.model.layers[0].self_attn.named_children())
+                else {"q_a_proj", "q_a_layernorm", "kv_a_layernorm", "kv_b_proj", "o_proj"})
+    assert {f"model.layers.1.self_attn.{c}" for c in children} <= names
+    compared = [p for p in report.pairs if p.torch_name.startswith("model.layers.1.self_attn.")]
+    assert all(p.output.ok and p.input_cotangent.ok for p in compared), str(report)
+
+
+def test_a_norm_epsilon_planted_in_layer_1_is_named_there(port: tuple[Any, Any, list[Any]]) -> None:
+    hf, flax, _ = port
+    norm = flax.model.layers[1].post_attention_layernorm
+    saved = norm.epsilon
+    norm.epsilon = 1e-2
+    try:
+        report = locate_divergence(hf, flax, _ids(), torch_call=_torch_call, flax_call=_flax_call)
+    finally:
+        norm.epsilon = saved
+    first = report.first
+    assert first is not None and (first.torch_name, first.direction) == \
+        ("model.layers.1.post_attention_layernorm", "forward"), str(report)
+    assert first.flax_path == ("model", "layers", 1, "post_attention_layernorm")
+    assert report.backward_note.startswith("backward not checked: the forward parts at "
+                                           "model.layers.1.post_attention_layernorm")
+    assert report.backward_note in str(report).splitlines()[1]
+
+
+def test_gpt2s_packed_conv1d_and_tied_weights_are_derived() -> None:
+    """GPT-2: a packed ``c_attn`` split in three (``SplitQKV`` on Conv1D's (in, out)), the
+    output ``c_proj`` and the MLP's Conv1D weights untransposed, the head tied to the
+    embedding (the port ties it too: no rule for ``lm_head``)."""
+    from attention_spec.specs import SplitQKV, Transpose
+    from examples import port_gpt2
+
+    hf = port_gpt2.hf_model()
+    rules = {r.torch_names[0]: r for r in infer_param_map(hf, port_gpt2.port(hf))}
+    attn = ("transformer", "h", 1, "attn")
+    packed = rules["transformer.h.1.attn.c_attn.weight"]
+    assert packed.steps == (SplitQKV("in_out"), Transpose())
+    assert packed.flax_paths == tuple((*attn, w, "kernel") for w in ("W_query", "W_key", "W_value"))
+    assert rules["transformer.h.1.attn.c_attn.bias"].flax_paths == tuple((*attn, w, "bias")
+                                                                          for w in ("W_query", "W_key", "W_value"))
+    assert rules["transformer.h.1.attn.c_proj.weight"].steps == ()
+    assert rules["transformer.h.1.attn.c_proj.weight"].flax_paths == ((*attn, "out_proj", "kernel"),)
+    assert rules["transformer.h.1.mlp.c_fc.weight"].steps == ()
+    assert rules["transformer.wte.weight"].flax_paths == (("transformer", "wte", "embedding"),)
+    assert not any(name.startswith("lm_head") for name in rules)
+    assert len(rules) == len(list(hf.parameters()))
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+class _TorchTiny(nn.Module):
+    def __init__(self, tie: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+
+class _FlaxTiny(nnx.Module):
+    def __init__(self, head: bool = True, extra: bool = False) -> None:
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(10, 4, rngs=rngs)
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+        if head:
+            self.head = nnx.Linear(4, 10, use_bias=False, rngs=rngs)
+        if extra:
+            self.gate = nnx.Linear(4, 4, rngs=rngs)
+
+
+def test_a_map_that_cannot_pair_everything_names_both_sides_and_maps_nothing() -> None:
+    rules = infer_param_map(_TorchTiny(), _FlaxTiny())
+    assert {r.torch_names[0]: r.flax_paths[0] for r in rules} == {
+        "embed.weight": ("embed", "embedding"), "norm.weight": ("norm", "scale"), "norm.bias": ("norm", "bias"),
+        "head.weight": ("head", "kernel")}
+    with pytest.raises(ValueError) as err:
+        infer_param_map(_TorchTiny(), _FlaxTiny(head=False, extra=True))
+    text = str(err.value)
+    assert "PyTorch parameter 'head.weight' is paired with nothing" in text
+    assert "Flax parameter 'gate/kernel' is paired with nothing" in text
+    assert "Flax parameter 'gate/bias' is paired with nothing" in text
+
+
+def test_a_tie_is_kept_only_where_the_port_ties_too() -> None:
+    tied = _TorchTiny(tie=True)
+    assert [r.torch_names[0] for r in infer_param_map(tied, _FlaxTiny(head=False))] == [
+        "embed.weight", "norm.weight", "norm.bias"]
+    with pytest.raises(ValueError, match="PyTorch ties 'head.weight' to 'embed.weight', but the Flax head has "
+                                         "parameters of its own"):
+        infer_param_map(tied, _FlaxTiny())
+    with pytest.raises(TypeError, match="infer_param_map takes a PyTorch nn.Module and a Flax nnx.Module"):
+        infer_param_map(_FlaxTiny(), tied)
+
+
+# --------------------------------------------------------------------------- in place and layouts
+
+
+class _TorchInPlace(nn.Module):
+    """fc -> ReLU(inplace=True) -> out, and a residual added in place between modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.act, self.out = nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.out(self.act(self.fc(x)))
+        h += x  # writes out's output after it was recorded
+        return h
+
+
+class _FlaxInPlace(nnx.Module):
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0)
+        self.fc, self.out = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 4, rngs=rngs)
+        self.act = _Relu()
+
+    def __call__(self, x: Any) -> Any:
+        return self.out(self.act(self.fc(x))) + x
+
+
+class _Relu(nnx.Module):
+    def __call__(self, x: Any) -> Any:
+        import jax
+
+        return jax.nn.relu(x)
+
+
+def test_in_place_ops_on_the_torch_side_give_no_false_alarm() -> None:
+    pt, fx = _TorchInPlace(), _FlaxInPlace()
+    copy_params(pt, fx, infer_param_map(pt, fx))
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    report = locate_divergence(pt, fx, x)
+    assert report.ok and report.backward_checked, str(report)
+    act = next(p for p in report.pairs if p.torch_name == "act")
+    assert act.input_cotangent.ok  # the ReLU's own backward: its input's cotangent, not its output's
+    out = next(p for p in report.pairs if p.torch_name == "out")
+    assert out.output_cotangent.ok is None and "wrote this output in place" in out.output_cotangent.note
+    assert "n/c" in str(report)
+
+
+def test_layouts_are_aligned_by_shape_and_declaration_never_by_values() -> None:
+    from parity_tests.divergence import _aligned, _compare_arrays
+    from parity_tests.tolerances import PARITY
+
+    ours = np.arange(2 * 5 * 3 * 4, dtype=np.float32).reshape(2, 5, 12)  # (B, T, H * D)
+    bthd = ours.reshape(2, 5, 3, 4)
+    bhtd = bthd.transpose(0, 2, 1, 3)
+    assert np.array_equal(_aligned(bthd, ours.shape, None), ours)
+    assert _aligned(bhtd, ours.shape, None) is None  # heads first only where declared
+    assert np.array_equal(_aligned(bhtd, ours.shape, "heads"), ours)
+    assert np.array_equal(_aligned(ours[:, None], ours.shape, None), ours)  # a unit axis
+    assert _aligned(ours[:, :4], ours.shape, None) is None
+    unknown = _compare_arrays([("output", ours.reshape(2, 12, 5), ours)], PARITY, None, None)
+    assert unknown.ok is None and "not compared" in unknown.note and "(2, 12, 5)" in unknown.note
+    smaller = _compare_arrays([("output", ours[:, :4], ours)], PARITY, None, None)
+    assert smaller.ok is False and smaller.max_rel == float("inf")
