@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -119,6 +120,17 @@ class RopeConfig:
             if isinstance(value, (list, np.ndarray)):  # lists from a config: hashable tuples
                 object.__setattr__(self, name, tuple(float(v) for v in value))
         check_rope(self)
+
+
+def rope_from_mapping(fields: Mapping[str, Any]) -> RopeConfig:
+    """A ``RopeConfig`` from its fields as a mapping (a JSON object: ``{"theta": 500000.0,
+    "scaling": "llama3", ...}``, lists for the tuples), checked as when built.  Raises
+    ValueError naming any field that ``RopeConfig`` has not."""
+    known = [f.name for f in dataclasses.fields(RopeConfig)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(f"rope has no field {', '.join(map(repr, unknown))}; its fields: {', '.join(known)}")
+    return RopeConfig(**fields)
 
 
 def _positive_real(name: str, value: Any) -> None:
@@ -353,11 +365,6 @@ def check_rope_call(x_shape: tuple[int, ...], positions_shape: tuple[int, ...], 
         )
 
 
-TRACED_SEQ_LEN = (
-    "rope scaling {scaling!r} depends on the sequence length seen: pass seq_len= (the largest "
-    "position + 1) when the positions are traced (under jit)"
-)
-
 _HF_TYPES = {
     "default": None,
     "linear": "linear",
@@ -408,7 +415,12 @@ def rope_from_hf(config: Any, layer_type: str | None = None) -> RopeConfig:
     Where the config has rope parameters per layer type (Gemma 3), ``layer_type`` picks
     one.  A yarn or longrope ``factor`` left out is ``max_position_embeddings /
     original_max_position_embeddings``, as transformers computes it; the dynamic NTK's
-    original length is the config's ``max_position_embeddings``."""
+    original length is the config's ``max_position_embeddings``.
+
+    It reads the config, not a layer: a family whose rotary embedding ignores
+    ``partial_rotary_factor`` (Llama's turns the whole head whatever the config says)
+    gets the fraction here; ``torch_attention.interop.from_hf`` follows the layer's own
+    rotary embedding instead (as many features turn as it has frequencies for)."""
     params = _hf_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _HF_TYPES:

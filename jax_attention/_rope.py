@@ -8,9 +8,13 @@ float32, then cast to x's dtype; the rotation ``x * cos + rotate(x) * sin`` runs
 dtype.  For float64 x every step is float64 instead.
 
 jit-compatible: the configuration is a hashable Python value (static), the frequencies
-are constants.  The dynamic scaling's frequencies depend on the sequence length: under
-jit, with traced positions, pass ``seq_len=``; longrope picks its factors from the traced
-positions.
+are constants.  The dynamic and longrope scalings depend on the sequence length seen
+(the largest position + 1): under jit, with traced positions and no ``seq_len=``, longrope
+picks its short or long factors from the traced positions, and dynamic NTK keeps the
+frequencies of the original length (the same constants as eagerly) until the largest
+position passes it, then computes them from the traced length in the working precision,
+as ``transformers`` computes them (float32: within a few ulps of the float64 ones rounded
+once, which is what the eager call gives).
 """
 
 from __future__ import annotations
@@ -22,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from attention_spec.arrays import dtype_name
+from attention_spec.arrays import dtype_name, host_array
 from attention_spec.rope import (
-    TRACED_SEQ_LEN,
     RopeConfig,
     check_inv_freq,
     check_rope,
@@ -41,11 +44,11 @@ def _freqs(
     """The inverse frequencies in the ``work`` dtype (rounded from float64: constants) and
     the attention factor; for longrope with traced positions and no ``seq_len``, the short
     or long ones, chosen from the positions."""
-    if seq_len is None and needs_seq_len(config) and positions.size:
+    if seq_len is None and needs_seq_len(config) and config.inv_freq is None and positions.size:
         if not isinstance(positions, jax.core.Tracer):
             seq_len = int(np.max(np.asarray(positions))) + 1
         elif config.scaling == "dynamic":
-            raise ValueError(TRACED_SEQ_LEN.format(scaling=config.scaling))
+            return _traced_dynamic(positions, config, head_dim, work), 1.0
         else:
             original = int(config.original_max_position_embeddings)  # type: ignore[arg-type]
             short, factor = inv_freq(config, head_dim, None)
@@ -54,6 +57,20 @@ def _freqs(
             return chosen, factor
     freqs, factor = inv_freq(config, head_dim, seq_len)
     return jnp.asarray(freqs.astype(work)), factor
+
+
+def _traced_dynamic(positions: Array, config: RopeConfig, head_dim: int, work: type) -> Array:
+    """Dynamic NTK's frequencies for traced positions: ``base_freq / g ** (2i / dim)`` with
+    ``g = (factor * L / L0 - (factor - 1)) ** (dim / (dim - 2))`` from the traced length
+    ``L`` where it passes the original ``L0``; at or below it, ``base_freq`` itself (the
+    constants an eager call uses, bit for bit)."""
+    original, factor = int(config.original_max_position_embeddings), float(config.factor)  # type: ignore[arg-type]
+    dim = rotary_dim(config, head_dim)
+    base, _ = inv_freq(config, head_dim, None)  # the original length's: theta unscaled
+    length = (jnp.max(positions) + 1).astype(work)
+    growth = (factor * length / original - (factor - 1)) ** (dim / (dim - 2))
+    longer = base.astype(work) / growth ** (np.arange(0, dim, 2) / dim).astype(work)
+    return jnp.where(length > original, longer, base.astype(work))
 
 
 def rope_cos_sin(
@@ -80,10 +97,11 @@ def rope_cos_sin(
 
 
 def apply_rope(
-    x: Array, positions: Array, config: RopeConfig, *, seq_len: int | None = None, inv_freq: Any = None
+    x: Array, positions: Any, config: RopeConfig, *, seq_len: int | None = None, inv_freq: Any = None
 ) -> Array:
     """Rotary position embedding of ``x`` (q or k, ``(B, H, T, D)``) at ``positions``
-    (integers, ``(B, T)`` or ``(1, T)``): feature pairs of the first ``rotary_dim``
+    (integers, ``(B, T)`` or ``(1, T)``: an array, or a list or NumPy array, checked as
+    given, before JAX's conversion changes its dtype): feature pairs of the first ``rotary_dim``
     features turn by ``position * inv_freq``, the rest pass through.  ``seq_len``: the
     sequence length the dynamic and longrope scalings see (default: the largest position
     + 1).  ``inv_freq``: float frequencies, ``(rotary_dim / 2,)``, to use instead of the
@@ -91,8 +109,10 @@ def apply_rope(
     float32 arithmetic, a few ulps from the float64 ones rounded once); the attention
     factor still comes from the config."""
     check_rope(config)
-    positions = jnp.asarray(positions)
+    if not isinstance(positions, jax.Array):
+        positions = host_array("rope positions", positions)
     check_rope_call(tuple(x.shape), tuple(positions.shape), dtype_name(positions.dtype))
+    positions = jnp.asarray(positions)
     head_dim = int(x.shape[-1])
     dim = rotary_dim(config, head_dim)
     override = None

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec.rope import TRACED_SEQ_LEN, RopeConfig, inv_freq, rope_from_hf
+from attention_spec.rope import RopeConfig, inv_freq, rope_from_hf
 from parity_tests.tolerances import GRAD_PARITY, ORACLE, PARITY
 from tests.support import needs_both, needs_jax, needs_torch
 
@@ -927,7 +927,13 @@ def test_jit_with_static_config_equals_eager(name: str) -> None:
 
 
 @needs_jax
-def test_jit_dynamic_needs_seq_len_and_longrope_picks_from_traced_positions() -> None:
+def test_jit_picks_dynamic_and_longrope_frequencies_from_traced_positions() -> None:
+    """Issue 40, probe item 1: under jit, with traced positions and no ``seq_len``, dynamic
+    NTK was refused ("pass seq_len=", which neither a module call nor a ring takes).  Now
+    both scalings read the length from the traced positions: at or below the original
+    length (512 here) the very frequencies of an eager call, bit for bit; past it,
+    dynamic's are computed from the traced length in float32 (as transformers computes
+    them), within PARITY of the eager float64 ones rounded once."""
     import jax
     import jax.numpy as jnp
 
@@ -936,15 +942,49 @@ def test_jit_dynamic_needs_seq_len_and_longrope_picks_from_traced_positions() ->
     x, positions = make_inputs(12)
     xj = jnp.asarray(x, dtype=jnp.float32)
     rope = jax.jit(apply_rope, static_argnames=("config", "seq_len"))
-    with pytest.raises(ValueError, match=re.escape(TRACED_SEQ_LEN.format(scaling="dynamic"))):
-        rope(xj, jnp.asarray(positions, dtype=jnp.int32), config=CONFIGS["dynamic"])
-    for last in (200, 1499):  # short factors, then long ones
-        shifted = jnp.asarray(positions - positions.max() + last, dtype=jnp.int32)
-        assert_within(
-            np.asarray(rope(xj, shifted, config=CONFIGS["longrope"])),
-            np.asarray(apply_rope(xj, shifted, CONFIGS["longrope"])),
-            PARITY["float32"],
-        )
+    for name in ("dynamic", "longrope"):
+        for last in (200, 1499):  # within the original length, then past it
+            shifted = jnp.asarray(positions - positions.max() + last, dtype=jnp.int32)
+            jitted, eager = rope(xj, shifted, config=CONFIGS[name]), apply_rope(xj, shifted, CONFIGS[name])
+            assert_within(np.asarray(jitted), np.asarray(eager), PARITY["float32"])
+    from jax_attention._rope import _freqs
+
+    short = jnp.asarray(positions - positions.max() + 200, dtype=jnp.int32)
+    traced = jax.jit(lambda p: _freqs(p, CONFIGS["dynamic"], HEAD_DIM, None, np.float32)[0])(short)
+    np.testing.assert_array_equal(np.asarray(traced), inv_freq(CONFIGS["dynamic"], HEAD_DIM)[0].astype(np.float32))
+
+
+@needs_both
+def test_a_module_and_a_ring_with_dynamic_rope_compile() -> None:
+    """Issue 40, probe item 1: ``MultiHeadAttention(rope=dynamic)`` under ``nnx.jit`` and
+    ``ring_attention(rope=dynamic)`` under ``jax.jit`` were refused at any positions.  Both
+    compile, and agree with the eager call, at positions within and past the original length."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jax_attention as ja
+    from jax_attention.parallel import ring_attention
+
+    rope = CONFIGS["dynamic"]
+    module = ja.MultiHeadAttention(16, 16, 8, 0.0, 2, rope=rope, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 8, 16)), jnp.float32)
+    step = nnx.jit(lambda m, x, p: m(x, positions=p))
+    for start in (0, 600):
+        positions = jnp.arange(start, start + 8)[None]
+        assert_within(np.asarray(step(module, x, positions)), np.asarray(module(x, positions=positions)),
+                      PARITY["float32"])
+    from jax.sharding import Mesh
+
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((1, 2, 8, 8)), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    for start in (0, 600):
+        positions = jnp.arange(start, start + 8)[None]
+
+        def ring(q: Any, p: Any) -> Any:
+            return ring_attention(q, q, q, mesh=mesh, axis_name="seq", causal=True, rope=rope, positions=p)
+
+        assert_within(np.asarray(jax.jit(ring)(q, positions)), np.asarray(ring(q, positions)), PARITY["float32"])
 
 
 @needs_torch
