@@ -56,6 +56,7 @@ import numpy as np
 
 from attention_spec.conversion import flax_to_torch, rules_for, torch_to_flax
 from attention_spec.registry import AttentionConfig, make_config, variant
+from attention_spec.rope import rope_from_mapping
 from attention_spec.specs import Path, as_numpy, check_float_arrays, flatten_paths
 
 __all__ = [
@@ -603,6 +604,8 @@ def checked_config(name: str, config: Mapping[str, Any] | AttentionConfig | None
     if unknown:
         raise ValueError(f"{name} has no option {', '.join(map(repr, unknown))}; its options: "
                          + ", ".join(decl.options))
+    if isinstance(options.get("rope"), Mapping):  # a JSON object (--config): the RopeConfig's fields
+        options["rope"] = rope_from_mapping(options["rope"])
     return make_config(name, options)
 
 

@@ -7,7 +7,9 @@ Reads ``IN`` in either layout (a ``.pt`` state dict, a ``.safetensors`` file wit
 names ``W_query.weight`` or Flax paths ``W_query/kernel``, Flax ``.msgpack``, an Orbax
 directory), checks every name and shape against the declared map of ``--variant`` with the
 constructor keywords of ``--config`` (a JSON object, e.g. ``'{"d_in": 16, "d_out": 16,
-"context_length": 32, "dropout": 0.0, "num_heads": 4}'``) and writes ``OUT`` in the layout
+"context_length": 32, "dropout": 0.0, "num_heads": 4}'``; a ``rope`` as the object of its
+``RopeConfig`` fields, ``{"rope": {"theta": 500000.0}}``: it adds no weight, and the map
+checks the config it is part of) and writes ``OUT`` in the layout
 of ``--to``: ``torch`` to ``.safetensors`` or ``.pt``/``.pth``, ``flax`` to
 ``.safetensors``, ``.msgpack`` or an Orbax directory (``--format orbax``).  The formats
 come from the extensions unless ``--format`` (OUT) or ``--input-format`` (IN) names them.
@@ -46,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--to", required=True, choices=("flax", "torch"), help="layout of OUT")
     parser.add_argument("--variant", required=True, metavar="NAME", help=f"one of {', '.join(VARIANTS)}")
     parser.add_argument("--config", default="{}", metavar="JSON",
-                        help="the module's constructor keywords as a JSON object")
+                        help="the module's constructor keywords as a JSON object (rope: an object of RopeConfig fields)")
     parser.add_argument("--format", choices=FORMATS, default=None, help="format of OUT (default: its extension)")
     parser.add_argument("--input-format", choices=FORMATS, default=None,
                         help="format of IN (default: its extension)")

@@ -322,14 +322,34 @@ def test_unknown_extension(tmp_path: Path, capsys: pytest.CaptureFixture[str], c
           json.dumps(dict(CONFIGS["MultiHeadAttention"], heads=2))], ("bad --config", "'heads'")),
         (["--to", "flax", "--variant", "MultiHeadAttention", "--config", "{d_in: 6"], ("not valid JSON",)),
         (["--to", "flax", "--variant", "MultiHeadAttention", "--config", "[1]"], ("JSON object",)),
+        (["--to", "flax", "--variant", "MultiHeadAttention", "--config",
+          json.dumps(dict(CONFIGS["MultiHeadAttention"], rope={"theta": 1e4, "base": 2}))],
+         ("bad --config", "rope has no field 'base'", "theta")),
+        (["--to", "flax", "--variant", "MultiHeadAttention", "--config",
+          json.dumps(dict(CONFIGS["MultiHeadAttention"], rope={"scaling": "linear"}))],
+         ("bad --config", "linear")),
     ],
-    ids=("variant", "missing-keyword", "heads-do-not-divide", "unknown-keyword", "not-json", "not-object"),
+    ids=("variant", "missing-keyword", "heads-do-not-divide", "unknown-keyword", "not-json", "not-object",
+         "rope-unknown-field", "rope-incomplete"),
 )
 def test_bad_variant_or_config(tmp_path: Path, capsys: pytest.CaptureFixture[str], checkpoint: Path,
                                argv: list[str], words: tuple[str, ...]) -> None:
     out = tmp_path / "out.msgpack"
     out.write_bytes(b"old")
     _refused(capsys, tmp_path, [checkpoint, out, *argv], out, *words)
+
+
+def test_a_rope_travels_in_the_json_config(tmp_path: Path, checkpoint: Path) -> None:
+    """Issue 40, probe item 4: ``--config`` with a rope was refused ("rope must be a
+    RopeConfig; got dict"), though rope adds no weight.  A JSON object of its fields is
+    read as a ``RopeConfig``, and the arrays are those of the same module without it."""
+    rope = {"theta": 500000.0, "scaling": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    config = ["--config", json.dumps(dict(CONFIGS["MultiHeadAttention"], rope=rope))]
+    with_rope, without = tmp_path / "rope.safetensors", tmp_path / "plain.safetensors"
+    assert _convert(checkpoint, with_rope, "--to", "flax", "--variant", "MultiHeadAttention", *config) == 0
+    assert _convert(checkpoint, without, *_args("MultiHeadAttention", "flax")) == 0
+    _same(files.read_arrays(with_rope)[1], files.read_arrays(without)[1])
 
 
 def test_layout_the_format_cannot_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
