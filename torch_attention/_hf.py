@@ -31,7 +31,7 @@ from torch import nn
 from attention_spec.conversion import as_numpy, rules_for
 from attention_spec.huggingface import window_from_hf
 from attention_spec.packing import pack_state_dict, packed_state_dict
-from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
+from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
 from attention_spec.specs import Rule, packed_qkv_rules
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
@@ -134,9 +134,17 @@ def _rope(layer: nn.Module, attention: Any) -> RopeConfig:
     params = getattr(config, "rope_parameters", None) or {}
     nested = layer_type is not None and isinstance(params.get(layer_type), Mapping)
     rope = rope_from_hf(config, layer_type if nested else None)
+    own = _hf_inv_freq(layer, config, layer_type if nested else None)
+    # as many features turn as the layer's own rotary embedding has frequencies for: a
+    # family whose embedding ignores the config's partial_rotary_factor (Llama's) turns
+    # the whole head, and so does ours
+    head_dim = int(getattr(attention, "head_dim", 0) or 0)
+    if head_dim and 2 * len(own) != rotary_dim(rope, head_dim):
+        turned = 2 * len(own)
+        rope = dataclasses.replace(rope, partial_rotary_factor=None,
+                                   rotary_dim=None if turned == head_dim else turned)
     if needs_seq_len(rope):  # dynamic NTK, longrope: HF recomputes them per call as we do
         return rope
-    own = _hf_inv_freq(layer, config, layer_type if nested else None)
     return dataclasses.replace(rope, inv_freq=tuple(float(f) for f in own.tolist()))
 
 

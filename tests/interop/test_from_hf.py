@@ -37,6 +37,9 @@ def _configs() -> dict[str, tuple[Callable[[], Any], str, int]]:
         "gpt2": (lambda: tf.GPT2Config(n_embd=HIDDEN, n_head=HEADS, n_layer=2, scale_attn_by_inverse_layer_idx=True),
                  "gpt2.modeling_gpt2.GPT2Attention", 1),
         "llama": (lambda: tf.LlamaConfig(**gqa, head_dim=16), "llama.modeling_llama.LlamaAttention", 0),
+        # Llama's rotary embedding ignores partial_rotary_factor: its layer turns the whole head
+        "llama-partial": (lambda: tf.LlamaConfig(**gqa, head_dim=16, partial_rotary_factor=0.5),
+                          "llama.modeling_llama.LlamaAttention", 0),
         "mistral": (lambda: tf.MistralConfig(**gqa, head_dim=8, sliding_window=8),
                     "mistral.modeling_mistral.MistralAttention", 0),
         "qwen2": (lambda: tf.Qwen2Config(**gqa, use_sliding_window=True, sliding_window=8, max_window_layers=1,
@@ -252,6 +255,19 @@ def _parity(name: str, implementation: str = "auto", flax: bool = True) -> dict[
 
 
 # --------------------------------------------------------------------------- parity
+
+
+@needs_both
+def test_a_partial_rotary_factor_the_layer_ignores_is_ignored() -> None:
+    """Issue 40, probe item 6: a ``LlamaConfig(partial_rotary_factor=0.5)``, whose layer
+    turns the whole head (its rotary embedding has head_dim / 2 frequencies), failed in
+    ``from_hf`` about an ``inv_freq`` the user never gave.  ``from_hf`` follows the layer's
+    own rotary embedding: the whole head turns, and ours matches the layer (and its twin)."""
+    from torch_attention.interop import from_hf
+
+    rope = from_hf(_layer("llama-partial").layer).spec.rope
+    assert (rope.rotary_dim, rope.partial_rotary_factor, len(rope.inv_freq)) == (None, None, 8)
+    _parity("llama-partial")
 
 
 @needs_both
