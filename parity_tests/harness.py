@@ -193,7 +193,8 @@ class Finding:
     labels: tuple[str, str] = ("torch", "flax")
     # The smallest t for which rtol = atol = t would pass: what tolerances are measured by.
     needed: float = 0.0
-    # max |a - b| / (atol + rtol * magnitude): above 1 fails; how findings are ranked.
+    # How many times its allowance the worst element's error is: max |a - b| / (atol +
+    # rtol * magnitude), above 1 fails; how findings are ranked (``describe`` says it).
     tolerance_used: float = 0.0
     # How many query rows (``rows=``) this tensor was compared without.
     rows_left_out: int = 0
@@ -201,10 +202,11 @@ class Finding:
     def describe(self) -> str:
         a, b = self.labels
         left_out = f"; {self.rows_left_out} query rows left out" if self.rows_left_out else ""
+        times = f", {self.tolerance_used:.3g}x its allowance" if self.tolerance_used > 1 else ""
         return (
             f"{self.name}{list(self.index)}: {a} {self.torch_value!r} vs {b} {self.flax_value!r} "
             f"(abs err {self.max_abs:.3g}, rel err {self.max_rel:.3g}; "
-            f"tolerance rtol={self.rtol:g}, atol={self.atol:g}{left_out})"
+            f"tolerance rtol={self.rtol:g}, atol={self.atol:g}{times}{left_out})"
         )
 
 
@@ -218,6 +220,8 @@ class ParityReport:
     # rows=: how many of how many (batch x seq) query rows were left out of the comparison
     rows_left_out: int = 0
     rows_total: int = 0
+    # where the failures lie, when that points to rows=: said after them
+    hint: str = ""
 
     @property
     def ok(self) -> bool:
@@ -237,6 +241,8 @@ class ParityReport:
             return f"parity holds for {len(self.findings)} tensors{rows}"
         lines = [f"parity fails for {len(self.failures)} of {len(self.findings)} tensors{rows}; worst:"]
         lines += ["  " + f.describe() for f in sorted(self.failures, key=lambda f: -f.tolerance_used)]
+        if self.hint:
+            lines.append(self.hint)
         return "\n".join(lines)
 
 
@@ -605,6 +611,63 @@ def _row_mask(name: str, shape: tuple[int, ...], rows: np.ndarray, *, output: bo
     return rows[tuple(index)]
 
 
+def _tolerance_of(name: str, dtype: str, rtol: float | None, atol: float | None) -> Tolerance:
+    default = (GRAD_PARITY if name.startswith("grad") else PARITY)[dtype]
+    return default._replace(rtol=default.rtol if rtol is None else rtol, atol=default.atol if atol is None else atol)
+
+
+def _row_ranges(rows: np.ndarray) -> str:
+    """The True entries of a (batch, seq) array as runs: ``example 1: rows 0-36``."""
+    parts = []
+    for b, row in enumerate(rows):
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], row.astype(np.int8), [0]))))
+        runs = [f"{s}" if e - s == 1 else f"{s}-{e - 1}" for s, e in zip(edges[::2], edges[1::2], strict=True)]
+        if runs:
+            parts.append(f"example {b}: rows {', '.join(runs[:4])}{', ...' if len(runs) > 4 else ''}")
+    return "; ".join(parts)
+
+
+def _rows_hint(report: ParityReport, inputs: Sequence[Any], mask: np.ndarray | None, dtype: str,
+               rtol: float | None, atol: float | None) -> str:
+    """Where the failing outputs of a comparison without ``rows=`` differ, when that is in
+    some query rows only (of outputs shaped (batch, seq, ...) as the first input): a row
+    that sees no key (left padding) is zeros in ours and something else elsewhere (an
+    average of the values in Hugging Face's layers), by convention.  Said for certain
+    where ``mask`` leaves those rows without a key; "" when nothing points there."""
+    first = next((np.shape(x) for x in inputs if np.ndim(x) >= 2), None)
+    if first is None:
+        return ""
+    batch, seq = first[:2]
+    failing = np.zeros((batch, seq), dtype=bool)
+    for finding in report.failures:
+        name = finding.name
+        if name.startswith("grad "):
+            continue  # the outputs' rows say it: a differing row moves every gradient it reaches
+        a, b = (np.asarray(r[name], dtype=np.float64) for r in (report.torch_results, report.flax_results))
+        axes = _row_axes(a.shape, (batch, seq))
+        if axes is None:
+            return ""  # a failing tensor without rows: not a matter of rows
+        tol = _tolerance_of(name, dtype, rtol, atol)
+        scale = np.nanmax(np.abs(b)) if tol.normwise else np.abs(b)
+        bad = ~(np.abs(a - b) <= tol.atol + tol.rtol * scale)  # NaN counts as bad
+        other = tuple(i for i in range(a.ndim) if i not in axes)
+        failing |= np.moveaxis(bad, axes, (0, 1)).any(axis=tuple(range(2, a.ndim))) if other else bad
+    if not failing.any() or failing.all():
+        return ""
+    where = (f"the outputs differ in {int(failing.sum())} of {failing.size} query rows ({_row_ranges(failing)}) "
+             "and nowhere else")
+    if mask is not None and np.ndim(mask) == 4:
+        sees = np.broadcast_to(np.asarray(mask, dtype=bool), (batch, np.shape(mask)[1], seq, np.shape(mask)[3]))
+        keyless = ~sees.any(axis=-1).any(axis=1)
+        if not (failing & ~keyless).any():
+            return (f"{where}, every one a row the mask leaves without a key: such a row is zeros in ours and "
+                    "something else by another library's convention; pass rows= (bool (batch, seq), True = "
+                    "compare) to leave them out")
+    return (f"{where}: if they are rows that see no key (left padding), such a row is zeros in ours and "
+            "something else by another library's convention (an average of the values in Hugging Face's "
+            "layers); pass rows= (bool (batch, seq), True = compare) to leave them out")
+
+
 def _compare_results(t: Mapping[str, np.ndarray], f: Mapping[str, np.ndarray], dtype: str,
                      rtol: float | None, atol: float | None, rows: np.ndarray | None) -> list[Finding]:
     """Every tensor both runs gave, compared at the dtype's tolerance (``rtol`` / ``atol``
@@ -614,9 +677,7 @@ def _compare_results(t: Mapping[str, np.ndarray], f: Mapping[str, np.ndarray], d
     for name in t:
         if name not in f:
             raise ValueError(f"torch returned {name} but flax did not (flax gave {sorted(f)})")
-        default = (GRAD_PARITY if name.startswith("grad") else PARITY)[dtype]
-        tol = default._replace(rtol=default.rtol if rtol is None else rtol,
-                               atol=default.atol if atol is None else atol)
+        tol = _tolerance_of(name, dtype, rtol, atol)
         where = None
         if rows is not None and (not name.startswith("grad ") or name.startswith("grad input[")):
             where = _row_mask(name, np.shape(t[name]), rows, output=not name.startswith("grad "))
@@ -877,6 +938,8 @@ def check_parity(
     if np_rows is not None:
         report.rows_left_out, report.rows_total = int(np_rows.size - np_rows.sum()), int(np_rows.size)
     report.findings.extend(_compare_results(t, f, dtype, rtol, atol, np_rows))
+    if np_rows is None and not report.ok:
+        report.hint = _rows_hint(report, np_inputs, np_mask, dtype, rtol, atol)
     return report
 
 

@@ -94,6 +94,31 @@ def test_the_derived_map_ports_logits_and_every_gradient(port: tuple[Any, Any, l
     assert len([f for f in report.findings if f.name.startswith("grad ")]) == len(list(hf.parameters()))
 
 
+def test_left_padding_without_rows_points_to_rows(port: tuple[Any, Any, list[Any]]) -> None:
+    """Issue 40: ``check_parity`` on a left-padded batch without ``rows=`` said "fails for
+    26 of 26 tensors" and a bare ``tolerance_used=286332``.  The message now says where the
+    failures lie (the padded rows, which see no key: an average of the values in Hugging
+    Face's layers, zeros in ours) and points to ``rows=``; each failure says how many times
+    its allowance it is.  With ``rows=`` it holds."""
+    hf, flax, rules = port
+    ids, mask = _ids(), np.ones((2, SEQ), np.int64)
+    mask[1, :5] = 0
+
+    def torch_call(m: Any, ids: Any, mask: Any) -> Any:
+        return m(input_ids=ids, attention_mask=mask).logits
+
+    def flax_call(m: Any, ids: Any, mask: Any) -> Any:
+        return m(ids, mask)["logits"]
+
+    calls = dict(param_map=rules, torch_call=torch_call, flax_call=flax_call, grads=False)
+    report = check_parity(hf, flax, ids, mask, **calls)
+    assert not report.ok
+    text = report.message()
+    assert "the outputs differ in 5 of 96 query rows (example 1: rows 0-4) and nowhere else" in text, text
+    assert "pass rows=" in text and "x its allowance" in text
+    assert check_parity(hf, flax, ids, mask, rows=mask.astype(bool), **calls).ok
+
+
 def test_a_whole_port_is_ok_forward_and_backward_without_a_module_map(port: tuple[Any, Any, list[Any]]) -> None:
     hf, flax, _ = port
     report = locate_divergence(hf, flax, _ids(), torch_call=_torch_call, flax_call=_flax_call)
