@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 Shape = tuple[int, ...]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -25,6 +27,25 @@ def dtype_name(dtype: Any) -> str:
 def as_shape(shape: Any) -> Shape:
     """Any sequence of sizes (a framework's shape included) as a tuple of Python ints."""
     return tuple(int(s) for s in shape)
+
+
+def host_array(name: str, value: Any) -> np.ndarray:
+    """``value``, given for ``name`` as a list, a tuple or a NumPy array instead of a
+    framework's array, as a NumPy array.  Both twins check that array (its dtype included)
+    before they convert it, so one input gets one dtype and one error text in both:
+    converted first, a float64 list would become float32 in JAX and stay float64 in
+    PyTorch, and strings would fail inside each framework with its own text.
+
+    Raises:
+      TypeError: NumPy makes no array of ``value`` (lists of different lengths).
+    """
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} must be an array, or nested lists of one length per level; NumPy makes no array "
+            f"of this {type(value).__name__}"
+        ) from None
 
 
 def broadcasts(shape: Shape, target: Shape) -> bool:

@@ -46,7 +46,7 @@ from attention_spec.options import (
     check_softcap,
     check_window,
 )
-from attention_spec.rope import check_rope
+from attention_spec.rope import check_rope, check_rope_widths
 
 __all__ = [
     "LATENT_ROLES",
@@ -418,6 +418,7 @@ class AttentionConfig:
             set_(self, "qk_norm_offset", check_qk_norm_offset(self.qk_norm, self.qk_norm_offset))
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)
+            check_rope_widths(self.d_in, self.kdim, self.vdim)  # self-attention only: keys from x
         if self.sinks and self.normalization != "softmax":
             raise ValueError(
                 "sinks need normalization='softmax' (a sink joins the softmax's denominator); "

@@ -475,6 +475,24 @@ ROPE_WITH_CONTEXT = (
 )
 
 
+def check_rope_widths(d_in: int | None, kdim: int | None, vdim: int | None) -> None:
+    """A module built with ``rope=``: ``kdim`` / ``vdim`` (the key and value inputs' widths)
+    must be unset or ``d_in``.  Rope refuses ``context=`` (``ROPE_WITH_CONTEXT``), so the
+    keys and values are projected from x, ``d_in`` wide: a key or value projection of
+    another width would fail at every call.  Raises ValueError naming the widths."""
+    given = [f"{name}={width}" for name, width in (("kdim", kdim), ("vdim", vdim))
+             if width is not None and width != d_in]
+    if not given:
+        return
+    names = " and ".join(g.split("=")[0] for g in given)
+    what = "is a cross-attention width" if len(given) == 1 else "are cross-attention widths"
+    raise ValueError(
+        f"{' and '.join(given)} {what} (of context=), but rope= rotates the queries and keys of "
+        f"self-attention, whose keys and values come from x (d_in={d_in} wide): such a module could never "
+        f"be called; leave {names} unset (or equal to d_in), or build the module without rope="
+    )
+
+
 def check_module_positions(
     has_rope: bool, positions_shape: tuple[int, ...] | None, positions_dtype: str | None,
     x_shape: tuple[int, ...], *, context: bool,

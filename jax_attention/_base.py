@@ -19,6 +19,7 @@ from flax import nnx
 from jax import Array
 
 from attention_spec import dtype_name
+from attention_spec.arrays import host_array
 from attention_spec.cache import check_cache_context, check_cache_dtype, check_cacheable
 from attention_spec.options import check_positive_int
 from attention_spec.planning import CallOps, plan_call
@@ -374,13 +375,14 @@ class AttentionModule(nnx.Module):
     # ------------------------------------------------------------------ rotary positions
 
     def _check_positions(self, positions: Any, x: Array, context: Any) -> Array | None:
-        """A call's ``positions=`` checked (``check_module_positions``), as an array."""
-        if positions is not None:
-            positions = jnp.asarray(positions)
+        """A call's ``positions=`` checked (``check_module_positions``; a list or NumPy
+        array as given, before JAX's conversion changes its dtype), as an array."""
+        if positions is not None and not isinstance(positions, jax.Array):
+            positions = host_array("rope positions", positions)
         shape = None if positions is None else tuple(positions.shape)
         dtype = None if positions is None else dtype_name(positions.dtype)
         check_module_positions(self.spec.rope is not None, shape, dtype, tuple(x.shape), context=context is not None)
-        return positions
+        return None if positions is None else jnp.asarray(positions)
 
     def _rotate(self, q: Array, k: Array, positions: Array | None, start: Array | None = None) -> tuple[Array, Array]:
         """q and k turned by rope at ``positions`` (None: ``start`` + 0..T-1, start 0

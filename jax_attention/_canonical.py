@@ -23,7 +23,7 @@ from attention_spec import (
     check_scale,
     dtype_name,
 )
-from attention_spec.arrays import check_bias, check_sinks
+from attention_spec.arrays import check_bias, check_sinks, host_array
 from attention_spec.geometry import band_reach, key_range, visible, within_length
 from attention_spec.masks import (
     check_kv_lengths_array,
@@ -166,6 +166,7 @@ class Canonical(NamedTuple):
     offset: int | Array
     segments: Array | None
     sinks: Array | None = None
+    dropout_mask: Array | None = None  # given as a list or NumPy array: checked as given
 
 
 def canonical_sinks(sinks: Any, q: Array, normalization: str) -> Array | None:
@@ -197,10 +198,13 @@ def canonicalise(
         kv_lengths = canonical_kv_lengths(kv_lengths, q.shape[0], k.shape[-2])
     check_dropout_rate(dropout_rate)
     if dropout_mask is not None:
+        if not isinstance(dropout_mask, jax.Array):
+            dropout_mask = host_array("dropout_mask", dropout_mask)
         check_dropout_mask(
             dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
             training=not deterministic, rate=dropout_rate,
         )
+        dropout_mask = jnp.asarray(dropout_mask)
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
@@ -208,7 +212,7 @@ def canonicalise(
     offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2])
     segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2])
     sinks = canonical_sinks(sinks, q, normalization)
-    return Canonical(mask, bias, softcap, kv_lengths, window, offset, segments, sinks)
+    return Canonical(mask, bias, softcap, kv_lengths, window, offset, segments, sinks, dropout_mask)
 
 
 def band(

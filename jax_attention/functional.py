@@ -144,7 +144,7 @@ def _blockwise_plan(q_len: int, kv_len: int) -> tuple[int, tuple[int, int] | Non
 def route(
     q: Array | jax.ShapeDtypeStruct, k: Array | jax.ShapeDtypeStruct, v: Array | jax.ShapeDtypeStruct, *, mask: Array | None = None, causal: bool = False, kv_lengths: Any = None,
     scale: float | None = None, mask_strategy: str = "fill", normalization: str = "softmax",
-    dropout_rate: float = 0.0, dropout_mask: Array | None = None, deterministic: bool = True,
+    dropout_rate: float = 0.0, dropout_mask: Any = None, deterministic: bool = True,
     rng: Array | None = None, return_weights: bool = False, implementation: str = "auto",
     precision: Precision = "highest", bias: Array | None = None, softcap: float | None = None,
     window: tuple[int | None, int | None] | None = None, alignment: str = "top_left", q_offset: Any = None,
@@ -262,7 +262,7 @@ def dot_product_attention(
     mask_strategy: str = "fill",
     normalization: str = "softmax",
     dropout_rate: float = 0.0,
-    dropout_mask: Array | None = None,
+    dropout_mask: Any = None,
     deterministic: bool = True,
     rng: Array | None = None,
     return_weights: bool = False,
@@ -293,7 +293,8 @@ def dot_product_attention(
       mask_strategy: "fill" or "renormalize", equal in exact arithmetic and computed
         alike (stably) on every path; see ``normalize_scores``.
       dropout_rate, deterministic, rng, dropout_mask: dropout on the weights, see
-        ``dropout_weights``.
+        ``dropout_weights``; ``dropout_mask`` a bool array, or a list or NumPy array
+        (checked as given).
       return_weights: also return the weights that mixed the values (after dropout).
       bias: float, broadcastable to (..., T, S), added to the scores (after scaling and
         soft-capping, before masking; differentiable).  A blocked key stays blocked, and
@@ -393,7 +394,7 @@ def dot_product_attention(
         q, k, v = (jnp.swapaxes(t, -3, -2) for t in (q, k, v))
     result = _explicit(q, k, v, call, chosen, causal=causal, scale=scale, precision=precision,
                        mask_strategy=mask_strategy, normalization=normalization, return_weights=return_weights,
-                       dropout=(dropout_rate, deterministic, rng, dropout_mask))
+                       dropout=(dropout_rate, deterministic, rng, call.dropout_mask))
     if layout == "bhsd":
         return result
     if isinstance(result, tuple):  # the weights stay (..., H, T, S)

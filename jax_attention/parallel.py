@@ -44,7 +44,7 @@ from jax import Array
 from jax.sharding import Mesh, PartitionSpec
 
 from attention_spec import dtype_name
-from attention_spec.arrays import check_sinks
+from attention_spec.arrays import check_sinks, host_array
 from attention_spec.geometry import reach, visible, within_length
 from attention_spec.parallel import (
     check_layout,
@@ -128,7 +128,8 @@ def ring_attention(
         ``to_zigzag`` of it: each device's rows have their two chunks' positions).
         Self-attention only (T == S).
       positions: with ``rope``, integers (B, T) or (1, T), in the order of q (the
-        layout's); replaces the default.
+        layout's); replaces the default.  An array, or a list or NumPy array (checked as
+        given).
 
     Raises ``ValueError`` (the same texts as the PyTorch twin where they overlap) for a
     layout that is not one of the two, a mesh without ``axis_name``, q/k/v that are not
@@ -173,8 +174,10 @@ def _turned(q: Array, k: Array, rope: RopeConfig, positions: Any, ring_size: int
     check_rope(rope)
     if positions is None:
         positions = layout_positions(q.shape[2], ring_size, layout)[None]  # (1, T), in q's order
-    positions = jnp.asarray(positions)
+    elif not isinstance(positions, jax.Array):
+        positions = host_array("rope positions", positions)
     check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
+    positions = jnp.asarray(positions)
     return functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
 
 

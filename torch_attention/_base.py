@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from attention_spec import dtype_name
+from attention_spec.arrays import host_array
 from attention_spec.cache import check_cache_context, check_cache_dtype, check_cache_room, check_cacheable
 from attention_spec.options import check_positive_int
 from attention_spec.planning import CallOps, plan_call
@@ -302,13 +303,14 @@ class AttentionModule(nn.Module):
     # ------------------------------------------------------------------ rotary positions
 
     def _check_positions(self, positions: Any, x: Tensor, context: Any) -> Tensor | None:
-        """A call's ``positions=`` checked (``check_module_positions``), as a tensor."""
-        if positions is not None:
-            positions = torch.as_tensor(positions, device=x.device)
+        """A call's ``positions=`` checked (``check_module_positions``; a list or NumPy
+        array as given, as the JAX twin checks it), as a tensor on x's device."""
+        if positions is not None and not isinstance(positions, Tensor):
+            positions = host_array("rope positions", positions)
         shape = None if positions is None else tuple(positions.shape)
         dtype = None if positions is None else dtype_name(positions.dtype)
         check_module_positions(self.spec.rope is not None, shape, dtype, tuple(x.shape), context=context is not None)
-        return positions
+        return None if positions is None else torch.as_tensor(positions, device=x.device)
 
     def _rotate(
         self, q: Tensor, k: Tensor, positions: Tensor | None, start: Tensor | None = None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attention_spec.arrays import dtype_name
+from attention_spec.arrays import dtype_name, host_array
 from attention_spec.rope import (
     RopeConfig,
     check_inv_freq,
@@ -57,10 +57,11 @@ def rope_cos_sin(
 
 
 def apply_rope(
-    x: Tensor, positions: Tensor, config: RopeConfig, *, seq_len: int | None = None, inv_freq: Any = None
+    x: Tensor, positions: Any, config: RopeConfig, *, seq_len: int | None = None, inv_freq: Any = None
 ) -> Tensor:
     """Rotary position embedding of ``x`` (q or k, ``(B, H, T, D)``) at ``positions``
-    (integers, ``(B, T)`` or ``(1, T)``): feature pairs of the first ``rotary_dim``
+    (integers, ``(B, T)`` or ``(1, T)``: a tensor, or a list or NumPy array, checked as
+    given and then made a tensor on x's device): feature pairs of the first ``rotary_dim``
     features turn by ``position * inv_freq``, the rest pass through.  ``seq_len``: the
     sequence length the dynamic and longrope scalings see (default: the largest position
     + 1).  ``inv_freq``: float frequencies, ``(rotary_dim / 2,)``, to use instead of the
@@ -68,7 +69,10 @@ def apply_rope(
     float32 arithmetic, a few ulps from the float64 ones rounded once); the attention
     factor still comes from the config."""
     check_rope(config)
+    if not isinstance(positions, Tensor):
+        positions = host_array("rope positions", positions)
     check_rope_call(tuple(x.shape), tuple(positions.shape), dtype_name(positions.dtype))
+    positions = torch.as_tensor(positions, device=x.device)
     head_dim = int(x.shape[-1])
     dim = rotary_dim(config, head_dim)
     override = None

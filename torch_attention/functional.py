@@ -42,7 +42,7 @@ from attention_spec import (
     check_scale,
     dtype_name,
 )
-from attention_spec.arrays import check_sinks
+from attention_spec.arrays import check_sinks, host_array
 from attention_spec.masks import kv_lengths_rank_message
 from attention_spec.options import check_alignment, check_qkv_in_layout, check_softcap, check_window
 from attention_spec.planning import fused_blockers
@@ -107,6 +107,7 @@ class _Plan(NamedTuple):
     segments: Tensor | None
     sinks: Tensor | None
     route: Route
+    dropout_mask: Tensor | None = None  # on q's device (given as a list or NumPy array: checked as given)
 
 
 def route(
@@ -121,7 +122,7 @@ def route(
     mask_strategy: str = "fill",
     normalization: str = "softmax",
     dropout_rate: float = 0.0,
-    dropout_mask: Tensor | None = None,
+    dropout_mask: Any = None,
     training: bool = False,
     return_weights: bool = False,
     implementation: str = "auto",
@@ -168,7 +169,7 @@ def _heads_first(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, 
 
 def _plan(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Any, kv_lengths: Any, scale: float | None, mask_strategy: str,
-    normalization: str, dropout_rate: float, dropout_mask: Tensor | None, training: bool, return_weights: bool,
+    normalization: str, dropout_rate: float, dropout_mask: Any, training: bool, return_weights: bool,
     implementation: str, bias: Any, softcap: float | None, window: Any, alignment: str, q_offset: Any,
     segment_ids: Any, kv_segment_ids: Any, sinks: Any,
 ) -> _Plan:
@@ -187,10 +188,13 @@ def _plan(
         kv_lengths = lengths.to(q.device)
     check_dropout_rate(dropout_rate)
     if dropout_mask is not None:
+        if not isinstance(dropout_mask, Tensor):
+            dropout_mask = host_array("dropout_mask", dropout_mask)
         check_dropout_mask(
             dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape, training=training,
             rate=dropout_rate,
         )
+        dropout_mask = torch.as_tensor(dropout_mask, device=q.device)
     check_scale(scale)
     check_mask_strategy(mask_strategy)
     check_normalization(normalization)
@@ -212,7 +216,7 @@ def _plan(
         fused_blockers=fused_blockers(q.dtype == torch.float64, softcap, sinks=sinks is not None),
     )
     route_taken = Route(path, KERNELS[path], reasons)
-    return _Plan(mask, bias, softcap, kv_lengths, window, offset, segments, sinks, route_taken)
+    return _Plan(mask, bias, softcap, kv_lengths, window, offset, segments, sinks, route_taken, dropout_mask)
 
 
 def dot_product_attention(
@@ -227,7 +231,7 @@ def dot_product_attention(
     mask_strategy: str = "fill",
     normalization: str = "softmax",
     dropout_rate: float = 0.0,
-    dropout_mask: Tensor | None = None,
+    dropout_mask: Any = None,
     training: bool = False,
     return_weights: bool = False,
     implementation: str = "auto",
@@ -254,7 +258,9 @@ def dot_product_attention(
       scale: None = 1/sqrt(D); a float as given.
       mask_strategy: "fill" or "renormalize", equal in exact arithmetic and computed
         alike (stably) on every path; see ``normalize_scores``.
-      dropout_rate, training, dropout_mask: dropout on the weights, see ``dropout_weights``.
+      dropout_rate, training, dropout_mask: dropout on the weights, see ``dropout_weights``;
+        ``dropout_mask`` a bool tensor, or a list or NumPy array (checked as given, then
+        made a tensor on q's device).
       return_weights: also return the weights that mixed the values (after dropout).
       bias: float, broadcastable to (..., T, S), added to the scores (after scaling and
         soft-capping, before masking; differentiable).  A blocked key stays blocked, and
@@ -319,7 +325,7 @@ def dot_product_attention(
         kv_segment_ids=kv_segment_ids, sinks=sinks,
     )
     result = _run_plan(q, k, v, plan, causal=causal, scale=scale, mask_strategy=mask_strategy,
-                       normalization=normalization, dropout=(dropout_rate, training, dropout_mask),
+                       normalization=normalization, dropout=(dropout_rate, training, plan.dropout_mask),
                        return_weights=return_weights)
     if layout == "bhsd":
         return result

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attention_spec import dtype_name
-from attention_spec.arrays import check_sinks
+from attention_spec.arrays import check_sinks, host_array
 from attention_spec.geometry import reach, visible, within_length
 from attention_spec.parallel import (
     check_layout,
@@ -89,7 +89,7 @@ def ring_attention(
     layout: str = "contiguous",
     sinks: Tensor | None = None,
     rope: RopeConfig | None = None,
-    positions: Tensor | None = None,
+    positions: Any = None,
 ) -> Tensor:
     """Attention over sequences split across the ranks of ``group`` (None: the default
     group): this rank's q (B, H, T/N, D), k (B, Hkv, S/N, D), v (B, Hkv, S/N, Dv) -> its
@@ -119,7 +119,8 @@ def ring_attention(
         order (this rank's rows: ``attention_spec.parallel.layout_positions``, so in
         zigzag its two chunks' positions).  Self-attention only (T == S).
       positions: with ``rope``, integers (B, T/N) or (1, T/N): this rank's rows' positions,
-        in the order of its q (the layout's); replaces the default.  The scalings that
+        in the order of its q (the layout's); replaces the default.  A tensor, or a list or
+        NumPy array (checked as given, then made a tensor on q's device).  The scalings that
         depend on the sequence length see the largest position over the group + 1.
 
     Raises ``ValueError`` (the same texts as the JAX twin where they overlap) for a
@@ -143,7 +144,7 @@ def ring_attention(
     lengths = None if lengths is None else lengths.to(q.device)
     if sinks is not None:
         sinks = (sinks if isinstance(sinks, Tensor) else torch.as_tensor(sinks)).to(q.device)
-    _check_extras(q, (q_local * size, kv_local * size), sinks, rope, positions)
+    positions = _check_extras(q, (q_local * size, kv_local * size), sinks, rope, positions)
     ring = _Ring(
         group, size, rank, dist.get_global_rank(group, (rank + 1) % size),
         dist.get_global_rank(group, (rank - 1) % size), layout, q_piece, kv_piece, causal,
@@ -155,17 +156,23 @@ def ring_attention(
 
 
 def _check_extras(
-    q: Tensor, seq_lens: tuple[int, int], sinks: Tensor | None, rope: RopeConfig | None, positions: Tensor | None
-) -> None:
-    """The checks of ``sinks``, ``rope`` and ``positions`` (the JAX twin's texts), before
-    any work; ``seq_lens``: (T, S) of the whole sequences."""
+    q: Tensor, seq_lens: tuple[int, int], sinks: Tensor | None, rope: RopeConfig | None, positions: Any
+) -> Tensor | None:
+    """The checks of ``sinks``, ``rope`` and ``positions`` (the JAX twin's texts, in its
+    order), before any work; ``seq_lens``: (T, S) of the whole sequences.  Returns the
+    positions as a tensor on q's device (a list or NumPy array checked as given first)."""
     if sinks is not None:
         check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), "softmax")
     check_ring_rope(*seq_lens, rope, positions is not None)
-    if rope is not None:
-        check_rope(rope)
-        if positions is not None:
-            check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
+    if rope is None:
+        return None
+    check_rope(rope)
+    if positions is None:
+        return None
+    if not isinstance(positions, Tensor):
+        positions = host_array("rope positions", positions)
+    check_rope_call(tuple(q.shape), tuple(positions.shape), dtype_name(positions.dtype))
+    return torch.as_tensor(positions, device=q.device)
 
 
 def _turned(ring: _Ring, q: Tensor, k: Tensor, rope: RopeConfig, positions: Tensor | None) -> tuple[Tensor, Tensor]:
