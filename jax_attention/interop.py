@@ -16,6 +16,7 @@ with the Linen module) for Linen's ``MultiHeadDotProductAttention``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any, cast
@@ -35,12 +36,14 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
+from attention_spec.native import ANY, Check, native_options, refusals, spec_refusals
 from attention_spec.packing import (
     native_flax_params,
     not_ours_message,
     packed_state_dict,
     state_dict_from_native_flax,
 )
+from attention_spec.registry import AttentionConfig
 from jax_attention._base import AttentionModule
 from jax_attention.multihead import MultiHeadAttention
 
@@ -192,33 +195,53 @@ def _linen_attention_fn() -> Any:
     return dot_product_attention
 
 
-def _native_problems(m: Any, default_fn: Any) -> list[str]:
-    """What an nnx.MultiHeadAttention / Linen MultiHeadDotProductAttention does that our
-    MultiHeadAttention cannot express, one line each."""
-    problems = []
-    if getattr(m, "normalize_qk", False):
-        problems.append("normalize_qk=True (layer-normalised queries and keys)")
-    if getattr(m, "decode", None):
-        problems.append("decode=True (an autoregressive cache)")
-    if getattr(m, "cached_key", None) is not None:
-        problems.append("an initialised decode cache (cached_key/cached_value)")
-    num_kv = getattr(m, "num_kv_heads", None)
-    if num_kv is not None and num_kv != m.num_heads:
-        problems.append(f"num_kv_heads={num_kv} != num_heads={m.num_heads} (grouped-query attention)")
-    in_features = getattr(m, "in_features", None)
-    if in_features is not None and not isinstance(in_features, int):
-        problems.append(f"in_features={in_features!r} (a tuple of input axes)")
-    qkv, out = getattr(m, "qkv_features", None), getattr(m, "out_features", None)
-    if qkv is not None and out is not None and qkv != out:
-        problems.append(f"out_features={out} != qkv_features={qkv} (our out_proj is (d_out, d_out))")
-    if m.attention_fn is not default_fn:
-        problems.append(f"attention_fn={getattr(m.attention_fn, '__name__', m.attention_fn)!r} "
-                        "(only Flax's dot_product_attention)")
-    for name in ("qkv_dot_general", "out_dot_general", "qkv_dot_general_cls", "out_dot_general_cls",
-                 "qk_attn_weights_einsum_cls", "attn_weights_value_einsum_cls"):
-        if getattr(m, name, None) is not None:
-            problems.append(f"{name} (a custom matmul)")
-    return problems
+# normalize_qk's LayerNorms (a scale, no bias, each head's head_dim) <-> our qk-norms
+_NATIVE_NORMS = {"query_ln": "q_norm", "key_ln": "k_norm"}
+_PROJECTIONS = ("W_query", "W_key", "W_value", "out_proj")
+
+
+def _layer_norm_epsilon(linen: bool) -> float:
+    """The epsilon of normalize_qk's LayerNorms: the LayerNorm default (Flax sets none)."""
+    if linen:
+        import flax.linen as nn
+
+        return float(nn.LayerNorm.epsilon)
+    return float(inspect.signature(nnx.LayerNorm.__init__).parameters["epsilon"].default)
+
+
+def _native_qk_norm(m: Any) -> str | None:
+    q, k = getattr(m, "query_ln", None), getattr(m, "key_ln", None)
+    if not m.normalize_qk or q is None or k is None or q.epsilon == k.epsilon:
+        return None
+    return (f"normalize_qk=True with query_ln.epsilon={q.epsilon!r} != key_ln.epsilon={k.epsilon!r} "
+            "(our q_norm and k_norm share one qk_norm_eps)")
+
+
+def _native_carries(default_fn: Any) -> dict[str | tuple[str, ...], Check]:
+    """What our MultiHeadAttention reproduces of an nnx.MultiHeadAttention's / a Linen
+    MultiHeadDotProductAttention's constructor options (the allow-list of
+    ``attention_spec.native``): any other one that is not at its default (a custom
+    promotion or matmul, an option added to Flax later) is refused by name."""
+    return {
+        "normalize_qk": _native_qk_norm,  # our qk_norm="layer", per head, zero biases
+        "decode": lambda m: "decode=True (an autoregressive cache)" if m.decode else None,
+        "num_kv_heads": lambda m: None if m.num_kv_heads in (None, m.num_heads) else (
+            f"num_kv_heads={m.num_kv_heads} != num_heads={m.num_heads} (grouped-query attention)"),
+        "in_features": lambda m: None if isinstance(m.in_features, int) else (
+            f"in_features={m.in_features!r} (a tuple of input axes)"),
+        "attention_fn": lambda m: None if m.attention_fn is default_fn else (
+            f"attention_fn={getattr(m.attention_fn, '__name__', m.attention_fn)!r} "
+            "(only Flax's dot_product_attention)"),
+        # widths: qkv_features = num_heads * head_dim, out_features ours
+        ("num_heads", "qkv_features", "out_features", "in_kv_features"): ANY,
+        ("dtype", "param_dtype", "precision", "use_bias", "dropout_rate", "deterministic"): ANY,
+        # the dropout draws differ in training mode whatever this is (see from_nnx_multihead)
+        "broadcast_dropout": ANY,
+        # ours computes the softmax in float32 (float64 for float64) whatever this is
+        "force_fp32_for_softmax": ANY,
+        # what shaped the weights we copy, and the module's own place and streams
+        ("kernel_init", "out_kernel_init", "bias_init", "out_bias_init", "rngs", "parent", "name"): ANY,
+    }
 
 
 def _refuse(what: str, problems: list[str]) -> None:
@@ -238,6 +261,31 @@ def _rngs_for(dropout: float, rngs: nnx.Rngs | None, what: str) -> nnx.Rngs:
     return nnx.Rngs(0)
 
 
+def _native_state(tree: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """Flax's attention param tree -> (our projections' PyTorch-named arrays, our
+    q_norm/k_norm weights from query_ln/key_ln (empty without normalize_qk), num_heads),
+    after every check of the tree."""
+    core = {role: node for role, node in tree.items() if role not in _NATIVE_NORMS}
+    state = state_dict_from_native_flax(core)  # every shape check of the projections
+    heads, head_dim = np.shape(core["query"]["kernel"])[1:]
+    found = [role for role in _NATIVE_NORMS if role in tree]
+    if found and len(found) != len(_NATIVE_NORMS):
+        raise ValueError(f"the attention params hold {found[0]} without {set(_NATIVE_NORMS).difference(found).pop()}: "
+                         "normalize_qk has both")
+    norms: dict[str, np.ndarray] = {}
+    for role in found:
+        node = tree[role]
+        if not isinstance(node, Mapping) or set(node) != {"scale"}:
+            raise ValueError(f"params[{role!r}] must be a mapping with only 'scale' (normalize_qk's LayerNorm "
+                             f"has no bias); got {sorted(node) if isinstance(node, Mapping) else type(node).__name__}")
+        scale = as_numpy(node["scale"])
+        if scale.shape != (head_dim,):
+            raise ValueError(f"params[{role!r}]['scale'] {scale.shape} does not fit heads of {head_dim}: "
+                             f"expected ({head_dim},)")
+        norms[f"{_NATIVE_NORMS[role]}.weight"] = scale
+    return state, norms, int(heads)
+
+
 def _our_module_from_native(
     tree: Mapping[str, Mapping[str, Any]],
     *,
@@ -246,31 +294,40 @@ def _our_module_from_native(
     dtype: Any,
     precision: Any,
     rngs: nnx.Rngs,
+    qk_norm_eps: float,
 ) -> nnx.Module:
-    state = state_dict_from_native_flax(tree)  # every shape check, before anything is built
-    d_out, d_in = state["W_query.weight"].shape
-    heads = np.shape(tree["query"]["kernel"])[1]
+    """Our MultiHeadAttention from Flax's attention param tree: q/k/v kernels (d_in,
+    heads, head_dim) give d_in, num_heads and head_dim; the output kernel (heads,
+    head_dim, out) gives d_out = out (``head_dim=`` when heads * head_dim is another
+    width); query_ln/key_ln give qk_norm="layer" with ``qk_norm_eps`` and zero biases."""
+    state, norms, heads = _native_state(tree)  # every shape check, before anything is built
+    width, d_in = state["W_query.weight"].shape
+    d_out = state["out_proj.weight"].shape[0]
     if heads != num_heads:
         raise ValueError(f"num_heads={num_heads} but the query kernel {np.shape(tree['query']['kernel'])} "
                          f"has {heads} heads")
-    if state["out_proj.weight"].shape != (d_out, d_out):
-        raise ValueError(f"the output kernel gives {state['out_proj.weight'].shape[0]} features but the "
-                         f"heads give {d_out}: our out_proj is (d_out, d_out)")
-    check_float_arrays(state, "the attention params")
-    dtypes = {a.dtype for a in state.values()}
+    check_float_arrays({**state, **norms}, "the attention params")
+    dtypes = {a.dtype for a in (*state.values(), *norms.values())}
     if len(dtypes) != 1:
         raise ValueError(f"the attention params mix dtypes {sorted(map(str, dtypes))}")
     param_dtype = dtypes.pop()
     use_bias = "W_query.bias" in state
     if not use_bias:  # our out_proj always has a bias: a bias-free projection is a zero one
         state["out_proj.bias"] = np.zeros(d_out, param_dtype)
+    for name, scale in norms.items():  # normalize_qk's LayerNorms have no bias: a zero one
+        state[name] = scale
+        state[name.replace(".weight", ".bias")] = np.zeros_like(scale)
     kv_in = state["W_key.weight"].shape[1]  # in_kv_features (cross-attention), else d_in
     if state["W_value.weight"].shape[1] != kv_in:
         raise ValueError(f"the key and value kernels take {kv_in} and {state['W_value.weight'].shape[1]} "
                          "input features: Flax's attention has one in_kv_features")
-    width = None if kv_in == d_in else kv_in
+    kv_width = None if kv_in == d_in else kv_in
+    norm: dict[str, Any] = {"qk_norm": "layer", "qk_norm_eps": qk_norm_eps} if norms else {}
     module = MultiHeadAttention(
-        d_in, d_out, None, dropout, num_heads, use_bias, causal=False, kdim=width, vdim=width,
+        d_in, d_out, None, dropout, num_heads, use_bias, causal=False, kdim=kv_width, vdim=kv_width,
+        # heads of d_out // num_heads need no head_dim: one form for one module, so a round trip
+        # gives back the config it started from
+        head_dim=None if width == d_out else width // heads, **norm,
         dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
     )
     return load_torch_state_dict(module, state)
@@ -280,10 +337,15 @@ def from_nnx_multihead(m: nnx.MultiHeadAttention, *, rngs: nnx.Rngs | None = Non
     """Our Flax ``MultiHeadAttention`` with the weights and behaviour of an
     ``nnx.MultiHeadAttention``: ``d_in=in_features``, ``kdim=vdim=in_kv_features`` when it
     differs (cross-attention: ``m(x, context)`` is ``ours(x, context=context)``),
-    ``d_out=qkv_features``, ``num_heads``, ``qkv_bias=use_bias``, ``dropout=dropout_rate``,
-    ``dtype``, ``param_dtype`` (the kernels' dtype), ``precision``, ``causal=False``,
-    ``context_length=None``; ``deterministic`` when set.  ``use_bias=False`` gives a zero
-    ``out_proj`` bias (ours always has one).
+    ``d_out=out_features``, ``head_dim=qkv_features // num_heads`` when ``qkv_features !=
+    out_features`` (else None, the same heads), ``num_heads``, ``qkv_bias=use_bias``,
+    ``dropout=dropout_rate``, ``dtype``, ``param_dtype`` (the kernels' dtype),
+    ``precision``, ``causal=False``, ``context_length=None``; ``deterministic`` when set.
+    ``use_bias=False`` gives a zero ``out_proj`` bias (ours always has one).
+    ``normalize_qk=True`` (a LayerNorm without bias of each head's queries and keys, after
+    the projection) gives ``qk_norm="layer"``, ``qk_norm_scope="head"``,
+    ``qk_norm_eps`` = the norms' epsilon, ``q_norm``/``k_norm`` weights = their scales and
+    zero biases.
 
     Call it as ``ours(x, mask)`` where the native module was called ``m(x, mask=mask)``
     (the same polarity: True = attend); ``m(x, is_causal=True)`` is ``ours(x,
@@ -292,69 +354,111 @@ def from_nnx_multihead(m: nnx.MultiHeadAttention, *, rngs: nnx.Rngs | None = Non
     draws differ (ours drops each weight independently, Flax's ``broadcast_dropout=True``
     shares one draw over batch and heads).
 
+    What is imported is decided by an allow-list of the native constructor's options
+    (``_native_carries``): any other option not at its default is refused by name.
     ``rngs``: for the dropout stream, needed when ``dropout_rate > 0``.  Raises
-    ValueError, naming each, for what our module cannot express (``normalize_qk``,
-    ``decode``/a cache, grouped-query heads, ``out_features`` != ``qkv_features``, a custom ``attention_fn`` or matmul), before
-    building anything; TypeError for another module type.
+    ValueError, naming each, for what our module cannot express (``decode``/a cache,
+    grouped-query heads, a custom ``attention_fn``, matmul or dtype promotion, query and
+    key norms of two epsilons, a tuple ``in_features``), before building anything;
+    TypeError for another module type.
     """
     if not isinstance(m, nnx.MultiHeadAttention):
         raise TypeError(f"from_nnx_multihead takes an nnx.MultiHeadAttention; got {type(m).__name__}")
-    _refuse("nnx.MultiHeadAttention options that our MultiHeadAttention cannot express",
-            _native_problems(m, _default_attention_fn()))
+    problems = refusals(*native_options(m, nnx.MultiHeadAttention), _native_carries(_default_attention_fn()), m,
+                        "our MultiHeadAttention")
+    if getattr(m, "cached_key", None) is not None:
+        problems.append("an initialised decode cache (cached_key/cached_value)")
+    _refuse("nnx.MultiHeadAttention options that our MultiHeadAttention cannot express", problems)
     rngs = _rngs_for(m.dropout_rate, rngs, "the nnx.MultiHeadAttention")
+    roles = ("query", "key", "value", "out", *(_NATIVE_NORMS if m.normalize_qk else ()))
     tree = {role: {name: as_numpy(getattr(getattr(m, role), name)[...])
-                   for name in ("kernel", "bias") if getattr(getattr(m, role), name, None) is not None}
-            for role in ("query", "key", "value", "out")}
+                   for name in ("kernel", "bias", "scale") if getattr(getattr(m, role), name, None) is not None}
+            for role in roles}
+    eps = m.query_ln.epsilon if m.query_ln is not None else _layer_norm_epsilon(linen=False)
     module: Any = _our_module_from_native(tree, num_heads=m.num_heads, dropout=m.dropout_rate, dtype=m.dtype,
-                                     precision=m.precision, rngs=rngs)
+                                          precision=m.precision, rngs=rngs, qk_norm_eps=float(eps))
     if m.deterministic is not None and m.dropout_rate > 0.0:
         module.dropout.deterministic = bool(m.deterministic)
     return module
 
 
-def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: str) -> tuple[dict, bool]:
+def _flax_scale(spec: AttentionConfig) -> str | None:
+    head_dim = cast(int, spec.head_dim)
+    if spec.scale is None or abs(spec.scale * math.sqrt(head_dim) - 1.0) <= 1e-12:
+        return None
+    return f"scale={spec.scale} (Flax's attention scales by 1/sqrt(head_dim) = {1 / math.sqrt(head_dim)})"
+
+
+def _flax_carries(what: str, allow_causal: bool, eps: float) -> dict[str | tuple[str, ...], Check]:
+    """What Flax's own attention (``what``: nnx's or Linen's) reproduces of our
+    MultiHeadAttention, option by option (the allow-list of ``attention_spec.native``):
+    any other option of ours that is not at its default (``softcap``, ``window``,
+    ``rope``, ``sinks``, ``qk_norm_offset``, an option added later) is refused by name.
+    ``eps``: the epsilon of normalize_qk's LayerNorms."""
+    return {
+        "out_proj": lambda s: None if s.out_proj else (
+            "out_proj=False (Flax's attention always has an output projection)"),
+        "causal": lambda s: None if allow_causal or not s.causal else (
+            "causal=True (Flax's module takes causality per call: pass allow_causal=True and call it with "
+            "is_causal=True or a causal mask)"),
+        ("kdim", "vdim"): lambda s: None if s.kdim == s.vdim else (
+            f"kdim={s.kdim} != vdim={s.vdim} (Flax's attention has one in_kv_features)"),
+        "num_kv_heads": lambda s: None if s.kv_heads == s.num_heads else (
+            f"num_kv_heads={s.num_kv_heads} (grouped-query heads; Flax's MultiHeadAttention has one key/value "
+            "head per query head)"),
+        # normalize_qk: a LayerNorm without bias of each head (zero biases: checked on the weights)
+        "qk_norm": lambda s: None if s.qk_norm in (None, "layer") else (
+            f"qk_norm={s.qk_norm!r} ({what}'s normalize_qk is a LayerNorm without bias of each head: only "
+            "qk_norm=None or 'layer')"),
+        "qk_norm_scope": lambda s: None if s.qk_norm is None or s.qk_norm_scope == "head" else (
+            f"qk_norm_scope={s.qk_norm_scope!r} ({what}'s normalize_qk normalises each head: only 'head')"),
+        "qk_norm_eps": lambda s: None if s.qk_norm is None or s.qk_norm_eps == eps else (
+            f"qk_norm_eps={s.qk_norm_eps!r} ({what}'s normalize_qk has epsilon {eps!r})"),
+        "scale": _flax_scale,
+        # widths: in_features, qkv_features = num_heads * head_dim, out_features
+        ("d_in", "d_out", "num_heads", "head_dim", "out_features"): ANY,
+        # use_bias: all or none, zero ones added or (checked on the weights) dropped
+        ("qkv_bias", "out_bias"): ANY,
+        "dropout": ANY,
+        "context_length": ANY,  # a cap on the input, not part of the computation: not kept
+        "mask_strategy": ANY,  # every path computes "renormalize" in the "fill" form: the same numbers
+        "implementation": ANY,  # which of our paths computes it; all of them are under the parity harness
+    }
+
+
+def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: str,
+                 linen: bool = False) -> tuple[dict, bool]:
     """Our MultiHeadAttention -> (Flax's attention param tree of NumPy arrays, use_bias),
-    after every check."""
+    after every check; query_ln/key_ln in the tree with qk_norm="layer"."""
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(f"{what} takes our MultiHeadAttention; got {type(module).__name__}")
     spec = module.spec
-    problems = []
-    if not spec.out_proj:
-        problems.append("out_proj=False (Flax's attention always has an output projection)")
-    if spec.causal and not allow_causal:
-        problems.append("causal=True (Flax's module takes causality per call: pass allow_causal=True and "
-                        "call it with is_causal=True or a causal mask)")
-    if spec.kdim != spec.vdim:
-        problems.append(f"kdim={spec.kdim} != vdim={spec.vdim} (Flax's attention has one in_kv_features)")
-    if spec.kv_heads != spec.num_heads:
-        problems.append(f"num_kv_heads={spec.num_kv_heads} (grouped-query heads; Flax's "
-                        "MultiHeadAttention has one key/value head per query head)")
-    if spec.qk_norm is not None:
-        problems.append(f"qk_norm={spec.qk_norm!r} (Flax's attention has no query/key norm)")
-    if spec.rope is not None:
-        problems.append("rope= (Flax's MultiHeadAttention has no rotary position embeddings)")
-    if spec.sinks:
-        problems.append("sinks=True (Flax's MultiHeadAttention has no attention sinks)")
-    head_dim = cast(int, spec.head_dim)
-    if spec.scale is not None and abs(spec.scale * math.sqrt(head_dim) - 1.0) > 1e-12:
-        problems.append(f"scale={spec.scale} (Flax's attention scales by 1/sqrt(head_dim) = "
-                        f"{1 / math.sqrt(head_dim)})")
+    problems = spec_refusals(spec, _flax_carries(what, allow_causal, _layer_norm_epsilon(linen)), what)
     if use_bias is not None and not isinstance(use_bias, bool):
         raise TypeError(f"use_bias must be None or a bool; got {use_bias!r}")
     bias = spec.qkv_bias if use_bias is None else use_bias
     state = torch_state_dict(module)
     if not bias:  # every bias dropped must be zero, or the module would change
-        nonzero = [name for name, a in state.items() if name.endswith(".bias") and np.any(a != 0)]
+        nonzero = [name for name, a in state.items()
+                   if name.endswith(".bias") and name.split(".")[0] in _PROJECTIONS and np.any(a != 0)]
         if nonzero:
             problems.append(f"nonzero biases {', '.join(nonzero)} with use_bias=False (Flax's attention has "
                             "all biases or none; pass use_bias=True to export zero q/k/v biases)")
+    norms = {role: f"{ours}.weight" for role, ours in _NATIVE_NORMS.items()} if spec.qk_norm == "layer" else {}
+    nonzero = [name.replace(".weight", ".bias") for name in norms.values()
+               if np.any(state[name.replace(".weight", ".bias")] != 0)]
+    if nonzero:
+        problems.append(f"nonzero biases {', '.join(nonzero)} ({what}'s normalize_qk LayerNorm has no bias)")
     _refuse(f"our MultiHeadAttention options that {what} cannot express", problems)
     if bias and not spec.qkv_bias:  # exact: a zero bias adds nothing
         for name in ("W_query", "W_key", "W_value"):
             state[f"{name}.bias"] = np.zeros(cast(int, spec.width), state[f"{name}.weight"].dtype)
     if bias and not spec.out_bias:  # out_bias=False: likewise a zero output bias
         state["out_proj.bias"] = np.zeros(cast(int, spec.fan_out("out")), state["out_proj.weight"].dtype)
-    return native_flax_params(state, spec.num_heads, use_bias=bias), bias
+    projections = {name: a for name, a in state.items() if name.split(".")[0] in _PROJECTIONS}
+    tree = native_flax_params(projections, spec.num_heads, use_bias=bias)
+    tree.update({role: {"scale": np.array(state[name])} for role, name in norms.items()})
+    return tree, bias
 
 
 def to_nnx_multihead(
@@ -368,7 +472,10 @@ def to_nnx_multihead(
     weights: ``in_features=d_in``, ``qkv_features=out_features=d_out`` (free widths:
     ``qkv_features=num_heads * head_dim``, ``out_features`` ours), ``num_heads``,
     ``dropout_rate``, ``dtype``, ``param_dtype``, ``precision``, ``deterministic`` (from
-    the module's mode).  ``from_nnx_multihead`` undoes it bit-exactly.
+    the module's mode); ``qk_norm="layer"`` (per head, epsilon 1e-6, zero biases) as
+    ``normalize_qk=True`` with ``query_ln``/``key_ln`` scales = our ``q_norm``/``k_norm``
+    weights.  ``from_nnx_multihead`` undoes it bit-exactly (every weight; ``out_bias=False``
+    comes back as a zero output bias when ``use_bias``).
 
     ``use_bias``: None = ``qkv_bias``.  With ``qkv_bias=False`` our ``out_proj`` still
     has a bias: a nonzero one is refused unless ``use_bias=True``, which exports zero
@@ -377,9 +484,14 @@ def to_nnx_multihead(
     ``mask=causal_mask(T)``) every time.  ``context_length`` is not carried (Flax's
     module has no cap).  ``rngs``: needed when ``dropout > 0``.
 
-    Raises ValueError, naming each, for what the native module cannot express
-    (``out_proj=False``, a scale other than 1/sqrt(head_dim), ``causal`` without
-    ``allow_causal``, dropped nonzero biases) before building anything.
+    What is exported is decided by an allow-list (``_flax_carries``): the options that
+    Flax's attention reproduces, with the values it supports; every other option of ours
+    that is not at its default (``softcap``, ``window``, ``rope``, ``sinks``, ..., and any
+    option added later) is refused by name.  Raises ValueError, naming each, for what the
+    native module cannot express (``out_proj=False``, a scale other than
+    1/sqrt(head_dim), ``causal`` without ``allow_causal``, grouped-query heads, two kv
+    widths, a qk-norm other than normalize_qk's, dropped nonzero biases, any option
+    outside the allow-list not at its default) before building anything.
     """
     tree, bias = _native_tree(module, use_bias, allow_causal, "nnx.MultiHeadAttention")
     spec = module.spec
@@ -390,12 +502,12 @@ def to_nnx_multihead(
         in_kv_features=spec.kdim,
         dtype=module.dtype, param_dtype=module.param_dtype, dropout_rate=spec.dropout,
         deterministic=None if dropout is None else dropout.deterministic,
-        precision=module.precision, use_bias=bias, decode=False, rngs=rngs,
+        precision=module.precision, use_bias=bias, decode=False, normalize_qk="query_ln" in tree, rngs=rngs,
     )
-    ready = {(role, name): jnp.array(a, dtype=getattr(m, role).kernel[...].dtype)
-             for role, node in tree.items() for name, a in node.items()}
-    for (role, name), value in ready.items():
-        getattr(getattr(m, role), name)[...] = value
+    variables = {(role, name): getattr(getattr(m, role), name) for role, node in tree.items() for name in node}
+    ready = {key: jnp.array(tree[key[0]][key[1]], dtype=v[...].dtype) for key, v in variables.items()}
+    for key, value in ready.items():
+        variables[key][...] = value
     return m
 
 
@@ -426,21 +538,24 @@ def from_linen_multihead_params(
     params: ``{"query"|"key"|"value": {"kernel": (d_in, heads, head_dim), "bias": (heads,
     head_dim)}, "out": {"kernel": (heads, head_dim, d_out), "bias": (d_out,)}}`` (or the
     ``{"params": ...}`` variables that ``init`` returns; biases absent for
-    ``use_bias=False``).  ``num_heads`` is read from the kernels (checked if given);
+    ``use_bias=False``; ``"query_ln"``/``"key_ln"``: ``{"scale": (head_dim,)}`` with
+    ``normalize_qk=True``, imported as ``qk_norm="layer"`` with Linen's LayerNorm epsilon
+    and zero biases).  ``num_heads`` is read from the kernels (checked if given);
+    ``d_out`` is the output kernel's width (``head_dim=`` when heads * head_dim differs);
     ``param_dtype`` is the params' dtype; ``dropout``, ``dtype`` and ``precision`` are the
     Linen module's ``dropout_rate``, ``dtype`` and ``precision`` (the params do not hold
     them).  ``causal=False``, ``context_length=None``; behaviour as ``from_nnx_multihead``.
 
     Raises ValueError for a tree that is not Linen's attention (missing or unexpected
-    entries, shapes that disagree, biases on some projections only, out features !=
-    heads * head_dim, mixed dtypes) before building anything.
+    entries, shapes that disagree, biases on some projections only, one query/key norm
+    without the other, mixed dtypes) before building anything.
     """
     tree = _linen_tree(params)
-    state_dict_from_native_flax(tree)  # the tree's own checks, with their messages
-    heads = int(np.shape(tree["query"]["kernel"])[1])
+    _, _, heads = _native_state(tree)  # the tree's own checks, with their messages
     rngs = _rngs_for(dropout, rngs, "the Linen attention")
     return _our_module_from_native(tree, num_heads=heads if num_heads is None else num_heads,
-                                   dropout=dropout, dtype=dtype, precision=precision, rngs=rngs)
+                                   dropout=dropout, dtype=dtype, precision=precision, rngs=rngs,
+                                   qk_norm_eps=_layer_norm_epsilon(linen=True))
 
 
 def to_linen_multihead_params(module: nnx.Module, *, use_bias: bool | None = None,
@@ -449,7 +564,7 @@ def to_linen_multihead_params(module: nnx.Module, *, use_bias: bool | None = Non
     params ({"query": {"kernel", "bias"}, "key", "value", "out"}, JAX arrays; apply with
     ``{"params": ...}``); the module to apply them with is ``to_linen_multihead``'s.
     ``use_bias``, ``allow_causal`` and the refusals as ``to_nnx_multihead``."""
-    tree, _ = _native_tree(module, use_bias, allow_causal, "Linen MultiHeadDotProductAttention")
+    tree, _ = _native_tree(module, use_bias, allow_causal, "Linen MultiHeadDotProductAttention", linen=True)
     return {role: {name: jnp.array(a) for name, a in node.items()} for role, node in tree.items()}
 
 
@@ -457,9 +572,9 @@ def to_linen_multihead(module: Any, *, use_bias: bool | None = None,
                        allow_causal: bool = False) -> tuple[Any, dict[str, Any]]:
     """(a Linen ``MultiHeadDotProductAttention``, its ``{"params": ...}``) with our
     ``MultiHeadAttention``'s weights and options (``num_heads``, ``qkv_features =
-    out_features = d_out``, ``dropout_rate``, ``dtype``, ``param_dtype``, ``precision``,
-    ``use_bias``, ``decode=False``); ``module.apply(variables, x)`` runs it.  Refusals as
-    ``to_nnx_multihead``."""
+    out_features = d_out`` or the free widths, ``dropout_rate``, ``dtype``, ``param_dtype``,
+    ``precision``, ``use_bias``, ``normalize_qk`` for ``qk_norm="layer"``, ``decode=False``);
+    ``module.apply(variables, x)`` runs it.  Refusals as ``to_nnx_multihead``."""
     import flax.linen as nn
 
     params = to_linen_multihead_params(module, use_bias=use_bias, allow_causal=allow_causal)
@@ -468,6 +583,7 @@ def to_linen_multihead(module: Any, *, use_bias: bool | None = None,
         num_heads=spec.num_heads, dtype=module.dtype, param_dtype=module.param_dtype,
         qkv_features=spec.width, out_features=spec.fan_out("out"), dropout_rate=spec.dropout,
         precision=module.precision, use_bias="bias" in params["query"], decode=False,
+        normalize_qk="query_ln" in params,
     )
     return linen, {"params": params}
 
@@ -475,14 +591,20 @@ def to_linen_multihead(module: Any, *, use_bias: bool | None = None,
 def from_linen_multihead(linen: Any, variables: Mapping[str, Any], *, rngs: nnx.Rngs | None = None) -> nnx.Module:
     """Our Flax ``MultiHeadAttention`` from a Linen ``MultiHeadDotProductAttention`` and its
     variables (``init``'s ``{"params": ...}``): its options are read from the module
-    (``num_heads``, ``dropout_rate``, ``dtype``, ``precision``) and refused, naming each,
-    where ours cannot express them, as ``from_nnx_multihead``."""
+    (``num_heads``, ``dropout_rate``, ``dtype``, ``precision``, ``normalize_qk``, which the
+    params' ``query_ln``/``key_ln`` must agree with) and refused, naming each, where ours
+    cannot express them, as ``from_nnx_multihead`` (an allow-list of its fields)."""
     import flax.linen as nn
 
     if not isinstance(linen, nn.MultiHeadDotProductAttention):
         raise TypeError(f"from_linen_multihead takes a MultiHeadDotProductAttention; got {type(linen).__name__}")
-    _refuse("Linen MultiHeadDotProductAttention options that our MultiHeadAttention cannot express",
-            _native_problems(linen, _linen_attention_fn()))
+    problems = refusals(*native_options(linen, nn.MultiHeadDotProductAttention),
+                        _native_carries(_linen_attention_fn()), linen, "our MultiHeadAttention")
+    params = variables.get("params", variables) if isinstance(variables, Mapping) else variables
+    if isinstance(params, Mapping) and bool(linen.normalize_qk) != ("query_ln" in params):
+        problems.append(f"normalize_qk={linen.normalize_qk} but the params {'lack' if linen.normalize_qk else 'hold'} "
+                        "query_ln/key_ln")
+    _refuse("Linen MultiHeadDotProductAttention options that our MultiHeadAttention cannot express", problems)
     module: Any = from_linen_multihead_params(variables, num_heads=linen.num_heads, dropout=linen.dropout_rate,
                                          dtype=linen.dtype, precision=linen.precision, rngs=rngs)
     if linen.deterministic is not None and linen.dropout_rate > 0.0:

@@ -38,7 +38,9 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
+from attention_spec.native import ANY, Check, native_options, refusals, spec_refusals
 from attention_spec.packing import nn_multihead_rules, not_ours_message, packed_state_dict
+from attention_spec.registry import AttentionConfig
 from attention_spec.specs import run_rules
 from torch_attention._base import AttentionModule
 from torch_attention._hf import from_hf, supported_hf_classes, to_hf
@@ -179,6 +181,20 @@ def load_packed_qkv(
 # --------------------------------------------------------------------------- nn.MultiheadAttention
 
 
+# What our MultiHeadAttention reproduces of nn.MultiheadAttention's constructor options
+# (those it keeps as attributes; ``bias`` and ``add_bias_kv`` are read from its
+# parameters): any other one not at its default (``add_zero_attn=True``, an option added
+# to torch later) is refused by name.
+_FROM_NN_MULTIHEAD_CARRIES: dict[str | tuple[str, ...], Check] = {
+    "embed_dim": ANY,
+    "num_heads": ANY,
+    "dropout": ANY,
+    "kdim": ANY,
+    "vdim": ANY,
+    "batch_first": ANY,  # ours is batch-first: the caller transposes (see below)
+}
+
+
 def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
     """A ``torch.nn.MultiheadAttention`` -> our ``MultiHeadAttention`` with the same
     weights (copied exactly), dropout rate, dtype, device and train/eval mode:
@@ -197,8 +213,10 @@ def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
     has no ``out_proj`` bias, ours always has one: it is imported as zeros (the same
     function; ``to_nn_multihead`` maps it back to ``bias=False``).
 
-    Raises TypeError for another class; ValueError, naming the option, for
-    ``add_bias_kv=True`` and ``add_zero_attn=True`` (no equivalent here).  Separate q/k/v
+    Raises TypeError for another class; ValueError, naming each option, for
+    ``add_bias_kv=True`` and ``add_zero_attn=True`` (no equivalent here), and for any
+    constructor option outside the allow-list (``_FROM_NN_MULTIHEAD_CARRIES``) that is not
+    at its default.  Separate q/k/v
     weights (``q_proj_weight``, ...; torch's layout when kdim/vdim differ from embed_dim)
     are read like ``in_proj_weight``'s three blocks.
     The call draws no random numbers (the new module is built on the meta device).
@@ -206,11 +224,10 @@ def from_nn_multihead(mha: nn.MultiheadAttention) -> MultiHeadAttention:
     if not isinstance(mha, nn.MultiheadAttention):
         raise TypeError(f"from_nn_multihead takes a torch.nn.MultiheadAttention; got {type(mha).__name__}")
     embed_dim, num_heads = int(mha.embed_dim), int(mha.num_heads)
-    problems = []
-    if mha.bias_k is not None or mha.bias_v is not None:
-        problems.append("add_bias_kv=True (learned bias key/value rows appended to the sequence)")
-    if mha.add_zero_attn:
-        problems.append("add_zero_attn=True (a zero key/value row appended to the sequence)")
+    problems = refusals(*native_options(mha, nn.MultiheadAttention), _FROM_NN_MULTIHEAD_CARRIES, mha,
+                        "our MultiHeadAttention")
+    if mha.bias_k is not None or mha.bias_v is not None:  # add_bias_kv is kept as these parameters
+        problems.insert(0, "add_bias_kv=True (learned bias key/value rows appended to the sequence)")
     kdim, vdim = int(mha.kdim), int(mha.vdim)
     if mha.in_proj_weight is None:
         shapes = [tuple(w.shape) for w in (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)]
@@ -243,6 +260,50 @@ def _linears(module: MultiHeadAttention) -> tuple[list[nn.Linear], nn.Linear | N
     return qkv, cast("nn.Linear | None", module.out_proj)
 
 
+def _nn_multihead_scale(spec: AttentionConfig) -> str | None:
+    head_dim = cast(int, spec.head_dim)
+    if spec.scale is None or math.isclose(spec.scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
+        return None
+    return f"scale={spec.scale!r} (nn.MultiheadAttention scales by 1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim)!r})"
+
+
+def _nn_multihead_widths(spec: AttentionConfig) -> str | None:
+    if spec.width == spec.d_out and spec.fan_out("out") == spec.d_out:
+        return None
+    return (f"head_dim={spec.head_dim}, out_features={spec.fan_out('out')} with d_out={spec.d_out} "
+            "(nn.MultiheadAttention's heads split embed_dim, and its out_proj maps embed_dim to embed_dim)")
+
+
+# What nn.MultiheadAttention reproduces of our MultiHeadAttention, option by option (the
+# allow-list of ``attention_spec.native``): any other option of ours that is not at its
+# default is refused by name, so an option added later is refused until declared here.
+_NN_MULTIHEAD_CARRIES: dict[str | tuple[str, ...], Check] = {
+    "causal": lambda s: None if not s.causal else (
+        "causal=True (nn.MultiheadAttention takes a causal mask per call, attn_mask or is_causal; "
+        "build the module with causal=False)"),
+    "out_proj": lambda s: None if s.out_proj else "out_proj=False (nn.MultiheadAttention always has an output "
+                                                  "projection)",
+    ("d_in", "d_out"): lambda s: None if s.d_in == s.d_out else (
+        f"d_in={s.d_in} != d_out={s.d_out} (nn.MultiheadAttention maps embed_dim to embed_dim)"),
+    "scale": _nn_multihead_scale,
+    "num_kv_heads": lambda s: None if s.kv_heads == s.num_heads else (
+        f"num_kv_heads={s.num_kv_heads} (grouped-query heads; nn.MultiheadAttention has one key/value head per "
+        "query head)"),
+    ("head_dim", "out_features"): _nn_multihead_widths,
+    # one bias switch: a bias-free out_proj with qkv_bias=False, or (checked on the
+    # weights) a zero one, goes out as bias=False
+    ("qkv_bias", "out_bias"): lambda s: None if s.out_bias or not s.qkv_bias else (
+        "out_bias=False with qkv_bias=True (nn.MultiheadAttention's one bias switch gives both or neither)"),
+    "num_heads": ANY,
+    "dropout": ANY,
+    "kdim": ANY,
+    "vdim": ANY,
+    "context_length": ANY,  # a cap on the input, not part of the computation: not kept
+    "mask_strategy": ANY,  # every path computes "renormalize" in the "fill" form: the same numbers
+    "implementation": ANY,  # which of our paths computes it; all of them are under the parity harness
+}
+
+
 def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
     """Our ``MultiHeadAttention`` -> a ``torch.nn.MultiheadAttention`` with the same weights
     (copied exactly, ``in_proj_weight`` = [W_query; W_key; W_value]), dropout rate,
@@ -252,53 +313,25 @@ def to_nn_multihead(module: MultiHeadAttention, *, batch_first: bool = True) -> 
     switch for both) and is dropped.  ``context_length`` (a cap on the input, not part of
     the computation) is not kept: ``nn.MultiheadAttention`` has none.
 
-    Raises TypeError for another class; ValueError, naming each option, for what
+    What is exported is decided by an allow-list (``_NN_MULTIHEAD_CARRIES``): the options
+    that ``nn.MultiheadAttention`` reproduces, with the values it supports; every other
+    option of ours that is not at its default (``softcap``, ``window``, ``qk_norm``,
+    ``rope``, ``sinks``, ..., and any option added later) is refused by name.
+
+    Raises TypeError for another class; ValueError naming every option that
     ``nn.MultiheadAttention`` cannot express: ``causal=True`` (it takes the causal mask per
     call: pass ``attn_mask``/``is_causal`` there, or build ours with ``causal=False``),
     ``out_proj=False``, ``d_in != d_out``, a ``scale`` other than 1/sqrt(head_dim), a
     nonzero ``out_proj`` bias with ``qkv_bias=False``, ``out_bias=False`` with
-    ``qkv_bias=True``, a ``head_dim`` or ``out_features`` other than
-    ``d_out``'s.  Nothing is built before every
-    check passed; the call draws no random numbers.
+    ``qkv_bias=True``, a ``head_dim`` or ``out_features`` other than ``d_out``'s, and any
+    option outside the allow-list that is not at its default.  Nothing is built before
+    every check passed; the call draws no random numbers.
     """
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(f"to_nn_multihead takes torch_attention.MultiHeadAttention; got {type(module).__name__}")
     spec = module.spec
     qkv, out_proj = _linears(module)
-    problems = []
-    if spec.causal:
-        problems.append(
-            "causal=True (nn.MultiheadAttention takes a causal mask per call, attn_mask or is_causal; "
-            "build the module with causal=False)"
-        )
-    if out_proj is None:
-        problems.append("out_proj=False (nn.MultiheadAttention always has an output projection)")
-    if spec.d_in != spec.d_out:
-        problems.append(f"d_in={spec.d_in} != d_out={spec.d_out} (nn.MultiheadAttention maps embed_dim to embed_dim)")
-    if spec.qk_norm is not None:
-        problems.append(f"qk_norm={spec.qk_norm!r} (nn.MultiheadAttention has no query/key norm)")
-    head_dim = cast(int, spec.head_dim)
-    if spec.scale is not None and not math.isclose(spec.scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
-        problems.append(
-            f"scale={spec.scale!r} (nn.MultiheadAttention scales by 1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim)!r})"
-        )
-    if spec.kv_heads != spec.num_heads:
-        problems.append(
-            f"num_kv_heads={spec.num_kv_heads} (grouped-query heads; nn.MultiheadAttention has one key/value "
-            "head per query head)"
-        )
-    if spec.width != spec.d_out or spec.fan_out("out") != spec.d_out:
-        problems.append(
-            f"head_dim={head_dim}, out_features={spec.fan_out('out')} with d_out={spec.d_out} "
-            "(nn.MultiheadAttention's heads split embed_dim, and its out_proj maps embed_dim to embed_dim)"
-        )
-    if spec.rope is not None:
-        problems.append("rope= (nn.MultiheadAttention has no rotary position embeddings)")
-    if spec.sinks:
-        problems.append("sinks=True (nn.MultiheadAttention has no attention sinks)")
-    if spec.qkv_bias and not spec.out_bias:
-        problems.append("out_bias=False with qkv_bias=True (nn.MultiheadAttention's one bias switch gives "
-                        "both or neither)")
+    problems = spec_refusals(spec, _NN_MULTIHEAD_CARRIES, "nn.MultiheadAttention")
     if not spec.qkv_bias and out_proj is not None and out_proj.bias is not None and bool(
             out_proj.bias.detach().ne(0).any()):
         problems.append(

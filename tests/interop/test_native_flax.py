@@ -208,7 +208,6 @@ def test_dropout_rate_and_mode_carry_over() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"normalize_qk": True}, "normalize_qk=True"),
         ({"decode": True}, "decode=True"),
         ({"num_kv_heads": 1}, "num_kv_heads=1 != num_heads=2"),
         ({"attention_fn": lambda *a, **k: None}, "attention_fn="),
@@ -247,9 +246,9 @@ def test_to_nnx_refuses_grouped_heads_and_two_kv_widths() -> None:
 
 
 def test_from_nnx_refusals_are_listed_together() -> None:
-    native = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D_IN, qkv_features=D_OUT, out_features=4,
-                                    normalize_qk=True, decode=False, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"(?s)normalize_qk=True.*out_features=4 != qkv_features=8"):
+    native = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D_IN, qkv_features=D_OUT, num_kv_heads=1,
+                                    decode=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"(?s)decode=True.*num_kv_heads=1 != num_heads=2"):
         interop.from_nnx_multihead(native)
     cached = _native_nnx()
     cached.init_cache((B, T, D_IN))
@@ -371,12 +370,9 @@ def test_from_linen_errors_before_building() -> None:
                                "bias": params["out"]["bias"].astype(jnp.bfloat16)}}
     with pytest.raises(ValueError, match="mix dtypes"):
         interop.from_linen_multihead_params(mixed)
-    wide, wide_vars = _linen(out_features=4)
-    with pytest.raises(ValueError, match="out_features=4 != qkv_features=8"):
-        interop.from_linen_multihead(wide, wide_vars)
-    with pytest.raises(ValueError, match="our out_proj is"):
-        interop.from_linen_multihead_params(wide_vars)
-    with pytest.raises(ValueError, match="normalize_qk=True"):
+    with pytest.raises(ValueError, match="hold query_ln without key_ln"):
+        interop.from_linen_multihead_params({**params, "query_ln": {"scale": jnp.ones(D_OUT // HEADS)}})
+    with pytest.raises(ValueError, match="normalize_qk=True but the params lack query_ln"):
         interop.from_linen_multihead(nn.MultiHeadDotProductAttention(num_heads=HEADS, normalize_qk=True),
                                      variables)
 

@@ -348,17 +348,20 @@ def test_nn_multihead_refuses_qk_norm() -> None:
     from torch_attention.interop import to_nn_multihead
 
     module = torch_attention.MultiHeadAttention(**{**BASE, "causal": False, "qk_norm": "rms"})
-    with pytest.raises(ValueError, match=re.escape("qk_norm='rms' (nn.MultiheadAttention has no query/key norm)")):
+    with pytest.raises(ValueError, match=re.escape("qk_norm='rms' (nn.MultiheadAttention cannot express it")):
         to_nn_multihead(module)
 
 
 @needs_jax
-def test_nnx_multihead_refuses_qk_norm() -> None:
+def test_nnx_multihead_refuses_qk_norm_other_than_normalize_qk() -> None:
+    """Flax's normalize_qk is a LayerNorm without bias of each head: qk_norm="layer" goes out
+    as it (tests/interop/test_probe_exporters.py), an RMSNorm is refused by name."""
     from flax import nnx
 
     import jax_attention
     from jax_attention.interop import to_nnx_multihead
 
-    module = jax_attention.MultiHeadAttention(**{**BASE, "causal": False, "qk_norm": "layer"}, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=re.escape("qk_norm='layer' (Flax's attention has no query/key norm)")):
+    module = jax_attention.MultiHeadAttention(**{**BASE, "causal": False, "qk_norm": "rms"}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=re.escape("qk_norm='rms' (nnx.MultiHeadAttention's normalize_qk is a "
+                                                   "LayerNorm without bias of each head")):
         to_nnx_multihead(module)

@@ -450,9 +450,9 @@ def test_the_native_exports_refuse_rope() -> None:
     from torch_attention import interop as torch_interop
 
     torch_m, flax_m = _pair(num_kv_heads=None, head_dim=None, out_bias=True, causal=False)
-    with pytest.raises(ValueError, match=re.escape("rope= (nn.MultiheadAttention has no rotary")):
+    with pytest.raises(ValueError, match=re.escape("(nn.MultiheadAttention cannot express it; only rope=None")):
         torch_interop.to_nn_multihead(torch_m)
-    with pytest.raises(ValueError, match=re.escape("rope= (Flax's MultiHeadAttention has no rotary")):
+    with pytest.raises(ValueError, match=re.escape("(nnx.MultiHeadAttention cannot express it; only rope=None")):
         jax_interop.to_nnx_multihead(flax_m)
 
 
