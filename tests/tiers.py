@@ -57,6 +57,8 @@ QUICK_STAND_INS: dict[str, str] = {
         E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
     H + "test_whole_ports.py::test_a_norm_epsilon_planted_in_layer_1_is_named_there":
         E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    I + "test_from_hf.py::test_locate_divergence_finds_each_family_clean_with_no_module_map":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
     H + "test_whole_ports.py::test_left_padding_without_rows_points_to_rows":
         H + "test_harness_rows.py::test_padded_rows_fail_without_rows_outputs_and_gradients",
     H + "test_whole_ports.py::test_gpt2s_packed_conv1d_and_tied_weights_are_derived":

@@ -289,6 +289,62 @@ def test_every_implementation(name: str, implementation: str) -> None:
 
 
 @needs_both
+@pytest.mark.parametrize("name", FAMILIES)
+def test_locate_divergence_finds_each_family_clean_with_no_module_map(name: str) -> None:
+    """Issue 40: ``locate_divergence`` cried wolf on correct ports (Qwen3's qk-norms see
+    (B, T, H, D), ours (B, T, H * D)).  Every family's layer, held at ``attn`` of a model
+    and called as its model calls it, against ``to_flax(from_hf(layer))`` held there too:
+    Hugging Face's children paired with ours without a ``module_map`` (``q_proj`` with
+    ``W_query``; BERT's ``self.query``; the qk-norms in either head layout), nothing
+    diverges forward or backward, and every pair of ours with a counterpart is compared."""
+    import torch
+    from flax import nnx
+
+    from parity_tests import locate_divergence, to_flax
+    from torch_attention.interop import from_hf
+
+    case = _layer(name)
+    valid = np.ones((2, SEQ), bool)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = case.layer
+
+        def forward(self, x: Any, positions: Any) -> Any:
+            mask = _hf_mask(case, valid)
+            if name == "bert":
+                return self.attn.output.dense(self.attn.self(x, attention_mask=mask)[0])
+            if case.rope:
+                return self.attn(x, position_embeddings=_rotary(case, x, positions), attention_mask=mask)
+            return self.attn(x, attention_mask=mask)
+
+    class Port(nnx.Module):
+        def __init__(self) -> None:
+            self.attn = to_flax(from_hf(case.layer))
+
+        def __call__(self, x: Any, positions: Any) -> Any:
+            if name == "bert":
+                return self.attn(x)
+            kwargs = {"positions": positions} if case.rope else {}
+            return self.attn(x, return_weights=True, **kwargs)
+
+    x = np.random.default_rng(3).standard_normal((2, SEQ, HIDDEN)).astype(np.float32)
+    positions = np.repeat(FIRST_POSITION + np.arange(SEQ)[None], 2, axis=0).astype(np.int64)
+    report = locate_divergence(Model(), Port(), x, positions)
+    assert report.ok and report.backward_checked, str(report)
+    unpaired = {"attn.rope"} | ({"attn.W_query", "attn.W_key", "attn.W_value"} if name in PACKED else set())
+    unpaired |= {"attn"} if name == "bert" else set()  # BERT's model calls the layer's parts, not the layer
+    assert set(report.flax_only) <= unpaired, str(report)
+    compared = {p.flax_path[-1] for p in report.pairs if len(p.flax_path) == 2}
+    assert {"out_proj"} <= compared and ({"W_query", "W_key", "W_value"} <= compared) == (name not in PACKED), \
+        str(report)
+
+
+PACKED = ("gpt2", "gpt-neox", "phi3")  # one q/k/v weight: no module of ours to pair with
+
+
+@needs_both
 def test_bert_s_residual_and_layer_norm_stay_the_caller_s() -> None:
     """BertAttention is LayerNorm(dropout(dense(attn)) + x): ours is dense(attn); the
     caller adds x and applies ``layer.output.LayerNorm`` (eval: no dropout)."""
