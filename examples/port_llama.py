@@ -33,6 +33,7 @@ from examples._proof import (
     tokens,
 )
 from parity_tests import copy_params, infer_param_map, to_flax
+from parity_tests.causal_lm import generate_positions
 from torch_attention.interop import from_hf
 
 VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, INNER, LAYERS, POSITIONS = 96, 64, 4, 2, 16, 128, 2, 1024
@@ -111,6 +112,12 @@ class DecoderLayer(nnx.Module):
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def step(self, x: jax.Array, mask: jax.Array, positions: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+        """The layer on new tokens with its KV cache: ``(x, cache) -> (x, new cache)``."""
+        attended, cache = self.self_attn(self.input_layernorm(x), mask, positions=positions, cache=cache)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
 
 class Model(nnx.Module):
     def __init__(self, hf: Any, rngs: nnx.Rngs) -> None:
@@ -142,6 +149,30 @@ class LlamaForCausalLM(nnx.Module):
         ``attention_mask`` as Hugging Face's (B, T), 1 = token, 0 = padding."""
         mask = None if attention_mask is None else attention_mask[:, None, None, :].astype(bool)  # (B, 1, 1, T)
         return {"logits": self.lm_head(self.model(ids, mask)["last_hidden_state"])}
+
+
+def greedy(model: LlamaForCausalLM, ids: jax.Array, attention_mask: jax.Array, steps: int) -> jax.Array:
+    """Greedy decoding of ``steps`` tokens with one KV cache per attention layer, as
+    ``generate`` decodes a left-padded batch: the prompt, then one token at a time, each
+    call's key mask as long as the cache (``max_len``; the prompt's pads False) and its
+    positions counting real tokens only.  Returns the logits each step chose from, (steps,
+    B, V): the prompt's last position's, then each new token's."""
+    batch, prompt = ids.shape
+    max_len = prompt + steps
+    inner = model.model
+    caches = [layer.self_attn.init_cache(batch, max_len) for layer in inner.layers]
+    real = jnp.asarray(attention_mask).astype(bool)
+    keys = jnp.concatenate([real, jnp.ones((batch, steps), bool)], axis=1)[:, None, None, :]  # (B, 1, 1, max_len)
+    tokens, positions = jnp.asarray(ids), jnp.asarray(generate_positions(attention_mask))
+    chosen = []
+    for _ in range(steps):
+        x = inner.embed_tokens(tokens)
+        for i, layer in enumerate(inner.layers):
+            x, caches[i] = layer.step(x, keys, positions, caches[i])
+        logits = model.lm_head(inner.norm(x))[:, -1]
+        chosen.append(logits)
+        tokens, positions = jnp.argmax(logits, -1)[:, None], positions[:, -1:] + 1
+    return jnp.stack(chosen)
 
 
 def port(hf: Any) -> LlamaForCausalLM:

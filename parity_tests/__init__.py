@@ -8,7 +8,10 @@ reshaped and prefixed weights) and ``torch_call`` / ``flax_call``, for any pair,
 attention weights only when asked (``weights=True``).  ``full_precision`` is the context
 they run in (full-precision matmuls, global flags restored); ``copy_params`` copies
 weights through the same map, and ``infer_param_map`` derives that map for a whole model
-and its port from module types and names.  ``assert_training_parity`` /
+and its port from module types and names.  ``check_causal_lm_parity`` proves a whole
+causal LM port in one call (logits and gradients at the real rows of a padded batch,
+training steps, greedy decoding with the port's caches; on failure, where it parts).
+``assert_training_parity`` /
 ``check_training_parity`` train copies of both with matched ``torch.optim`` / ``optax``
 optimisers and compare the parameters after every step.  ``locate_divergence`` says where
 a whole ported model parts from its original: the innermost module whose inputs agree and
@@ -17,6 +20,7 @@ cotangent does not.  ``python -m parity_tests``
 prints the parity report.
 """
 
+from parity_tests.causal_lm import CausalLMReport, check_causal_lm_parity
 from parity_tests.divergence import Divergence, DivergenceReport, ModulePair, locate_divergence
 from parity_tests.harness import (
     Finding,
@@ -58,4 +62,6 @@ __all__ = [
     "ModulePair",
     "locate_divergence",
     "infer_param_map",
+    "CausalLMReport",
+    "check_causal_lm_parity",
 ]

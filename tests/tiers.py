@@ -51,13 +51,13 @@ QUICK_STAND_INS: dict[str, str] = {
     H + "test_divergence.py::test_qk_norms_are_seen_as_submodules_and_located":
         H + "test_divergence.py::test_a_swapped_rotary_layout_is_located_at_that_rotation",
     # whole transformers models: Llama's k_proj found at our W_key pairs Hugging Face's children
-    H + "test_whole_ports.py::test_the_derived_map_ports_logits_and_every_gradient":
-        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
     H + "test_whole_ports.py::test_a_whole_port_is_ok_forward_and_backward_without_a_module_map":
         E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
     H + "test_whole_ports.py::test_a_norm_epsilon_planted_in_layer_1_is_named_there":
         E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
     I + "test_from_hf.py::test_locate_divergence_finds_each_family_clean_with_no_module_map":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    H + "test_whole_ports.py::test_one_call_proves_the_port_and_names_a_planted_bug":
         E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
     H + "test_whole_ports.py::test_left_padding_without_rows_points_to_rows":
         H + "test_harness_rows.py::test_padded_rows_fail_without_rows_outputs_and_gradients",

@@ -1,0 +1,208 @@
+"""One call that proves a causal language model's port: ``check_causal_lm_parity``.
+
+Given a PyTorch causal LM (a ``transformers`` ``*ForCausalLM``, or any model called as
+one) and its Flax NNX port, it runs the proofs the harness has, in the order a port is
+debugged, and on failure says where:
+
+1. logits at the real rows of a (left-)padded batch, and the gradient of every parameter
+   (``check_parity`` with ``rows=`` from the attention mask);
+2. ``steps`` AdamW steps side by side on next-token cross-entropy over the real rows
+   (``check_training_parity``);
+3. greedy decoding of ``decode_steps`` tokens: the Flax side by the caller's step function
+   (its caches, one per layer), the PyTorch side by recomputing the whole sequence each
+   step with the positions ``generate`` gives (real tokens counted, pads not); the logits
+   of each step compared, and the tokens chosen;
+4. when any of them fails, ``locate_divergence`` on the unpadded ids names the module.
+
+The weight map is ``infer_param_map``'s unless one is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from attention_spec.specs import as_numpy
+from parity_tests.divergence import DivergenceReport, locate_divergence
+from parity_tests.harness import Finding, ParityReport, check_parity, compare, full_precision
+from parity_tests.tolerances import PARITY
+from parity_tests.training import TrainingReport, check_training_parity
+
+__all__ = ["CausalLMReport", "check_causal_lm_parity", "generate_positions"]
+
+# AdamW on both sides.  eps 1e-6, not torch's 1e-8: among a whole model's thousands of
+# gradient elements some sit near 1e-8, where a rounding difference of 1e-10 between the
+# frameworks moves Adam's step by 1% of lr (examples/_proof.py measured it on GPT-2).
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.1
+
+
+@dataclass
+class CausalLMReport:
+    """Each proof's report (None: not run), the decoding's per-step findings and whether
+    the tokens chosen agree, and, on failure, where the port parts (``divergence``)."""
+
+    logits: ParityReport
+    training: TrainingReport | None = None
+    decoding: list[Finding] = field(default_factory=list)
+    tokens_agree: bool | None = None
+    divergence: DivergenceReport | None = None
+
+    @property
+    def ok(self) -> bool:
+        return (self.logits.ok and (self.training is None or self.training.ok)
+                and all(f.ok for f in self.decoding) and self.tokens_agree is not False)
+
+    def message(self) -> str:
+        lines = [f"logits and gradients: {self.logits.message()}"]
+        if self.training is not None:
+            lines.append(f"training: {self.training.message()}")
+        if self.decoding:
+            worst = max(self.decoding, key=lambda f: f.tolerance_used)
+            verdict = "agree" if all(f.ok for f in self.decoding) else "differ"
+            tokens = "the same tokens" if self.tokens_agree else "other tokens"
+            lines.append(f"decoding: {len(self.decoding)} steps with caches {verdict}, {tokens} chosen; "
+                         f"worst {worst.describe()}")
+        if self.divergence is not None:
+            lines.append(f"where: {str(self.divergence).splitlines()[0]}")
+        return "\n".join(lines)
+
+
+def generate_positions(attention_mask: Any) -> np.ndarray:
+    """The positions ``transformers``' ``generate`` gives a left-padded batch: each real
+    token its index among its row's real tokens, a pad 1 (no query attends to it)."""
+    mask = np.asarray(as_numpy(attention_mask)).astype(np.int64)
+    return np.where(mask != 0, np.cumsum(mask, axis=-1) - 1, 1)
+
+
+def _torch_logits(model: Any, ids: Any, attention_mask: Any = None) -> Any:
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    return model(input_ids=ids, **kwargs).logits
+
+
+def _flax_logits(model: Any, ids: Any, attention_mask: Any = None) -> Any:
+    out = model(ids) if attention_mask is None else model(ids, attention_mask)
+    return out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
+
+
+def _torch_greedy(model: Any, ids: np.ndarray, attention_mask: np.ndarray, steps: int) -> np.ndarray:
+    """The reference: the whole sequence recomputed at every step, at ``generate``'s
+    positions, the greedy token appended; the logits each step chose from (steps, B, V)."""
+    import torch
+
+    tokens, mask = torch.from_numpy(ids), torch.from_numpy(attention_mask.astype(np.int64))
+    chosen = []
+    with torch.no_grad():
+        for _ in range(steps):
+            positions = torch.from_numpy(generate_positions(mask.numpy()))
+            logits = model(input_ids=tokens, attention_mask=mask, position_ids=positions).logits[:, -1]
+            chosen.append(logits.float().numpy())
+            token = logits.argmax(-1, keepdim=True)
+            tokens, mask = torch.cat([tokens, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+    return np.stack(chosen)
+
+
+def _losses() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
+    """Next-token cross-entropy, mean over the kept rows, in both frameworks: ``(logits
+    (..., vocab), target ids (...) as float) -> scalar``."""
+    import optax
+    import torch
+
+    def torch_loss(logits: Any, target: Any) -> Any:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long())
+
+    def flax_loss(logits: Any, target: Any) -> Any:
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1).astype("int32")).mean()
+
+    return torch_loss, flax_loss
+
+
+def check_causal_lm_parity(
+    torch_model: Any,
+    flax_model: Any,
+    ids: Any,
+    attention_mask: Any = None,
+    *,
+    param_map: Any = None,
+    torch_call: Callable[..., Any] | None = None,
+    flax_call: Callable[..., Any] | None = None,
+    steps: int = 10,
+    optimizer: Any = "adamw",
+    decode_steps: int = 0,
+    flax_decode: Callable[..., Any] | None = None,
+    torch_decode: Callable[..., Any] | None = None,
+    locate: bool = True,
+) -> CausalLMReport:
+    """Proves a causal LM port in one call (see the module docstring).
+
+    Args:
+      ids: token ids (B, T), integers.  attention_mask: Hugging Face's (B, T), 1 = token,
+        0 = padding (left padding for decoding); None = every token real.
+      param_map: the weight map (``Rule``s or the mapping form); None: ``infer_param_map``.
+      torch_call, flax_call: ``(model, ids, attention_mask or None) -> logits (B, T, V)``;
+        default: ``model(input_ids=, attention_mask=).logits`` and ``model(ids,
+        attention_mask)`` (its ``"logits"`` or ``.logits`` where it returns more).
+      steps: AdamW steps on next-token cross-entropy (0: none); optimizer as
+        ``check_training_parity`` takes it (``"adamw"``: lr 1e-3, eps 1e-6, decay 0.1).
+      decode_steps: greedy tokens to decode (0: none), with ``flax_decode(model, ids,
+        attention_mask, decode_steps) -> logits (decode_steps, B, V)``, the logits each
+        step chose from (the prompt's last position's first), decoding with the port's
+        caches; ``torch_decode`` likewise (default: the sequence recomputed each step at
+        ``generate``'s positions).
+      locate: on failure, run ``locate_divergence`` on the ids without padding.
+
+    Returns a ``CausalLMReport`` (raises nothing when the proofs fail).  Raises ValueError
+    for ``decode_steps`` without ``flax_decode``, an attention mask of another shape than
+    the ids, and what the harness calls raise.
+    """
+    from parity_tests.param_map import infer_param_map
+
+    np_ids = np.asarray(as_numpy(ids))
+    if np_ids.ndim != 2 or not np.issubdtype(np_ids.dtype, np.integer):
+        raise ValueError(f"ids must be integer token ids (batch, seq); got dtype {np_ids.dtype}, shape {np_ids.shape}")
+    mask = None if attention_mask is None else np.asarray(as_numpy(attention_mask)).astype(np.int64)
+    if mask is not None and mask.shape != np_ids.shape:
+        raise ValueError(f"attention_mask must have the ids' shape {np_ids.shape}; got {mask.shape}")
+    if decode_steps and flax_decode is None:
+        raise ValueError("decode_steps needs flax_decode=: (model, ids, attention_mask, steps) -> the logits of "
+                         "each step (steps, B, V), decoding with the port's caches")
+    rules = infer_param_map(torch_model, flax_model) if param_map is None else param_map
+    t_call = torch_call or _torch_logits
+    f_call = flax_call or _flax_logits
+    real = None if mask is None else mask.astype(bool)
+    inputs = [np_ids] if mask is None else [np_ids, mask]
+    report = CausalLMReport(check_parity(torch_model, flax_model, *inputs, param_map=rules, rows=real,
+                                         torch_call=t_call, flax_call=f_call))
+    if steps:
+        x, y = np_ids[:, :-1].astype(np.float32), np_ids[:, 1:].astype(np.float32)  # ids exact below 2**24
+        kept = None if real is None else real[:, :-1]
+
+        def torch_step(m: Any, x: Any, mask: Any = None) -> Any:
+            return t_call(m, x.long(), None if mask is None else mask.long())
+
+        def flax_step(m: Any, x: Any, mask: Any = None) -> Any:
+            return f_call(m, x.astype("int32"), None if mask is None else mask.astype("int32"))
+
+        report.training = check_training_parity(
+            torch_model, flax_model, [(x, y)], loss=_losses(), optimizer=optimizer, steps=steps, lr=LR, betas=BETAS,
+            eps=EPS, weight_decay=WEIGHT_DECAY, mask=kept, rows=kept, param_map=rules,
+            torch_call=torch_step, flax_call=flax_step)
+    if decode_steps:
+        full = np.ones_like(np_ids) if mask is None else mask
+        with full_precision():
+            want = (torch_decode or _torch_greedy)(torch_model, np_ids, full, decode_steps)
+            got = flax_decode(flax_model, np_ids, full, decode_steps)  # type: ignore[misc]
+        want, got = np.asarray(as_numpy(want)), np.asarray(as_numpy(got))
+        dtype = str(got.dtype) if str(got.dtype) in PARITY else "float32"
+        report.decoding = [compare(f"decode step {s} logits", want[s], got[s], PARITY[dtype])
+                           for s in range(decode_steps)]
+        report.tokens_agree = bool(np.array_equal(want.argmax(-1), got.argmax(-1)))
+    if not report.ok and locate:
+        report.divergence = locate_divergence(torch_model, flax_model, np_ids,
+                                              torch_call=lambda m, x: t_call(m, x, None),
+                                              flax_call=lambda m, x: f_call(m, x, None))
+    return report
+
