@@ -59,6 +59,8 @@ QUICK_STAND_INS: dict[str, str] = {
         E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
     H + "test_whole_ports.py::test_one_call_proves_the_port_and_names_a_planted_bug":
         E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
+    H + "test_whole_ports.py::test_a_whole_gemma3_port_with_sliding_and_global_layers_and_a_tied_head":
+        E + "test_ports.py::test_a_nudged_weight_is_located_at_its_module",
     H + "test_whole_ports.py::test_left_padding_without_rows_points_to_rows":
         H + "test_harness_rows.py::test_padded_rows_fail_without_rows_outputs_and_gradients",
     H + "test_whole_ports.py::test_gpt2s_packed_conv1d_and_tied_weights_are_derived":

@@ -1,7 +1,8 @@
 """Whole ``transformers`` models ported to Flax NNX with nothing written by hand but the
 model's skeleton: Qwen3 (qk-norm over each head) and DeepSeek-V3 (latent attention, dense
 layers), each through ``examples.port_llama``'s decoder with ``to_flax(from_hf(layer))``
-per attention layer.  ``infer_param_map`` derives the weight map (``copy_params`` and
+per attention layer, and Gemma 3 (sliding and global layers, ``1 + w`` norms, a tied
+head) through a skeleton of its own here.  ``infer_param_map`` derives the weight map (``copy_params`` and
 ``check_causal_lm_parity`` take it); ``locate_divergence`` pairs Hugging Face's attention children
 with ours (``q_proj`` with ``W_query``; ``q_norm`` seen as (B, T, H, D) with ours as
 (B, T, H * D); ``kv_b_proj`` with a unit axis) and finds nothing, forward and backward,
@@ -25,8 +26,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from torch import nn  # noqa: E402
 
-from parity_tests import check_parity, copy_params, locate_divergence  # noqa: E402
-from parity_tests.param_map import infer_param_map  # noqa: E402
+from parity_tests import check_parity, copy_params, infer_param_map, locate_divergence  # noqa: E402
 
 VOCAB, WIDTH, SEQ = 96, 64, 48
 
@@ -204,6 +204,136 @@ def test_gpt2s_packed_conv1d_and_tied_weights_are_derived() -> None:
     assert rules["transformer.wte.weight"].flax_paths == (("transformer", "wte", "embedding"),)
     assert not any(name.startswith("lm_head") for name in rules)
     assert len(rules) == len(list(hf.parameters()))
+
+
+# --------------------------------------------------------------------------- Gemma 3
+
+
+class _GemmaNorm(nnx.Module):
+    """Gemma's RMSNorm: in float32, times ``1 + scale``, rounded once."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        import jax.numpy as jnp
+
+        self.scale, self.eps = nnx.Param(jnp.zeros((width,), jnp.float32)), eps
+
+    def __call__(self, x: Any) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        y = x.astype(jnp.float32)
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
+        scale = (1.0 + self.scale[...]).reshape((1,) * (y.ndim - 1) + (-1,))  # ranks explicit: tests raise
+        return (y * scale).astype(x.dtype)
+
+
+class _GemmaMLP(nnx.Module):
+    def __init__(self, width: int, inner: int) -> None:
+        rngs = nnx.Rngs(0)
+        self.gate_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(inner, width, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: Any) -> Any:
+        import jax
+
+        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+
+
+class _GemmaLayer(nnx.Module):
+    """Gemma 3's sandwich: norms before and after the attention and the MLP."""
+
+    def __init__(self, hf_layer: Any, c: Any) -> None:
+        from parity_tests import to_flax
+        from torch_attention.interop import from_hf
+
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, _GemmaNorm(c.hidden_size, c.rms_norm_eps))
+        self.self_attn = to_flax(from_hf(hf_layer.self_attn))  # its window or not, its rope, 1 + w qk-norms
+        self.mlp = _GemmaMLP(c.hidden_size, c.intermediate_size)
+
+    def __call__(self, x: Any, mask: Any, positions: Any) -> Any:
+        attended = self.self_attn(self.input_layernorm(x), mask, positions=positions, return_weights=True)[0]
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class _GemmaEmbed(nnx.Module):
+    """Gemma's embedding, scaled by sqrt(width), with PyTorch's ``padding_idx``: the pad
+    row gets no gradient through the lookup (the proof found it: 256 apart at that row
+    without), though it does through the tied output head, its transpose."""
+
+    def __init__(self, vocab: int, width: int, padding_idx: int) -> None:
+        import jax.numpy as jnp
+
+        self.embedding, self.width = nnx.Param(jnp.zeros((vocab, width), jnp.float32)), width
+        self.padding_idx = padding_idx
+
+    def __call__(self, ids: Any) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        table = self.embedding[...]
+        frozen = (jnp.arange(table.shape[0]) == self.padding_idx)[:, None]
+        looked_up = jnp.take(jnp.where(frozen, jax.lax.stop_gradient(table), table), ids, axis=0)
+        return looked_up * jnp.float32(self.width ** 0.5)
+
+
+class _GemmaModel(nnx.Module):
+    def __init__(self, hf: Any) -> None:
+        c = hf.config
+        self.embed_tokens = _GemmaEmbed(c.vocab_size, c.hidden_size, c.pad_token_id)
+        self.layers = nnx.List([_GemmaLayer(layer, c) for layer in hf.model.layers])
+        self.norm = _GemmaNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class _Gemma3ForCausalLM(nnx.Module):
+    def __init__(self, hf: Any) -> None:
+        self.model = _GemmaModel(hf)
+
+    def __call__(self, ids: Any, attention_mask: Any = None) -> Any:
+        import jax.numpy as jnp
+
+        mask = None if attention_mask is None else jnp.asarray(attention_mask)[:, None, None, :].astype(bool)
+        x, positions = self.model.embed_tokens(ids), jnp.arange(ids.shape[1])[None]
+        for layer in self.model.layers:
+            x = layer(x, mask, positions)
+        return {"logits": self.model.norm(x) @ self.model.embed_tokens.embedding[...].T}
+
+
+def test_a_whole_gemma3_port_with_sliding_and_global_layers_and_a_tied_head() -> None:
+    """Gemma 3 (a local layer with a window of 8 and rope theta 1e4, a global one with
+    linear scaling; ``1 + w`` norms, qk-norms in (B, H, T, D); the head tied to the
+    scaled embedding): the derived map (no rule for the tied head, the port ties it too),
+    logits and gradients at the real rows of a left-padded batch and two AdamW steps in one
+    call, and ``locate_divergence`` clean forward and backward with no ``module_map``."""
+    import transformers
+
+    from examples._proof import randomise
+    from parity_tests import check_causal_lm_parity
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024, pad_token_id=2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+        use_cache=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(config).float().eval()
+    randomise(hf, 0, std=WIDTH ** -0.5)
+    flax = _Gemma3ForCausalLM(hf)
+    rules = infer_param_map(hf, flax)
+    assert not any(r.torch_names[0].startswith("lm_head") for r in rules)
+    copy_params(hf, flax, rules)
+    ids, mask = _ids(), np.ones((2, SEQ), np.int64)
+    mask[1, :5] = 0
+    report = check_causal_lm_parity(hf, flax, ids, mask, param_map=rules, steps=2)
+    assert report.ok, report.message()
+    where = locate_divergence(hf, flax, ids, torch_call=_torch_call, flax_call=_flax_call)
+    assert where.ok and where.backward_checked, str(where)
 
 
 def test_generate_positions_count_real_tokens_only() -> None:
