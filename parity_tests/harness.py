@@ -633,7 +633,9 @@ def _rows_hint(report: ParityReport, inputs: Sequence[Any], mask: np.ndarray | N
     some query rows only (of outputs shaped (batch, seq, ...) as the first input): a row
     that sees no key (left padding) is zeros in ours and something else elsewhere (an
     average of the values in Hugging Face's layers), by convention.  Said for certain
-    where ``mask`` leaves those rows without a key; "" when nothing points there."""
+    where ``mask`` leaves those rows without a key; without a mask, only where the rows
+    look like padding (a run at the start or the end of each example, at most half the
+    rows); "" when nothing points there."""
     first = next((np.shape(x) for x in inputs if np.ndim(x) >= 2), None)
     if first is None:
         return ""
@@ -654,15 +656,24 @@ def _rows_hint(report: ParityReport, inputs: Sequence[Any], mask: np.ndarray | N
         failing |= np.moveaxis(bad, axes, (0, 1)).any(axis=tuple(range(2, a.ndim))) if other else bad
     if not failing.any() or failing.all():
         return ""
+
+    def padding_like(row: np.ndarray) -> bool:  # a run at the start (left padding) or at the end (right)
+        n = int(row.sum())
+        return not row[n:].any() or not row[: row.size - n].any()
+
+    known = mask is not None and np.ndim(mask) == 4
+    if not known and (2 * failing.sum() > failing.size or not all(padding_like(row) for row in failing)):
+        return ""  # scattered rows: nothing points to padding
     where = (f"the outputs differ in {int(failing.sum())} of {failing.size} query rows ({_row_ranges(failing)}) "
              "and nowhere else")
     if mask is not None and np.ndim(mask) == 4:
         sees = np.broadcast_to(np.asarray(mask, dtype=bool), (batch, np.shape(mask)[1], seq, np.shape(mask)[3]))
         keyless = ~sees.any(axis=-1).any(axis=1)
-        if not (failing & ~keyless).any():
-            return (f"{where}, every one a row the mask leaves without a key: such a row is zeros in ours and "
-                    "something else by another library's convention; pass rows= (bool (batch, seq), True = "
-                    "compare) to leave them out")
+        if (failing & ~keyless).any():
+            return ""  # rows that see keys differ: not a matter of padding
+        return (f"{where}, every one a row the mask leaves without a key: such a row is zeros in ours and "
+                "something else by another library's convention; pass rows= (bool (batch, seq), True = "
+                "compare) to leave them out")
     return (f"{where}: if they are rows that see no key (left padding), such a row is zeros in ours and "
             "something else by another library's convention (an average of the values in Hugging Face's "
             "layers); pass rows= (bool (batch, seq), True = compare) to leave them out")

@@ -25,7 +25,7 @@ NUMBER = r"-?\d[\d.e+-]*|-?inf|nan"
 FINDING_LINE = re.compile(
     rf"(?P<name>[\w .\[\]]+?)\[(?P<index>[\d, ]*)\]: torch (?P<a>{NUMBER}) vs flax (?P<b>{NUMBER}) "
     rf"\(abs err (?P<abs>{NUMBER}), rel err (?P<rel>{NUMBER}); "
-    rf"tolerance rtol=(?P<rtol>{NUMBER}), atol=(?P<atol>{NUMBER})\)"
+    rf"tolerance rtol=(?P<rtol>{NUMBER}), atol=(?P<atol>{NUMBER}), (?P<times>{NUMBER})x its allowance\)"
 )
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -115,10 +115,11 @@ def test_assert_parity_catches_an_untransposed_weight_and_says_where() -> None:
         assert a == pytest.approx(report.torch_results[finding.name][index], rel=1e-6, abs=1e-12)
         assert b == pytest.approx(report.flax_results[finding.name][index], rel=1e-6, abs=1e-12)
         assert float(match["abs"]) == pytest.approx(abs(a - b), rel=1e-2)
+        assert float(match["times"]) == pytest.approx(finding.tolerance_used, rel=1e-2) and finding.tolerance_used > 1
         assert float(match["abs"]) > float(match["atol"]) + float(match["rtol"]) * abs(b)
         assert float(match["rel"]) > 0
     output_line = next(line for line in lines if line.strip().startswith("output["))
-    assert re.search(r"tolerance rtol=1e-05, atol=1e-05\)$", output_line)
+    assert re.search(r"tolerance rtol=1e-05, atol=1e-05, [\d.e+]+x its allowance\)$", output_line)
 
 
 def test_check_parity_returns_findings_as_data() -> None:
