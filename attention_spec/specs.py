@@ -23,7 +23,9 @@ Steps (each acts on the list of arrays a rule carries, in order):
 * ``SplitQKV(layout)`` / ``JoinQKV(layout)``: a packed q/k/v weight in ``layout``
   ``"in_out"`` (d_in, 3*d_out) (GPT-2's ``Conv1D``) or ``"out_in"`` (3*d_out, d_in)
   (``nn.Linear``, ``in_proj_weight``) <-> three (d_out, d_in) weights in PyTorch's
-  layout, through ``attention_spec.packing.split_qkv`` / ``join_qkv``.
+  layout, through ``attention_spec.packing.split_qkv`` / ``join_qkv``; with
+  ``packing="per_head"`` (GPT-NeoX) or ``"grouped"`` (Phi-3) and the heads, packed by
+  heads, and with ``bias=True`` the packed bias.
 
 Every step permutes elements (no arithmetic), so round trips are bit-exact, and a
 gradient moves through the same rules as its parameter.  Prefixes (``module.``,
@@ -271,53 +273,121 @@ def _packing() -> Any:
     return packing
 
 
-@dataclass(frozen=True)
+def _qkv_fields(step: Any) -> str:
+    """A q/k/v step's repr: its layout and only the fields away from their defaults."""
+    extra = [f"{name}={getattr(step, name)!r}" for name, default in
+             (("packing", "thirds"), ("num_heads", None), ("num_kv_heads", None), ("bias", False))
+             if getattr(step, name) != default]
+    return f"{type(step).__name__}({', '.join([f'layout={step.layout!r}', *extra])})"
+
+
+def _qkv_check(step: Any) -> None:
+    _packing().check_layout(step.layout)
+    _packing().check_packing(step.packing)
+    _packing()._packing_heads(step.packing, step.num_heads, step.num_kv_heads)
+
+
+def _qkv_rows(step: Any, packed: int, shape: Shape) -> tuple[int, int, int]:
+    """The query, key and value widths of a packed width (of an array of ``shape``) under
+    the step's packing."""
+    if step.packing == "thirds":
+        if packed == 0 or packed % 3:
+            raise ValueError(f"{step!r}: the packed width of shape {shape} is not divisible by 3")
+        return (packed // 3,) * 3
+    h, hkv = _packing()._packing_heads(step.packing, step.num_heads, step.num_kv_heads)
+    words, multiple = _packing()._heads_words(step.packing, (h, hkv))
+    if packed == 0 or packed % multiple:
+        raise ValueError(f"{step!r}: the packed width of shape {shape} must be {words}")
+    head_dim = packed // multiple
+    return h * head_dim, hkv * head_dim, hkv * head_dim
+
+
+@dataclass(frozen=True, repr=False)
 class SplitQKV:
-    """A packed q/k/v weight (``layout`` "in_out": (d_in, 3*d_out); "out_in": (3*d_out,
-    d_in)) -> query, key, value weights, each (d_out, d_in) (PyTorch's layout)."""
+    """A packed q/k/v weight (``layout`` "in_out": (d_in, packed); "out_in": (packed,
+    d_in)) -> query, key, value weights, each (width, d_in) (PyTorch's layout); with
+    ``bias=True`` a packed bias (packed,) -> three biases.  ``packing`` as
+    ``attention_spec.packing`` names it: ``"thirds"`` (GPT-2's ``c_attn``), ``"per_head"``
+    (GPT-NeoX's ``query_key_value``, with ``num_heads``) or ``"grouped"`` (Phi-3's
+    ``qkv_proj``, with ``num_heads`` and ``num_kv_heads``)."""
 
     layout: str
+    packing: str = "thirds"
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    bias: bool = False
 
     def __post_init__(self) -> None:
-        _packing().check_layout(self.layout)
+        _qkv_check(self)
+
+    def __repr__(self) -> str:
+        return _qkv_fields(self)
 
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
         s = _one(shapes, "SplitQKV")
+        if self.bias:
+            if len(s) != 1:
+                raise ValueError(f"{self!r} needs a rank-1 packed bias; got shape {s}")
+            return [(w,) for w in _qkv_rows(self, s[0], s)]
         if len(s) != 2:
-            raise ValueError(f"SplitQKV({self.layout!r}) needs a rank-2 packed weight; got shape {s}")
+            raise ValueError(f"{self!r} needs a rank-2 packed weight; got shape {s}")
         packed, d_in = (s[1], s[0]) if self.layout == "in_out" else s
-        if packed == 0 or packed % 3:
-            raise ValueError(f"SplitQKV({self.layout!r}): the packed width of shape {s} is not divisible by 3")
-        return [(packed // 3, d_in)] * 3
+        return [(w, d_in) for w in _qkv_rows(self, packed, s)]
+
+    def _heads(self) -> dict[str, Any]:
+        return {"packing": self.packing, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads}
 
     def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        parts = _packing().split_qkv(arrays[0], layout=self.layout)
-        return [parts[role][0] for role in ("query", "key", "value")]
+        roles = ("query", "key", "value")
+        if self.bias:  # the bias's rows are the (out, in) weight's rows: split it as a (packed, 1) weight
+            parts = _packing().split_qkv(arrays[0][:, None], layout="out_in", **self._heads())
+            return [parts[role][0][:, 0] for role in roles]
+        parts = _packing().split_qkv(arrays[0], layout=self.layout, **self._heads())
+        return [parts[role][0] for role in roles]
 
     def inverse(self) -> JoinQKV:
-        return JoinQKV(self.layout)
+        return JoinQKV(self.layout, self.packing, self.num_heads, self.num_kv_heads, self.bias)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class JoinQKV:
-    """Query, key, value weights (d_out, d_in) -> one packed weight in ``layout``."""
+    """Query, key, value weights (width, d_in) -> one packed weight in ``layout`` (with
+    ``bias=True``: three biases -> one packed bias), packed as ``SplitQKV`` says."""
 
     layout: str
+    packing: str = "thirds"
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    bias: bool = False
 
     def __post_init__(self) -> None:
-        _packing().check_layout(self.layout)
+        _qkv_check(self)
+
+    def __repr__(self) -> str:
+        return _qkv_fields(self)
 
     def shapes(self, shapes: list[Shape]) -> list[Shape]:
-        if len(shapes) != 3 or len(set(shapes)) != 1 or len(shapes[0]) != 2:
-            raise ValueError(f"JoinQKV needs three (d_out, d_in) weights of one shape; got {shapes}")
-        d_out, d_in = shapes[0]
-        return [(d_in, 3 * d_out) if self.layout == "in_out" else (3 * d_out, d_in)]
+        rank = 1 if self.bias else 2
+        if len(shapes) != 3 or any(len(s) != rank for s in shapes) or len({s[1:] for s in shapes}) != 1:
+            what = "three (width,) biases" if self.bias else "three (width, d_in) weights of one d_in"
+            raise ValueError(f"{self!r} needs {what}; got {shapes}")
+        packed = sum(s[0] for s in shapes)
+        if tuple(s[0] for s in shapes) != _qkv_rows(self, packed, (packed,)):
+            raise ValueError(f"{self!r}: the widths {[s[0] for s in shapes]} do not fit its packing")
+        if self.bias:
+            return [(packed,)]
+        d_in = shapes[0][1]
+        return [(d_in, packed) if self.layout == "in_out" else (packed, d_in)]
 
     def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [_packing().join_qkv(arrays[0], arrays[1], arrays[2], layout=self.layout)[0]]
+        heads = {"packing": self.packing, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads}
+        if self.bias:
+            packed, _ = _packing().join_qkv(*(a[:, None] for a in arrays), layout="out_in", **heads)
+            return [packed[:, 0]]
+        return [_packing().join_qkv(arrays[0], arrays[1], arrays[2], layout=self.layout, **heads)[0]]
 
     def inverse(self) -> SplitQKV:
-        return SplitQKV(self.layout)
+        return SplitQKV(self.layout, self.packing, self.num_heads, self.num_kv_heads, self.bias)
 
 
 STEP_TYPES = (Transpose, SplitAxis, MergeAxes, Split, Concat, SplitQKV, JoinQKV)
@@ -668,19 +738,24 @@ def packed_qkv_rules(
     layout: str,
     bias: str | None = None,
     biases: Sequence[str | Path] | None = None,
+    packing: str = "thirds",
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> list[Rule]:
     """A packed q/k/v weight (and bias) <-> three Flax kernels (in, out) (and biases), in
     the order query, key, value.  ``layout`` as ``SplitQKV``: "in_out" for GPT-2's
     ``c_attn.weight`` (d_in, 3*d_out), "out_in" for ``nn.Linear(d, 3*d)`` and
-    ``in_proj_weight`` (3*d_out, d_in)."""
+    ``in_proj_weight`` (3*d_out, d_in); ``packing`` and the heads as ``SplitQKV`` takes
+    them (GPT-NeoX's ``"per_head"``, Phi-3's ``"grouped"``)."""
     _packing().check_layout(layout)
     if len(kernels) != 3 or (biases is not None and len(biases) != 3):
         raise ValueError("packed q/k/v needs three kernels (and three biases): query, key, value")
     if (bias is None) != (biases is None):
         raise ValueError("give both bias= (the packed bias) and biases= (the three Flax biases), or neither")
-    rules = [Rule(weight, list(kernels), (SplitQKV(layout), Transpose()))]
+    rules = [Rule(weight, list(kernels), (SplitQKV(layout, packing, num_heads, num_kv_heads), Transpose()))]
     if bias is not None and biases is not None:
-        rules.append(Rule(bias, list(biases), (Split(0, 3),)))
+        split = Split(0, 3) if packing == "thirds" else SplitQKV(layout, packing, num_heads, num_kv_heads, bias=True)
+        rules.append(Rule(bias, list(biases), (split,)))
     return rules
 
 

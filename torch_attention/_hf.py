@@ -288,11 +288,9 @@ def hf_rules(layer: nn.Module) -> list[Rule]:
     that module: ``("W_query", "kernel")`` ...), as ``attention_spec.specs.Rule``s: the
     one-to-one weights as our declared map moves them (an ``nn.Linear`` weight transposed
     into a kernel; GPT-2's ``Conv1D`` weights, already (in, out), as they are) and a
-    packed q/k/v weight split into three kernels.  Read from the layer alone (no weight is
-    copied).  BERT's ``output.LayerNorm`` is not ours and has no rule.
-
-    Raises TypeError as ``from_hf`` does; ValueError for a family whose q/k/v are packed
-    per head or in groups (GPT-NeoX, Phi-3), which no ``Rule`` step splits."""
+    packed q/k/v weight split into three kernels (in thirds, per head or in groups).  Read
+    from the layer alone (no weight is copied).  BERT's ``output.LayerNorm`` is not ours
+    and has no rule.  Raises TypeError as ``from_hf`` does."""
     if _latent(layer):
         from torch_attention import _hf_latent
 
@@ -309,14 +307,14 @@ def hf_rules(layer: nn.Module) -> list[Rule]:
         conv1d = family.layout == "in_out" and theirs.endswith(".weight")  # (in, out): the kernel's layout
         rules.append(Rule(theirs, rule.flax_path, () if conv1d else rule.steps))
     if family.packed is not None:
-        if family.packing != "thirds":
-            raise ValueError(f"hf_rules: {type(layer).__name__} packs q/k/v {family.packing.replace('_', ' ')}, "
-                             "which no Rule step splits; map its weights by hand (attention_spec.specs.Rule)")
         roles = ("W_query", "W_key", "W_value")
         bias = options["qkv_bias"]
+        heads = {} if family.packing == "thirds" else {
+            "num_heads": options["num_heads"], "num_kv_heads": options["num_kv_heads"] or options["num_heads"]}
         rules += packed_qkv_rules(f"{family.packed}.weight", [(r, "kernel") for r in roles], layout=family.layout,
                                   bias=f"{family.packed}.bias" if bias else None,
-                                  biases=[(r, "bias") for r in roles] if bias else None)
+                                  biases=[(r, "bias") for r in roles] if bias else None,
+                                  packing=family.packing, **heads)
     return rules
 
 

@@ -345,6 +345,33 @@ PACKED = ("gpt2", "gpt-neox", "phi3")  # one q/k/v weight: no module of ours to 
 
 
 @needs_both
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hf_rules_carry_each_family_onto_its_flax_twin_bit_for_bit(name: str) -> None:
+    """The weight map ``infer_param_map`` takes for a Hugging Face layer (``hf_rules``:
+    its own names to our Flax paths; q/k/v packed in thirds, per head or in groups split
+    by ``SplitQKV``) moves the layer's weights onto ``to_flax(from_hf(layer))``'s exactly,
+    and back: every parameter of ours covered once."""
+    from flax import nnx
+
+    from attention_spec.specs import apply_specs
+    from parity_tests import to_flax
+    from torch_attention._hf import hf_rules
+    from torch_attention.interop import from_hf
+
+    case = _layer(name)
+    rules = hf_rules(case.layer)
+    theirs = {n: p.detach().numpy() for n, p in case.layer.named_parameters()
+              if name != "bert" or not n.startswith("output.LayerNorm")}
+    twin = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(to_flax(from_hf(case.layer)), nnx.Param))}
+    moved = apply_specs(theirs, rules, "to_flax")
+    assert sorted(moved) == sorted(twin)
+    for path, array in twin.items():
+        np.testing.assert_array_equal(moved[path], array, err_msg=str(path))
+    back = apply_specs(moved, rules, "to_torch")
+    assert sorted(back) == sorted(theirs) and all(np.array_equal(back[n], theirs[n]) for n in theirs)
+
+
+@needs_both
 def test_bert_s_residual_and_layer_norm_stay_the_caller_s() -> None:
     """BertAttention is LayerNorm(dropout(dense(attn)) + x): ours is dense(attn); the
     caller adds x and applies ``layer.output.LayerNorm`` (eval: no dropout)."""
