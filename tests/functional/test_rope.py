@@ -954,6 +954,30 @@ def test_jit_picks_dynamic_and_longrope_frequencies_from_traced_positions() -> N
     np.testing.assert_array_equal(np.asarray(traced), inv_freq(CONFIGS["dynamic"], HEAD_DIM)[0].astype(np.float32))
 
 
+@needs_torch
+def test_cached_decoding_equals_the_full_forward_for_dynamic_rope_only_within_the_original_length() -> None:
+    """Issue 40, probe item 9 (docs/training-stack.md says so now): decoding step by step
+    with a cache equals the full forward, but for dynamic NTK (and longrope) once positions
+    pass ``original_max_position_embeddings`` (8 here): the full forward turns every key
+    by the frequencies of the whole length, a step its new key by those of its own, and
+    the keys cached keep theirs (transformers decodes so too)."""
+    import torch
+
+    import torch_attention as ta
+
+    rope = RopeConfig(scaling="dynamic", factor=2.0, original_max_position_embeddings=8)
+    torch.manual_seed(0)
+    module = ta.MultiHeadAttention(16, 16, None, 0.0, 2, rope=rope).eval()
+    gaps = {}
+    for length in (8, 12):
+        x = torch.randn(1, length, 16)
+        with torch.no_grad():
+            out, cache = module(x[:, :4], cache=module.init_cache(1, length))
+            steps = [out] + [module(x[:, t : t + 1], cache=cache)[0] for t in range(4, length)]
+            gaps[length] = float((torch.cat(steps, 1) - module(x)).abs().max())
+    assert gaps[8] < 1e-6 and gaps[12] > 1e-3, gaps
+
+
 @needs_both
 def test_a_module_and_a_ring_with_dynamic_rope_compile() -> None:
     """Issue 40, probe item 1: ``MultiHeadAttention(rope=dynamic)`` under ``nnx.jit`` and
