@@ -24,6 +24,7 @@ from parity_tests import (
     check_training_parity,
     locate_divergence,
 )
+from parity_tests.causal_lm import next_token_losses
 
 # AdamW, the same hyper-parameters on both sides (torch.optim.AdamW and optax.adamw).
 # eps = 1e-6, not torch's 1e-8: Adam's step is lr * g / (|g| + eps) elementwise, and
@@ -99,22 +100,6 @@ def prove_logits_and_grads(port: Port, ids: np.ndarray, attention_mask: np.ndarr
                         flax_call=lambda m, *xs: port.flax_call(m, *xs))
 
 
-def _losses() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
-    """Cross-entropy of the next token, mean over the kept rows, in both frameworks:
-    ``(logits (..., vocab), target ids (...) as float) -> scalar``."""
-    import optax
-    import torch
-
-    def torch_loss(logits: Any, target: Any) -> Any:
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long())
-
-    def flax_loss(logits: Any, target: Any) -> Any:
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1).astype("int32")).mean()
-
-    return torch_loss, flax_loss
-
-
 @dataclass(frozen=True)
 class ExactZero:
     """A gradient that is zero in exact arithmetic, set to zero on both sides before the
@@ -182,7 +167,7 @@ def prove_training(port: Port, batches: Sequence[tuple[np.ndarray, np.ndarray]],
         return port.flax_call(m, x.astype("int32"), None if mask is None else mask.astype("int32"))
 
     as_float = [(x.astype(np.float32), y.astype(np.float32)) for x, y in batches]
-    return check_training_parity(port.hf, port.flax, as_float, loss=_losses(),
+    return check_training_parity(port.hf, port.flax, as_float, loss=next_token_losses(),
                                  optimizer=_optimizer(port.hf, exact_zeros),
                                  steps=STEPS, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                  mask=mask, rows=mask, param_map=port.rules,

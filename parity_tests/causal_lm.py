@@ -31,7 +31,7 @@ from parity_tests.harness import Finding, ParityReport, check_parity, compare, f
 from parity_tests.tolerances import PARITY
 from parity_tests.training import TrainingReport, check_training_parity
 
-__all__ = ["CausalLMReport", "check_causal_lm_parity", "generate_positions"]
+__all__ = ["CausalLMReport", "check_causal_lm_parity", "generate_positions", "next_token_losses"]
 
 # AdamW on both sides.  eps 1e-6, not torch's 1e-8: among a whole model's thousands of
 # gradient elements some sit near 1e-8, where a rounding difference of 1e-10 between the
@@ -104,7 +104,7 @@ def _torch_greedy(model: Any, ids: np.ndarray, attention_mask: np.ndarray, steps
     return np.stack(chosen)
 
 
-def _losses() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
+def next_token_losses() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
     """Next-token cross-entropy, mean over the kept rows, in both frameworks: ``(logits
     (..., vocab), target ids (...) as float) -> scalar``."""
     import optax
@@ -187,7 +187,7 @@ def check_causal_lm_parity(
             return f_call(m, x.astype("int32"), None if mask is None else mask.astype("int32"))
 
         report.training = check_training_parity(
-            torch_model, flax_model, [(x, y)], loss=_losses(), optimizer=optimizer, steps=steps, lr=LR, betas=BETAS,
+            torch_model, flax_model, [(x, y)], loss=next_token_losses(), optimizer=optimizer, steps=steps, lr=LR, betas=BETAS,
             eps=EPS, weight_decay=WEIGHT_DECAY, mask=kept, rows=kept, param_map=rules,
             torch_call=torch_step, flax_call=flax_step)
     if decode_steps:
