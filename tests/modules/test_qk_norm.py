@@ -289,6 +289,35 @@ _QKVO = {"q_proj": "W_query", "k_proj": "W_key", "v_proj": "W_value", "o_proj": 
 
 @needs_torch
 @needs_both
+@needs_both
+def test_gemma_offset_scales_by_one_plus_the_weight_computed_by_hand() -> None:
+    """``qk_norm_offset=1.0`` (Gemma 3): each head normalised, then times ``1 + w``.  By
+    hand, heads of 4: [3, 4, 0, 0] has RMS 2.5, so [1.2, 1.6, 0, 0]; [1, 1, 1, 1] stays;
+    w = [0.5, -0.25, 2, 0] scales by [1.5, 0.75, 3, 1].  Both twins (the quick tier's
+    check that the offset is applied: a mutation dropping it passed the quick tier before)."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    import jax_attention
+    import torch_attention
+
+    options = {"d_in": 8, "d_out": 8, "context_length": 4, "dropout": 0.0, "num_heads": 2, "qk_norm": "rms",
+               "qk_norm_offset": 1.0}
+    w = np.array([0.5, -0.25, 2.0, 0.0], np.float32)
+    t = np.array([[[3, 4, 0, 0, 1, 1, 1, 1]]], np.float32)  # (B, T, heads * head_dim)
+    want = np.array([[[1.8, 1.2, 0, 0, 1.5, 0.75, 3, 1]]], np.float32)
+    pt = torch_attention.MultiHeadAttention(**options)
+    with torch.no_grad():
+        pt.q_norm.weight.copy_(torch.from_numpy(w))
+        got_torch = pt._normalise_qk("query", torch.from_numpy(t)).numpy()
+    fx = jax_attention.MultiHeadAttention(**options, rngs=nnx.Rngs(0))
+    fx.q_norm.scale[...] = jnp.asarray(w)
+    got_flax = np.asarray(fx._normalise_qk("query", jnp.asarray(t)))
+    for got in (got_torch, got_flax):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_qwen3_attention_per_head_rms_norm() -> None:
     import torch
     from transformers import Qwen3Config
