@@ -698,9 +698,9 @@ def _declared_pairs(torch_model: Any, flax_model: Any, mapping: Mapping[str, str
     pairs: dict[str, str] = {}
     layouts: dict[str, str] = {}
     for name, module in torch_model.named_modules():
-        if type(module).__name__ not in supported_hf_classes() or _flax_key(name, mapping) not in ours:
-            continue
         flax_name = _flax_key(name, mapping)
+        if type(module).__name__ not in supported_hf_classes() or flax_name not in ours:
+            continue
         for theirs, (child, layout) in hf_children(module).items():
             torch_child = f"{name}.{theirs}" if name else theirs
             pairs[torch_child] = f"{flax_name}.{child}" if flax_name else child

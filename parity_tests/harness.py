@@ -714,13 +714,17 @@ def _as_rules(param_map: Any) -> list[Rule]:
     )
 
 
+def flax_param_shapes(flax_module: Any) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    """{path: shape} of every ``nnx.Param`` of a Flax NNX module."""
+    from flax import nnx
+
+    return {tuple(p): tuple(v[...].shape) for p, v in nnx.to_flat_state(nnx.state(flax_module, nnx.Param))}
+
+
 def _resolve_param_map(torch_module: Any, flax_module: Any, param_map: Any) -> list[Rule]:
     """The conversion rules between the two modules, checked against both (see
     ``resolve_rules``)."""
-    from flax import nnx
-
-    flax_shapes = {tuple(p): tuple(v[...].shape) for p, v in nnx.to_flat_state(nnx.state(flax_module, nnx.Param))}
-    return resolve_rules(torch_module, flax_shapes, param_map)
+    return resolve_rules(torch_module, flax_param_shapes(flax_module), param_map)
 
 
 def _declared_rules(torch_module: Any, flax_shapes: Mapping[tuple[Any, ...], Any]) -> list[Rule]:

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attention_spec.specs import Path, Rule, Transpose, path_text
+from parity_tests.harness import _is_ours, flax_param_shapes, resolve_rules
 
 __all__ = ["infer_param_map"]
 
@@ -39,16 +40,9 @@ def _dotted(path: Path) -> str:
     return ".".join(str(k) for k in path)
 
 
-def _flax_params(flax_model: Any) -> dict[Path, tuple[int, ...]]:
-    from flax import nnx
-
-    return {tuple(p): tuple(v[...].shape) for p, v in nnx.to_flat_state(nnx.state(flax_model, nnx.Param))}
-
-
 def _is_unit(module: Any) -> bool:
     """A module mapped as a whole by a declared map: one of ours, or a Hugging Face
     attention layer that ``from_hf`` reads."""
-    from parity_tests.harness import _is_ours
     from torch_attention._hf import supported_hf_classes
 
     return _is_ours(module) or type(module).__name__ in supported_hf_classes()
@@ -56,7 +50,6 @@ def _is_unit(module: Any) -> bool:
 
 def _unit_rules(module: Any) -> list[Rule]:
     from attention_spec.conversion import module_rules
-    from parity_tests.harness import _is_ours
     from torch_attention._hf import hf_rules
 
     return module_rules(module) if _is_ours(module) else hf_rules(module)
@@ -106,11 +99,12 @@ def infer_param_map(torch_model: Any, flax_model: Any) -> list[Rule]:
     if not isinstance(torch_model, nn.Module) or not isinstance(flax_model, nnx.Module):
         raise TypeError("infer_param_map takes a PyTorch nn.Module and a Flax nnx.Module; got "
                         f"{type(torch_model).__name__} and {type(flax_model).__name__}")
-    flax_params = _flax_params(flax_model)
+    flax_params = flax_param_shapes(flax_model)
     flax_modules = {_dotted(tuple(p)): tuple(p) for p, _ in nnx.iter_modules(flax_model)}
     torch_params = dict(torch_model.named_parameters())
-    tied = {alias: name for (alias, p) in torch_model.named_parameters(remove_duplicate=False)
-            for name, q in torch_params.items() if p is q and alias != name}
+    first_name = {id(p): name for name, p in torch_params.items()}  # a tied parameter's, once
+    tied = {alias: first_name[id(p)] for alias, p in torch_model.named_parameters(remove_duplicate=False)
+            if alias not in torch_params}
     rules: list[Rule] = []
     problems: list[str] = []
     covered: set[str] = set()
@@ -157,6 +151,4 @@ def infer_param_map(torch_model: Any, flax_model: Any) -> list[Rule]:
                  if p not in mapped]
     if problems:
         raise ValueError("infer_param_map could not pair every parameter (nothing is mapped):\n" + "\n".join(problems))
-    from parity_tests.harness import resolve_rules
-
     return resolve_rules(torch_model, flax_params, rules)
