@@ -7,7 +7,13 @@ and the frozen ``AttentionConfig`` that every module holds as ``module.spec``.
 framework) so that every check and every error message exists exactly once: the same bad
 input gives the same exception type and the same text in both frameworks.  Nothing here
 imports torch or jax; checks work on shapes (tuples of ints) and dtype names (strings).
+
+``attention_spec.interop`` (the weight map, packed q/k/v, checkpoint files, the native
+allow-lists, Hugging Face's options) builds on this contract for the twins' interop, the
+parity harness and the examples; nothing in the contract imports it at import time.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from attention_spec.arrays import (
     check_bool,
@@ -17,7 +23,6 @@ from attention_spec.arrays import (
     check_qkv,
     dtype_name,
 )
-from attention_spec.huggingface import window_from_hf
 from attention_spec.masks import ADDITIVE_BIAS_MESSAGE, check_dropout_mask, check_kv_lengths, check_mask
 from attention_spec.options import (
     IMPLEMENTATIONS,
@@ -35,6 +40,9 @@ from attention_spec.options import (
 )
 from attention_spec.registry import REGISTRY, AttentionConfig, make_config, variant
 from attention_spec.routing import Route, resolve_implementation, resolve_route
+
+if TYPE_CHECKING:  # at run time, __getattr__ below imports it on first use
+    from attention_spec.interop.huggingface import window_from_hf
 
 __all__ = [
     "REGISTRY",
@@ -69,4 +77,12 @@ __all__ = [
     "window_from_hf",
 ]
 
-from attention_spec import conversion  # noqa: E402, F401  (the declared weight map)
+
+def __getattr__(name: str) -> Any:
+    """``window_from_hf`` (Hugging Face's ``sliding_window`` as our ``window``), looked up in
+    ``attention_spec.interop.huggingface`` on first use: the contract imports no interop."""
+    if name == "window_from_hf":
+        from attention_spec.interop.huggingface import window_from_hf
+
+        return window_from_hf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

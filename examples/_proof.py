@@ -2,7 +2,7 @@
 proofs through ``parity_tests`` (logits, gradients, ten AdamW steps, ``locate_divergence``).
 
 A model is given as a ``Port``: the Hugging Face model, its Flax NNX port, the parameter
-map between them (``attention_spec.specs.Rule``s) and the two calls
+map between them (``attention_spec.interop.specs.Rule``s) and the two calls
 ``(model, ids, attention_mask) -> logits``.  Token ids travel through the training harness
 as float32 (it casts every batch to the parameters' dtype): ids below 2**24 are exact
 there, and each call turns them back into integers.

@@ -3,9 +3,9 @@
 Twin of ``torch_attention/interop.py``: both offer ``torch_state_dict``, ``flax_arrays``,
 ``load_torch_state_dict``, ``load_flax_arrays`` and ``load_packed_qkv`` for their own
 modules, plus array-level converters for checkpoints.  The map is declared in
-``attention_spec.conversion`` (names, transposes, shapes) and ``attention_spec.packing``
+``attention_spec.interop.conversion`` (names, transposes, shapes) and ``attention_spec.interop.packing``
 (packed q/k/v, head-shaped kernels), both in the rules of one weight map
-(``attention_spec.specs``); a load checks everything before it writes
+(``attention_spec.interop.specs``); a load checks everything before it writes
 anything, so a failed load leaves the module as it was.
 
 Flax's own attention, both ways: ``from_nnx_multihead`` / ``to_nnx_multihead`` for
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attention_spec.conversion import (
+from attention_spec.interop.conversion import (
     Path,
     as_numpy,
     check_complete,
@@ -36,8 +36,8 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
-from attention_spec.native import ANY, Check, native_options, refusals, spec_refusals
-from attention_spec.packing import (
+from attention_spec.interop.native import ANY, Check, native_options, refusals, spec_refusals
+from attention_spec.interop.packing import (
     native_flax_params,
     not_ours_message,
     packed_state_dict,
@@ -167,7 +167,7 @@ def load_packed_qkv(
     ``out_bias`` loads a zero bias (our projection always has one).  Arrays are cast to
     the module's parameter dtype.
 
-    Raises ValueError (``attention_spec.packing.packed_state_dict``'s checks: layout,
+    Raises ValueError (``attention_spec.interop.packing.packed_state_dict``'s checks: layout,
     packing, shapes, widths against the module, a qkv_bias the module lacks or needs) and
     TypeError (non-floating arrays) before writing anything.  Returns the module.
     """
@@ -220,7 +220,7 @@ def _native_qk_norm(m: Any) -> str | None:
 def _native_carries(default_fn: Any) -> dict[str | tuple[str, ...], Check]:
     """What our MultiHeadAttention reproduces of an nnx.MultiHeadAttention's / a Linen
     MultiHeadDotProductAttention's constructor options (the allow-list of
-    ``attention_spec.native``): any other one that is not at its default (a custom
+    ``attention_spec.interop.native``): any other one that is not at its default (a custom
     promotion or matmul, an option added to Flax later) is refused by name."""
     return {
         "normalize_qk": _native_qk_norm,  # our qk_norm="layer", per head, zero biases
@@ -391,7 +391,7 @@ def _flax_scale(spec: AttentionConfig) -> str | None:
 
 def _flax_carries(what: str, allow_causal: bool, eps: float) -> dict[str | tuple[str, ...], Check]:
     """What Flax's own attention (``what``: nnx's or Linen's) reproduces of our
-    MultiHeadAttention, option by option (the allow-list of ``attention_spec.native``):
+    MultiHeadAttention, option by option (the allow-list of ``attention_spec.interop.native``):
     any other option of ours that is not at its default (``softcap``, ``window``,
     ``rope``, ``sinks``, ``qk_norm_offset``, an option added later) is refused by name.
     ``eps``: the epsilon of normalize_qk's LayerNorms."""
@@ -628,12 +628,12 @@ def save(module: nnx.Module, path: Any, *, format: str | None = None, layout: st
     out)) or ``"torch"`` (safetensors only: ``W_query.weight``, (out, in), what PyTorch's
     ``load_state_dict`` and ``torch_attention.interop.load`` take).  A ``.pt`` file needs
     torch: write it with ``torch_attention.interop.save`` or ``python -m
-    parity_tests.convert``.  Raises ``attention_spec.files.CheckpointError`` (a ValueError)
+    parity_tests.convert``.  Raises ``attention_spec.interop.files.CheckpointError`` (a ValueError)
     for an unknown format, one that cannot hold the layout or a ``path`` that must not be
     replaced (a directory that is not our Orbax checkpoint, a directory where a file goes),
     before anything is written; OSError naming ``path`` when the write fails.
     """
-    from attention_spec.files import flax_names, write_arrays
+    from attention_spec.interop.files import flax_names, write_arrays
 
     _flax_formats(path, format, "save")
     if layout == "torch":
@@ -647,12 +647,12 @@ def load(module: nnx.Module, path: Any, *, format: str | None = None) -> nnx.Mod
 
     Reads safetensors in either layout (a name with ``/`` means Flax's; PyTorch's
     ``W_query.weight`` is transposed on the way), Flax msgpack and Orbax directories.
-    Raises ``attention_spec.files.CheckpointError`` for an unreadable or truncated file,
+    Raises ``attention_spec.interop.files.CheckpointError`` for an unreadable or truncated file,
     an unknown format or a ``.pt`` file (it needs torch); the map's ValueError listing
     missing, unexpected and misshaped parameters; TypeError for non-floating arrays.
     Nothing is written to the module unless every check passed.
     """
-    from attention_spec.files import read_arrays
+    from attention_spec.interop.files import read_arrays
 
     layout, arrays = read_arrays(path, _flax_formats(path, format, "load"))
     if layout == "torch":
@@ -661,7 +661,7 @@ def load(module: nnx.Module, path: Any, *, format: str | None = None) -> nnx.Mod
 
 
 def _flax_formats(path: Any, format: str | None, what: str) -> str:
-    from attention_spec.files import CheckpointError, format_for
+    from attention_spec.interop.files import CheckpointError, format_for
 
     fmt = format_for(path, format)
     if fmt == "pt":

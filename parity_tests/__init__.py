@@ -3,7 +3,7 @@
 ``to_flax`` / ``to_torch`` build a module's twin with its weights copied exactly;
 ``assert_parity`` / ``check_parity`` prove that a PyTorch module and a Flax NNX module
 compute the same function, forward and backward, for this library's modules or, with a
-``param_map`` (names, or ``attention_spec.specs.Rule``s for packed, transposed,
+``param_map`` (names, or ``attention_spec.interop.specs.Rule``s for packed, transposed,
 reshaped and prefixed weights) and ``torch_call`` / ``flax_call``, for any pair, on the path you choose (``implementation=``), comparing
 attention weights only when asked (``weights=True``).  ``full_precision`` is the context
 they run in (full-precision matmuls, global flags restored); ``copy_params`` copies

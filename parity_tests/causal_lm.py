@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.specs import as_numpy
+from attention_spec.interop.numpy_arrays import as_numpy
 from parity_tests.divergence import DivergenceReport, locate_divergence
 from parity_tests.harness import Finding, ParityReport, check_parity, compare, full_precision
 from parity_tests.tolerances import PARITY

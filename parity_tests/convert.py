@@ -33,7 +33,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from attention_spec.files import FORMATS, checked_config, convert_file
+from attention_spec.interop.files import FORMATS, checked_config, convert_file
 from attention_spec.registry import VARIANTS, variant
 
 

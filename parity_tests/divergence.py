@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.specs import as_numpy
+from attention_spec.interop.numpy_arrays import as_numpy
 from parity_tests.harness import _is_float, _numpy_source, compare, full_precision, module_dtype
 from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
 

@@ -1,13 +1,13 @@
 """The parity harness: move weights between the twins, run both, compare.
 
 ``to_flax`` / ``to_torch`` build a module's twin from its own ``config`` and copy the
-weights through the declared map (``attention_spec.conversion``).  ``check_parity``
+weights through the declared map (``attention_spec.interop.conversion``).  ``check_parity``
 runs a PyTorch module and a Flax module on the same inputs, in the same mode and on the
 same path (``implementation=``), and compares outputs, attention weights (when asked,
 ``weights=True``) and gradients with respect to every input and every parameter;
 ``assert_parity`` raises on the first failure with the worst element named.  Both work on
 any pair (a user's own modules, Hugging Face's, PyTorch's or Flax's own) with a
-``param_map`` (a name-to-path mapping or ``attention_spec.specs.Rule``s: packed q/k/v,
+``param_map`` (a name-to-path mapping or ``attention_spec.interop.specs.Rule``s: packed q/k/v,
 reshapes, transposes) and ``torch_call`` / ``flax_call`` to adapt call signatures and
 outputs, and ``rows=`` to compare only some query rows (padding left out);
 ``copy_params`` copies the weights through the same map.  Neither changes a global flag: the
@@ -25,8 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.conversion import VARIANTS, as_numpy, module_rules
-from attention_spec.specs import Rule, apply_specs, check_specs, path_text, rules_from_mapping, spec_shapes
+from attention_spec.interop.conversion import VARIANTS, as_numpy, module_rules
+from attention_spec.interop.specs import (
+    Rule,
+    apply_specs,
+    check_specs,
+    path_text,
+    rules_from_mapping,
+    spec_shapes,
+)
 from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
 
 __all__ = [
@@ -710,7 +717,7 @@ def _as_rules(param_map: Any) -> list[Rule]:
         return check_specs(param_map)
     raise TypeError(
         "param_map is a mapping {torch name: flax path or (flax path, transpose)}, a Rule or a list of "
-        f"Rules (attention_spec.specs); got {type(param_map).__name__}"
+        f"Rules (attention_spec.interop.specs); got {type(param_map).__name__}"
     )
 
 
@@ -758,7 +765,7 @@ def resolve_rules(
             raise ValueError(
                 f"{type(torch_module).__name__} is not one of this library's modules: "
                 "pass param_map={torch name: flax path or (flax path, transpose)} or a list of "
-                "attention_spec.specs.Rule"
+                "attention_spec.interop.specs.Rule"
             )
         rules = _declared_rules(torch_module, flax_shapes)
     else:
@@ -866,7 +873,7 @@ def check_parity(
       rtol, atol: override the dtype's tolerance (``tolerances.PARITY``).
       param_map: for any other pair: {torch parameter name: flax path} where a path is
         a tuple or "a/b/c", or (path, transpose) for a Linear-style weight; or a list of
-        ``attention_spec.specs.Rule`` (packed q/k/v, reshapes, any transposition).  Every
+        ``attention_spec.interop.specs.Rule`` (packed q/k/v, reshapes, any transposition).  Every
         parameter of both modules must be in it; each Flax gradient is carried through
         the rules back to the PyTorch names and layouts (a packed weight's gradient is
         the packing of the three kernels' gradients) and compared there.

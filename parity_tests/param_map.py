@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from attention_spec.specs import Path, Rule, Transpose, path_text
+from attention_spec.interop.numpy_arrays import Path
+from attention_spec.interop.specs import Rule, Transpose, path_text
 from parity_tests.harness import _is_ours, flax_param_shapes, resolve_rules
 
 __all__ = ["infer_param_map"]
@@ -49,7 +50,7 @@ def _is_unit(module: Any) -> bool:
 
 
 def _unit_rules(module: Any) -> list[Rule]:
-    from attention_spec.conversion import module_rules
+    from attention_spec.interop.conversion import module_rules
     from torch_attention._hf import hf_rules
 
     return module_rules(module) if _is_ours(module) else hf_rules(module)

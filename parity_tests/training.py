@@ -82,8 +82,8 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.conversion import as_numpy
-from attention_spec.specs import apply_specs
+from attention_spec.interop.conversion import as_numpy
+from attention_spec.interop.specs import apply_specs
 from parity_tests.harness import (
     Finding,
     _check_pair,
@@ -649,7 +649,7 @@ def check_training_parity(
         passes when ``|torch - flax| <= atol + rtol * max|flax|`` (normwise).
       mask: bool, True = may attend, passed as ``mask=`` to both modules at every step.
       param_map: {torch name: flax path or (flax path, transpose)}, or a list of
-        ``attention_spec.specs.Rule`` (packed q/k/v, reshapes, any transposition), as for
+        ``attention_spec.interop.specs.Rule`` (packed q/k/v, reshapes, any transposition), as for
         ``check_parity``; default: the declared weight map of this library's modules.
         Each Flax parameter is carried through the rules into PyTorch's names and
         layouts after every step and compared there.

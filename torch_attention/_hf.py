@@ -9,11 +9,11 @@ rope) and gives our ``MultiHeadAttention`` with the same weights and behaviour;
 the layer's attributes.  Exported from ``torch_attention.interop``.
 
 Each supported class is one ``_Family``: where its q/k/v/o weights live (separate
-``nn.Linear``s, or one packed q/k/v weight split by ``attention_spec.packing``), its
+``nn.Linear``s, or one packed q/k/v weight split by ``attention_spec.interop.packing``), its
 qk-norm, whether it turns q and k by rope.  Every other option is read from the layer as
 Hugging Face's own forward reads it: ``scaling`` (Gemma's ``query_pre_attn_scalar ** -0.5``,
 GPT-2's ``scale_attn_weights`` / ``scale_attn_by_inverse_layer_idx``), ``sliding_window``
-(``attention_spec.huggingface.window_from_hf``), ``attn_logit_softcapping``, ``is_causal``.
+(``attention_spec.interop.huggingface.window_from_hf``), ``attn_logit_softcapping``, ``is_causal``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from attention_spec.conversion import as_numpy, rules_for
-from attention_spec.huggingface import window_from_hf
-from attention_spec.packing import pack_state_dict, packed_state_dict
+from attention_spec.interop.conversion import as_numpy, rules_for
+from attention_spec.interop.huggingface import window_from_hf
+from attention_spec.interop.packing import pack_state_dict, packed_state_dict
+from attention_spec.interop.specs import Rule, packed_qkv_rules
 from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
-from attention_spec.specs import Rule, packed_qkv_rules
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
 
@@ -50,7 +50,7 @@ class _Family:
     v: str = "v_proj"
     o: str = "o_proj"
     packed: str | None = None  # one packed q/k/v weight (then q, k, v are unused)
-    packing: str = "thirds"  # attention_spec.packing's order along the packed axis
+    packing: str = "thirds"  # attention_spec.interop.packing's order along the packed axis
     layout: str = "out_in"  # "in_out": GPT-2's Conv1D, x @ W
     norms: tuple[str, str] | None = None  # the q and k norms, where present
     norm: str = "rms"
@@ -285,7 +285,7 @@ def _hf_state(layer: nn.Module, family: _Family, options: Mapping[str, Any], spe
 def hf_rules(layer: nn.Module) -> list[Rule]:
     """The weight map from a ``transformers`` attention layer's parameters (its own names,
     ``q_proj.weight`` ...) to the Flax twin of what ``from_hf(layer)`` gives (paths from
-    that module: ``("W_query", "kernel")`` ...), as ``attention_spec.specs.Rule``s: the
+    that module: ``("W_query", "kernel")`` ...), as ``attention_spec.interop.specs.Rule``s: the
     one-to-one weights as our declared map moves them (an ``nn.Linear`` weight transposed
     into a kernel; GPT-2's ``Conv1D`` weights, already (in, out), as they are) and a
     packed q/k/v weight split into three kernels (in thirds, per head or in groups).  Read

@@ -3,14 +3,14 @@
 Twin of ``jax_attention/interop.py``: both offer ``torch_state_dict``, ``flax_arrays``,
 ``load_torch_state_dict`` and ``load_flax_arrays`` for their own modules, plus
 array-level converters for checkpoints.  The map is declared in
-``attention_spec.conversion`` (names, transposes, shapes); a load checks everything
+``attention_spec.interop.conversion`` (names, transposes, shapes); a load checks everything
 before it writes anything, so a failed load leaves the module as it was.
 
 Native PyTorch and packed checkpoints: ``from_nn_multihead`` / ``to_nn_multihead`` go
 between ``torch.nn.MultiheadAttention`` and our ``MultiHeadAttention`` through the rules
-of ``attention_spec.packing.nn_multihead_rules``, and
+of ``attention_spec.interop.packing.nn_multihead_rules``, and
 ``load_packed_qkv`` loads a packed q/k/v checkpoint (GPT-2's ``c_attn``/``c_proj``,
-``nn.Linear`` packing) with the split of ``attention_spec.packing``.
+``nn.Linear`` packing) with the split of ``attention_spec.interop.packing``.
 
 Hugging Face: ``from_hf(layer)`` / ``to_hf(ours, layer)`` (in ``torch_attention._hf``) go
 between the attention layer of a ``transformers`` model (``supported_hf_classes()``) and
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from attention_spec.conversion import (
+from attention_spec.interop.conversion import (
     Path,
     as_numpy,
     check_complete,
@@ -38,10 +38,10 @@ from attention_spec.conversion import (
     rules_for,
     torch_to_flax,
 )
-from attention_spec.native import ANY, Check, native_options, refusals, spec_refusals
-from attention_spec.packing import nn_multihead_rules, not_ours_message, packed_state_dict
+from attention_spec.interop.native import ANY, Check, native_options, refusals, spec_refusals
+from attention_spec.interop.packing import nn_multihead_rules, not_ours_message, packed_state_dict
+from attention_spec.interop.specs import run_rules
 from attention_spec.registry import AttentionConfig
-from attention_spec.specs import run_rules
 from torch_attention._base import AttentionModule
 from torch_attention._hf import from_hf, supported_hf_classes, to_hf
 from torch_attention.multihead import MultiHeadAttention
@@ -146,7 +146,7 @@ def load_packed_qkv(
       applied as ``x @ W``: GPT-2's ``Conv1D`` (``c_attn.weight``, ``c_proj.weight``);
       ``"out_in"``: ``qkv_weight`` (3*d_out, d_in), ``out_weight`` as (out, in), applied as
       ``x @ W.T``: ``nn.Linear`` and ``nn.MultiheadAttention.in_proj_weight``.
-    ``packing`` orders the packed axis (``attention_spec.packing.split_qkv``):
+    ``packing`` orders the packed axis (``attention_spec.interop.packing.split_qkv``):
       ``"thirds"`` (the default): ``[q; k; v]`` in equal blocks, heads contiguous within
       each (GPT-2, ``nn.MultiheadAttention``); ``"per_head"``: each head's query, key and
       value rows in turn, ``(num_heads, 3, head_dim)`` (GPT-NeoX's ``query_key_value``,
@@ -275,7 +275,7 @@ def _nn_multihead_widths(spec: AttentionConfig) -> str | None:
 
 
 # What nn.MultiheadAttention reproduces of our MultiHeadAttention, option by option (the
-# allow-list of ``attention_spec.native``): any other option of ours that is not at its
+# allow-list of ``attention_spec.interop.native``): any other option of ours that is not at its
 # default is refused by name, so an option added later is refused until declared here.
 _NN_MULTIHEAD_CARRIES: dict[str | tuple[str, ...], Check] = {
     "causal": lambda s: None if not s.causal else (
@@ -371,11 +371,11 @@ def save(module: nn.Module, path: Any, *, format: str | None = None, layout: str
     (out, in)) or ``"flax"`` (safetensors only: ``W_query/kernel``, (in, out), what
     ``jax_attention.interop.load`` reads as well).  Flax msgpack and Orbax need flax: write
     them with ``jax_attention.interop.save`` or ``python -m parity_tests.convert``.
-    Raises ``attention_spec.files.CheckpointError`` (a ValueError) for an unknown format, a
+    Raises ``attention_spec.interop.files.CheckpointError`` (a ValueError) for an unknown format, a
     format that cannot hold the layout or a ``path`` that is a directory, before anything
     is written; OSError naming ``path`` when the write fails.
     """
-    from attention_spec.files import flax_names, write_arrays
+    from attention_spec.interop.files import flax_names, write_arrays
 
     _torch_formats(path, format, "save")
     if layout == "flax":
@@ -389,12 +389,12 @@ def load(module: nn.Module, path: Any, *, format: str | None = None) -> nn.Modul
 
     Reads safetensors in either layout (a name with ``/`` means Flax's: ``W_query/kernel``,
     transposed on the way) and ``.pt``/``.pth`` state dicts (``torch.load(...,
-    weights_only=True)``).  Raises ``attention_spec.files.CheckpointError`` for an
+    weights_only=True)``).  Raises ``attention_spec.interop.files.CheckpointError`` for an
     unreadable or truncated file, an unknown format, or msgpack/Orbax (they need flax);
     the map's ValueError listing missing, unexpected and misshaped parameters; TypeError
     for non-floating arrays.  Nothing is written to the module unless every check passed.
     """
-    from attention_spec.files import read_arrays
+    from attention_spec.interop.files import read_arrays
 
     layout, arrays = read_arrays(path, _torch_formats(path, format, "load"))
     if layout == "flax":
@@ -403,7 +403,7 @@ def load(module: nn.Module, path: Any, *, format: str | None = None) -> nn.Modul
 
 
 def _torch_formats(path: Any, format: str | None, what: str) -> str:
-    from attention_spec.files import CheckpointError, format_for
+    from attention_spec.interop.files import CheckpointError, format_for
 
     fmt = format_for(path, format)
     if fmt not in ("safetensors", "pt"):

@@ -151,7 +151,7 @@ def _wrappers(invert: bool) -> tuple[Any, Any, dict[str, Any]]:
     import torch
     from flax import nnx
 
-    from attention_spec.conversion import module_rules
+    from attention_spec.interop.conversion import module_rules
     from parity_tests import to_flax
 
     class TorchWrap(torch.nn.Module):

@@ -109,7 +109,7 @@ def _linen_pair():
 
     import jax_attention as ja
     import torch_attention as ta
-    from attention_spec.conversion import module_rules
+    from attention_spec.interop.conversion import module_rules
 
     class TorchModel(torch.nn.Module):
         def __init__(self) -> None:

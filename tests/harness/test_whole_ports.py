@@ -190,7 +190,7 @@ def test_gpt2s_packed_conv1d_and_tied_weights_are_derived() -> None:
     """GPT-2: a packed ``c_attn`` split in three (``SplitQKV`` on Conv1D's (in, out)), the
     output ``c_proj`` and the MLP's Conv1D weights untransposed, the head tied to the
     embedding (the port ties it too: no rule for ``lm_head``)."""
-    from attention_spec.specs import SplitQKV, Transpose
+    from attention_spec.interop.specs import SplitQKV, Transpose
     from examples import port_gpt2
 
     hf = port_gpt2.hf_model()

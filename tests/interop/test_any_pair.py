@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec.specs import (
+from attention_spec.interop.specs import (
     Concat,
     JoinQKV,
     MergeAxes,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec.conversion import module_rules, rules_for
+from attention_spec.interop.conversion import module_rules, rules_for
 from parity_tests.cases import VARIANTS
 from tests.support import needs_both, needs_jax, needs_torch
 
@@ -92,7 +92,7 @@ def assert_arrays_equal(a: dict[Any, np.ndarray], b: dict[Any, np.ndarray]) -> N
 
 def to_f32(array: Any) -> np.ndarray:
     """Exact float32 view of a NumPy array or tensor of any float dtype (bfloat16 included)."""
-    from attention_spec.conversion import as_numpy
+    from attention_spec.interop.conversion import as_numpy
 
     return np.asarray(as_numpy(array)).astype(np.float32)
 

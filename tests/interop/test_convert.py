@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec import files
-from attention_spec.conversion import rules_for
+from attention_spec.interop import files
+from attention_spec.interop.conversion import rules_for
 from tests.support import needs_both
 
 pytestmark = needs_both

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec import files
+from attention_spec.interop import files
 from tests.support import needs_both, needs_jax
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -353,7 +353,7 @@ def test_hf_rules_carry_each_family_onto_its_flax_twin_bit_for_bit(name: str) ->
     and back: every parameter of ours covered once."""
     from flax import nnx
 
-    from attention_spec.specs import apply_specs
+    from attention_spec.interop.specs import apply_specs
     from parity_tests import to_flax
     from torch_attention._hf import hf_rules
     from torch_attention.interop import from_hf

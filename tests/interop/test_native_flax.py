@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec import packing
+from attention_spec.interop import packing
 from parity_tests.harness import compare, full_precision
 from parity_tests.tolerances import GRAD_PARITY, PARITY
 from tests.support import needs_both

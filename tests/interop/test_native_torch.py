@@ -388,7 +388,7 @@ def test_load_packed_qkv_places_every_block(layout):
      ("Head", (6, 4, 8))],
 )
 def test_load_packed_qkv_into_other_variants_round_trips(cls, config):
-    from attention_spec.packing import pack_state_dict
+    from attention_spec.interop.packing import pack_state_dict
 
     module = getattr(ta, cls)(*config)
     g = torch.Generator().manual_seed(2)
@@ -539,7 +539,7 @@ def test_gpt2_attention_outputs_and_gradients(padding):
 
 
 def test_gpt2_weights_round_trip_bit_exact():
-    from attention_spec.packing import pack_state_dict
+    from attention_spec.interop.packing import pack_state_dict
 
     attn = _gpt2_attention()
     ours = _gpt2_into_ours(attn)

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec import packing, window_from_hf
+from attention_spec import window_from_hf
+from attention_spec.interop import packing
 from attention_spec.registry import make_config
 from parity_tests.tolerances import PARITY
 from tests.support import needs_both

@@ -91,7 +91,7 @@ def test_parameters_are_hugging_face_s(name: str) -> None:
     weight map's in both twins."""
     from flax import nnx
 
-    from attention_spec.conversion import rules_for
+    from attention_spec.interop.conversion import rules_for
 
     config = CONFIGS[name]
     torch_m, flax_m = _pair(config)

@@ -1,4 +1,4 @@
-"""attention_spec.packing: packed q/k/v in both orientations and Flax's head-shaped
+"""attention_spec.interop.packing: packed q/k/v in both orientations and Flax's head-shaped
 kernels.  NumPy only (no framework, no forward pass); every comparison is exact, dtype
 included.  The loaders that use it (``load_packed_qkv``) are tested per framework.
 """
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from attention_spec import packing
+from attention_spec.interop import packing
 from attention_spec.registry import make_config
 
 # d_in != d_out, so a wrong orientation or a missing transpose changes a shape.
@@ -257,6 +257,6 @@ def test_native_flax_params_errors() -> None:
 
 
 def test_packing_imports_no_framework() -> None:
-    code = ("import sys, attention_spec.packing; "
+    code = ("import sys, attention_spec.interop.packing; "
             "assert not {'torch', 'jax', 'flax'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec.conversion import flax_shapes, rules_for, torch_shapes
+from attention_spec.interop.conversion import flax_shapes, rules_for, torch_shapes
 from parity_tests.cases import IMPLEMENTATIONS, Case
 from parity_tests.tolerances import ORACLE, PARITY
 from tests.support import constructor_errors, needs_both, needs_jax, needs_torch, random_x, tiered

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec.conversion import LAYOUTS, VARIANTS, rules_for
+from attention_spec.interop.conversion import LAYOUTS, VARIANTS, rules_for
 from attention_spec.registry import REGISTRY, REQUIRED, AttentionConfig, make_config, variant
 from tests.support import needs_both, needs_jax, needs_torch
 

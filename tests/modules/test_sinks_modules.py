@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_spec.conversion import flax_shapes, rules_for, torch_shapes
+from attention_spec.interop.conversion import flax_shapes, rules_for, torch_shapes
 from attention_spec.rope import RopeConfig
 from parity_tests.tolerances import GRAD_ORACLE, ORACLE, PARITY
 from tests.support import constructor_errors, needs_both, random_x

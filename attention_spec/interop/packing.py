@@ -1,17 +1,17 @@
 """Packed q/k/v and head-shaped kernels: the layouts real checkpoints use, framework-free.
 
 The layouts of other libraries' checkpoints, beside the twins' declared map
-(``attention_spec.conversion``):
+(``attention_spec.interop.conversion``):
 
 * **Packed q/k/v**: one weight holds the three projections side by side.
   ``layout="in_out"``: (d_in, 3*d_out), applied as ``x @ W`` (GPT-2's ``Conv1D``
   ``c_attn.weight``); ``layout="out_in"``: (3*d_out, d_in), applied as ``x @ W.T``
   (``nn.Linear``, ``nn.MultiheadAttention.in_proj_weight``).  The packed bias is
   (3*d_out,) in both.  The order along the packed axis is always query, key, value.
-  ``split_qkv`` / ``join_qkv`` go between a packed weight and three weights in PyTorch's
-  (out, in) layout; ``packed_state_dict`` / ``pack_state_dict`` go between a packed
-  checkpoint and our modules' PyTorch names (``W_query.weight``, ...), read from the
-  registry.
+  ``split_qkv`` / ``join_qkv`` (defined in ``attention_spec.interop.qkv``, named here too)
+  go between a packed weight and three weights in PyTorch's (out, in) layout;
+  ``packed_state_dict`` / ``pack_state_dict`` go between a packed checkpoint and our
+  modules' PyTorch names (``W_query.weight``, ...), read from the registry.
 
 * **Packing order** along the packed axis (``packing=``, every function above):
   ``"thirds"`` (the default): ``[q; k; v]`` in three equal blocks, heads contiguous within
@@ -27,7 +27,8 @@ The layouts of other libraries' checkpoints, beside the twins' declared map
   Heads are contiguous blocks of ``head_dim`` along the width, the same split as our
   ``MultiHeadAttention``.  ``split_heads_*`` / ``merge_heads_*`` reshape one array;
   ``native_flax_params`` / ``state_dict_from_native_flax`` convert a whole parameter tree
-  through the rules of ``native_flax_rules`` (the one weight map, ``attention_spec.specs``).
+  through the rules of ``native_flax_rules`` (the one weight map,
+  ``attention_spec.interop.specs``).
 
 Everything takes NumPy arrays (or anything ``as_numpy`` reads: torch tensors, JAX
 arrays), returns NumPy copies (never views of the input) with the input's dtype, and
@@ -38,13 +39,28 @@ Every conversion is a reshape, a transpose or a slice: round trips are bit-exact
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from attention_spec.interop.numpy_arrays import as_numpy
+from attention_spec.interop.qkv import (
+    PACKED_LAYOUTS,
+    QKV_PACKINGS,
+    ROLES,
+    _float,
+    _heads,
+    _heads_words,
+    _packing_heads,
+    _rank,
+    check_layout,
+    check_packing,
+    join_qkv,
+    split_qkv,
+)
+from attention_spec.interop.specs import Concat, Rule, SplitAxis, Transpose, run_rules
 from attention_spec.registry import AttentionConfig
-from attention_spec.specs import Concat, Rule, SplitAxis, Transpose, as_numpy, check_float_arrays, run_rules
 
 __all__ = [
     "PACKED_LAYOUTS",
@@ -69,265 +85,10 @@ __all__ = [
     "torch_names_for_packed",
 ]
 
-PACKED_LAYOUTS = ("in_out", "out_in")
-QKV_PACKINGS = ("thirds", "per_head", "grouped")
-ROLES = ("query", "key", "value")
-
 
 def not_ours_message(module: Any) -> str:
     """The TypeError text of ``load_packed_qkv`` (both twins) for a foreign module."""
     return f"load_packed_qkv loads into this library's modules; got {type(module).__name__}"
-
-
-def check_layout(layout: Any) -> str:
-    """``layout`` itself if it is ``"in_out"`` or ``"out_in"``; else ValueError."""
-    if not isinstance(layout, str) or layout not in PACKED_LAYOUTS:
-        raise ValueError(
-            "layout must be 'in_out' (packed weight (d_in, 3*d_out), applied as x @ W, as GPT-2's "
-            "Conv1D) or 'out_in' ((3*d_out, d_in), applied as x @ W.T, as nn.Linear and "
-            f"nn.MultiheadAttention.in_proj_weight); got {layout!r}"
-        )
-    return layout
-
-
-def _float(name: str, value: Any) -> np.ndarray:
-    array = as_numpy(value)
-    check_float_arrays({name: array}, name)
-    return array
-
-
-def _rank(name: str, array: np.ndarray, rank: int, meaning: str) -> None:
-    if array.ndim != rank:
-        raise ValueError(f"{name} must have rank {rank} {meaning}; got shape {tuple(array.shape)}")
-
-
-def check_packing(packing: Any) -> str:
-    """``packing`` itself if it is one of ``QKV_PACKINGS``; else ValueError."""
-    if not isinstance(packing, str) or packing not in QKV_PACKINGS:
-        raise ValueError(
-            "packing must be 'thirds' ([q; k; v] in three equal blocks, as GPT-2's c_attn and "
-            "nn.MultiheadAttention.in_proj_weight), 'per_head' (each head's query, key and value in "
-            "turn, (num_heads, 3, head_dim), as GPT-NeoX's query_key_value) or 'grouped' ([q; k; v] "
-            "with num_heads query heads and num_kv_heads key/value heads, as Phi-3's qkv_proj); "
-            f"got {packing!r}"
-        )
-    return packing
-
-
-def _packing_heads(packing: str, num_heads: Any, num_kv_heads: Any) -> tuple[int, int] | None:
-    """(num_heads, num_kv_heads) that ``packing`` needs, checked; None for ``"thirds"``."""
-    if packing == "thirds":
-        return None
-    if num_heads is None:
-        raise ValueError(f"packing={packing!r} needs num_heads")
-    h = _heads(num_heads)
-    if packing == "per_head":
-        if num_kv_heads is not None and num_kv_heads != h:
-            raise ValueError(
-                f"packing='per_head' holds one query, key and value head at a time, so key/value heads "
-                f"cannot be grouped; got num_heads={h}, num_kv_heads={num_kv_heads!r}"
-            )
-        return h, h
-    if num_kv_heads is None:
-        raise ValueError("packing='grouped' needs num_kv_heads (the key/value heads)")
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer)) or num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be a positive int; got {num_kv_heads!r}")
-    if h % num_kv_heads:
-        raise ValueError(f"num_heads must be a multiple of num_kv_heads; got num_heads={h}, "
-                         f"num_kv_heads={num_kv_heads}")
-    return h, int(num_kv_heads)
-
-
-def _heads_words(packing: str, heads: tuple[int, int]) -> tuple[str, int]:
-    """How ``packing`` builds its packed width from head_dim: (words, multiple of head_dim)."""
-    h, hkv = heads
-    if packing == "per_head":
-        return f"3*num_heads*head_dim = {3 * h}*head_dim (num_heads={h})", 3 * h
-    return (f"(num_heads + 2*num_kv_heads)*head_dim = {h + 2 * hkv}*head_dim (num_heads={h}, "
-            f"num_kv_heads={hkv})"), h + 2 * hkv
-
-
-def _check_packed(weight: np.ndarray, bias: np.ndarray | None, layout: str) -> tuple[int, int]:
-    """(d_in, d_out) of a packed weight, after every check."""
-    expected = "(d_in, 3*d_out)" if layout == "in_out" else "(3*d_out, d_in)"
-    _rank("the packed q/k/v weight", weight, 2, f"{expected} for layout={layout!r}")
-    packed, d_in = (weight.shape[1], weight.shape[0]) if layout == "in_out" else weight.shape
-    if packed == 0 or packed % 3:
-        axis = 1 if layout == "in_out" else 0
-        raise ValueError(
-            f"the packed q/k/v weight {tuple(weight.shape)} must have a width divisible by 3 "
-            f"(query, key, value) along axis {axis}, {expected} for layout={layout!r}; got {packed}"
-        )
-    _check_packed_bias(weight, bias, layout, packed, "3*d_out")
-    return int(d_in), packed // 3
-
-
-def _check_packed_bias(weight: np.ndarray, bias: np.ndarray | None, layout: str, packed: int, words: str) -> None:
-    if bias is not None and (bias.ndim != 1 or bias.shape[0] != packed):
-        raise ValueError(
-            f"the packed q/k/v bias must have shape ({packed},) ({words}, to match the weight "
-            f"{tuple(weight.shape)} with layout={layout!r}); got {tuple(bias.shape)}"
-        )
-
-
-def _check_packed_heads(
-    weight: np.ndarray, bias: np.ndarray | None, layout: str, packing: str, heads: tuple[int, int]
-) -> int:
-    """head_dim of a packed weight in a by-heads ``packing``, after every check."""
-    axis = 1 if layout == "in_out" else 0
-    shape = "(d_in, packed)" if layout == "in_out" else "(packed, d_in)"
-    words, multiple = _heads_words(packing, heads)
-    _rank("the packed q/k/v weight", weight, 2, f"{shape} for layout={layout!r}")
-    packed = weight.shape[axis]
-    if packed == 0 or packed % multiple:
-        raise ValueError(
-            f"the packed q/k/v weight {tuple(weight.shape)} does not fit packing={packing!r}: its packed "
-            f"width along axis {axis} ({shape} for layout={layout!r}) must be {words}; got {packed}"
-        )
-    _check_packed_bias(weight, bias, layout, packed, "the packed width")
-    return packed // multiple
-
-
-def _rows(packing: str, heads: tuple[int, int] | None, head_dim: int) -> dict[str, np.ndarray | slice]:
-    """Where query, key and value lie along the packed axis (rows of the (packed, d_in) weight)."""
-    if heads is None or packing == "thirds":
-        return {role: slice(i * head_dim, (i + 1) * head_dim) for i, role in enumerate(ROLES)}
-    h, hkv = heads
-    if packing == "per_head":  # (num_heads, 3, head_dim): row (head, role, i)
-        index = np.arange(3 * h * head_dim).reshape(h, 3, head_dim)
-        return {role: index[:, i].reshape(-1) for i, role in enumerate(ROLES)}
-    q, kv = h * head_dim, hkv * head_dim
-    return {"query": slice(0, q), "key": slice(q, q + kv), "value": slice(q + kv, q + 2 * kv)}
-
-
-def split_qkv(
-    weight: Any,
-    bias: Any = None,
-    *,
-    layout: str,
-    packing: str = "thirds",
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
-    """A packed q/k/v weight (and bias) -> {"query"|"key"|"value": (weight, bias or None)}.
-
-    weight: (d_in, packed) for ``layout="in_out"``, (packed, d_in) for ``"out_in"``, with
-    packed = 3*d_out for ``packing="thirds"`` (the default) and ``"per_head"``
-    (``num_heads`` required), (num_heads + 2*num_kv_heads)*head_dim for ``"grouped"``
-    (both required).  bias: (packed,) or None.  Each returned weight is in PyTorch's (out,
-    in) layout, (d_out, d_in) (key and value (num_kv_heads*head_dim, d_in) when grouped),
-    each bias (d_out,).  Raises ValueError for a bad layout or packing, a weight not of
-    rank 2 or whose packed width does not fit the packing, a bias that does not fit, heads
-    missing or inconsistent; TypeError for non-floating arrays.
-    """
-    layout = check_layout(layout)
-    packing = check_packing(packing)
-    heads = _packing_heads(packing, num_heads, num_kv_heads)
-    w = _float("the packed q/k/v weight", weight)
-    b = None if bias is None else _float("the packed q/k/v bias", bias)
-    if heads is None:
-        _, width = _check_packed(w, b, layout)
-    else:
-        width = _check_packed_heads(w, b, layout, packing, heads)
-    out_in = w.T if layout == "in_out" else w
-    rows = _rows(packing, heads, width)
-    return {
-        role: (np.array(out_in[rows[role]]), None if b is None else np.array(b[rows[role]]))
-        for role in ROLES
-    }
-
-
-def join_qkv(
-    query: Any,
-    key: Any,
-    value: Any,
-    biases: Sequence[Any] | None = None,
-    *,
-    layout: str,
-    packing: str = "thirds",
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Three weights in PyTorch's (out, in) layout (and optionally their three biases, in
-    the order query, key, value) -> (packed weight, packed bias or None).
-
-    ``packing="thirds"`` (the default) and ``"per_head"`` (``num_heads`` required): three
-    (d_out, d_in) weights and (d_out,) biases; ``"grouped"`` (``num_heads`` and
-    ``num_kv_heads`` required): query (num_heads*head_dim, d_in), key and value
-    (num_kv_heads*head_dim, d_in).  The packed weight is (d_in, packed) for
-    ``layout="in_out"``, (packed, d_in) for ``"out_in"``; the bias (packed,).
-    ``split_qkv`` with the same arguments undoes it exactly.  Raises ValueError for a bad
-    layout or packing, weights not of rank 2 or of shapes the packing does not take, a
-    ``biases`` that is not three arrays that fit them; TypeError for non-floating arrays.
-    """
-    layout = check_layout(layout)
-    packing = check_packing(packing)
-    heads = _packing_heads(packing, num_heads, num_kv_heads)
-    weights = [_float(f"the {r} weight", w) for r, w in zip(ROLES, (query, key, value), strict=True)]
-    for role, w in zip(ROLES, weights, strict=True):
-        _rank(f"the {role} weight", w, 2, "(d_out, d_in), PyTorch's layout")
-    head_dim = _check_join_shapes(weights, packing, heads)
-    dtypes = {w.dtype for w in weights}
-    if len(dtypes) != 1:
-        raise ValueError(
-            "the query, key and value weights must have the same dtype; got "
-            + ", ".join(str(w.dtype) for w in weights)
-        )
-    rows = _rows(packing, heads, head_dim)
-    packed_bias = None
-    if biases is not None:
-        if isinstance(biases, (str, bytes)) or not isinstance(biases, Sequence) or len(biases) != 3:
-            raise ValueError("biases must be None or a sequence of three arrays (query, key, value)")
-        bs = [_float(f"the {r} bias", b) for r, b in zip(ROLES, biases, strict=True)]
-        for role, b, w in zip(ROLES, bs, weights, strict=True):
-            if b.shape != (w.shape[0],):
-                raise ValueError(
-                    f"the {role} bias must have shape ({w.shape[0]},) to match the weights "
-                    f"{tuple(w.shape)}; got {tuple(b.shape)}"
-                )
-        if len({b.dtype for b in bs}) != 1:
-            raise ValueError("the query, key and value biases must have the same dtype; got "
-                             + ", ".join(str(b.dtype) for b in bs))
-        packed_bias = _place(bs, rows)
-    packed = _place(weights, rows)  # (packed, d_in)
-    return (np.array(packed.T) if layout == "in_out" else packed), packed_bias
-
-
-def _place(parts: Sequence[np.ndarray], rows: Mapping[str, np.ndarray | slice]) -> np.ndarray:
-    """The packed array whose ``rows[role]`` hold each part (the inverse of indexing by rows)."""
-    total = sum(p.shape[0] for p in parts)
-    out = np.empty((total, *parts[0].shape[1:]), parts[0].dtype)
-    for role, part in zip(ROLES, parts, strict=True):
-        out[rows[role]] = part
-    return out
-
-
-def _check_join_shapes(weights: Sequence[np.ndarray], packing: str, heads: tuple[int, int] | None) -> int:
-    """The width of one block of ``_rows`` (d_out, or head_dim for a by-heads packing)."""
-    shapes = [tuple(w.shape) for w in weights]
-    got = ", ".join(str(s) for s in shapes)
-    if heads is None or packing == "per_head":
-        if len(set(shapes)) != 1:
-            raise ValueError(
-                "the query, key and value weights must have the same shape (d_out, d_in); got " + got
-            )
-        if heads is None:
-            return int(shapes[0][0])
-        if shapes[0][0] % heads[0]:
-            raise ValueError(f"the query, key and value weights {shapes[0]} do not fit packing='per_head': "
-                             f"d_out must be num_heads*head_dim with num_heads={heads[0]}")
-        return int(shapes[0][0]) // heads[0]
-    h, hkv = heads
-    q_width, d_in = shapes[0]
-    head_dim = q_width // h
-    want = [(q_width, d_in), (hkv * head_dim, d_in), (hkv * head_dim, d_in)]
-    if q_width % h or shapes != want:
-        raise ValueError(
-            f"the query, key and value weights do not fit packing='grouped' (num_heads={h}, "
-            f"num_kv_heads={hkv}): expected (num_heads*head_dim, d_in), then (num_kv_heads*head_dim, "
-            f"d_in) twice{', ' + ', '.join(str(s) for s in want) if not q_width % h else ''}; got {got}"
-        )
-    return head_dim
 
 
 # ---------------------------------------------------------------- our modules' names
@@ -517,12 +278,6 @@ def pack_state_dict(
 
 
 # ------------------------------------------------------- Flax's head-shaped kernels
-
-
-def _heads(num_heads: Any) -> int:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
-    return int(num_heads)
 
 
 def _divides(what: str, width: int, num_heads: int) -> None:

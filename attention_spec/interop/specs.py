@@ -1,10 +1,10 @@
 """The weight map: how one set of named parameters becomes another, both ways, exactly.
 
 One rule type serves every conversion in the library: the twins' declared map
-(``attention_spec.conversion``: ``W_query.weight`` (out, in) <-> ``W_query/kernel`` (in,
-out)), the native importers' maps (``attention_spec.packing``: a packed q/k/v weight,
-Flax's head-shaped kernels), the checkpoint files (``attention_spec.files``) and any pair
-of modules in the harness (``param_map``).  A ``Rule`` says, for one group of
+(``attention_spec.interop.conversion``: ``W_query.weight`` (out, in) <-> ``W_query/kernel``
+(in, out)), the native importers' maps (``attention_spec.interop.packing``: a packed q/k/v
+weight, Flax's head-shaped kernels), the checkpoint files (``attention_spec.interop.files``)
+and any pair of modules in the harness (``param_map``).  A ``Rule`` says, for one group of
 parameters, which PyTorch names (``torch``) become which Flax paths (``flax``) through
 which ``steps``, and, where they are declared, the PyTorch-side shapes
 (``torch_shapes``; the Flax-side ones follow through the steps).  The steps are written
@@ -23,7 +23,7 @@ Steps (each acts on the list of arrays a rule carries, in order):
 * ``SplitQKV(layout)`` / ``JoinQKV(layout)``: a packed q/k/v weight in ``layout``
   ``"in_out"`` (d_in, 3*d_out) (GPT-2's ``Conv1D``) or ``"out_in"`` (3*d_out, d_in)
   (``nn.Linear``, ``in_proj_weight``) <-> three (d_out, d_in) weights in PyTorch's
-  layout, through ``attention_spec.packing.split_qkv`` / ``join_qkv``; with
+  layout, through ``attention_spec.interop.qkv.split_qkv`` / ``join_qkv``; with
   ``packing="per_head"`` (GPT-NeoX) or ``"grouped"`` (Phi-3) and the heads, packed by
   heads, and with ``bias=True`` the packed bias.
 
@@ -31,13 +31,14 @@ Every step permutes elements (no arithmetic), so round trips are bit-exact, and 
 gradient moves through the same rules as its parameter.  Prefixes (``module.``,
 ``transformer.h.0.attn.``) are stripped or added on the PyTorch side by ``prefix=``.
 
-Framework-free: NumPy only (``as_numpy`` reads torch tensors and JAX arrays without
-importing either).  Everything is validated before any array is produced: a malformed
-rule raises ValueError/TypeError when it is built; ``apply_specs`` checks names
-(missing, unexpected, without the prefix) and shapes through every step for all rules,
-and raises one ValueError listing every problem, before converting anything; a declared
-map's converters (``attention_spec.conversion``) check names and shapes with
-``check_complete`` first.
+Framework-free: NumPy only (``as_numpy``, from ``attention_spec.interop.numpy_arrays`` and
+named here too, reads torch tensors and JAX arrays without importing either).  Everything
+is validated before any array is produced: a malformed rule raises ValueError/TypeError
+when it is built; ``apply_specs`` checks names (missing, unexpected, without the prefix)
+and shapes through every step for all rules, and raises one ValueError listing every
+problem, before converting anything; a declared map's converters
+(``attention_spec.interop.conversion``) check names and shapes with ``check_complete``
+first.
 """
 
 from __future__ import annotations
@@ -47,6 +48,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
+
+from attention_spec.interop.numpy_arrays import (
+    Path,
+    as_numpy,
+    check_complete,
+    check_float_arrays,
+    flatten_paths,
+)
+from attention_spec.interop.qkv import (
+    _heads_words,
+    _packing_heads,
+    check_layout,
+    check_packing,
+    join_qkv,
+    split_qkv,
+)
 
 __all__ = [
     "Concat",
@@ -75,7 +92,6 @@ __all__ = [
     "strip_prefix",
 ]
 
-Path = tuple[Any, ...]
 Shape = tuple[int, ...]
 DIRECTIONS = ("to_flax", "to_torch")
 
@@ -266,13 +282,6 @@ class Concat:
         return Split(self.axis, self.parts)
 
 
-def _packing() -> Any:
-    """``attention_spec.packing``, which reads arrays through this module (imported on use)."""
-    from attention_spec import packing
-
-    return packing
-
-
 def _qkv_fields(step: Any) -> str:
     """A q/k/v step's repr: its layout and only the fields away from their defaults."""
     extra = [f"{name}={getattr(step, name)!r}" for name, default in
@@ -282,9 +291,9 @@ def _qkv_fields(step: Any) -> str:
 
 
 def _qkv_check(step: Any) -> None:
-    _packing().check_layout(step.layout)
-    _packing().check_packing(step.packing)
-    _packing()._packing_heads(step.packing, step.num_heads, step.num_kv_heads)
+    check_layout(step.layout)
+    check_packing(step.packing)
+    _packing_heads(step.packing, step.num_heads, step.num_kv_heads)
 
 
 def _qkv_rows(step: Any, packed: int, shape: Shape) -> tuple[int, int, int]:
@@ -294,8 +303,10 @@ def _qkv_rows(step: Any, packed: int, shape: Shape) -> tuple[int, int, int]:
         if packed == 0 or packed % 3:
             raise ValueError(f"{step!r}: the packed width of shape {shape} is not divisible by 3")
         return (packed // 3,) * 3
-    h, hkv = _packing()._packing_heads(step.packing, step.num_heads, step.num_kv_heads)
-    words, multiple = _packing()._heads_words(step.packing, (h, hkv))
+    heads = _packing_heads(step.packing, step.num_heads, step.num_kv_heads)
+    assert heads is not None  # a by-heads packing
+    h, hkv = heads
+    words, multiple = _heads_words(step.packing, heads)
     if packed == 0 or packed % multiple:
         raise ValueError(f"{step!r}: the packed width of shape {shape} must be {words}")
     head_dim = packed // multiple
@@ -307,7 +318,7 @@ class SplitQKV:
     """A packed q/k/v weight (``layout`` "in_out": (d_in, packed); "out_in": (packed,
     d_in)) -> query, key, value weights, each (width, d_in) (PyTorch's layout); with
     ``bias=True`` a packed bias (packed,) -> three biases.  ``packing`` as
-    ``attention_spec.packing`` names it: ``"thirds"`` (GPT-2's ``c_attn``), ``"per_head"``
+    ``attention_spec.interop.packing`` names it: ``"thirds"`` (GPT-2's ``c_attn``), ``"per_head"``
     (GPT-NeoX's ``query_key_value``, with ``num_heads``) or ``"grouped"`` (Phi-3's
     ``qkv_proj``, with ``num_heads`` and ``num_kv_heads``)."""
 
@@ -340,9 +351,9 @@ class SplitQKV:
     def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         roles = ("query", "key", "value")
         if self.bias:  # the bias's rows are the (out, in) weight's rows: split it as a (packed, 1) weight
-            parts = _packing().split_qkv(arrays[0][:, None], layout="out_in", **self._heads())
+            parts = split_qkv(arrays[0][:, None], layout="out_in", **self._heads())
             return [parts[role][0][:, 0] for role in roles]
-        parts = _packing().split_qkv(arrays[0], layout=self.layout, **self._heads())
+        parts = split_qkv(arrays[0], layout=self.layout, **self._heads())
         return [parts[role][0] for role in roles]
 
     def inverse(self) -> JoinQKV:
@@ -380,11 +391,13 @@ class JoinQKV:
         return [(d_in, packed) if self.layout == "in_out" else (packed, d_in)]
 
     def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        heads = {"packing": self.packing, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads}
+        heads: dict[str, Any] = {"packing": self.packing, "num_heads": self.num_heads,
+                                 "num_kv_heads": self.num_kv_heads}
         if self.bias:
-            packed, _ = _packing().join_qkv(*(a[:, None] for a in arrays), layout="out_in", **heads)
+            query, key, value = (a[:, None] for a in arrays)
+            packed, _ = join_qkv(query, key, value, layout="out_in", **heads)
             return [packed[:, 0]]
-        return [_packing().join_qkv(arrays[0], arrays[1], arrays[2], layout=self.layout, **heads)[0]]
+        return [join_qkv(arrays[0], arrays[1], arrays[2], layout=self.layout, **heads)[0]]
 
     def inverse(self) -> SplitQKV:
         return SplitQKV(self.layout, self.packing, self.num_heads, self.num_kv_heads, self.bias)
@@ -747,7 +760,7 @@ def packed_qkv_rules(
     ``c_attn.weight`` (d_in, 3*d_out), "out_in" for ``nn.Linear(d, 3*d)`` and
     ``in_proj_weight`` (3*d_out, d_in); ``packing`` and the heads as ``SplitQKV`` takes
     them (GPT-NeoX's ``"per_head"``, Phi-3's ``"grouped"``)."""
-    _packing().check_layout(layout)
+    check_layout(layout)
     if len(kernels) != 3 or (biases is not None and len(biases) != 3):
         raise ValueError("packed q/k/v needs three kernels (and three biases): query, key, value")
     if (bias is None) != (biases is None):
@@ -757,100 +770,3 @@ def packed_qkv_rules(
         split = Split(0, 3) if packing == "thirds" else SplitQKV(layout, packing, num_heads, num_kv_heads, bias=True)
         rules.append(Rule(bias, list(biases), (split,)))
     return rules
-
-
-# ------------------------------------------------------------------ arrays and declared layouts
-
-
-def check_complete(
-    given: Mapping[Any, tuple[int, ...]],
-    expected: Mapping[Any, tuple[int, ...]],
-    what: str,
-) -> None:
-    """Every expected name present once with its shape, nothing else; else one
-    ValueError that lists the missing, unexpected and misshaped names with shapes."""
-    missing = [k for k in expected if k not in given]
-    unexpected = [k for k in given if k not in expected]
-    misshaped = [k for k in expected if k in given and tuple(given[k]) != tuple(expected[k])]
-    if not (missing or unexpected or misshaped):
-        return
-    lines = [f"{what} does not match the declared weight layout:"]
-    lines += [f"  missing: {_fmt(k)} {tuple(expected[k])}" for k in missing]
-    lines += [f"  unexpected: {_fmt(k)} {tuple(given[k])}" for k in unexpected]
-    lines += [
-        f"  misshaped: {_fmt(k)} is {tuple(given[k])}, expected {tuple(expected[k])}"
-        for k in misshaped
-    ]
-    raise ValueError("\n".join(lines))
-
-
-def check_float_arrays(arrays: Mapping[Any, np.ndarray], what: str) -> None:
-    """Every array floating point (bfloat16 included); else one TypeError naming each
-    offender, raised before anything is written."""
-    bad = [f"  {_fmt(k)}: dtype {a.dtype}" for k, a in arrays.items()
-           if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16")]
-    if bad:
-        raise TypeError("\n".join([f"{what} holds arrays that are not floating point:", *bad]))
-
-
-def _fmt(key: Any) -> str:
-    return key if isinstance(key, str) else "/".join(str(p) for p in key)
-
-
-
-def as_numpy(value: Any) -> np.ndarray:
-    """A NumPy view or copy of a torch tensor, a JAX array or an array-like, exactly.
-
-    A bfloat16 tensor becomes an ``ml_dtypes.bfloat16`` array (or float32 if ml_dtypes is
-    not installed; both hold every bfloat16 value exactly).  Imports no framework.
-    """
-    if hasattr(value, "detach"):  # a torch.Tensor (torch is loaded if one exists)
-        value = value.detach().cpu()
-        if str(value.dtype) == "torch.bfloat16":
-            return value.float().numpy().astype(_bfloat16())
-        return value.numpy()
-    return np.asarray(value)
-
-
-def _bfloat16() -> Any:
-    try:
-        import ml_dtypes
-    except ImportError:  # pragma: no cover - jax always brings ml_dtypes
-        return np.float32
-    return ml_dtypes.bfloat16
-
-
-def flatten_paths(arrays: Mapping[Any, Any]) -> dict[Path, np.ndarray]:
-    """{path tuple: array}, {"a/0/b": array} or a nested dict -> {path tuple: NumPy array}.
-
-    An ``nnx.State`` is a nested mapping too: its ``nnx.Param`` leaves are read, its other
-    variables (the dropout streams' ``RngKey``/``RngCount`` of a full ``nnx.state(module)``)
-    are skipped.
-    """
-    flat: dict[Path, np.ndarray] = {}
-
-    def walk(prefix: Path, node: Any) -> None:
-        if isinstance(node, Mapping):
-            for key, child in node.items():
-                if isinstance(key, tuple):
-                    walk((*prefix, *key), child)
-                elif isinstance(key, str) and "/" in key:
-                    walk((*prefix, *(int(p) if p.isdigit() else p for p in key.split("/"))), child)
-                else:
-                    walk((*prefix, key), child)
-        elif hasattr(node, "get_value"):
-            # An nnx.Variable (duck-typed: no flax import here).  A full ``nnx.state(module)``
-            # also holds the dropout streams' RngKey/RngCount (and could hold other
-            # non-parameter variables): only parameters are weights, the rest is skipped.
-            if _is_param(node):
-                flat[prefix] = as_numpy(node.get_value())
-        else:
-            flat[prefix] = as_numpy(node)
-
-    walk((), arrays)
-    return flat
-
-
-def _is_param(variable: Any) -> bool:
-    """Whether an nnx.Variable is an ``nnx.Param`` (or a subclass), without importing flax."""
-    return any(c.__name__ == "Param" and c.__module__.startswith("flax") for c in type(variable).__mro__)

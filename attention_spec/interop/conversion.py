@@ -5,10 +5,12 @@ PyTorch names a parameter by a dotted path (``heads.0.W_query.weight``) and stor
 (``("heads", 0, "W_query", "kernel")``) and stores a kernel as (in, out).  One table per
 variant (``LAYOUTS``, read from the registry) says which parameters exist and how each
 moves; ``rules_for`` writes it, for a config, as the rules of the one weight map
-(``attention_spec.specs.Rule``, shapes declared); nothing is ever matched by position.
+(``attention_spec.interop.specs.Rule``, shapes declared); nothing is ever matched by
+position.
 Works on NumPy arrays, so either twin can convert a checkpoint without the other
 framework installed.  The array helpers (``as_numpy``, ``flatten_paths``,
-``check_complete``, ``check_float_arrays``) live with the rules and are named here too.
+``check_complete``, ``check_float_arrays``) live in ``attention_spec.interop.numpy_arrays``
+and are named here too.
 """
 
 from __future__ import annotations
@@ -18,19 +20,17 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.registry import REGISTRY, AttentionConfig, make_config
-from attention_spec.registry import VARIANTS as REGISTRY_VARIANTS
-from attention_spec.registry import variant as _variant
-from attention_spec.specs import (
+from attention_spec.interop.numpy_arrays import (
     Path,
-    Rule,
     as_numpy,
     check_complete,
     check_float_arrays,
     flatten_paths,
-    linear_rules,
-    run_rules,
 )
+from attention_spec.interop.specs import Rule, linear_rules, run_rules
+from attention_spec.registry import REGISTRY, AttentionConfig, make_config
+from attention_spec.registry import VARIANTS as REGISTRY_VARIANTS
+from attention_spec.registry import variant as _variant
 
 __all__ = [
     "LAYOUTS",

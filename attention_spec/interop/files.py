@@ -30,9 +30,9 @@ it (0666 less the umask), a replaced one keeps its mode.
 Errors: ``CheckpointError`` (a ``ValueError``) for an unreadable, truncated or malformed
 file, an unknown format, a layout that the format cannot hold or a destination that must
 not be replaced, each naming the user's path; ``OSError`` naming the user's path (never
-the temporary) when a write fails; the declared weight map's own
-``ValueError`` / ``TypeError`` (``attention_spec.conversion``) for missing, unexpected or
-misshaped parameters and non-floating arrays; the registry's for an unknown variant or a
+the temporary) when a write fails; the declared weight map's own ``ValueError`` /
+``TypeError`` (``attention_spec.interop.conversion``) for missing, unexpected or misshaped
+parameters and non-floating arrays; the registry's for an unknown variant or a
 bad config.  Everything is checked before anything is written.
 """
 
@@ -54,10 +54,10 @@ from typing import Any
 
 import numpy as np
 
-from attention_spec.conversion import flax_to_torch, rules_for, torch_to_flax
+from attention_spec.interop.conversion import flax_to_torch, rules_for, torch_to_flax
+from attention_spec.interop.numpy_arrays import Path, as_numpy, check_float_arrays, flatten_paths
 from attention_spec.registry import AttentionConfig, make_config, variant
 from attention_spec.rope import rope_from_mapping
-from attention_spec.specs import Path, as_numpy, check_float_arrays, flatten_paths
 
 __all__ = [
     "FORMATS",
