@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 from attention_spec.arrays import check_qkv
 
@@ -293,3 +293,63 @@ def check_config(
         check_normalization(normalization)
     if implementation is not _UNSET:
         check_implementation(implementation)
+
+
+class CallOptions(NamedTuple):
+    """The options of one attention call that are Python values, checked once
+    (``call_options``) and then read, never checked again, by the route, every path, the
+    CPU kernel's wrapper, the rings and the oracle.  Frozen and hashable: a static value
+    under ``jit``.  The call's arrays (mask, bias, lengths, offsets, segments, sinks, a
+    dropout mask) travel beside it in the twin's ``Call`` (``_canonical``).
+
+    ``training``: dropout is drawn (PyTorch's ``training``, JAX's ``not deterministic``).
+    ``sinks``: the call has attention sinks (their logits are an array of the ``Call``).
+    """
+
+    causal: bool = False
+    scale: float | None = None
+    mask_strategy: str = "fill"
+    normalization: str = "softmax"
+    softcap: float | None = None
+    window: tuple[int | None, int | None] | None = None
+    alignment: str = "top_left"
+    dropout_rate: float = 0.0
+    training: bool = False
+    return_weights: bool = False
+    implementation: str = "auto"
+    layout: str = "bhsd"
+
+    @property
+    def dropout_active(self) -> bool:
+        """Dropout is drawn on this call: training mode and a positive rate."""
+        return self.training and self.dropout_rate > 0.0
+
+    @property
+    def banded(self) -> bool:
+        """A band of keys per query beyond what every key sees: causal or a window."""
+        return self.causal or self.window is not None
+
+
+def call_options(
+    *, causal: Any = False, scale: Any = None, mask_strategy: Any = "fill", normalization: Any = "softmax",
+    softcap: Any = None, window: Any = None, alignment: Any = "top_left", dropout_rate: Any = 0.0,
+    training: bool = False, return_weights: bool = False, implementation: Any = "auto", layout: Any = "bhsd",
+) -> CallOptions:
+    """The checked ``CallOptions`` of the public functions' keywords (the same names),
+    each check raising its one text; the value in canonical form (Python ints and
+    floats, the window a tuple or None)."""
+    layout = check_attention_layout(layout)  # first: the shapes are read in it
+    return CallOptions(
+        softcap=check_softcap(softcap),
+        dropout_rate=check_dropout_rate(dropout_rate),
+        scale=check_scale(scale),
+        mask_strategy=check_mask_strategy(mask_strategy),
+        normalization=check_normalization(normalization),
+        window=check_window(window),
+        alignment=check_alignment(alignment),
+        implementation=check_implementation(implementation),
+        causal=bool(causal),
+        training=bool(training),
+        return_weights=bool(return_weights),
+        layout=layout,
+    )

@@ -9,9 +9,10 @@ the path that ``route()`` names, so a user who asks gets the answer the call wil
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
-from attention_spec.options import check_implementation
+from attention_spec.options import CallOptions, check_implementation
 
 
 class Route(NamedTuple):
@@ -45,20 +46,25 @@ def path_blockers(
     reference math honours everything; the others never materialise the weights, compute
     only the softmax, and draw dropout only where the fused kernel does
     (``fused_draws_dropout``); ``fused_blockers`` is what the twin's fused kernel lacks."""
-    found: list[str] = []
     if path == "reference":
-        return found
+        return []
+    fused = path == "fused"
+    return _blockers(return_weights, normalization, dropout_active, dropout_mask_given,
+                     draws_dropout=fused and fused_draws_dropout, lacks=fused_blockers if fused else ())
+
+
+def _blockers(return_weights: bool, normalization: str, dropout_active: bool, dropout_mask_given: bool, *,
+              draws_dropout: bool, lacks: tuple[str, ...]) -> list[str]:
+    found: list[str] = []
     if return_weights:
         found.append("return_weights=True (the weights are never materialised)")
     if normalization != "softmax":
         found.append(f"normalization={normalization!r}")
     if dropout_mask_given:
         found.append("an explicit dropout_mask")
-    elif dropout_active and not (path == "fused" and fused_draws_dropout):
+    elif dropout_active and not draws_dropout:
         found.append("dropout in training mode")
-    if path == "fused":
-        found += fused_blockers
-    return found
+    return found + list(lacks)
 
 
 def resolve_route(
@@ -124,3 +130,66 @@ def resolve_implementation(
         dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
         fused_draws_dropout=fused_draws_dropout, fused_blockers=fused_blockers,
     )[0]
+
+
+def option_blockers(options: CallOptions, *, dropout_mask_given: bool, draws_dropout: bool = False,
+                    lacks: tuple[str, ...] = ()) -> list[str]:
+    """What a path other than the reference math cannot honour of a call's options
+    (``path_blockers``'s list, from the ``CallOptions``): the weights returned, another
+    normalisation than the softmax, an explicit dropout mask, dropout it does not draw
+    (``draws_dropout``), then what its kernel lacks (``lacks``)."""
+    return _blockers(options.return_weights, options.normalization, options.dropout_active, dropout_mask_given,
+                     draws_dropout=draws_dropout, lacks=lacks)
+
+
+class PathEntry(NamedTuple):
+    """One row of a twin's table of paths: a way to compute a call, and what it honours.
+
+    path: the ``implementation`` it answers to (``"fused"``, ``"blockwise"``,
+    ``"reference"``; several rows may answer to one, tried in order).  ``declines(q, k, v,
+    call)``: why this row does not take the call whatever its options (the machine, the
+    call's shapes or arrays), None where it does; an explicit request then tries the next
+    row of its path.  ``blockers(q, k, v, call)``: the options it cannot honour (an explicit
+    request for it raises naming them).  ``kernel(q, k, v, call)``: what runs it.
+    ``run``: the work (the twin's signature).  ``auto``: whether ``"auto"`` may take it.
+    q, k and v are read for their shapes and dtypes, (..., H, S, D); ``call`` is the twin's
+    checked call (its ``options`` a ``CallOptions``)."""
+
+    path: str
+    declines: Callable[[Any, Any, Any, Any], str | None]
+    blockers: Callable[[Any, Any, Any, Any], list[str]]
+    kernel: Callable[[Any, Any, Any, Any], str]
+    run: Callable[..., Any]
+    auto: bool = True
+
+
+def walk(table: Sequence[PathEntry], q: Any, k: Any, v: Any, call: Any) -> tuple[PathEntry, tuple[str, ...]]:
+    """The row of ``table`` that computes ``call`` (``call.options.implementation``), and
+    for ``"auto"`` why each row before it was passed by (``"<path>: <why>"``, in the
+    table's order, fastest first).  ``"auto"`` takes the first row it may take that
+    neither declines nor is blocked; an explicit path the first of its rows that does not
+    decline, and raises ``ValueError`` naming the options that row cannot honour."""
+    requested = call.options.implementation
+    if requested == "auto":
+        reasons: list[str] = []
+        for entry in table:
+            if not entry.auto:
+                continue
+            why = entry.declines(q, k, v, call)
+            if why is None:
+                found = entry.blockers(q, k, v, call)
+                if not found:
+                    return entry, tuple(reasons)
+                why = "; ".join(found)
+            reasons.append(f"{entry.path}: {why}")
+        raise AssertionError("the table's reference row takes every call")
+    for entry in table:
+        if entry.path == requested and entry.declines(q, k, v, call) is None:
+            found = entry.blockers(q, k, v, call)
+            if found:
+                raise ValueError(
+                    f"implementation={requested!r} cannot honour {'; '.join(found)}; "
+                    "use implementation='reference' or 'auto'"
+                )
+            return entry, ()
+    raise AssertionError(f"the table has no row for implementation={requested!r} that takes the call")

@@ -1,8 +1,8 @@
 """The blockwise path: the reference math one block of queries at a time, never the
 whole (T, S) scores, with FlashAttention's backward (a ``jax.custom_vjp``).  Below
-``functional._LONG_SEQUENCE`` keys its query blocks are unrolled (static shapes, here);
+``_paths.LONG_SEQUENCE`` keys its query blocks are unrolled (static shapes, here);
 from it on the loops of ``_tiled`` walk (rows, keys) tiles.  ``functional.route``
-chooses the form (``functional._blockwise_plan``).
+chooses the form (``_paths.blockwise_plan``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jax import Array
 
 from attention_spec.geometry import key_range, within_length
 from jax_attention import _online_softmax
-from jax_attention._canonical import band, compute_dtype, float0
+from jax_attention._canonical import Call, Structure, band, compute_dtype, float0
 from jax_attention._reference import Precision, adjust
 from jax_attention._tiled import tiled_backward, tiled_forward
 from jax_attention.masks import _and_masks as combine_masks
@@ -284,20 +284,16 @@ def _add_part(total: Array, g: Array, r0: int, r1: int, lo: int, hi: int) -> Arr
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def blockwise(
-    q: Array, k: Array, v: Array, *, mask: Array | None, causal: bool, kv_lengths: Array | None,
-    scale: float, precision: Precision, plan: Plan, bias: Array | None = None,
-    softcap: float | None = None, offset: int = 0, window: tuple[int | None, int | None] | None = None,
-    sinks: Array | None = None,
-) -> Array:
+def blockwise(q: Array, k: Array, v: Array, s: Structure, call: Call, *, scale: float, precision: Precision,
+              plan: Plan) -> Array:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once.  Likewise a ``window`` (and a causal
     mask aligned at key ``offset``) restricts each block to the keys [lo, hi) within its
     reach (``key_range``); the blocks outside are skipped.
 
-    Two forms, chosen by shape (``plan``, from ``functional._blockwise_plan``):
-    below ``_LONG_SEQUENCE`` keys, the loop over query blocks is unrolled (static shapes)
+    Two forms, chosen by shape (``plan``, from ``_paths.blockwise_plan``):
+    below ``_paths.LONG_SEQUENCE`` keys, the loop over query blocks is unrolled (static shapes)
     and each block's scores against all keys in its reach exist at once; from it on,
     ``lax.fori_loop``s walk (rows, keys) tiles with FlashAttention's online softmax
     (``_tiled``), so that the largest buffer is one tile.  Rows are normalised
@@ -307,8 +303,9 @@ def blockwise(
     ``jax.custom_vjp``): the forward keeps only each row's maximum and sum, and the
     backward recomputes each block's scores from them, skipping the same blocks;
     training memory is O(T * D) per slice, never a (T, S) array.
-    ``mask`` has q's rank (``canonical_mask``).  ``sinks`` (H,), in the compute dtype,
-    join each row's normaliser when the row is finished (``_online_softmax.finish``); the
+    The structure (mask, causal, offset, window) is ``s``'s (``_canonical.structure``: a
+    mask of q's rank); lengths, bias, soft-cap and sinks are the call's.  Sinks (H,), in
+    the compute dtype, join each row's normaliser when the row is finished (``_online_softmax.finish``); the
     backward gives them their gradient."""
     lead, q_len, kv_len = q.shape[:-2], q.shape[-2], k.shape[-2]
     batch = math.prod(lead)
@@ -319,13 +316,15 @@ def blockwise(
             return None if a is None else a.reshape(1, *a.shape[-2:])
         return jnp.broadcast_to(a, (*lead, *a.shape[-2:])).reshape(batch, *a.shape[-2:])
 
+    kv_lengths, bias, sinks = call.kv_lengths, call.bias, call.sinks
     length = None
     if kv_lengths is not None:  # (B,) -> one length per (batch, head) slice
         per_slice = kv_lengths.reshape((-1,) + (1,) * (len(lead) - 1))
         length = jnp.broadcast_to(per_slice, lead).reshape(batch)
-    static = FlashStatic(block, tile, backward_tile, causal, offset, window, scale, softcap, precision, q_len, kv_len)
+    static = FlashStatic(block, tile, backward_tile, s.causal, s.offset, s.window, scale, call.options.softcap,
+                         precision, q_len, kv_len)
     q_s, k_s, v_s = (t.reshape(batch, *t.shape[-2:]) for t in (q, k, v))
     if sinks is not None:  # (H,) -> one logit per (batch, head) slice
         sinks = jnp.broadcast_to(sinks, lead).reshape(batch)
-    out = _flash(static, q_s, k_s, v_s, slices(bias), slices(mask), length, sinks)  # (BH, T, Dv)
+    out = _flash(static, q_s, k_s, v_s, slices(bias), slices(s.mask), length, sinks)  # (BH, T, Dv)
     return out.reshape(*lead, q_len, v.shape[-1])

@@ -13,16 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from attention_spec import (
-    check_dropout_mask,
-    check_dropout_rate,
-    check_mask,
-    check_mask_strategy,
-    check_normalization,
-    check_qkv,
-    check_scale,
-    dtype_name,
-)
+from attention_spec import check_dropout_mask, check_mask, dtype_name
 from attention_spec.arrays import check_bias, check_sinks, host_array
 from attention_spec.geometry import band_reach, key_range, visible, within_length
 from attention_spec.masks import (
@@ -34,7 +25,7 @@ from attention_spec.masks import (
     kv_segment_ids_message,
     rank_message,
 )
-from attention_spec.options import check_alignment, check_softcap, check_window
+from attention_spec.options import CallOptions, check_qkv_in_layout
 from jax_attention.masks import _and_masks as combine_masks
 
 
@@ -155,64 +146,73 @@ def canonical_segments(
     return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
 
 
-class Canonical(NamedTuple):
-    """A call's checked options, in the form every path reads."""
+class Call(NamedTuple):
+    """One call, checked: its options (``CallOptions``, Python values) and its arrays in
+    the form every path reads."""
 
-    mask: Array | None
-    bias: Array | None
-    softcap: float | None
-    kv_lengths: Array | None
-    window: tuple[int | None, int | None] | None
-    offset: int | Array
-    segments: Array | None
+    options: CallOptions
+    mask: Array | None = None
+    bias: Array | None = None
+    kv_lengths: Array | None = None
+    offset: int | Array = 0
+    segments: Array | None = None
     sinks: Array | None = None
     dropout_mask: Array | None = None  # given as a list or NumPy array: checked as given
 
 
-def canonical_sinks(sinks: Any, q: Array, normalization: str) -> Array | None:
-    """Attention sinks (H,), one logit per query head, checked (``check_sinks``) and cast
-    to the compute dtype (float32 for half precision, float64 stays float64)."""
+def canonical_sinks(sinks: Any, q_shape: tuple[int, ...], dtype: Any, normalization: str) -> Array | None:
+    """Attention sinks (H,), one logit per query head of q (..., H, T, D), checked
+    (``check_sinks``) and cast to the compute dtype of q's ``dtype`` (float32 for half
+    precision, float64 stays float64)."""
     if sinks is None:
         return None
     sinks = jnp.asarray(sinks)
-    check_sinks(sinks.shape, dtype_name(sinks.dtype), q.shape, normalization)
-    return sinks.astype(compute_dtype(q.dtype))
+    check_sinks(sinks.shape, dtype_name(sinks.dtype), q_shape, normalization)
+    return sinks.astype(compute_dtype(dtype))
 
 
 def canonicalise(
-    q: Array, k: Array, v: Array, *, mask: Any, bias: Any, softcap: float | None, kv_lengths: Any,
-    dropout_rate: float, dropout_mask: Any, deterministic: bool, scale: float | None, mask_strategy: str,
-    normalization: str, window: Any, alignment: str, q_offset: Any, segment_ids: Any, kv_segment_ids: Any,
+    q: Any, k: Any, v: Any, options: CallOptions, *, mask: Any = None, bias: Any = None, kv_lengths: Any = None,
+    dropout_mask: Any = None, q_offset: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
     sinks: Any = None,
-) -> Canonical:
-    """Every check of ``dot_product_attention`` but the implementation's, in its order,
-    before any work; the arrays canonicalised."""
-    check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
-    weights_shape = (*q.shape[:-1], k.shape[-2])
+) -> Call:
+    """Every check of a call's arrays, in ``dot_product_attention``'s order, before any
+    work, and the arrays canonicalised: q, k and v in ``options.layout`` (read for their
+    shapes and dtypes, ``check_qkv_in_layout``), then the mask, bias, lengths, dropout
+    mask, query offset, segment ids and sinks against them.  ``options`` were checked
+    when they were made (``call_options``)."""
+    dtypes = (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype))
+    q_shape, k_shape, _ = check_qkv_in_layout(q.shape, k.shape, v.shape, dtypes, options.layout)
+    kv_len = k_shape[-2]
+    weights_shape = (*q_shape[:-1], kv_len)
     mask = canonical_mask(mask, weights_shape)
     bias = canonical_bias(bias, weights_shape)
-    softcap = check_softcap(softcap)
     if kv_lengths is not None:
-        if q.ndim != 4:
-            raise ValueError(kv_lengths_rank_message(q.shape))
-        kv_lengths = canonical_kv_lengths(kv_lengths, q.shape[0], k.shape[-2])
-    check_dropout_rate(dropout_rate)
+        if len(q_shape) != 4:
+            raise ValueError(kv_lengths_rank_message(q_shape))
+        kv_lengths = canonical_kv_lengths(kv_lengths, q_shape[0], kv_len)
     if dropout_mask is not None:
         if not isinstance(dropout_mask, jax.Array):
             dropout_mask = host_array("dropout_mask", dropout_mask)
         check_dropout_mask(
             dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
-            training=not deterministic, rate=dropout_rate,
+            training=options.training, rate=options.dropout_rate,
         )
         dropout_mask = jnp.asarray(dropout_mask)
-    check_scale(scale)
-    check_mask_strategy(mask_strategy)
-    check_normalization(normalization)
-    window = check_window(window)
-    offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2])
-    segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2])
-    sinks = canonical_sinks(sinks, q, normalization)
-    return Canonical(mask, bias, softcap, kv_lengths, window, offset, segments, sinks, dropout_mask)
+    offset = canonical_q_offset(q_offset, options.alignment, q_shape, kv_len)
+    segments = canonical_segments(segment_ids, kv_segment_ids, q_shape, kv_len)
+    sinks = canonical_sinks(sinks, q_shape, q.dtype, options.normalization)
+    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
+
+
+def heads_first(q: Any, k: Any, v: Any, layout: str) -> tuple[Any, Any, Any]:
+    """q, k and v as (..., H, S, D), what the route and the checks read: the arrays
+    themselves for ``"bhsd"``, their shapes and dtypes (``jax.ShapeDtypeStruct``) for
+    ``"bshd"``."""
+    if layout == "bhsd":
+        return q, k, v
+    return tuple(jax.ShapeDtypeStruct((*t.shape[:-3], t.shape[-2], t.shape[-3], t.shape[-1]), t.dtype)
+                 for t in (q, k, v))  # type: ignore[return-value]
 
 
 def band(
@@ -274,8 +274,8 @@ class Structure(NamedTuple):
     groups: int
 
 
-def structure(q: Any, k: Array, v: Array, call: Canonical, causal: bool, structural: bool,
-              layout: str = "bhsd", reads_to_lengths: bool = False) -> Structure:
+def structure(q: Any, k: Array, v: Array, call: Call, structural: bool, layout: str = "bhsd",
+              reads_to_lengths: bool = False) -> Structure:
     """Segments, and positions that differ per example, are a dense mask on every path; a
     static offset and the window stay structural where a path can use them
     (``structural``).  Keys and values that no query may attend to become zeros, but for
@@ -285,7 +285,7 @@ def structure(q: Any, k: Array, v: Array, call: Canonical, causal: bool, structu
     H, T, D); k and v are in ``layout`` (``"bshd"``: (..., S, Hkv, D), as the fused
     kernels take them) and are returned in it."""
     q_len, kv_len = q.shape[-2], k.shape[-3] if layout == "bshd" else k.shape[-2]
-    mask, offset, window = call.mask, call.offset, call.window
+    mask, offset, causal, window = call.mask, call.offset, call.options.causal, call.options.window
     if call.segments is not None:
         mask = combine_masks(mask, call.segments)
     if call.bias is not None:  # a -inf entry blocks its key, as a mask does (``bias_allows``)

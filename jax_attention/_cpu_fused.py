@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ from jax import Array
 from attention_spec import dtype_name
 from attention_spec.geometry import reach
 from jax_attention import _cpu_kernel
-from jax_attention._canonical import float0
+from jax_attention._canonical import Call, float0
 from jax_attention._fused import bthd
 
 
@@ -159,13 +159,11 @@ def _few_rows_bwd(st: _KernelStatic, heads_first: bool, residuals: Any, d_out: A
 _few_rows_attention.defvjp(_few_rows_fwd, _few_rows_bwd)
 
 
-def attend(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | None, scale: float,
-               offset: int, window: tuple[int | None, int | None] | None, sinks: Array | None = None,
-               layout: str = "bhsd", few_rows: bool = False) -> Array:
+def attend(q: Array, k: Array, v: Array, call: Call, *, scale: float, few_rows: bool = False) -> Array:
     """The fused path on CPU: the library's kernel on (..., H, T, D) inputs, or (..., T, H,
-    D) ones with ``layout="bshd"`` (leading dimensions flattened into one batch), in
+    D) ones with the call's ``layout="bshd"`` (leading dimensions flattened into one batch), in
     float32, the output in v's dtype and in the inputs' layout.  Causal,
-    window and lengths stay structural: hidden tiles are skipped, a query that sees no
+    window, the call's (static) query offset and its lengths stay structural: hidden tiles are skipped, a query that sees no
     key gets a zero row, and keys past a length are never read.  ``sinks`` (H,) join each
     row's normaliser in the kernel (in float32; their gradient in their own dtype).
 
@@ -178,11 +176,12 @@ def attend(q: Array, k: Array, v: Array, *, causal: bool, kv_lengths: Array | No
     query rows) runs the kernel's forward for few rows, on either layout as it is: keys
     and values are read where they lie and none past a length, so a decode step over a
     cache costs what its filled part costs."""
-    tokens_first = layout == "bshd"
+    options, kv_lengths, sinks = call.options, call.kv_lengths, call.sinks
+    tokens_first = options.layout == "bshd"
     batch, kv_len = math.prod(q.shape[:-3]), k.shape[-3 if tokens_first else -2]
     lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
-    left, right = reach(causal, window)
-    st = _KernelStatic(scale, offset, left, right)
+    left, right = reach(options.causal, options.window)
+    st = _KernelStatic(scale, cast(int, call.offset), left, right)
     sinks32 = None if sinks is None else sinks.astype(jnp.float32)
     if few_rows:
         q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]).astype(jnp.float32) for t in (q, k, v))

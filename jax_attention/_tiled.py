@@ -1,7 +1,7 @@
 """The blockwise path for long sequences: ``lax.fori_loop``s over query blocks and, in
 each, over the (rows, keys) tiles in its reach, with the online softmax
 (``_online_softmax``).  The largest buffer is one tile: memory O(T * Dv + S * D) for
-any S.  ``_blockwise`` chooses this form from ``functional._LONG_SEQUENCE`` keys on.
+any S.  ``_blockwise`` chooses this form from ``_paths.LONG_SEQUENCE`` keys on.
 """
 
 from __future__ import annotations

@@ -35,38 +35,35 @@ shared with the ring), ``_fused`` (``jax.nn.dot_product_attention`` and splash),
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import Array
 
-from attention_spec import dtype_name
-from attention_spec.geometry import band_reach
-from attention_spec.options import check_qkv_in_layout
-from attention_spec.planning import fused_blockers
+from attention_spec.options import CallOptions, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
-from attention_spec.routing import Route, resolve_route
-from jax_attention import _cpu_fused
-from jax_attention._blockwise import blockwise as _blockwise  # the paths' entry points, by their old names
+from attention_spec.routing import PathEntry, Route, walk
+from jax_attention import _cpu_fused, _paths
 from jax_attention._cache import KVCache as KVCache
 from jax_attention._cache import append_to_cache as append_to_cache
 from jax_attention._cache import cache_fields as cache_fields
-from jax_attention._canonical import Canonical, canonicalise, structure
+from jax_attention._canonical import Call as Call
 from jax_attention._canonical import canonical_bias as canonical_bias
 from jax_attention._canonical import canonical_kv_lengths as canonical_kv_lengths
 from jax_attention._canonical import canonical_mask as canonical_mask
 from jax_attention._canonical import canonical_q_offset as canonical_q_offset
 from jax_attention._canonical import canonical_segments as canonical_segments
+from jax_attention._canonical import canonicalise as canonicalise
+from jax_attention._canonical import heads_first
 from jax_attention._cpu_fused import cpu_kernel_supports as cpu_kernel_supports
-from jax_attention._fused import attend as _fused
 from jax_attention._fused import cudnn_supports as cudnn_supports
-from jax_attention._fused import kernel_for
 from jax_attention._fused import splash_attention as splash_attention
 from jax_attention._fused import splash_supports as splash_supports
 from jax_attention._linear import linear as linear
-from jax_attention._reference import Precision, mix, reference_mask
+from jax_attention._paths import FEW_QUERY_ROWS as FEW_QUERY_ROWS
+from jax_attention._paths import FUSED_DRAWS_DROPOUT as FUSED_DRAWS_DROPOUT
+from jax_attention._paths import default_block_size as default_block_size
+from jax_attention._reference import Precision
 from jax_attention._reference import attention_scores as attention_scores
 from jax_attention._reference import attention_weights as attention_weights
 from jax_attention._reference import dropout_weights as dropout_weights
@@ -92,53 +89,9 @@ __all__ = [
     "route",
 ]
 
-# jax.nn.dot_product_attention (and the CPU kernel) cannot draw dropout.
-FUSED_DRAWS_DROPOUT = False
-
-# From this many keys on, the blockwise path walks key tiles in loops (``_tiled``)
-# instead of unrolling one (block, S) score block per query block.
-_LONG_SEQUENCE = 4096
-# On CPU, a call of at most this many query rows (a decode step: one token, or, folded,
-# one token's query heads of a key/value head) runs on the CPU kernel's forward for few
-# rows ("cpu-decode", csrc/decode.h), which reads keys and values where they lie and none
-# past a length; where "auto" passes the kernel by, on the explicit math: the blockwise
-# path's query blocks are mostly empty there, and the weights are a few rows of S.
-# Measured per step before the few-rows forward (d_model 512, 8 / 2 heads, 256
-# positions): 66 / 277 us at batch 1 / 8 explicit, 64 / 447 blockwise, 166 / 433 on the
-# kernel's blocks of query rows.
-FEW_QUERY_ROWS = 16
 # The kernels that read no key past ``kv_lengths``: a call on them costs what the keys
 # up to each example's length cost, however long its buffers (a cache's max_len).
 READS_TO_LENGTHS = ("cpu-decode",)
-# (query rows, keys) of one tile of the loops: a (256, 512) float32 score tile is 512 KiB.
-_LONG_TILE = (256, 512)
-_LONG_BACKWARD_TILE = (512, 256)
-
-
-def default_block_size(q_len: int) -> int:
-    """Query rows per block: 128 (measured best on a 2-core CPU at T=1024), growing so
-    that a long sequence unrolls into at most 16 blocks."""
-    return max(128, -(-q_len // 16))
-
-
-def _blockwise_plan(q_len: int, kv_len: int) -> tuple[int, tuple[int, int] | None, tuple[int, int] | None]:
-    """(query block, forward tile, backward tile) of the blockwise path at a shape.
-    Below ``_LONG_SEQUENCE`` keys: query blocks of ``default_block_size`` rows, each
-    against every key in its reach at once, unrolled (tiles None; kernel
-    ``"blockwise"``).  From it on: (rows, keys) tiles in ``lax.fori_loop``s with an
-    online softmax, ``_LONG_TILE`` forward and ``_LONG_BACKWARD_TILE`` backward (the
-    backward keeps no per-tile state, so its tiles may differ), and the largest buffer
-    is one tile, whatever S (kernel ``"blockwise-tiled"``).
-
-    Measured on the 2-core CPU (causal, head width 64, float32, the core alone, one
-    process each, medians of 5; forward / forward + backward): B2 H8 S2048, unrolled
-    69 / 320 ms, the loops 92 / 321; B1 H8 S4096, unrolled 174 / 677, the loops
-    148 / 550; B1 H4 S16384, unrolled 1665 / 5837, the loops 1054-1195 / 4057-4200
-    (backward tiles of 256 x 512 instead: 6084).  At S=32768 the unrolled form's
-    resident peak was 6 GiB (its (block, S) score blocks), the loops' 0.5 GiB."""
-    if kv_len < _LONG_SEQUENCE:
-        return default_block_size(q_len), None, None
-    return _LONG_TILE[0], _LONG_TILE, _LONG_BACKWARD_TILE
 
 
 def route(
@@ -154,7 +107,7 @@ def route(
     ``Route(path, kernel, reasons)``, the path (``"reference"``, ``"fused"`` or
     ``"blockwise"``), the kernel that runs it here (``"reference"``; ``"blockwise"``,
     the unrolled query blocks, or ``"blockwise-tiled"``, the loops from
-    ``_LONG_SEQUENCE`` keys on; ``"cpu-kernel"``, the library's CPU kernel, and
+    ``_paths.LONG_SEQUENCE`` keys on; ``"cpu-kernel"``, the library's CPU kernel, and
     ``"cpu-decode"``, its forward for at most ``FEW_QUERY_ROWS`` query rows;
     ``"xla"``, ``"cudnn"`` or ``"splash"``, ``jax.nn.dot_product_attention``'s
     kernels and Pallas splash attention) and, for ``"auto"``, why each faster path was
@@ -167,87 +120,30 @@ def route(
     builds the kernel on first use; should that build fail, the call falls back as the
     route of a machine without the kernel (``"auto"``: blockwise; ``"fused"``: XLA's
     kernel, with a ``RuntimeWarning``)."""
-    shaped = _heads_first(q, k, v, layout)
-    call = canonicalise(
-        *shaped, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
-        dropout_mask=dropout_mask, deterministic=deterministic, scale=scale, mask_strategy=mask_strategy,
-        normalization=normalization, window=window, alignment=alignment, q_offset=q_offset,
-        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
-    )
-    return _route(*shaped, call, causal=causal, implementation=implementation, return_weights=return_weights,
-                  normalization=normalization, dropout_active=not deterministic and dropout_rate > 0.0,
-                  dropout_mask_given=dropout_mask is not None)
+    call = _checked(locals())
+    return _walk(*heads_first(q, k, v, layout), call)[1]
 
 
-def _heads_first(q: Array | jax.ShapeDtypeStruct, k: Array | jax.ShapeDtypeStruct, v: Array | jax.ShapeDtypeStruct,
-                 layout: str) -> tuple[Any, Any, Any]:
-    """q, k and v checked in ``layout`` (``check_qkv_in_layout``; the layout first) and
-    given as (..., H, S, D): the arrays themselves for ``"bhsd"``, their shapes and dtypes
-    (``jax.ShapeDtypeStruct``) for ``"bshd"``, which is all the checks and the route read."""
-    shapes = check_qkv_in_layout(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype),
-                                                              dtype_name(v.dtype)), layout)
-    if layout == "bhsd":
-        return q, k, v
-    return (jax.ShapeDtypeStruct(shapes[0], q.dtype), jax.ShapeDtypeStruct(shapes[1], k.dtype),
-            jax.ShapeDtypeStruct(shapes[2], v.dtype))
+def _checked(given: dict[str, Any]) -> Call:
+    """The checked call of ``route``'s or ``dot_product_attention``'s arguments (their
+    ``locals()``, the same keywords): the options made and checked once
+    (``call_options``), then q, k, v and the arrays against them (``canonicalise``)."""
+    arrays = {name: given[name] for name in _ARRAYS}
+    options = call_options(**{name: given[name] for name in _OPTIONS}, training=not given["deterministic"])
+    return canonicalise(given["q"], given["k"], given["v"], options, **arrays)
 
 
-def _route(q: Array, k: Array, v: Array, call: Canonical, *, causal: bool, implementation: str,
-           return_weights: bool, normalization: str, dropout_active: bool, dropout_mask_given: bool) -> Route:
-    """``route`` of a canonicalised call.  The fast paths: fused and blockwise on GPU and
-    TPU; on CPU blockwise, after the library's kernel where it takes the call (for
-    ``"auto"``, where it is tuned for the CPU), else with why not; then
-    ``resolve_route``'s choice by the options, and the kernel of the path."""
-    backend = jax.default_backend()
-    few_rows = backend == "cpu" and q.shape[-2] <= FEW_QUERY_ROWS
-    cpu_kernel = False
-    declined: tuple[tuple[str, str], ...] = ()  # (path, why) of the fast paths this machine passes by
-    if backend == "cpu" and implementation in ("fused", "auto"):
-        why = _cpu_fused.declines(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset,
-                                  implementation=implementation, few_rows=few_rows)
-        cpu_kernel = why is None
-        declined = () if why is None or implementation != "auto" else (("fused", why),)
-    preference: tuple[str, ...] = ("fused", "blockwise") if backend in ("gpu", "tpu") or cpu_kernel else ("blockwise",)
-    path, reasons = resolve_route(
-        implementation,
-        preference=preference,
-        declined=declined,
-        return_weights=return_weights,
-        normalization=normalization,
-        dropout_active=dropout_active,
-        dropout_mask_given=dropout_mask_given,
-        fused_draws_dropout=FUSED_DRAWS_DROPOUT,
-        # sinks block the fused kernels but the library's CPU kernel, which has them
-        fused_blockers=fused_blockers(q.dtype == jnp.float64, call.softcap,
-                                      sinks=call.sinks is not None and not cpu_kernel),
-    )
-    on_kernel = path == "fused" and cpu_kernel
-    if few_rows and implementation == "auto" and path != "reference" and not on_kernel:
-        few = (f"{q.shape[-2]} query rows (at most {FEW_QUERY_ROWS}, as a decode step has): "
-               "the explicit math is faster on CPU")
-        reasons = (*reasons, *(f"{p}: {few}" for p in preference[preference.index(path):]))
-        path = "reference"
-    if path == "blockwise":
-        kernel = "blockwise" if _blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
-    elif on_kernel:
-        kernel = "cpu-decode" if few_rows else "cpu-kernel"
-    elif path == "fused":
-        kernel = kernel_for(q, k, v, plain=_plain(q, k, call, causal))
-    else:
-        kernel = "reference"
-    return Route(path, kernel, reasons)
+# dot_product_attention's keywords by where they go: the options, the arrays (rng and
+# precision go to the run).
+_OPTIONS = tuple(name for name in CallOptions._fields if name != "training")
+_ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks")
 
 
-def _plain(q: Array, k: Array, call: Canonical, causal: bool) -> bool:
-    """Whether the fused path hands its kernel no dense mask, bias or lengths: none
-    given, and no band made dense (``_canonical.structure``)."""
-    if any(a is not None for a in (call.mask, call.segments, call.bias, call.kv_lengths)):
-        return False
-    offset = call.offset
-    if isinstance(offset, int) and call.window is None and not (causal and offset):
-        return True
-    reach = band_reach(q.shape[-2], k.shape[-2], offset if isinstance(offset, int) else None, causal, call.window)
-    return reach == (None, None)
+def _walk(q: Any, k: Any, v: Any, call: Call) -> tuple[PathEntry, Route]:
+    """The row of this backend's table of paths (``_paths.table``) that computes a
+    checked call (q, k and v (..., H, S, D), read for their shapes), and its route."""
+    entry, reasons = walk(_paths.table(), q, k, v, call)
+    return entry, Route(entry.path, entry.kernel(q, k, v, call), reasons)
 
 
 def dot_product_attention(
@@ -362,68 +258,23 @@ def dot_product_attention(
         cannot honour an option; all before any computation.  Under jit, the values of
         ``kv_lengths`` are not checked (see ``canonical_kv_lengths``).
     """
-    shaped = _heads_first(q, k, v, layout)  # (..., H, S, D): what the checks and the route read
-    call = canonicalise(
-        *shaped, mask=mask, bias=bias, softcap=softcap, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
-        dropout_mask=dropout_mask, deterministic=deterministic, scale=scale, mask_strategy=mask_strategy,
-        normalization=normalization, window=window, alignment=alignment, q_offset=q_offset,
-        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
-    )
-    decide = functools.partial(
-        _route, *shaped, call, causal=causal, implementation=implementation, return_weights=return_weights,
-        normalization=normalization, dropout_active=not deterministic and dropout_rate > 0.0,
-        dropout_mask_given=dropout_mask is not None,
-    )
-    chosen = decide()
-    on_kernel = chosen.kernel in ("cpu-kernel", "cpu-decode")
-    if on_kernel or (implementation == "fused" and _cpu_fused.candidate(
-            q, implementation, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset)):
-        if not _cpu_fused.confirm(implementation, few_rows=chosen.kernel == "cpu-decode"):  # builds it on first use
-            chosen = decide()  # without it (known now): blockwise for "auto", XLA's kernel for "fused"
-            on_kernel = False
-    scale = resolve_scale(scale, q.shape[-1])
-    if chosen.path == "fused":  # the kernels take either layout as it is (splash transposes)
-        s = structure(shaped[0], k, v, call, causal, structural=on_kernel, layout=layout, reads_to_lengths=on_kernel)
-        if on_kernel:
-            return _cpu_fused.attend(q, s.k, s.v, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
-                                     offset=s.offset, window=s.window, sinks=call.sinks, layout=layout,
-                                     few_rows=chosen.kernel == "cpu-decode")
-        return _fused(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
-                      precision=precision, kernel=chosen.kernel, bias=call.bias, layout=layout)
-    if layout == "bshd":  # the explicit paths: once in, once out below
-        q, k, v = (jnp.swapaxes(t, -3, -2) for t in (q, k, v))
-    result = _explicit(q, k, v, call, chosen, causal=causal, scale=scale, precision=precision,
-                       mask_strategy=mask_strategy, normalization=normalization, return_weights=return_weights,
-                       dropout=(dropout_rate, deterministic, rng, call.dropout_mask))
-    if layout == "bhsd":
-        return result
-    if isinstance(result, tuple):  # the weights stay (..., H, T, S)
-        return jnp.swapaxes(result[0], -3, -2), result[1]
-    return jnp.swapaxes(result, -3, -2)
+    return attend(q, k, v, _checked(locals()), rng=rng, precision=precision)
 
 
-def _explicit(
-    q: Array, k: Array, v: Array, call: Canonical, chosen: Route, *, causal: bool, scale: float,
-    precision: Precision, mask_strategy: str, normalization: str, return_weights: bool,
-    dropout: tuple[float, bool, Array | None, Array | None],
-) -> Array | tuple[Array, Array]:
-    """The explicit paths on (..., H, S, D) inputs: blockwise, or the reference with
-    dropout (``dropout``: rate, deterministic, rng, dropout_mask)."""
-    s = structure(q, k, v, call, causal, structural=chosen.path == "blockwise")
-    k, v = s.k, s.v
-    if s.groups > 1:  # the explicit paths repeat each key/value head for its group of queries
-        k, v = jnp.repeat(k, s.groups, axis=-3), jnp.repeat(v, s.groups, axis=-3)
-    if chosen.path == "blockwise":
-        return _blockwise(
-            q, k, v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale, precision=precision,
-            plan=_blockwise_plan(q.shape[-2], k.shape[-2]), bias=call.bias, softcap=call.softcap, offset=s.offset,
-            window=s.window, sinks=call.sinks,
-        )
-    weights = attention_weights(
-        q, k, mask=reference_mask(s.mask, call.kv_lengths, k.shape[-2], q.ndim), causal=s.causal, scale=scale,
-        mask_strategy=mask_strategy, normalization=normalization, precision=precision, bias=call.bias,
-        softcap=call.softcap, sinks=call.sinks,
-    )
-    rate, deterministic, rng, dropout_mask = dropout
-    weights = dropout_weights(weights, rate, deterministic=deterministic, rng=rng, dropout_mask=dropout_mask)
-    return mix(weights, v, precision, return_weights)
+def attend(q: Array, k: Array, v: Array, call: Call, *, rng: Array | None = None,
+           precision: Precision = "highest") -> Array | tuple[Array, Array]:
+    """``dot_product_attention`` of a call already checked (``call``: its options and
+    canonical arrays, from ``canonicalise``), q, k and v in the call's layout: the row of
+    the table of paths that ``route`` names, run.  A row on the library's CPU kernel
+    builds the kernel on first use; should that fail, the call is routed again without
+    it (``"auto"``: blockwise; ``"fused"``: XLA's kernel, with a ``RuntimeWarning``)."""
+    shaped = heads_first(q, k, v, call.options.layout)  # (..., H, S, D): what the route reads
+    entry, chosen = _walk(*shaped, call)
+    kernel_wanted = entry is _paths.CPU_KERNEL or (
+        call.options.implementation == "fused" and jax.default_backend() == "cpu"
+        and _cpu_fused.fits(shaped[0], mask=call.mask, bias=call.bias, segments=call.segments,
+                            offset=call.offset) is None)
+    if kernel_wanted and not _cpu_fused.confirm(call.options.implementation, few_rows=_paths.few_rows(shaped[0])):
+        entry, chosen = _walk(*shaped, call)  # without it (known now): blockwise for "auto", XLA's for "fused"
+    scale = resolve_scale(call.options.scale, shaped[0].shape[-1])
+    return entry.run(q, k, v, shaped[0], call, chosen.kernel, scale=scale, precision=precision, rng=rng)

@@ -360,16 +360,12 @@ class AttentionModule(nn.Module):
         checks and the route of ``dot_product_attention`` made at the first such call of
         a checked decode step (kept in ``call.plans``, see ``_prepare``) and reused by
         the next: nothing of that plan depends on kv_len, the only shape that changes."""
-        plans, spec = cast(dict[str, Any], call.plans), self.spec
+        plans = cast(dict[str, Any], call.plans)
         plan = plans.get("all keys")
         if plan is None:
             options = self._attention_options(call, return_weights, causal=False, q_offset=None, alignment="top_left")
-            del options["causal"]
-            plan = plans["all keys"] = functional._plan(q, k, v, **options)
-        return functional._run_plan(
-            q, k, v, plan, causal=False, scale=spec.scale, mask_strategy=spec.mask_strategy,
-            normalization=spec.normalization, dropout=(spec.dropout, self.training, None),
-            return_weights=return_weights)
+            plan = plans["all keys"] = functional.plan(q, k, v, **options)
+        return functional.attend(q, k, v, plan)
 
     def _run(self, call: _Call, return_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
         """The work, on checked input: project, attend, merge.  Batched in and out."""

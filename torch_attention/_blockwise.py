@@ -8,7 +8,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from attention_spec.geometry import key_range as _key_range
-from torch_attention._canonical import _band
+from torch_attention._canonical import Call, Structure, _band
 from torch_attention._reference import _adjust, _compute_dtype, _softmax
 from torch_attention.masks import _and_masks as combine_masks
 
@@ -18,11 +18,8 @@ def default_block_size(q_len: int) -> int:
     return max(128, -(-q_len // 16))
 
 
-def _blockwise(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, lengths: Tensor | None,
-    scale: float, block_size: int | None = None, bias: Tensor | None = None, softcap: float | None = None,
-    offset: int = 0, window: tuple[int | None, int | None] | None = None, sinks: Tensor | None = None,
-) -> Tensor:
+def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scale: float,
+              block_size: int | None = None) -> Tensor:
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once; a ``window`` (and a causal mask aligned
@@ -35,7 +32,10 @@ def _blockwise(
     Under autograd each block is checkpointed: the backward keeps only the inputs and
     recomputes one block's weights at a time, so training holds O(block x S) scores,
     not all T x S weights (the JAX twin gets the same bound from its flash backward).
-    ``mask`` has q's rank (``canonical_mask``); ``lengths`` is (B, 1, 1, S)."""
+    The structure (mask of q's rank, offset, causal, window, lengths (B, 1, 1, S)) is
+    ``s``'s (``_canonical.structure``); bias, soft-cap and sinks are the call's."""
+    mask, offset, causal, window, lengths = s.mask, s.offset, s.causal, s.window, s.lengths
+    bias, softcap, sinks = call.bias, call.options.softcap, call.sinks
     q_len, kv_len = q.shape[-2], k.shape[-2]
     block = block_size or default_block_size(q_len)
     ct = _compute_dtype(q.dtype)
@@ -73,7 +73,7 @@ def _query_block(
     q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, bias: Tensor | None, scale: float,
     softcap: float | None, sinks: Tensor | None,
 ) -> Tensor:
-    """One block of ``_blockwise``: the reference math on the keys within its reach."""
+    """One block of ``blockwise``: the reference math on the keys within its reach."""
     scores = torch.matmul(q, k.transpose(-2, -1))  # unscaled
     if bias is None and softcap is None and sinks is None:
         weights = _softmax(scores, allowed, scale)

@@ -5,14 +5,14 @@ to), for every PyTorch path.  Key reach comes from ``attention_spec.geometry``."
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from attention_spec import check_mask, dtype_name
-from attention_spec.arrays import check_bias
+from attention_spec import check_dropout_mask, check_mask, dtype_name
+from attention_spec.arrays import check_bias, check_sinks, host_array
 from attention_spec.geometry import band_reach, visible, within_length
 from attention_spec.geometry import key_range as _key_range
 from attention_spec.masks import (
@@ -20,9 +20,12 @@ from attention_spec.masks import (
     check_kv_lengths_values,
     check_q_offset_array,
     check_segment_ids,
+    kv_lengths_rank_message,
     kv_segment_ids_message,
     rank_message,
 )
+from attention_spec.options import CallOptions, check_qkv_in_layout
+from torch_attention.masks import _and_masks as combine_masks
 
 
 def canonical_mask(mask: Any, weights_shape: tuple[int, ...]) -> Tensor | None:
@@ -168,3 +171,105 @@ def _live_keys(
     if lengths is not None:
         live = lengths[..., 0, :] if live is None else live & lengths[..., 0, :]
     return None if live is None else live.unsqueeze(-1)
+
+
+class Call(NamedTuple):
+    """One call, checked: its options (``CallOptions``, Python values) and its tensors in
+    the form every path reads, on q's device."""
+
+    options: CallOptions
+    mask: Tensor | None = None
+    bias: Tensor | None = None
+    kv_lengths: Tensor | None = None
+    offset: int | Tensor = 0
+    segments: Tensor | None = None
+    sinks: Tensor | None = None
+    dropout_mask: Tensor | None = None  # given as a list or NumPy array: checked as given
+
+
+def heads_first(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v as (..., H, S, D): themselves for ``"bhsd"``, transposed views (no copy)
+    for ``"bshd"``."""
+    if layout == "bhsd":
+        return q, k, v
+    return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+
+
+def canonicalise(
+    q: Tensor, k: Tensor, v: Tensor, options: CallOptions, *, mask: Any = None, bias: Any = None,
+    kv_lengths: Any = None, dropout_mask: Any = None, q_offset: Any = None, segment_ids: Any = None,
+    kv_segment_ids: Any = None, sinks: Any = None,
+) -> Call:
+    """Every check of a call's tensors, in ``dot_product_attention``'s order, before any
+    work, and the tensors canonicalised on q's device: q, k and v in ``options.layout``
+    (``check_qkv_in_layout``), then the mask, bias, lengths, dropout mask, query offset,
+    segment ids and sinks against them.  ``options`` were checked when they were made
+    (``call_options``)."""
+    dtypes = (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype))
+    q_shape, k_shape, _ = check_qkv_in_layout(q.shape, k.shape, v.shape, dtypes, options.layout)
+    kv_len = k_shape[-2]
+    weights_shape = (*q_shape[:-1], kv_len)
+    mask = canonical_mask(mask, weights_shape)
+    bias = canonical_bias(bias, weights_shape)
+    if bias is not None:
+        bias = bias.to(q.device)
+    if kv_lengths is not None:
+        if len(q_shape) != 4:
+            raise ValueError(kv_lengths_rank_message(q_shape))
+        lengths = canonical_kv_lengths(kv_lengths, q_shape[0], kv_len)
+        assert lengths is not None  # kv_lengths is not None
+        kv_lengths = lengths.to(q.device)
+    if dropout_mask is not None:
+        if not isinstance(dropout_mask, Tensor):
+            dropout_mask = host_array("dropout_mask", dropout_mask)
+        check_dropout_mask(dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape,
+                           training=options.training, rate=options.dropout_rate)
+        dropout_mask = torch.as_tensor(dropout_mask, device=q.device)
+    offset = canonical_q_offset(q_offset, options.alignment, q_shape, kv_len, q.device)
+    segments = canonical_segments(segment_ids, kv_segment_ids, q_shape, kv_len, q.device)
+    if sinks is not None:
+        sinks = sinks if isinstance(sinks, Tensor) else torch.as_tensor(sinks)
+        check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), q_shape, options.normalization)
+        sinks = sinks.to(q.device)
+    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
+
+
+class Structure(NamedTuple):
+    """What a path computes from: the dense mask (None: none), the structure it keeps
+    (offset, causal, window), the lengths as a mask (B, 1, ..., 1, S), and k and v with
+    the keys that no query sees zeroed."""
+
+    mask: Tensor | None
+    offset: int
+    causal: bool
+    window: tuple[int | None, int | None] | None
+    lengths: Tensor | None
+    k: Tensor
+    v: Tensor
+
+
+def structure(q: Tensor, k: Tensor, v: Tensor, call: Call, path: str) -> Structure:
+    """The structure of a call for ``path``: a -inf bias (read by the fused path from the
+    bias itself), segments, and positions that differ per example join the dense mask on
+    every path; a static offset and the window stay structural where the path can use
+    them (blockwise).  Then k and v with zeros at the key positions that no query may
+    attend to: whatever is stored there (NaN included) reaches no output and gets a zero
+    gradient.  q, k and v are (..., H, S, D)."""
+    mask, offset, causal, window = call.mask, call.offset, call.options.causal, call.options.window
+    if call.bias is not None and path != "fused":  # the fused path reads -inf from the bias itself: fewer passes
+        mask = combine_masks(mask, _bias_allows(call.bias))
+    if call.segments is not None:
+        mask = combine_masks(mask, call.segments)
+    if not isinstance(offset, int) or (path != "blockwise" and (window is not None or (causal and offset))):
+        mask = combine_masks(mask, _band(q.shape[-2], k.shape[-2], offset, causal, window, q.dim(), q.device))
+        offset, causal, window = 0, False, None
+    lengths = None if call.kv_lengths is None else _length_mask(call.kv_lengths, k.shape[-2], q.dim())
+    live_keys = _live_keys(mask, causal, lengths, q.shape[-2], k.shape[-2], q.device, offset=offset, window=window)
+    if live_keys is not None:
+        groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
+        if groups > 1 and live_keys.dim() >= 3 and live_keys.shape[-3] > 1:
+            # a key is live if any head of its group sees it
+            live_keys = live_keys.unflatten(-3, (-1, groups)).any(dim=-3)
+        zero = torch.zeros((), dtype=v.dtype, device=v.device)
+        k, v = torch.where(live_keys, k, zero), torch.where(live_keys, v, zero)
+    return Structure(mask, offset, causal, window, lengths, k, v)

@@ -28,49 +28,35 @@ call once (``_plan``), takes the route that ``route`` reports, then runs that pa
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import inspect
+from typing import Any
 
-import torch
 from torch import Tensor
 
-from attention_spec import (
-    check_dropout_mask,
-    check_dropout_rate,
-    check_mask_strategy,
-    check_normalization,
-    check_qkv,
-    check_scale,
-    dtype_name,
-)
-from attention_spec.arrays import check_sinks, host_array
-from attention_spec.masks import kv_lengths_rank_message
-from attention_spec.options import check_alignment, check_qkv_in_layout, check_softcap, check_window
-from attention_spec.planning import fused_blockers
+from attention_spec.options import CallOptions, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
-from attention_spec.routing import Route, resolve_route
-from torch_attention._blockwise import _blockwise
+from attention_spec.routing import PathEntry, Route, walk
+from torch_attention import _paths
 from torch_attention._blockwise import default_block_size as default_block_size
 from torch_attention._cache import KVCache as KVCache
 from torch_attention._cache import append_to_cache as append_to_cache
 from torch_attention._cache import cache_fields as cache_fields
-from torch_attention._canonical import (
-    _band,
-    _bias_allows,
-    _length_mask,
-    _live_keys,
-    canonical_bias,
-    canonical_kv_lengths,
-    canonical_mask,
-    canonical_q_offset,
-    canonical_segments,
-)
-from torch_attention._fused import FUSED_DRAWS_DROPOUT, _fused
+from torch_attention._canonical import Call as Call
+from torch_attention._canonical import canonical_bias as canonical_bias
+from torch_attention._canonical import canonical_kv_lengths as canonical_kv_lengths
+from torch_attention._canonical import canonical_mask as canonical_mask
+from torch_attention._canonical import canonical_q_offset as canonical_q_offset
+from torch_attention._canonical import canonical_segments as canonical_segments
+from torch_attention._canonical import canonicalise as canonicalise
+from torch_attention._canonical import heads_first
 from torch_attention._linear import linear as linear
+from torch_attention._paths import FUSED_DRAWS_DROPOUT as FUSED_DRAWS_DROPOUT
 from torch_attention._reference import attention_scores as attention_scores
-from torch_attention._reference import attention_weights, dropout_weights, resolve_scale
+from torch_attention._reference import attention_weights as attention_weights
+from torch_attention._reference import dropout_weights as dropout_weights
 from torch_attention._reference import normalize_scores as normalize_scores
+from torch_attention._reference import resolve_scale as resolve_scale
 from torch_attention._rope import apply_rope as apply_rope
-from torch_attention.masks import _and_masks as combine_masks
 
 __all__ = [
     "RopeConfig",
@@ -88,27 +74,6 @@ __all__ = [
     "resolve_scale",
     "route",
 ]
-
-# The paths in PyTorch's order of preference for "auto" (SDPA is its fast path on every
-# device, on CPU a fused blockwise kernel), and what runs each.
-PREFERENCE = ("fused", "blockwise")
-KERNELS = {"reference": "reference", "fused": "sdpa", "blockwise": "blockwise"}
-
-
-class _Plan(NamedTuple):
-    """A call checked and in canonical form, and its route."""
-
-    mask: Tensor | None
-    bias: Tensor | None
-    softcap: float | None
-    kv_lengths: Tensor | None
-    window: tuple[int | None, int | None] | None
-    offset: int | Tensor
-    segments: Tensor | None
-    sinks: Tensor | None
-    route: Route
-    dropout_mask: Tensor | None = None  # on q's device (given as a list or NumPy array: checked as given)
-
 
 def route(
     q: Tensor,
@@ -145,78 +110,27 @@ def route(
     computes nothing.  The JAX twin's ``route`` likewise takes its ``dot_product_attention``'s
     arguments.
     """
-    del causal  # (the same keywords as dot_product_attention: causal changes no route)
-    q, k, v = _heads_first(q, k, v, layout)
-    return _plan(
-        q, k, v, mask=mask, kv_lengths=kv_lengths, scale=scale, mask_strategy=mask_strategy,
-        normalization=normalization, dropout_rate=dropout_rate, dropout_mask=dropout_mask, training=training,
-        return_weights=return_weights, implementation=implementation, bias=bias, softcap=softcap,
-        window=window, alignment=alignment, q_offset=q_offset, segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids, sinks=sinks,
-    ).route
+    call = _checked(locals())
+    return _walk(*heads_first(q, k, v, layout), call)[1]
 
 
-def _heads_first(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k and v checked in ``layout`` (``check_qkv_in_layout``; the layout first) and
-    returned as (..., H, S, D): themselves for ``"bhsd"``, transposed views (no copy) for
-    ``"bshd"``."""
-    check_qkv_in_layout(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)),
-                        layout)
-    if layout == "bhsd":
-        return q, k, v
-    return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+def _checked(given: dict[str, Any]) -> Call:
+    """The checked call of ``route``'s or ``dot_product_attention``'s arguments (their
+    ``locals()``, the same keywords): the options made and checked once
+    (``call_options``), then q, k, v and the tensors against them (``canonicalise``)."""
+    options = call_options(**{name: given[name] for name in CallOptions._fields})
+    return canonicalise(given["q"], given["k"], given["v"], options, **{name: given[name] for name in _ARRAYS})
 
 
-def _plan(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Any, kv_lengths: Any, scale: float | None, mask_strategy: str,
-    normalization: str, dropout_rate: float, dropout_mask: Any, training: bool, return_weights: bool,
-    implementation: str, bias: Any, softcap: float | None, window: Any, alignment: str, q_offset: Any,
-    segment_ids: Any, kv_segment_ids: Any, sinks: Any,
-) -> _Plan:
-    """Every check of a call, in order, before any computation; its options in canonical
-    form; and its route."""
-    check_qkv(q.shape, k.shape, v.shape, (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
-    weights_shape = (*q.shape[:-1], k.shape[-2])
-    mask = canonical_mask(mask, weights_shape)
-    bias = canonical_bias(bias, weights_shape)
-    softcap = check_softcap(softcap)
-    if kv_lengths is not None:
-        if q.dim() != 4:
-            raise ValueError(kv_lengths_rank_message(q.shape))
-        lengths = canonical_kv_lengths(kv_lengths, q.shape[0], k.shape[-2])
-        assert lengths is not None  # kv_lengths is not None
-        kv_lengths = lengths.to(q.device)
-    check_dropout_rate(dropout_rate)
-    if dropout_mask is not None:
-        if not isinstance(dropout_mask, Tensor):
-            dropout_mask = host_array("dropout_mask", dropout_mask)
-        check_dropout_mask(
-            dropout_mask.shape, dtype_name(dropout_mask.dtype), weights_shape, training=training,
-            rate=dropout_rate,
-        )
-        dropout_mask = torch.as_tensor(dropout_mask, device=q.device)
-    check_scale(scale)
-    check_mask_strategy(mask_strategy)
-    check_normalization(normalization)
-    if sinks is not None:
-        sinks = sinks if isinstance(sinks, Tensor) else torch.as_tensor(sinks)
-        check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), normalization)
-        sinks = sinks.to(q.device)
-    window = check_window(window)
-    offset = canonical_q_offset(q_offset, check_alignment(alignment), q.shape, k.shape[-2], q.device)
-    segments = canonical_segments(segment_ids, kv_segment_ids, q.shape, k.shape[-2], q.device)
-    path, reasons = resolve_route(
-        implementation,
-        preference=PREFERENCE,
-        return_weights=return_weights,
-        normalization=normalization,
-        dropout_active=training and dropout_rate > 0.0,
-        dropout_mask_given=dropout_mask is not None,
-        fused_draws_dropout=FUSED_DRAWS_DROPOUT,
-        fused_blockers=fused_blockers(q.dtype == torch.float64, softcap, sinks=sinks is not None),
-    )
-    route_taken = Route(path, KERNELS[path], reasons)
-    return _Plan(mask, bias, softcap, kv_lengths, window, offset, segments, sinks, route_taken, dropout_mask)
+# dot_product_attention's keywords that are tensors (or lists or NumPy arrays of values).
+_ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks")
+
+
+def _walk(q: Tensor, k: Tensor, v: Tensor, call: Call) -> tuple[PathEntry, Route]:
+    """The row of the table of paths (``_paths.TABLE``) that computes a checked call (q,
+    k and v (..., H, S, D)), and its route."""
+    entry, reasons = walk(_paths.TABLE, q, k, v, call)
+    return entry, Route(entry.path, entry.kernel(q, k, v, call), reasons)
 
 
 def dot_product_attention(
@@ -316,17 +230,27 @@ def dot_product_attention(
         (eval mode or rate 0), a bad option value, an explicit implementation that cannot
         honour an option; all before any computation.
     """
-    q, k, v = _heads_first(q, k, v, layout)
-    plan = _plan(
-        q, k, v, mask=mask, kv_lengths=kv_lengths, scale=scale, mask_strategy=mask_strategy,
-        normalization=normalization, dropout_rate=dropout_rate, dropout_mask=dropout_mask, training=training,
-        return_weights=return_weights, implementation=implementation, bias=bias, softcap=softcap,
-        window=window, alignment=alignment, q_offset=q_offset, segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids, sinks=sinks,
-    )
-    result = _run_plan(q, k, v, plan, causal=causal, scale=scale, mask_strategy=mask_strategy,
-                       normalization=normalization, dropout=(dropout_rate, training, plan.dropout_mask),
-                       return_weights=return_weights)
+    return attend(q, k, v, _checked(locals()))
+
+
+def plan(q: Tensor, k: Tensor, v: Tensor, **keywords: Any) -> Call:
+    """The checked call of ``dot_product_attention``'s arguments (the same keywords and
+    errors), for ``attend``: a caller that repeats a call (a module's decode step over a
+    growing prefix) checks it once and keeps it."""
+    return _checked({"q": q, "k": k, "v": v, **_DEFAULTS, **keywords})
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor | tuple[Tensor, Tensor]:
+    """``dot_product_attention`` of a call already checked (``call``: its options and
+    canonical tensors, from ``canonicalise``), q, k and v in the call's layout: the row
+    of the table of paths that ``route`` names, run.  A call kept from ``plan`` serves q,
+    k and v of the shapes and dtypes it was made for, kv_len aside where nothing of it
+    depends on it (no mask, bias, kv_lengths or segments, and a query offset that is not
+    bottom-right aligned)."""
+    layout = call.options.layout
+    q, k, v = heads_first(q, k, v, layout)
+    entry, _ = _walk(q, k, v, call)
+    result = entry.run(q, k, v, call, scale=resolve_scale(call.options.scale, q.shape[-1]))
     if layout == "bhsd":
         return result
     if isinstance(result, tuple):  # the weights stay (..., H, T, S)
@@ -334,101 +258,5 @@ def dot_product_attention(
     return result.transpose(-3, -2)
 
 
-def _run_plan(
-    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, *, causal: bool, scale: float | None, mask_strategy: str,
-    normalization: str, dropout: tuple[float, bool, Tensor | None], return_weights: bool,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The work of a call that ``_plan`` checked and planned, q, k and v heads first: the
-    mask's structure, unseen keys zeroed, then the planned path.  ``dropout`` is
-    (rate, training, dropout_mask), as given to the plan.  A caller that keeps a plan
-    (a module's decode step) gives it the options it was made with, and q, k and v of
-    the shapes and dtypes it was made for, kv_len aside where nothing of the plan depends
-    on it (no mask, bias, kv_lengths or segments, and a query offset that is not
-    bottom-right aligned)."""
-    dropout_rate, training, _ = dropout
-    if (plan.route.path == "fused" and not causal and plan.mask is None and plan.bias is None and plan.window is None
-            and plan.kv_lengths is None and plan.segments is None and isinstance(plan.offset, int)):
-        # every query sees every key (a decoded token over the filled prefix): nothing to
-        # structure, no key to zero, straight to SDPA
-        return _fused(q, k, v, mask=None, causal=False, lengths=None, scale=resolve_scale(scale, q.shape[-1]),
-                      dropout_rate=dropout_rate if training else 0.0)
-    path, bias, softcap = plan.route.path, plan.bias, plan.softcap
-    if bias is not None:
-        bias = bias.to(q.device)
-    mask, offset, causal, window = _structure(q, k, plan, path, bias, causal)
-    lengths = None if plan.kv_lengths is None else _length_mask(plan.kv_lengths, k.shape[-2], q.dim())
-    k, v = _without_unseen_keys(q, k, v, mask, causal, lengths, offset, window)
-    scale = resolve_scale(scale, q.shape[-1])
-    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
-    result: Tensor | tuple[Tensor, Tensor]
-    if path == "fused":
-        result = _fused(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
-                        dropout_rate=dropout_rate if training else 0.0, bias=bias)
-    elif groups > 1:  # the explicit paths repeat each key/value head for its group of queries
-        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-    if path == "blockwise":
-        result = _blockwise(q, k, v, mask=mask, causal=causal, lengths=lengths, scale=scale,
-                            bias=bias, softcap=softcap, offset=offset, window=window, sinks=plan.sinks)
-    elif path == "reference":
-        result = _explicit(
-            q, k, v, mask=combine_masks(mask, lengths), causal=causal, offset=offset, window=window, scale=scale,
-            mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap,
-            dropout=dropout, return_weights=return_weights, sinks=plan.sinks,
-        )
-    return result
-
-
-def _structure(
-    q: Tensor, k: Tensor, plan: _Plan, path: str, bias: Tensor | None, causal: bool,
-) -> tuple[Tensor | None, int, bool, tuple[int | None, int | None] | None]:
-    """(mask, offset, causal, window) for ``path``: a -inf bias (read by the fused path
-    from the bias itself), segments, and positions that differ per example join the
-    dense mask on every path; a static offset and the window stay structural where the
-    path can use them."""
-    mask, offset, window = plan.mask, plan.offset, plan.window
-    if bias is not None and path != "fused":  # the fused path reads -inf from the bias itself: fewer passes
-        mask = combine_masks(mask, _bias_allows(bias))
-    if plan.segments is not None:
-        mask = combine_masks(mask, plan.segments)
-    if not isinstance(offset, int) or (path != "blockwise" and (window is not None or (causal and offset))):
-        mask = combine_masks(mask, _band(q.shape[-2], k.shape[-2], offset, causal, window, q.dim(), q.device))
-        offset, causal, window = 0, False, None
-    return mask, offset, causal, window
-
-
-def _without_unseen_keys(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, lengths: Tensor | None, offset: int,
-    window: tuple[int | None, int | None] | None,
-) -> tuple[Tensor, Tensor]:
-    """k and v with zeros at the key positions that no query may attend to: whatever is
-    stored there (NaN included) reaches no output and gets a zero gradient."""
-    live_keys = _live_keys(mask, causal, lengths, q.shape[-2], k.shape[-2], q.device, offset=offset, window=window)
-    if live_keys is None:
-        return k, v
-    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
-    if groups > 1 and live_keys.dim() >= 3 and live_keys.shape[-3] > 1:
-        # a key is live if any head of its group sees it
-        live_keys = live_keys.unflatten(-3, (-1, groups)).any(dim=-3)
-    zero = torch.zeros((), dtype=v.dtype, device=v.device)
-    return torch.where(live_keys, k, zero), torch.where(live_keys, v, zero)
-
-
-def _explicit(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool, offset: int,
-    window: tuple[int | None, int | None] | None, scale: float, mask_strategy: str, normalization: str,
-    bias: Tensor | None, softcap: float | None, dropout: tuple[float, bool, Tensor | None], return_weights: bool,
-    sinks: Tensor | None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The reference path: the weights (``attention_weights``), dropout, the values mixed."""
-    if window is not None or (causal and offset):
-        mask = combine_masks(mask, _band(q.shape[-2], k.shape[-2], offset, causal, window, q.dim(), q.device))
-        causal = False
-    weights = attention_weights(
-        q, k, mask=mask, causal=causal, scale=scale,
-        mask_strategy=mask_strategy, normalization=normalization, bias=bias, softcap=softcap, sinks=sinks,
-    )
-    rate, training, dropout_mask = dropout
-    weights = dropout_weights(weights, rate, training=training, dropout_mask=dropout_mask)
-    # mixed in the compute dtype: half-precision weights would add a rounding per weight
-    out = torch.matmul(weights, v.to(weights.dtype)).to(v.dtype)  # (..., T, Dv)
-    return (out, weights.to(v.dtype)) if return_weights else out
+_DEFAULTS = {name: p.default for name, p in inspect.signature(dot_product_attention).parameters.items()
+             if p.default is not inspect.Parameter.empty}

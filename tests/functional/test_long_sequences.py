@@ -1,6 +1,6 @@
 """Long sequences on JAX's CPU paths: the blockwise path's tiles from 4096 keys on.
 
-From ``_LONG_SEQUENCE`` keys, the blockwise path walks (rows, keys) tiles in loops with
+From ``_paths.LONG_SEQUENCE`` keys, the blockwise path walks (rows, keys) tiles in loops with
 an online softmax, forward and backward.  Its memory then does not grow with S x S: the
 buffers XLA plans for a causal forward + backward at S = 32768 are checked against the
 size of one S x S score matrix.  Its numbers are checked at the real tile size against
@@ -36,11 +36,11 @@ def _loss(implementation: str, **options):  # type: ignore[no-untyped-def]
 
 @needs_jax
 def test_auto_takes_the_tiles_from_4096_keys():
-    from jax_attention import functional
+    from jax_attention import _paths
 
-    assert functional._blockwise_plan(4095, 4095)[1:] == (None, None)
-    assert functional._blockwise_plan(1, 4096)[1:] == (functional._LONG_TILE, functional._LONG_BACKWARD_TILE)
-    assert functional._blockwise_plan(32768, 32768)[1] == functional._LONG_TILE
+    assert _paths.blockwise_plan(4095, 4095)[1:] == (None, None)
+    assert _paths.blockwise_plan(1, 4096)[1:] == (_paths.LONG_TILE, _paths.LONG_BACKWARD_TILE)
+    assert _paths.blockwise_plan(32768, 32768)[1] == _paths.LONG_TILE
 
 
 @needs_jax
@@ -78,11 +78,11 @@ def test_real_tiles_against_the_reference_path(options):
     import jax
     import jax.numpy as jnp
 
-    from jax_attention import functional
+    from jax_attention import _paths, functional
 
     rng = np.random.default_rng(7)
     t, s = 4100, 4300
-    assert functional._blockwise_plan(t, s)[1] is not None
+    assert _paths.blockwise_plan(t, s)[1] is not None
     q = jnp.asarray(rng.standard_normal((2, 1, t, 16)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((2, 1, s, 16)), jnp.float32) for _ in range(2))
     results = {}

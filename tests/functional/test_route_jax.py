@@ -77,7 +77,8 @@ def test_return_weights_takes_the_reference_path_and_says_why():
 
 
 def test_long_keys_take_the_tiled_loops():
-    from jax_attention.functional import _LONG_SEQUENCE, route
+    from jax_attention._paths import LONG_SEQUENCE as _LONG_SEQUENCE
+    from jax_attention.functional import route
 
     got = route(*_qkv(q_len=1, kv_len=_LONG_SEQUENCE), implementation="blockwise")
     assert (got.path, got.kernel) == ("blockwise", "blockwise-tiled")
@@ -110,7 +111,7 @@ def test_route_checks_as_the_call_does(options: dict[str, Any], kind: type):
 
 def _ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Spies on every path's entry: the list of kernels that ran, as ``route`` names them."""
-    from jax_attention import _cpu_fused, functional
+    from jax_attention import _blockwise, _cpu_fused, _fused, _reference
 
     ran: list[str] = []
 
@@ -120,10 +121,10 @@ def _ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             return real(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(functional, "attention_weights", spy(functional.attention_weights, "reference"))
-    monkeypatch.setattr(functional, "_blockwise", spy(
-        functional._blockwise, lambda kw: "blockwise" if kw["plan"][1] is None else "blockwise-tiled"))
-    monkeypatch.setattr(functional, "_fused", spy(functional._fused, lambda kw: kw["kernel"]))
+    monkeypatch.setattr(_reference, "attention_weights", spy(_reference.attention_weights, "reference"))
+    monkeypatch.setattr(_blockwise, "blockwise", spy(
+        _blockwise.blockwise, lambda kw: "blockwise" if kw["plan"][1] is None else "blockwise-tiled"))
+    monkeypatch.setattr(_fused, "attend", spy(_fused.attend, lambda kw: kw["kernel"]))
     monkeypatch.setattr(_cpu_fused, "attend", spy(_cpu_fused.attend, "cpu-kernel"))
     return ran
 
@@ -161,12 +162,12 @@ def test_the_call_runs_its_route(monkeypatch, implementation: str, options: dict
 
 
 def test_the_tiled_loops_run_where_route_says(monkeypatch):
-    from jax_attention import functional
+    from jax_attention import _paths
     from jax_attention.functional import dot_product_attention, route
 
-    monkeypatch.setattr(functional, "_LONG_SEQUENCE", 16)
-    monkeypatch.setattr(functional, "_LONG_TILE", (8, 8))
-    monkeypatch.setattr(functional, "_LONG_BACKWARD_TILE", (8, 8))
+    monkeypatch.setattr(_paths, "LONG_SEQUENCE", 16)
+    monkeypatch.setattr(_paths, "LONG_TILE", (8, 8))
+    monkeypatch.setattr(_paths, "LONG_BACKWARD_TILE", (8, 8))
     q, k, v = _qkv()
     said = route(q, k, v, causal=True, implementation="blockwise")
     ran = _ran(monkeypatch)

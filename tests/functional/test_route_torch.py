@@ -126,12 +126,12 @@ def test_dropout_in_training() -> None:
 def test_route_agrees_with_what_the_call_runs() -> None:
     import torch
 
-    from torch_attention import functional
+    from torch_attention import _blockwise, _fused, _reference, functional
 
     ran: list[str] = []
 
-    def counting(name: str, label: str) -> Callable[..., Any]:
-        real = getattr(functional, name)
+    def counting(owner: Any, name: str, label: str) -> Callable[..., Any]:
+        real = getattr(owner, name)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             ran.append(label)
@@ -145,8 +145,9 @@ def test_route_agrees_with_what_the_call_runs() -> None:
     )
     checked = 0
     with pytest.MonkeyPatch.context() as mp:
-        for name, label in (("_fused", "fused"), ("_blockwise", "blockwise"), ("attention_weights", "reference")):
-            mp.setattr(functional, name, counting(name, label))
+        for owner, name, label in ((_fused, "_fused", "fused"), (_blockwise, "blockwise", "blockwise"),
+                                   (_reference, "attention_weights", "reference")):
+            mp.setattr(owner, name, counting(owner, name, label))
         for dtype, implementation, weights, softcap, causal, rate in grid:
             q, k, v = _qkv(dtype)
             options = {"implementation": implementation, "return_weights": weights, "softcap": softcap,

@@ -459,7 +459,7 @@ def test_bad_sinks_raise_check_sinks_errors_before_any_work(monkeypatch, sinks: 
     def no_work(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("work started before the sinks were checked")
 
-    monkeypatch.setattr(functional, "_route", no_work)
+    monkeypatch.setattr(functional, "_walk", no_work)
     kind, message = _check_sinks_message(sinks.shape, sinks.dtype.name, q_shape, normalization)
     q = jnp.zeros(q_shape, jnp.float32)
     for function in (functional.dot_product_attention, functional.route):

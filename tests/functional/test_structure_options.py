@@ -261,12 +261,12 @@ def small_tiles(tile: tuple[int, int] = (4, 8), backward_tile: tuple[int, int] =
     softmax) at any length, with tiles of (rows, keys) = ``tile`` forward and
     ``backward_tile`` backward: small enough that the scenarios here span many tiles,
     edges and interiors, and different in the two directions, as at full size."""
-    from jax_attention import functional
+    from jax_attention import _paths
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(functional, "_LONG_SEQUENCE", 1)
-        mp.setattr(functional, "_LONG_TILE", tile)
-        mp.setattr(functional, "_LONG_BACKWARD_TILE", backward_tile)
+        mp.setattr(_paths, "LONG_SEQUENCE", 1)
+        mp.setattr(_paths, "LONG_TILE", tile)
+        mp.setattr(_paths, "LONG_BACKWARD_TILE", backward_tile)
         yield
 
 
@@ -453,16 +453,19 @@ def record_math(fw: str) -> Iterator[list[str]]:
             import torch
             import torch.nn.functional as F
 
-            from torch_attention import functional as torch_functional
             targets: list[tuple[Any, str]] = [(torch, "matmul"), (F, "scaled_dot_product_attention")]
-            targets += [(torch_functional, n) for n in ("attention_weights", "_blockwise", "_fused")]
+            from torch_attention import _blockwise as torch_blockwise
+            from torch_attention import _fused as torch_fused
+            from torch_attention import _reference as torch_reference
+            targets += [(torch_reference, "attention_weights"), (torch_blockwise, "blockwise"),
+                        (torch_fused, "_fused")]
         else:
             import jax
             import jax.numpy as jnp
 
-            from jax_attention import functional as jax_functional
             targets = [(jnp, "matmul"), (jax.nn, "dot_product_attention")]
-            targets += [(jax_functional, n) for n in ("attention_weights", "_blockwise", "_fused")]
+            from jax_attention import _blockwise, _fused, _reference
+            targets += [(_reference, "attention_weights"), (_blockwise, "blockwise"), (_fused, "attend")]
         for owner, name in targets:
             mp.setattr(owner, name, counting(owner, name))
         yield work

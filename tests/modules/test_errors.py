@@ -19,6 +19,8 @@ is a property of the scores themselves (``normalization='sum'`` with a zero row 
 
 from __future__ import annotations
 
+import importlib
+
 import contextlib
 import re
 from collections.abc import Callable, Iterator
@@ -108,7 +110,7 @@ class Framework:
 @contextlib.contextmanager
 def record_work(fw: Framework) -> Iterator[list[str]]:
     """Yields a list that records every ``_project`` call of any attention class and every
-    ``functional.attention_weights`` call (the math after all of ``functional``'s checks)."""
+    ``attention_weights`` call of the reference path (the math after all of ``functional``'s checks)."""
     work: list[str] = []
 
     def counting(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
@@ -128,8 +130,8 @@ def record_work(fw: Framework) -> Iterator[list[str]]:
                     patched.add(klass)
                     mp.setattr(klass, "_project", counting(vars(klass)["_project"], f"{klass.__name__}._project"))
         assert patched, "no class defines _project: record_work would record nothing"
-        functional = fw.lib.functional
-        mp.setattr(functional, "attention_weights", counting(functional.attention_weights, "attention_weights"))
+        reference = importlib.import_module(f"{fw.lib.__name__}._reference")  # the reference path's math
+        mp.setattr(reference, "attention_weights", counting(reference.attention_weights, "attention_weights"))
         yield work
 
 

@@ -1,0 +1,212 @@
+"""The table of paths for JAX: each row says what it computes a call on, what it does
+not honour (``attention_spec.routing.PathEntry``), and runs it.  ``functional.route``
+walks the table of the default backend (``table()``); ``dot_product_attention`` runs the
+row it names.
+
+In the order ``"auto"`` tries them: on CPU the library's kernel (``_cpu_fused``), the
+blockwise path and the reference math, with ``jax.nn.dot_product_attention`` (XLA's
+kernel) for an explicit ``"fused"`` that the library's kernel does not take; on GPU and
+TPU ``jax.nn.dot_product_attention`` (cuDNN or XLA) or splash, blockwise, reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from attention_spec.geometry import band_reach
+from attention_spec.planning import FUSED_FLOAT64_BLOCKER, SINKS_FUSED_BLOCKER, SOFTCAP_FUSED_BLOCKER
+from attention_spec.routing import PathEntry, option_blockers
+from jax_attention import _blockwise, _cpu_fused, _fused, _reference
+from jax_attention._canonical import Call, structure
+
+# jax.nn.dot_product_attention (and the CPU kernel) cannot draw dropout.
+FUSED_DRAWS_DROPOUT = False
+
+# From this many keys on, the blockwise path walks key tiles in loops (``_tiled``)
+# instead of unrolling one (block, S) score block per query block.
+LONG_SEQUENCE = 4096
+# On CPU, a call of at most this many query rows (a decode step: one token, or, folded,
+# one token's query heads of a key/value head) runs on the CPU kernel's forward for few
+# rows ("cpu-decode", csrc/decode.h), which reads keys and values where they lie and none
+# past a length; where "auto" passes the kernel by, on the explicit math: the blockwise
+# path's query blocks are mostly empty there, and the weights are a few rows of S.
+# Measured per step before the few-rows forward (d_model 512, 8 / 2 heads, 256
+# positions): 66 / 277 us at batch 1 / 8 explicit, 64 / 447 blockwise, 166 / 433 on the
+# kernel's blocks of query rows.
+FEW_QUERY_ROWS = 16
+# (query rows, keys) of one tile of the loops: a (256, 512) float32 score tile is 512 KiB.
+LONG_TILE = (256, 512)
+LONG_BACKWARD_TILE = (512, 256)
+
+
+def default_block_size(q_len: int) -> int:
+    """Query rows per block: 128 (measured best on a 2-core CPU at T=1024), growing so
+    that a long sequence unrolls into at most 16 blocks."""
+    return max(128, -(-q_len // 16))
+
+
+def blockwise_plan(q_len: int, kv_len: int) -> tuple[int, tuple[int, int] | None, tuple[int, int] | None]:
+    """(query block, forward tile, backward tile) of the blockwise path at a shape.
+    Below ``LONG_SEQUENCE`` keys: query blocks of ``default_block_size`` rows, each
+    against every key in its reach at once, unrolled (tiles None; kernel
+    ``"blockwise"``).  From it on: (rows, keys) tiles in ``lax.fori_loop``s with an
+    online softmax, ``LONG_TILE`` forward and ``LONG_BACKWARD_TILE`` backward (the
+    backward keeps no per-tile state, so its tiles may differ), and the largest buffer
+    is one tile, whatever S (kernel ``"blockwise-tiled"``).
+
+    Measured on the 2-core CPU (causal, head width 64, float32, the core alone, one
+    process each, medians of 5; forward / forward + backward): B2 H8 S2048, unrolled
+    69 / 320 ms, the loops 92 / 321; B1 H8 S4096, unrolled 174 / 677, the loops
+    148 / 550; B1 H4 S16384, unrolled 1665 / 5837, the loops 1054-1195 / 4057-4200
+    (backward tiles of 256 x 512 instead: 6084).  At S=32768 the unrolled form's
+    resident peak was 6 GiB (its (block, S) score blocks), the loops' 0.5 GiB."""
+    if kv_len < LONG_SEQUENCE:
+        return default_block_size(q_len), None, None
+    return LONG_TILE[0], LONG_TILE, LONG_BACKWARD_TILE
+
+
+def few_rows(q: Any) -> bool:
+    """A call of at most ``FEW_QUERY_ROWS`` query rows on XLA's CPU backend."""
+    return jax.default_backend() == "cpu" and q.shape[-2] <= FEW_QUERY_ROWS
+
+
+# ---------------------------------------------------------------------- what each row honours
+
+def _never(q: Any, k: Any, v: Any, call: Call) -> None:
+    return None
+
+
+def _explicit_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
+    """The blockwise path's (and any path's but the reference's) blockers."""
+    return option_blockers(call.options, dropout_mask_given=call.dropout_mask is not None)
+
+
+def _fused_blockers(q: Any, k: Any, v: Any, call: Call, *, sinks: bool) -> list[str]:
+    lacks = ((FUSED_FLOAT64_BLOCKER,) if q.dtype == jnp.float64 else ()) + (
+        (SOFTCAP_FUSED_BLOCKER,) if call.options.softcap is not None else ()) + (
+        (SINKS_FUSED_BLOCKER,) if sinks and call.sinks is not None else ())
+    return option_blockers(call.options, dropout_mask_given=call.dropout_mask is not None,
+                           draws_dropout=FUSED_DRAWS_DROPOUT, lacks=lacks)
+
+
+def _kernel_declines(q: Any, k: Any, v: Any, call: Call) -> str | None:
+    """The library's CPU kernel, asked without building it (``_cpu_fused.declines``)."""
+    return _cpu_fused.declines(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset,
+                               implementation=call.options.implementation, few_rows=few_rows(q))
+
+
+def _blockwise_declines(q: Any, k: Any, v: Any, call: Call) -> str | None:
+    """On CPU, ``"auto"`` gives a call of few query rows to the explicit math."""
+    if call.options.implementation == "auto" and few_rows(q) and not _explicit_blockers(q, k, v, call):
+        return (f"{q.shape[-2]} query rows (at most {FEW_QUERY_ROWS}, as a decode step has): "
+                "the explicit math is faster on CPU")
+    return None
+
+
+def _plain(q: Any, k: Any, v: Any, call: Call) -> bool:
+    """Whether the fused path hands its kernel no dense mask, bias or lengths: none
+    given, and no band made dense (``_canonical.structure``)."""
+    if any(a is not None for a in (call.mask, call.segments, call.bias, call.kv_lengths)):
+        return False
+    offset, causal, window = call.offset, call.options.causal, call.options.window
+    if isinstance(offset, int) and window is None and not (causal and offset):
+        return True
+    reach = band_reach(q.shape[-2], k.shape[-2], offset if isinstance(offset, int) else None, causal, window)
+    return reach == (None, None)
+
+
+# ---------------------------------------------------------------------- what each row runs
+# q, k and v as given (in ``call.options.layout``), ``shaped_q`` q's (..., H, T, D) shape.
+
+def _run_kernel(q: Array, k: Array, v: Array, shaped_q: Any, call: Call, kernel: str, *, scale: float,
+                precision: Any, rng: Array | None) -> Array:
+    s = structure(shaped_q, k, v, call, structural=True, layout=call.options.layout, reads_to_lengths=True)
+    return _cpu_fused.attend(q, s.k, s.v, call, scale=scale, few_rows=kernel == "cpu-decode")
+
+
+def _run_fused(q: Array, k: Array, v: Array, shaped_q: Any, call: Call, kernel: str, *, scale: float,
+               precision: Any, rng: Array | None) -> Array:
+    s = structure(shaped_q, k, v, call, structural=False, layout=call.options.layout)
+    return _fused.attend(q, s.k, s.v, mask=s.mask, causal=s.causal, kv_lengths=call.kv_lengths, scale=scale,
+                         precision=precision, kernel=kernel, bias=call.bias, layout=call.options.layout)
+
+
+def _heads_first(run: Any) -> Any:
+    """An explicit path on (..., H, S, D): ``"bshd"`` transposed once in and once out
+    (returned weights stay (..., H, T, S))."""
+    def wrapped(q: Array, k: Array, v: Array, shaped_q: Any, call: Call, kernel: str, **kw: Any) -> Any:
+        if call.options.layout == "bhsd":
+            return run(q, k, v, call, **kw)
+        q, k, v = (jnp.swapaxes(t, -3, -2) for t in (q, k, v))
+        result = run(q, k, v, call, **kw)
+        if isinstance(result, tuple):
+            return jnp.swapaxes(result[0], -3, -2), result[1]
+        return jnp.swapaxes(result, -3, -2)
+    return wrapped
+
+
+def _repeated(k: Array, v: Array, groups: int) -> tuple[Array, Array]:
+    """The explicit paths repeat each key/value head for its group of queries."""
+    if groups > 1:
+        return jnp.repeat(k, groups, axis=-3), jnp.repeat(v, groups, axis=-3)
+    return k, v
+
+
+@_heads_first
+def _run_blockwise(q: Array, k: Array, v: Array, call: Call, *, scale: float, precision: Any,
+                   rng: Array | None) -> Array:
+    s = structure(q, k, v, call, structural=True)
+    k, v = _repeated(s.k, s.v, s.groups)
+    return _blockwise.blockwise(q, k, v, s, call, scale=scale, precision=precision,
+                                plan=blockwise_plan(q.shape[-2], k.shape[-2]))
+
+
+@_heads_first
+def _run_reference(q: Array, k: Array, v: Array, call: Call, *, scale: float, precision: Any,
+                   rng: Array | None) -> Array | tuple[Array, Array]:
+    """The reference math: the weights (``attention_weights``), dropout, the values mixed."""
+    s = structure(q, k, v, call, structural=False)
+    k, v = _repeated(s.k, s.v, s.groups)
+    o = call.options
+    weights = _reference.attention_weights(
+        q, k, mask=_reference.reference_mask(s.mask, call.kv_lengths, k.shape[-2], q.ndim), causal=s.causal,
+        scale=scale, mask_strategy=o.mask_strategy, normalization=o.normalization, precision=precision,
+        bias=call.bias, softcap=o.softcap, sinks=call.sinks,
+    )
+    weights = _reference.dropout_weights(weights, o.dropout_rate, deterministic=not o.training, rng=rng,
+                                         dropout_mask=call.dropout_mask)
+    return _reference.mix(weights, v, precision, o.return_weights)
+
+
+# ---------------------------------------------------------------------- the rows
+
+def _blockwise_kernel(q: Any, k: Any, v: Any, call: Call) -> str:
+    return "blockwise" if blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
+
+
+CPU_KERNEL = PathEntry(
+    "fused", declines=_kernel_declines,
+    blockers=lambda q, k, v, call: _fused_blockers(q, k, v, call, sinks=False),  # the kernel has sinks
+    kernel=lambda q, k, v, call: "cpu-decode" if few_rows(q) else "cpu-kernel", run=_run_kernel,
+)
+XLA_FUSED = PathEntry(  # jax.nn.dot_product_attention (cuDNN or XLA) or splash
+    "fused", declines=_never, blockers=lambda q, k, v, call: _fused_blockers(q, k, v, call, sinks=True),
+    kernel=lambda q, k, v, call: _fused.kernel_for(q, k, v, plain=_plain(q, k, v, call)), run=_run_fused,
+)
+BLOCKWISE = PathEntry("blockwise", declines=_blockwise_declines, blockers=_explicit_blockers,
+                      kernel=_blockwise_kernel, run=_run_blockwise)
+REFERENCE = PathEntry("reference", declines=_never, blockers=lambda q, k, v, call: [],
+                      kernel=lambda q, k, v, call: "reference", run=_run_reference)
+
+# XLA's fused kernel on CPU is the explicit math fused by XLA: "auto" passes it by there.
+_CPU_TABLE = (CPU_KERNEL, XLA_FUSED._replace(auto=False), BLOCKWISE, REFERENCE)
+_ACCELERATOR_TABLE = (XLA_FUSED, BLOCKWISE, REFERENCE)
+
+
+def table(backend: str | None = None) -> tuple[PathEntry, ...]:
+    """The rows of ``backend`` (None: JAX's default), in the order ``"auto"`` tries them."""
+    return _CPU_TABLE if (backend or jax.default_backend()) == "cpu" else _ACCELERATOR_TABLE
