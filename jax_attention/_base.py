@@ -21,7 +21,7 @@ from jax import Array
 from attention_spec import dtype_name
 from attention_spec.arrays import host_array
 from attention_spec.cache import check_cache_context, check_cache_dtype, check_cacheable
-from attention_spec.options import check_positive_int
+from attention_spec.options import CallOptions, check_positive_int
 from attention_spec.planning import CallOps, plan_call
 from attention_spec.registry import AttentionConfig, Projection, make_config
 from attention_spec.rope import check_module_positions
@@ -101,6 +101,8 @@ class _Call(NamedTuple):
     cache: Any = None  # functional.KVCache
     positions: Array | None = None  # int (B, T) or (1, T): rope's positions (None: the default)
 
+
+_FROM_CALL: Any = object()  # (the call's own kv_lengths)
 
 # The array work that planning a call asks of this twin.
 _OPS = CallOps(
@@ -412,34 +414,35 @@ class AttentionModule(nnx.Module):
 
     def _attend(self, call: _Call, q: Array, k: Array, v: Array, return_weights: bool, key: Array | None,
                 **extra: Any) -> Any:
-        return functional.dot_product_attention(q, k, v, **self._options(call, return_weights, key, **extra))
+        return functional.attend(q, k, v, self._attention(call, q, k, return_weights, **extra), rng=key,
+                                 precision=self.precision)
 
-    def _options(self, call: _Call, return_weights: bool, key: Array | None, **extra: Any) -> dict[str, Any]:
-        """The keywords of a call's attention (``functional.dot_product_attention``'s, and
-        ``functional.route``'s): the spec's and the call's, ``extra`` overriding."""
+    def _attention(self, call: _Call, q: Any, k: Any, return_weights: bool, *, causal: bool | None = None,
+                   kv_lengths: Any = _FROM_CALL, q_offset: Any = None, alignment: str | None = None,
+                   scale: float | None = None) -> functional.Call:
+        """The attention of a checked call over q (B, H, T, D) and k (B, Hkv, S, D) (read
+        for their shapes): the spec's options and the call's arrays as one value
+        (``functional.assemble``: checked once, by ``plan_call``).  The keywords override
+        the module's causal, kv_lengths, alignment and scale, and add a q_offset."""
         spec = self.spec
-        return dict(
-            mask=call.mask,
-            causal=extra.pop("causal", spec.causal),
-            kv_lengths=extra.pop("kv_lengths", call.kv_lengths),
-            scale=spec.scale,
+        options = CallOptions(
+            causal=spec.causal if causal is None else causal,
+            scale=spec.scale if scale is None else scale,
             mask_strategy=spec.mask_strategy,
             normalization=spec.normalization,
+            softcap=spec.softcap,
+            window=spec.window,
+            alignment=spec.alignment if alignment is None else alignment,
             dropout_rate=spec.dropout,
-            dropout_mask=call.dropout_mask,
-            deterministic=call.deterministic,
-            rng=key,
+            training=not call.deterministic,
             return_weights=return_weights,
             implementation=call.implementation,
-            precision=self.precision,
-            bias=call.bias,
-            softcap=spec.softcap,
+        )
+        return functional.assemble(
+            tuple(q.shape), k.shape[-2], q.dtype, options, mask=call.mask, bias=call.bias,
+            kv_lengths=call.kv_lengths if kv_lengths is _FROM_CALL else kv_lengths, dropout_mask=call.dropout_mask,
+            q_offset=q_offset, segment_ids=call.segment_ids, kv_segment_ids=call.kv_segment_ids,
             sinks=self.sinks[...] if spec.sinks else None,
-            window=spec.window,
-            alignment=extra.pop("alignment", spec.alignment),
-            segment_ids=call.segment_ids,
-            kv_segment_ids=call.kv_segment_ids,
-            **extra,
         )
 
     def _run(self, call: _Call, return_weights: bool, key: Array | None) -> Array | tuple[Array, Array]:
@@ -527,7 +530,7 @@ class AttentionModule(nnx.Module):
         that it costs what the filled positions cost without buckets (``_over_filled``).
         Asked of ``functional.route``, on shapes."""
         keys, values = (jax.ShapeDtypeStruct(t.shape, q.dtype) for t in (cache.key, cache.value))
-        chosen = functional.route(q, keys, values, **self._options(call, False, None, **extra))
+        chosen = functional.route_of(q, keys, values, self._attention(call, q, keys, False, **extra))
         return chosen.kernel in functional.READS_TO_LENGTHS
 
     def _over_filled(self, call: _Call, attend: Any, filled: Array, max_len: int, whole: bool) -> Any:
@@ -553,13 +556,13 @@ class AttentionModule(nnx.Module):
 
     def _linear(self, layer: nnx.Module | nnx.Param, inputs: Array, implementation: str) -> Array:
         """inputs @ a projection's weight (+ bias): an ``nnx.Linear``'s math, or a bare
-        (d_in, d_out) matrix used as x @ W in x's dtype; ``functional.linear`` does the
+        (d_in, d_out) matrix used as x @ W in x's dtype; ``functional.project`` does the
         work, on the path that the call's ``implementation`` picks."""
         if isinstance(layer, nnx.Param):
-            return functional.linear(inputs, layer[...], dtype=inputs.dtype, precision=self.precision,
+            return functional.project(inputs, layer[...], dtype=inputs.dtype, precision=self.precision,
                                      implementation=implementation)
         linear = cast(nnx.Linear, layer)
-        return functional.linear(
+        return functional.project(
             inputs, linear.kernel[...], None if linear.bias is None else linear.bias[...], dtype=linear.dtype,
             precision=linear.precision, implementation=implementation,
         )

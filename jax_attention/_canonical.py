@@ -97,11 +97,17 @@ def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Array | No
             array = array.astype(np.int32)  # NumPy makes [] float64: it holds no value of that type
         check_kv_lengths_array(array.shape, array.dtype.name, batch)
         kv_lengths = array
-    check_kv_lengths_array(kv_lengths.shape, dtype_name(kv_lengths.dtype), batch)
+    else:
+        check_kv_lengths_array(kv_lengths.shape, dtype_name(kv_lengths.dtype), batch)
     if not isinstance(kv_lengths, jax.core.Tracer) and kv_lengths.size:  # batch 0: nothing to check
         # read with NumPy: inside a jit trace, even a concrete array's min() is staged out
         values = np.asarray(kv_lengths)
         check_kv_lengths_values(int(values.min()), int(values.max()), kv_len)
+    return _lengths_form(kv_lengths, batch, kv_len)
+
+
+def _lengths_form(kv_lengths: Any, batch: int, kv_len: int) -> Array:
+    """Checked key counts as every path reads them: int32 (batch,), clipped to [0, kv_len]."""
     lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, kv_len)
     return jnp.broadcast_to(lengths.reshape(-1), (batch,))
 
@@ -121,7 +127,12 @@ def canonical_q_offset(q_offset: Any, alignment: str, q_shape: tuple[int, ...], 
     if len(q_shape) != 4:
         raise ValueError(rank_message("q_offset", q_shape))
     check_q_offset_array(array.shape, dtype_name(array.dtype), q_shape[0])
-    return jnp.broadcast_to(jnp.asarray(array, jnp.int32).reshape(-1), (q_shape[0],))
+    return _offset_form(array, q_shape[0])
+
+
+def _offset_form(q_offset: Any, batch: int) -> Array:
+    """Checked per-example query offsets as every path reads them: int32 (batch,)."""
+    return jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (batch,))
 
 
 def canonical_segments(
@@ -143,6 +154,11 @@ def canonical_segments(
     seg_q, seg_k = jnp.asarray(segment_ids), jnp.asarray(kv_segment_ids)
     check_segment_ids("segment_ids", seg_q.shape, dtype_name(seg_q.dtype), batch, q_len)
     check_segment_ids("kv_segment_ids", seg_k.shape, dtype_name(seg_k.dtype), batch, kv_len)
+    return _same_segment(seg_q, seg_k)
+
+
+def _same_segment(seg_q: Array, seg_k: Array) -> Array:
+    """Checked segment ids (B, T) and (B, S) -> the bool mask (B, 1, T, S) of same-segment pairs."""
     return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
 
 
@@ -202,6 +218,35 @@ def canonicalise(
     offset = canonical_q_offset(q_offset, options.alignment, q_shape, kv_len)
     segments = canonical_segments(segment_ids, kv_segment_ids, q_shape, kv_len)
     sinks = canonical_sinks(sinks, q_shape, q.dtype, options.normalization)
+    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
+
+
+def assemble(
+    q_shape: tuple[int, ...], kv_len: int, dtype: Any, options: CallOptions, *, mask: Array | None = None,
+    bias: Array | None = None, kv_lengths: Any = None, dropout_mask: Any = None, q_offset: Any = None,
+    segment_ids: Any = None, kv_segment_ids: Any = None, sinks: Any = None,
+) -> Call:
+    """The ``Call`` of a module's attention, whose inputs its planner has checked
+    (``attention_spec.planning.plan_call``): the forms ``canonicalise`` makes, without
+    its checks.  q is (B, H, T, D) of ``dtype``; ``mask`` and ``bias`` are canonical at
+    rank 4; ``kv_lengths`` (B,) integers; ``q_offset`` None (``options.alignment``), an
+    int, or (B,) integers; segment ids (B, T) and (B, S) (None: the queries'); ``sinks``
+    (H,)."""
+    batch = q_shape[0]
+    if kv_lengths is not None:
+        kv_lengths = _lengths_form(kv_lengths, batch, kv_len)
+    if q_offset is None:
+        offset: int | Array = 0 if options.alignment == "top_left" else kv_len - q_shape[-2]
+    else:
+        offset = q_offset if isinstance(q_offset, int) else _offset_form(q_offset, batch)
+    segments = None
+    if segment_ids is not None:
+        seg_q = jnp.asarray(segment_ids)
+        segments = _same_segment(seg_q, seg_q if kv_segment_ids is None else jnp.asarray(kv_segment_ids))
+    if sinks is not None:
+        sinks = jnp.asarray(sinks).astype(compute_dtype(dtype))
+    if dropout_mask is not None:
+        dropout_mask = jnp.asarray(dropout_mask)
     return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
 
 

@@ -37,6 +37,14 @@ def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = N
     ``precision``.  The two differ only in the order of the sums."""
     implementation = check_implementation(implementation)
     check_linear(tuple(x.shape), tuple(kernel.shape), None if bias is None else tuple(bias.shape), layout="in_out")
+    return project(x, kernel, bias, dtype=dtype, precision=precision, implementation=implementation)
+
+
+def project(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = None,
+            precision: Precision = None, implementation: str = "auto") -> Array:
+    """``linear`` of operands already known good (a module's projection of a checked
+    call: its own weights, its implementation checked by its planner): the same work,
+    without the checks."""
     operands = (x, kernel) if bias is None else (x, kernel, bias)
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*operands)
     x, kernel = x.astype(dtype), kernel.astype(dtype)

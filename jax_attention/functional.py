@@ -48,6 +48,7 @@ from jax_attention._cache import KVCache as KVCache
 from jax_attention._cache import append_to_cache as append_to_cache
 from jax_attention._cache import cache_fields as cache_fields
 from jax_attention._canonical import Call as Call
+from jax_attention._canonical import assemble as assemble
 from jax_attention._canonical import canonical_bias as canonical_bias
 from jax_attention._canonical import canonical_kv_lengths as canonical_kv_lengths
 from jax_attention._canonical import canonical_mask as canonical_mask
@@ -60,6 +61,7 @@ from jax_attention._fused import cudnn_supports as cudnn_supports
 from jax_attention._fused import splash_attention as splash_attention
 from jax_attention._fused import splash_supports as splash_supports
 from jax_attention._linear import linear as linear
+from jax_attention._linear import project as project
 from jax_attention._paths import FEW_QUERY_ROWS as FEW_QUERY_ROWS
 from jax_attention._paths import FUSED_DRAWS_DROPOUT as FUSED_DRAWS_DROPOUT
 from jax_attention._paths import default_block_size as default_block_size
@@ -137,6 +139,13 @@ def _checked(given: dict[str, Any]) -> Call:
 # precision go to the run).
 _OPTIONS = tuple(name for name in CallOptions._fields if name != "training")
 _ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks")
+
+
+def route_of(q: Array | jax.ShapeDtypeStruct, k: Array | jax.ShapeDtypeStruct, v: Array | jax.ShapeDtypeStruct,
+             call: Call) -> Route:
+    """``route`` of a call already checked (``canonicalise``, or a module's ``assemble``):
+    q, k and v in the call's layout, read for their shapes and dtypes."""
+    return _walk(*heads_first(q, k, v, call.options.layout), call)[1]
 
 
 def _walk(q: Any, k: Any, v: Any, call: Call) -> tuple[PathEntry, Route]:

@@ -197,17 +197,8 @@ class MultiHeadLatentAttention(AttentionModule):
 
     def _attend(self, call: _Call, q: Array, k: Array, v: Array, return_weights: bool, key: Array | None,
                 **extra: Any) -> Any:
-        """``dot_product_attention`` with every option of the call, at the latent scale."""
-        spec = self.spec
-        return functional.dot_product_attention(
-            q, k, v, mask=call.mask, causal=spec.causal, kv_lengths=extra.pop("kv_lengths", call.kv_lengths),
-            scale=self.softmax_scale, mask_strategy=spec.mask_strategy, normalization=spec.normalization,
-            dropout_rate=spec.dropout, dropout_mask=call.dropout_mask, deterministic=call.deterministic, rng=key,
-            return_weights=return_weights, implementation=call.implementation, precision=self.precision,
-            bias=call.bias, softcap=spec.softcap, window=spec.window,
-            alignment=extra.pop("alignment", spec.alignment), segment_ids=call.segment_ids,
-            kv_segment_ids=call.kv_segment_ids, **extra,
-        )
+        """The base's attention of the call, at the latent scale."""
+        return super()._attend(call, q, k, v, return_weights, key, scale=self.softmax_scale, **extra)
 
     def _out(self, result: Any, return_weights: bool, implementation: str) -> Any:
         """(B, H, T, v_head_dim) -> o_proj of the merged heads (B, T, d_in), and the weights."""

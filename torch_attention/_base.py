@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from attention_spec import dtype_name
 from attention_spec.arrays import host_array
 from attention_spec.cache import check_cache_context, check_cache_dtype, check_cache_room, check_cacheable
-from attention_spec.options import check_positive_int
+from attention_spec.options import CallOptions, check_positive_int
 from attention_spec.planning import CallOps, plan_call
 from attention_spec.registry import AttentionConfig, Projection, make_config
 from attention_spec.rope import check_module_positions
@@ -44,6 +44,7 @@ class _Call(NamedTuple):
 
 
 _CACHE_FIELD = _Call._fields.index("cache")
+_FROM_CALL: Any = object()  # (the call's own kv_lengths)
 
 
 def _prefix(t: Tensor | None, n: int) -> Tensor | None:
@@ -325,34 +326,36 @@ class AttentionModule(nn.Module):
             positions = steps if start is None else start.to(q.device)[:, None] + steps
         return functional.apply_rope(q, positions, rope), functional.apply_rope(k, positions, rope)
 
-    def _attention_options(self, call: _Call, return_weights: bool, **extra: Any) -> dict[str, Any]:
-        """``dot_product_attention``'s keywords for this call (``extra`` overrides the
-        module's kv_lengths, alignment and causal, and adds q_offset)."""
+    def _attention(self, call: _Call, q: Tensor, k: Tensor, return_weights: bool, *, causal: bool | None = None,
+                   kv_lengths: Any = _FROM_CALL, q_offset: Any = None, alignment: str | None = None,
+                   scale: float | None = None) -> functional.Call:
+        """The attention of a checked call over q (B, H, T, D) and k (B, Hkv, S, D): the
+        spec's options and the call's tensors as one value (``functional.assemble``:
+        checked once, by ``plan_call``).  The keywords override the module's causal,
+        kv_lengths, alignment and scale, and add a q_offset."""
         spec = self.spec
-        return dict(
-            mask=call.mask,
-            causal=extra.pop("causal", spec.causal),
-            kv_lengths=extra.pop("kv_lengths", call.kv_lengths),
-            scale=spec.scale,
+        options = CallOptions(
+            causal=spec.causal if causal is None else causal,
+            scale=spec.scale if scale is None else scale,
             mask_strategy=spec.mask_strategy,
             normalization=spec.normalization,
+            softcap=spec.softcap,
+            window=spec.window,
+            alignment=spec.alignment if alignment is None else alignment,
             dropout_rate=spec.dropout,
-            dropout_mask=call.dropout_mask,
             training=self.training,
             return_weights=return_weights,
             implementation=call.implementation,
-            bias=call.bias,
-            softcap=spec.softcap,
+        )
+        return functional.assemble(
+            q, k.shape[-2], options, mask=call.mask, bias=call.bias,
+            kv_lengths=call.kv_lengths if kv_lengths is _FROM_CALL else kv_lengths, dropout_mask=call.dropout_mask,
+            q_offset=q_offset, segment_ids=call.segment_ids, kv_segment_ids=call.kv_segment_ids,
             sinks=self.sinks if spec.sinks else None,
-            window=spec.window,
-            alignment=extra.pop("alignment", spec.alignment),
-            segment_ids=call.segment_ids,
-            kv_segment_ids=call.kv_segment_ids,
-            **extra,
         )
 
     def _attend(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool, **extra: Any) -> Any:
-        return functional.dot_product_attention(q, k, v, **self._attention_options(call, return_weights, **extra))
+        return functional.attend(q, k, v, self._attention(call, q, k, return_weights, **extra))
 
     def _attend_all(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool) -> Any:
         """``_attend`` for queries that see every key of k and v (no causal band, mask,
@@ -363,8 +366,7 @@ class AttentionModule(nn.Module):
         plans = cast(dict[str, Any], call.plans)
         plan = plans.get("all keys")
         if plan is None:
-            options = self._attention_options(call, return_weights, causal=False, q_offset=None, alignment="top_left")
-            plan = plans["all keys"] = functional.plan(q, k, v, **options)
+            plan = plans["all keys"] = self._attention(call, q, k, return_weights, causal=False, alignment="top_left")
         return functional.attend(q, k, v, plan)
 
     def _run(self, call: _Call, return_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
@@ -446,12 +448,12 @@ class AttentionModule(nn.Module):
 
     @staticmethod
     def _linear(layer: nn.Module | nn.Parameter, inputs: Tensor, implementation: str) -> Tensor:
-        """inputs @ a projection's weight (+ bias) through ``functional.linear``: an
+        """inputs @ a projection's weight (+ bias) through ``functional.project``: an
         ``nn.Linear``'s math, or a bare (d_in, d_out) matrix used as x @ W."""
         if isinstance(layer, nn.Module):  # (tested first: isinstance of a Parameter runs Python code)
             linear = cast(nn.Linear, layer)
-            return functional.linear(inputs, linear.weight, linear.bias, implementation=implementation)
-        return functional.linear(inputs, layer.T, implementation=implementation)
+            return functional.project(inputs, linear.weight, linear.bias, implementation=implementation)
+        return functional.project(inputs, layer.T, implementation=implementation)
 
     def _project(
         self, x: Tensor, keys: Tensor | None, values: Tensor | None, implementation: str

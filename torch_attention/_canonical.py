@@ -78,9 +78,15 @@ def canonical_kv_lengths(kv_lengths: Any, batch: int, kv_len: int) -> Tensor | N
             array = array.astype(np.int64)  # NumPy makes [] float64: it holds no value of that type
         check_kv_lengths_array(array.shape, array.dtype.name, batch)
         kv_lengths = torch.as_tensor(array)
-    check_kv_lengths_array(tuple(kv_lengths.shape), dtype_name(kv_lengths.dtype), batch)
+    else:
+        check_kv_lengths_array(tuple(kv_lengths.shape), dtype_name(kv_lengths.dtype), batch)
     if kv_lengths.numel():  # batch 0 has no lengths to check
         check_kv_lengths_values(int(kv_lengths.min()), int(kv_lengths.max()), kv_len)
+    return _lengths_form(kv_lengths, batch)
+
+
+def _lengths_form(kv_lengths: Tensor, batch: int) -> Tensor:
+    """Checked key counts as every path reads them: int64 (batch,)."""
     return kv_lengths.to(torch.int64).reshape(-1).expand(batch)
 
 
@@ -101,7 +107,12 @@ def canonical_q_offset(
     if len(q_shape) != 4:
         raise ValueError(rank_message("q_offset", q_shape))
     check_q_offset_array(tuple(array.shape), dtype_name(array.dtype), q_shape[0])
-    return array.to(device=device, dtype=torch.int64).reshape(-1).expand(q_shape[0])
+    return _offset_form(array, q_shape[0], device)
+
+
+def _offset_form(q_offset: Tensor, batch: int, device: Any) -> Tensor:
+    """Checked per-example query offsets as every path reads them: int64 (batch,) on ``device``."""
+    return q_offset.to(device=device, dtype=torch.int64).reshape(-1).expand(batch)
 
 
 def canonical_segments(
@@ -124,6 +135,12 @@ def canonical_segments(
                     for t in (segment_ids, kv_segment_ids))
     check_segment_ids("segment_ids", tuple(seg_q.shape), dtype_name(seg_q.dtype), batch, q_len)
     check_segment_ids("kv_segment_ids", tuple(seg_k.shape), dtype_name(seg_k.dtype), batch, kv_len)
+    return _same_segment(seg_q, seg_k, device)
+
+
+def _same_segment(seg_q: Tensor, seg_k: Tensor, device: Any) -> Tensor:
+    """Checked segment ids (B, T) and (B, S) -> the bool mask (B, 1, T, S) of same-segment
+    pairs, on ``device``."""
     seg_q, seg_k = seg_q.to(device), seg_k.to(device)
     return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
 
@@ -185,6 +202,36 @@ class Call(NamedTuple):
     segments: Tensor | None = None
     sinks: Tensor | None = None
     dropout_mask: Tensor | None = None  # given as a list or NumPy array: checked as given
+
+
+def assemble(
+    q: Tensor, kv_len: int, options: CallOptions, *, mask: Tensor | None = None, bias: Tensor | None = None,
+    kv_lengths: Tensor | None = None, dropout_mask: Any = None, q_offset: Any = None, segment_ids: Any = None,
+    kv_segment_ids: Any = None, sinks: Tensor | None = None,
+) -> Call:
+    """The ``Call`` of a module's attention, whose inputs its planner has checked
+    (``attention_spec.planning.plan_call``): the forms ``canonicalise`` makes, on q's
+    device, without its checks.  q is (B, H, T, D); ``mask`` and ``bias`` are canonical at
+    rank 4; ``kv_lengths`` (B,) integers; ``q_offset`` None (``options.alignment``), an
+    int, or (B,) integers; segment ids (B, T) and (B, S) (None: the queries'); ``sinks``
+    (H,)."""
+    batch, device = q.shape[0], q.device
+    if bias is not None:
+        bias = bias.to(device)
+    if kv_lengths is not None:
+        kv_lengths = _lengths_form(kv_lengths, batch).to(device)
+    if q_offset is None:
+        offset: int | Tensor = 0 if options.alignment == "top_left" else kv_len - q.shape[-2]
+    else:
+        offset = q_offset if isinstance(q_offset, int) else _offset_form(q_offset, batch, device)
+    segments = None
+    if segment_ids is not None:
+        segments = _same_segment(segment_ids, segment_ids if kv_segment_ids is None else kv_segment_ids, device)
+    if sinks is not None:
+        sinks = sinks.to(device)
+    if dropout_mask is not None:
+        dropout_mask = torch.as_tensor(dropout_mask, device=device)
+    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
 
 
 def heads_first(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor, Tensor]:

@@ -16,4 +16,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, implementat
     as the JAX twin checks it; there it picks the product's kernel on CPU."""
     check_implementation(implementation)
     check_linear(tuple(x.shape), tuple(weight.shape), None if bias is None else tuple(bias.shape), layout="out_in")
+    return project(x, weight, bias)
+
+
+def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, implementation: str = "auto") -> Tensor:
+    """``linear`` of operands already known good (a module's projection of a checked
+    call: its own weights, its implementation checked by its planner): the same work,
+    without the checks."""
     return F.linear(x, weight, bias)

@@ -28,7 +28,6 @@ call once (``_plan``), takes the route that ``route`` reports, then runs that pa
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch import Tensor
@@ -42,6 +41,7 @@ from torch_attention._cache import KVCache as KVCache
 from torch_attention._cache import append_to_cache as append_to_cache
 from torch_attention._cache import cache_fields as cache_fields
 from torch_attention._canonical import Call as Call
+from torch_attention._canonical import assemble as assemble
 from torch_attention._canonical import canonical_bias as canonical_bias
 from torch_attention._canonical import canonical_kv_lengths as canonical_kv_lengths
 from torch_attention._canonical import canonical_mask as canonical_mask
@@ -50,6 +50,7 @@ from torch_attention._canonical import canonical_segments as canonical_segments
 from torch_attention._canonical import canonicalise as canonicalise
 from torch_attention._canonical import heads_first
 from torch_attention._linear import linear as linear
+from torch_attention._linear import project as project
 from torch_attention._paths import FUSED_DRAWS_DROPOUT as FUSED_DRAWS_DROPOUT
 from torch_attention._reference import attention_scores as attention_scores
 from torch_attention._reference import attention_weights as attention_weights
@@ -124,6 +125,12 @@ def _checked(given: dict[str, Any]) -> Call:
 
 # dot_product_attention's keywords that are tensors (or lists or NumPy arrays of values).
 _ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks")
+
+
+def route_of(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Route:
+    """``route`` of a call already checked (``canonicalise``, or a module's ``assemble``):
+    q, k and v in the call's layout, read for their shapes and dtypes."""
+    return _walk(*heads_first(q, k, v, call.options.layout), call)[1]
 
 
 def _walk(q: Tensor, k: Tensor, v: Tensor, call: Call) -> tuple[PathEntry, Route]:
@@ -233,17 +240,10 @@ def dot_product_attention(
     return attend(q, k, v, _checked(locals()))
 
 
-def plan(q: Tensor, k: Tensor, v: Tensor, **keywords: Any) -> Call:
-    """The checked call of ``dot_product_attention``'s arguments (the same keywords and
-    errors), for ``attend``: a caller that repeats a call (a module's decode step over a
-    growing prefix) checks it once and keeps it."""
-    return _checked({"q": q, "k": k, "v": v, **_DEFAULTS, **keywords})
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """``dot_product_attention`` of a call already checked (``call``: its options and
     canonical tensors, from ``canonicalise``), q, k and v in the call's layout: the row
-    of the table of paths that ``route`` names, run.  A call kept from ``plan`` serves q,
+    of the table of paths that ``route`` names, run.  A call kept by a caller serves q,
     k and v of the shapes and dtypes it was made for, kv_len aside where nothing of it
     depends on it (no mask, bias, kv_lengths or segments, and a query offset that is not
     bottom-right aligned)."""
@@ -257,6 +257,3 @@ def attend(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor | tuple[Tensor
         return result[0].transpose(-3, -2), result[1]
     return result.transpose(-3, -2)
 
-
-_DEFAULTS = {name: p.default for name, p in inspect.signature(dot_product_attention).parameters.items()
-             if p.default is not inspect.Parameter.empty}

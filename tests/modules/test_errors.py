@@ -19,9 +19,8 @@ is a property of the scores themselves (``normalization='sum'`` with a zero row 
 
 from __future__ import annotations
 
-import importlib
-
 import contextlib
+import importlib
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass

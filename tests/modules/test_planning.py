@@ -7,6 +7,7 @@ both twins' modules are tested in ``test_errors.py`` and ``test_cache_and_call_c
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -107,3 +108,79 @@ def test_an_explicit_fused_path_refuses_sinks_unless_the_twin_takes_them_there()
     takes = OPS._replace(fused_takes_sinks=lambda: True)
     assert plan_call(spec, takes, x, compute_dtype=None, training=False, implementation="fused").implementation \
         == "fused"
+
+
+# --------------------------------------------------------------------------- checked once
+
+def _count_checks() -> Any:
+    """A profiler that counts the calls of every check function of ``attention_spec``
+    (however a module imported it) made outside another check (a check's own helpers
+    are part of it), and the counts: name -> calls."""
+    import inspect
+    import sys
+
+    from attention_spec import arrays, masks, options
+
+    checks = {fn.__code__: name for module in (arrays, masks, options)
+              for name, fn in vars(module).items()
+              if name.startswith("check_") and inspect.isfunction(fn) and fn.__module__ == module.__name__}
+    counts: dict[str, int] = {}
+    depth = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if frame.f_code not in checks:
+            return
+        if event == "call":
+            if depth[0] == 0:
+                counts[checks[frame.f_code]] = counts.get(checks[frame.f_code], 0) + 1
+            depth[0] += 1
+        elif event == "return":
+            depth[0] -= 1
+
+    return profile, counts, sys
+
+
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_a_module_call_checks_each_input_once(fw: str) -> None:
+    """Each check of a module call runs once: the planner's (``plan_call``), not again in
+    the functional core (the module hands it the checked call, ``functional.assemble``).
+    A cached step too; the counts are of every ``check_*`` of ``attention_spec``."""
+    pytest.importorskip("torch" if fw == "torch" else "flax")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    mask = rng.random((2, 1, 6, 6)) < 0.8
+    bias = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    options = {"d_in": 8, "d_out": 8, "context_length": 16, "dropout": 0.0, "num_heads": 4, "num_kv_heads": 2,
+               "sinks": True, "softcap": 5.0, "window": (3, 0), "causal": False}
+    if fw == "torch":
+        import torch
+
+        import torch_attention as lib
+        module = lib.MultiHeadAttention(**options)
+        as_array: Any = torch.tensor
+    else:
+        import jax.numpy as jnp
+        from flax import nnx
+
+        import jax_attention as lib
+        module = lib.MultiHeadAttention(**options, rngs=nnx.Rngs(0))
+        as_array = jnp.asarray
+    calls = {  # each makes the call's inputs (a cache: init_cache checks its own) and returns the call
+        "plain": lambda: lambda: module(as_array(x), as_array(mask), bias=as_array(bias), kv_lengths=[6, 4],
+                                        segment_ids=as_array(np.array([[0] * 3 + [1] * 3] * 2))),
+        "cached": lambda: functools.partial(module, as_array(x[:, :3]), kv_lengths=[3, 2],
+                                            cache=module.init_cache(2, 8)),
+    }
+    for name, make in calls.items():
+        make()()  # (first calls build what they build: the CPU kernel, compiled programs)
+        run = make()
+        profile, counts, sys = _count_checks()
+        sys.setprofile(profile)
+        try:
+            run()
+        finally:
+            sys.setprofile(None)
+        assert counts, "the profiler saw no check: it would pass on nothing"
+        assert "check_mask" in counts or name == "cached"
+        twice = {check: n for check, n in counts.items() if n > 1}
+        assert not twice, f"{fw} {name} call: checked more than once: {twice}"
