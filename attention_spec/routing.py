@@ -15,21 +15,39 @@ from typing import Any, NamedTuple
 from attention_spec.options import CallOptions, check_implementation
 
 
-class Route(NamedTuple):
-    """The route of one call.
-
-    path: ``"reference"``, ``"fused"`` or ``"blockwise"``, the path that computes it.
-    kernel: what runs that path here (``route()`` of each twin lists its kernels).
-    reasons: for each faster path not taken, ``"<path>: <why>"``, fastest first.
-    """
-
+class _Fields(NamedTuple):
     path: str
     kernel: str
     reasons: tuple[str, ...] = ()
 
+
+class Route(_Fields):
+    """The route of one call: ``(path, kernel, reasons)``, and ``basis``.
+
+    path: ``"reference"``, ``"fused"`` or ``"blockwise"``, the path that computes it.
+    kernel: what runs that path here (``route()`` of each twin lists its kernels).
+    reasons: for each faster path not taken, ``"<path>: <why>"``, fastest first.
+    basis: for ``"auto"``, what decided between paths by their speed on this machine
+    where a measurement did (JAX on CPU: the library's kernel against the blockwise
+    path, measured once per build, or forced), else empty.  An attribute beside the
+    three fields: a route unpacks, and compares, as ``(path, kernel, reasons)``.
+    """
+
+    basis: str
+
+    def __new__(cls, path: str, kernel: str, reasons: tuple[str, ...] = (), basis: str = "") -> Route:
+        route = super().__new__(cls, path, kernel, reasons)
+        route.basis = basis
+        return route
+
+    def __repr__(self) -> str:
+        extra = f", basis={self.basis!r}" if self.basis else ""
+        return f"Route(path={self.path!r}, kernel={self.kernel!r}, reasons={self.reasons!r}{extra})"
+
     def explain(self) -> str:
-        """One line per fact: the path and kernel, then each reason."""
-        return "\n".join([f"{self.path} ({self.kernel})", *(f"  not {reason}" for reason in self.reasons)])
+        """One line per fact: the path and kernel, each reason, then what decided."""
+        return "\n".join([f"{self.path} ({self.kernel})", *(f"  not {reason}" for reason in self.reasons),
+                          *([f"  decided by: {self.basis}"] if self.basis else [])])
 
 
 def path_blockers(
@@ -152,6 +170,9 @@ class PathEntry(NamedTuple):
     row of its path.  ``blockers(q, k, v, call)``: the options it cannot honour (an explicit
     request for it raises naming them).  ``kernel(q, k, v, call)``: what runs it.
     ``run``: the work (the twin's signature).  ``auto``: whether ``"auto"`` may take it.
+    ``basis(q, k, v, call)``: where a measurement on this machine decides whether
+    ``"auto"`` takes the row, what decided (``Route.basis``), else empty; asked by
+    ``route()`` only, never by a call.
     q, k and v are read for their shapes and dtypes, (..., H, S, D); ``call`` is the twin's
     checked call (its ``options`` a ``CallOptions``)."""
 
@@ -161,6 +182,7 @@ class PathEntry(NamedTuple):
     kernel: Callable[[Any, Any, Any, Any], str]
     run: Callable[..., Any]
     auto: bool = True
+    basis: Callable[[Any, Any, Any, Any], str] | None = None
 
 
 def walk(table: Sequence[PathEntry], q: Any, k: Any, v: Any, call: Any) -> tuple[PathEntry, tuple[str, ...]]:

@@ -1,8 +1,8 @@
 """``auto`` against the paths it chooses between, for one build of the CPU kernel:
 ``python -m benchmarks.cpu_isa`` (``--march x86-64-v3`` by default: AVX2, no AVX-512).
 
-``auto`` takes the kernel where it is built for the widest vectors the CPU has (AVX-512,
-or AVX2 on an AVX2 CPU; ``jax_attention._cpu_kernel.auto_declines``).  This times JAX's
+``auto`` takes the kernel where it measured faster than the blockwise path on the machine
+(once per build, cached; ``jax_attention._cpu_kernel.auto_declines``, ``auto_basis``).  This times JAX's
 attention core, ``dot_product_attention(causal=True)`` under jit, on ``auto``,
 ``blockwise`` and ``fused`` (the kernel), and PyTorch's ``F.scaled_dot_product_attention``
 beside them (``torch``: with ``$ATEN_CPU_CAPABILITY=avx2`` its AVX2 kernels), forward

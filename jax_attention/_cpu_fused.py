@@ -40,9 +40,9 @@ def declines(q: Array, *, mask: Array | None = None, bias: Array | None = None, 
     """Why ``implementation`` (``"fused"`` or ``"auto"``) does not run the kernel for a
     call on XLA's CPU backend (None: it does), asked without building it: the call
     (``fits``), then the machine: a kernel known not to be had (turned off, or a build
-    that failed), and for ``"auto"`` one built for another instruction set than the one
-    it is tuned for (``_cpu_kernel.auto_would_decline``; ``few_rows``: a call for the
-    forward for few rows, which a tuned build takes on a wider CPU too)."""
+    that failed), and for ``"auto"`` its decision: ``$TWIN_ATTENTION_CPU_AUTO`` or the
+    measurement cached for this build (``_cpu_kernel.auto_would_decline``; ``few_rows``:
+    the decision for the forward for few rows)."""
     why = fits(q, mask=mask, bias=bias, segments=segments, offset=offset)
     if why is not None:
         return why
@@ -60,10 +60,10 @@ def cpu_kernel_supports(q: Array, *, mask: Array | None = None, bias: Array | No
     float32, bfloat16 or float16 inputs (computed in float32), no dense mask, bias or
     segment ids, one query offset for every example (causal, window, ``kv_lengths`` and
     grouped heads are the kernel's own), and a kernel not known to be missing (turned
-    off, or a build that failed); for ``"auto"`` also a kernel for the instruction set it
-    is tuned for, the widest this CPU has (``few_rows``: or a narrower one; elsewhere
-    the blockwise path is faster, and ``_cpu_kernel.auto_declines()`` says so), told
-    from the build's target without building.  Elsewhere the fused path is ``jax.nn.dot_product_attention``.  The call
+    off, or a build that failed); for ``"auto"`` also a decision that takes the kernel
+    (``$TWIN_ATTENTION_CPU_AUTO``, or the measurement cached for this build; none cached
+    yet: taken, and the call measures; ``_cpu_kernel.auto_declines()`` says why not),
+    told without building or measuring.  Elsewhere the fused path is ``jax.nn.dot_product_attention``.  The call
     builds the kernel on first use; where only the kernel itself is missing (a failed
     build) an explicit ``"fused"`` says so with a ``RuntimeWarning``."""
     return jax.default_backend() == "cpu" and declines(
@@ -85,8 +85,8 @@ def candidate(q: Array, implementation: str, *, mask: Array | None = None, bias:
 def confirm(implementation: str, few_rows: bool = False) -> bool:
     """Whether the kernel runs a call that was routed to it (or, for an explicit
     ``"fused"``, would be): it is built and loaded, building it on its first use, and
-    for ``"auto"`` built for the instruction set it is tuned for (``few_rows``: the
-    forward for few rows, ``_cpu_kernel.auto_declines``).  An explicit
+    for ``"auto"`` taken by its decision, measured on first use if none is cached
+    (``few_rows``: the forward for few rows; ``_cpu_kernel.auto_declines``).  An explicit
     ``"fused"`` that cannot have it says so (``_cpu_kernel.warn_fallback``, naming the
     caller of this function's caller)."""
     if not _cpu_kernel.available():

@@ -25,6 +25,13 @@ container image or an installation whose users should not compile.
 Where it cannot be built (no compiler, a failed build, a bad cached library that cannot
 be rebuilt, a build for an instruction set that this CPU lacks), ``available()`` is False and ``build_error()`` says why: the fused path then runs XLA's kernel, and ``"auto"`` the
 blockwise path, as before.  Nothing here runs at import.
+
+Where it is available, ``"auto"`` takes it or the blockwise path (for few query rows: its
+forward for few rows or the explicit math) as a short measurement on this machine says
+(``_cpu_measure``: made by the first ``"auto"`` call that needs it, once per build,
+cached beside the library as ``<name>.so.auto.json``; ``$TWIN_ATTENTION_CPU_AUTO``
+``kernel`` or ``blockwise`` forces it): ``auto_declines``, ``auto_would_decline``
+(asked without building or measuring) and ``auto_basis`` (what decided).
 """
 
 from __future__ import annotations
@@ -45,15 +52,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_attention import _cpu_measure
+
 _SOURCES = Path(__file__).with_name("csrc")
 _SOURCE = _SOURCES / "flash_attention_cpu.cc"  # the translation unit: includes the headers beside it
 _FORWARD, _BACKWARD = "twin_attention_flash_fwd", "twin_attention_flash_bwd"
 _DECODE, _MATMUL = "twin_attention_decode_fwd", "twin_attention_matmul"
 _SYMBOLS = ("TwinAttentionFlashFwd", "TwinAttentionFlashBwd", "TwinAttentionDecodeFwd", "TwinAttentionMatmul",
             "TwinAttentionInstructionSet")
-# The instruction sets the kernel is tuned for (its vectors and tiles as wide as their
-# registers).  Elsewhere (SSE2, NEON, untimed) "auto" passes it by; "fused" still runs it.
-_TUNED_FOR = ("AVX-512", "AVX2")
 
 
 def _flags() -> tuple[str, ...]:
@@ -64,7 +70,7 @@ def _flags() -> tuple[str, ...]:
 
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {}  # "ok": bool, "error": str | None, "library": ctypes.CDLL
+_state: dict[str, Any] = {}  # "ok": bool, "error": str | None, "library": ctypes.CDLL, "path": Path
 
 
 def cache_dir() -> Path:
@@ -224,13 +230,13 @@ def _verified() -> tuple[Path, ctypes.CDLL]:
     return target, library
 
 
-def _load() -> ctypes.CDLL:
-    _, library = _verified()
+def _load() -> tuple[Path, ctypes.CDLL]:
+    path, library = _verified()
     jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.TwinAttentionFlashFwd), platform="cpu")
     jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(library.TwinAttentionFlashBwd), platform="cpu")
     jax.ffi.register_ffi_target(_DECODE, jax.ffi.pycapsule(library.TwinAttentionDecodeFwd), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(library.TwinAttentionMatmul), platform="cpu")
-    return library
+    return path, library
 
 
 def build() -> Path:
@@ -268,7 +274,7 @@ def available() -> bool:
                 _state["ok"], _state["error"] = False, "turned off ($TWIN_ATTENTION_CPU_KERNEL=off)"
             else:
                 try:
-                    _state["library"] = _load()
+                    _state["path"], _state["library"] = _load()
                     _state["ok"], _state["error"] = True, None
                 except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                     _state["ok"], _state["error"] = False, str(error)
@@ -306,42 +312,10 @@ def instruction_set() -> str | None:
         return str(_state["isa"])
 
 
-def auto_declines(few_rows: bool = False) -> str | None:
-    """Why ``implementation="auto"`` does not run the kernel on this machine, or None
-    where it does: a build for an instruction set it is tuned for (AVX-512, AVX2) that is
-    the widest this CPU has.  Otherwise the blockwise path is faster and ``auto`` takes
-    it; an explicit ``"fused"`` still runs the kernel.  For a call of few query rows
-    (``few_rows``: the forward for few rows, which reads keys and values more than it
-    multiplies them) a tuned build is taken on a wider CPU too."""
-    isa = instruction_set()
-    if isa is None:
-        return f"the CPU kernel is not available: {build_error()}"
-    return _declines_for(isa, few_rows)
-
-
 def cpu_instruction_set() -> str | None:
     """The widest x86 vector instruction set among this CPU's flags (None: none read)."""
     flags = _cpu_flags_line().split(":", 1)[-1].split()
     return next((isa for isa, flag in _NEEDS_FLAG.items() if flag in flags), None)
-
-
-def _declines_for(isa: str, few_rows: bool = False) -> str | None:
-    """``auto``'s word on a build for ``isa``: not tuned for it, or narrower than this CPU
-    (an AVX2 build, ``$TWIN_ATTENTION_MARCH=x86-64-v3``, on an AVX-512 CPU: XLA's own
-    GEMMs, which the blockwise path runs, use the wider vectors there and win; measured
-    in benchmarks/results/<cpu>/cpu-isa.md).  The forward for few rows (``few_rows``)
-    is taken from a narrower tuned build too: a decode step on the AVX2 build of a Zen 5
-    ran 0.76-1.2 ms at batch 64 against 1.5-2.2 ms for the explicit math, and no slower
-    at batch 1 and 8 (benchmarks/results/<cpu>/decode.md)."""
-    if isa not in _TUNED_FOR:
-        return f"the CPU kernel is not tuned for this instruction set ({isa}): blockwise is faster"
-    if few_rows:
-        return None
-    widest = cpu_instruction_set()
-    if widest is not None and widest in _TUNED_FOR and _TUNED_FOR.index(widest) < _TUNED_FOR.index(isa):
-        return (f"the CPU kernel is built for {isa} but this CPU has {widest}, which XLA's GEMMs use: "
-                "blockwise is faster")
-    return None
 
 
 def known_unavailable() -> str | None:
@@ -398,18 +372,133 @@ def predicted_instruction_set() -> str | None:
     return None if compiler is None else _target_instruction_set(compiler, march)
 
 
+# ---------------------------------------------------------------------- "auto": the kernel or not
+
+_names: dict[tuple[str, ...], str] = {}  # what names the library -> its name, asked once a process
+
+
+def _library_name() -> str | None:
+    """The name of the library in force: the loaded one's, else the one a build would have
+    (nothing built: the sources hashed and the compiler's version asked, once a process
+    for each compiler, target and cache); None without a compiler."""
+    if _state.get("ok") and "path" in _state:
+        return str(_state["path"].name)
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    include = Path(jax.ffi.include_dir())
+    key = (compiler, str(include), str(_SOURCES), str(cache_dir()), *_flags())
+    if key not in _names:
+        _names[key] = _library_path(compiler, include).name
+    return _names[key]
+
+
+def auto_record() -> Path | None:
+    """Where ``"auto"``'s decision for the library in force is cached (``<name>.auto.json``
+    in ``cache_dir()``, beside the library), found without building; None without a
+    compiler."""
+    name = _library_name()
+    return None if name is None else _cpu_measure.record_path(cache_dir() / name)
+
+
+def _library_name_of(record: Path) -> str:
+    return record.name[:-len(_cpu_measure.SUFFIX)]
+
+
+def auto_declines(few_rows: bool = False) -> str | None:
+    """Why ``implementation="auto"`` does not run the kernel on this machine, or None
+    where it does, building the kernel on the first call (a kernel that cannot be had is
+    passed by, saying why).  ``$TWIN_ATTENTION_CPU_AUTO`` (``kernel``, ``blockwise``)
+    forces the answer; otherwise the measurement of this build on this machine decides
+    (``_cpu_measure``): read from its record, or, where there is none (or it is
+    unreadable, or from another JAX or other CPUs), measured now (about a second, once
+    per build and machine) and cached.  ``few_rows``: the decision for a call of few
+    query rows (the kernel's forward for few rows against the explicit math); the other
+    (full calls: the kernel against the blockwise path) also decides a projection's
+    ``"auto"`` (``functional.linear``).  An explicit ``"fused"`` runs the kernel
+    whatever this says."""
+    isa = instruction_set()
+    if isa is None:
+        return f"the CPU kernel is not available: {build_error()}"
+    decision = _cpu_measure.forced()
+    if decision is not None:
+        return _cpu_measure.forced_reason(decision, few_rows)
+    name = _library_name()
+    if name is None:  # loaded, so not reached; no record without a name
+        return None
+    record = _cpu_measure.decide(_cpu_measure.record_path(cache_dir() / name), name, may_measure=True)
+    return None if record is None else _cpu_measure.reason(record, few_rows)
+
+
 def auto_would_decline(few_rows: bool = False) -> str | None:
-    """``auto_declines``'s answer asked without building the kernel: why
-    ``implementation="auto"`` would not run it on this machine (a kernel known to be
-    missing, or a target it is not tuned for), or None where it would.  The call that
-    then builds it asks ``auto_declines`` (the library's own word)."""
+    """``auto_declines``'s answer asked without building the kernel or measuring it: a
+    kernel known to be missing (turned off, a failed build) is passed by, saying why;
+    ``$TWIN_ATTENTION_CPU_AUTO`` forces the answer; otherwise the cached measurement of
+    the build that would be loaded (``auto_record``) answers.  Where none is cached yet
+    the answer is None: the call takes the kernel, builds it if need be and measures it
+    (``auto_declines``); should the measurement find the blockwise path faster, that call
+    runs it instead (``functional`` asks again after the build, as after a build that
+    fails), and from then on this answers as the call did."""
     missing = known_unavailable()
     if missing is not None:
         return f"the CPU kernel is not available: {missing}"
-    isa = predicted_instruction_set()
-    if isa is None:
-        return "the CPU kernel's instruction set cannot be told without building it"
-    return _declines_for(isa, few_rows)
+    decision = _cpu_measure.forced()
+    if decision is not None:
+        return _cpu_measure.forced_reason(decision, few_rows)
+    path = auto_record()
+    if path is None:  # no compiler: the call's build fails, and it falls back then
+        return None
+    record = _cpu_measure.decide(path, _library_name_of(path), may_measure=False)
+    return None if record is None else _cpu_measure.reason(record, few_rows)
+
+
+def auto_basis(few_rows: bool = False) -> str:
+    """One line saying what decides ``implementation="auto"``'s choice of the kernel here
+    (``few_rows``: for a call of few query rows), asked without building or measuring:
+    the kernel missing, ``$TWIN_ATTENTION_CPU_AUTO``, the measurement cached for this
+    build (its medians and where it is cached), a decision set by ``python -m
+    jax_attention.build_kernel --auto``, or none yet (the first call measures)."""
+    missing = known_unavailable()
+    if missing is not None:
+        return f"the CPU kernel is not available: {missing}"
+    decision = _cpu_measure.forced()
+    if decision is not None:
+        return f"forced by ${_cpu_measure.OVERRIDE}={decision}"
+    path = auto_record()
+    if path is None:
+        return ("no C++ compiler found ($CXX, c++, g++ or clang++): auto tries the CPU kernel, whose build then "
+                "fails, and takes the blockwise path")
+    record = _cpu_measure.decide(path, _library_name_of(path), may_measure=False)
+    return _cpu_measure.basis(record, few_rows, path)
+
+
+def measure_auto() -> tuple[Path, dict[str, Any]]:
+    """Measure ``"auto"``'s decision for this build now, whatever is cached, cache it and
+    hold it for this process (``python -m jax_attention.build_kernel --measure``): the
+    record's path and the record.  The kernel is built and loaded first; RuntimeError
+    where it cannot be (turned off included)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernel is not available: {build_error()}")
+    name = _state["path"].name
+    path = _cpu_measure.record_path(cache_dir() / name)
+    record = _cpu_measure.measured_record(name, _cpu_measure.measure())
+    _cpu_measure.remember(path, record, _cpu_measure.write(path, record))
+    return path, record
+
+
+def set_auto(decision: str) -> tuple[Path, dict[str, Any]]:
+    """Build (or verify) the kernel and cache ``decision`` (``"kernel"`` or
+    ``"blockwise"``) as ``"auto"``'s for this build without measuring (``python -m
+    jax_attention.build_kernel --auto``): the record's path and the record.  OSError
+    where it cannot be written; RuntimeError or OSError where the kernel cannot be built."""
+    library = build()
+    path = _cpu_measure.record_path(library)
+    record = _cpu_measure.set_record(library.name, decision)
+    why = _cpu_measure.write(path, record)
+    if why is not None:
+        raise OSError(f"{path} could not be written: {why}")
+    _cpu_measure.remember(path, record)
+    return path, record
 
 
 def _attributes(scale: float, offset: int, left: int | None, right: int | None) -> dict[str, Any]:

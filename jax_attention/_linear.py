@@ -29,9 +29,9 @@ def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = N
     ``nnx.Linear`` computes it: the operands promoted to ``dtype`` (None: their common
     type), the bias added after the product.
 
-    ``implementation`` is the attention call's.  ``"fused"`` (and ``"auto"`` where the
-    kernel is tuned for the CPU, ``_cpu_kernel.auto_declines``, and x has more than
-    ``FEW_ROWS`` rows) run a float32 product on the library's CPU matrix-product kernel
+    ``implementation`` is the attention call's.  ``"fused"`` (and ``"auto"`` where its
+    decision for full calls takes the kernel, ``_cpu_kernel.auto_declines``, and x has
+    more than ``FEW_ROWS`` rows) run a float32 product on the library's CPU matrix-product kernel
     (``_cpu_kernel.matmul``, built with the attention kernel on first use; see
     ``cpu_kernel_supports``), forward and backward; every other case is XLA's dot at
     ``precision``.  The two differ only in the order of the sums."""

@@ -20,7 +20,7 @@ from jax import Array
 from attention_spec.geometry import band_reach
 from attention_spec.planning import FUSED_FLOAT64_BLOCKER, SINKS_FUSED_BLOCKER, SOFTCAP_FUSED_BLOCKER
 from attention_spec.routing import PathEntry, option_blockers
-from jax_attention import _blockwise, _cpu_fused, _fused, _reference
+from jax_attention import _blockwise, _cpu_fused, _cpu_kernel, _fused, _reference
 from jax_attention._canonical import Call, structure
 
 # jax.nn.dot_product_attention (and the CPU kernel) cannot draw dropout.
@@ -188,10 +188,20 @@ def _blockwise_kernel(q: Any, k: Any, v: Any, call: Call) -> str:
     return "blockwise" if blockwise_plan(q.shape[-2], k.shape[-2])[1] is None else "blockwise-tiled"
 
 
+def _kernel_basis(q: Any, k: Any, v: Any, call: Call) -> str:
+    """What decides whether ``"auto"`` takes the library's kernel for a call it fits: the
+    measurement cached for this build, or ``$TWIN_ATTENTION_CPU_AUTO``
+    (``_cpu_kernel.auto_basis``, asked without building or measuring)."""
+    if _cpu_fused.fits(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset) is not None:
+        return ""
+    return _cpu_kernel.auto_basis(few_rows(q))
+
+
 CPU_KERNEL = PathEntry(
     "fused", declines=_kernel_declines,
     blockers=lambda q, k, v, call: _fused_blockers(q, k, v, call, sinks=False),  # the kernel has sinks
     kernel=lambda q, k, v, call: "cpu-decode" if few_rows(q) else "cpu-kernel", run=_run_kernel,
+    basis=_kernel_basis,
 )
 XLA_FUSED = PathEntry(  # jax.nn.dot_product_attention (cuDNN or XLA) or splash
     "fused", declines=_never, blockers=lambda q, k, v, call: _fused_blockers(q, k, v, call, sinks=True),

@@ -122,8 +122,7 @@ def route(
     builds the kernel on first use; should that build fail, the call falls back as the
     route of a machine without the kernel (``"auto"``: blockwise; ``"fused"``: XLA's
     kernel, with a ``RuntimeWarning``)."""
-    call = _checked(locals())
-    return _walk(*heads_first(q, k, v, layout), call)[1]
+    return route_of(q, k, v, _checked(locals()))
 
 
 def _checked(given: dict[str, Any]) -> Call:
@@ -145,7 +144,14 @@ def route_of(q: Array | jax.ShapeDtypeStruct, k: Array | jax.ShapeDtypeStruct, v
              call: Call) -> Route:
     """``route`` of a call already checked (``canonicalise``, or a module's ``assemble``):
     q, k and v in the call's layout, read for their shapes and dtypes."""
-    return _walk(*heads_first(q, k, v, call.options.layout), call)[1]
+    shaped = heads_first(q, k, v, call.options.layout)
+    entry, chosen = _walk(*shaped, call)
+    if call.options.implementation != "auto":
+        return chosen
+    table = _paths.table()
+    consulted = table[: table.index(entry) + 1]  # (a measurement decides only between rows it reached)
+    basis = "; ".join(b for row in consulted if row.auto and row.basis and (b := row.basis(*shaped, call)))
+    return Route(*chosen, basis=basis)
 
 
 def _walk(q: Any, k: Any, v: Any, call: Call) -> tuple[PathEntry, Route]:
@@ -241,8 +247,9 @@ def dot_product_attention(
         attention on TPU; refuses float64, which it would compute with float32
         accuracy), ``"blockwise"`` (query blocks that skip the keys a causal mask
         hides; never materialises T x S), or ``"auto"`` (fused on GPU/TPU and where the
-        CPU kernel takes the call and is built for AVX-512, the instruction set it is
-        tuned for, blockwise elsewhere on CPU and for float64, reference where those
+        CPU kernel takes the call and measured faster than the blockwise path on this
+        machine (once per build, cached; ``$TWIN_ATTENTION_CPU_AUTO`` forces it),
+        blockwise elsewhere on CPU and for float64, reference where those
         cannot honour an option; see ``attention_spec.resolve_implementation`` and
         ``_cpu_kernel.auto_declines``).  ``route`` says which path and kernel a call
         takes, and why not a faster one; the call runs that route.

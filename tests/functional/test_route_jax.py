@@ -32,8 +32,9 @@ def _qkv(q_len: int = 20, kv_len: int = 20, dtype: str = "float32", heads: int =
 
 
 def test_auto_on_cpu_float32_follows_the_machine():
-    """float32 ``auto`` on CPU: the CPU kernel where it is tuned for this machine's
-    target (AVX-512), else blockwise, with the kernel's reason."""
+    """float32 ``auto`` on CPU: the CPU kernel where its decision takes it
+    (``_cpu_kernel.auto_would_decline``: forced by the suite, or measured), else
+    blockwise, with the kernel's reason."""
     import jax
 
     from jax_attention import _cpu_kernel
@@ -219,42 +220,32 @@ def test_asking_builds_nothing(tmp_path):
     assert got["asked"]["reference"] == ["reference", "reference", []]
     assert got["asked"]["supports"][0] is True
     auto = got["asked"]["auto"]
-    if got["predicted"] in ("AVX-512", "AVX2"):  # native: the CPU's widest, tuned
-        assert auto == ["fused", "cpu-kernel", []] and got["asked"]["supports"][1] is True
-    else:
+    if os.environ.get("TWIN_ATTENTION_CPU_AUTO") == "blockwise":
         assert auto[:2] == ["blockwise", "blockwise"] and got["asked"]["supports"][1] is False
+    else:  # forced to the kernel (tests/conftest.py), or no measurement in this empty cache yet
+        assert auto == ["fused", "cpu-kernel", []] and got["asked"]["supports"][1] is True
 
 
 def test_asking_for_another_target_builds_nothing(tmp_path):
     """With ``$TWIN_ATTENTION_MARCH`` naming another target, the compiler's preprocessor
-    tells it, and nothing is built: an untuned one (x86-64, SSE2) is passed by, saying
-    why; an AVX2 one (x86-64-v3) too on a CPU with AVX-512 (the wider vectors win), and
-    taken on a CPU whose widest vectors are AVX2's."""
+    tells it, and nothing is built or measured: with no measurement cached for that build
+    ``auto`` names the kernel (its first call builds and measures it), and
+    ``$TWIN_ATTENTION_CPU_AUTO=blockwise`` passes it by, saying so."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("an x86-64 target")
-    got = _ask(tmp_path / "sse2", TWIN_ATTENTION_MARCH="x86-64")
-    assert got["cache"] == [] and "ok" not in got["state"], got
-    assert got["predicted"] == "SSE2"
-    assert got["asked"]["auto"] == [
-        "blockwise", "blockwise",
-        ["fused: the CPU kernel is not tuned for this instruction set (SSE2): blockwise is faster"]]
-    assert got["asked"]["supports"] == [True, False]
-    got = _ask(tmp_path / "avx2", TWIN_ATTENTION_MARCH="x86-64-v3")
-    assert got["cache"] == [] and "ok" not in got["state"], got
-    assert got["predicted"] == "AVX2"
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        avx512 = "avx512f" in next((line for line in f if line.startswith("flags")), "").split()
-    if avx512:
-        assert got["asked"]["auto"] == [
-            "blockwise", "blockwise",
-            ["fused: the CPU kernel is built for AVX2 but this CPU has AVX-512, which XLA's GEMMs use: "
-             "blockwise is faster"]]
-        assert got["asked"]["supports"] == [True, False]
-    else:
+    for march, isa in (("x86-64", "SSE2"), ("x86-64-v3", "AVX2")):
+        got = _ask(tmp_path / march, TWIN_ATTENTION_MARCH=march, TWIN_ATTENTION_CPU_AUTO="measure")
+        assert got["cache"] == [] and "ok" not in got["state"], got
+        assert got["predicted"] == isa
         assert got["asked"]["auto"] == ["fused", "cpu-kernel", []]
         assert got["asked"]["supports"] == [True, True]
+    got = _ask(tmp_path / "forced", TWIN_ATTENTION_MARCH="x86-64", TWIN_ATTENTION_CPU_AUTO="blockwise")
+    assert got["cache"] == [] and "ok" not in got["state"], got
+    assert got["asked"]["auto"] == [
+        "blockwise", "blockwise", ["fused: $TWIN_ATTENTION_CPU_AUTO=blockwise passes the CPU kernel by"]]
+    assert got["asked"]["supports"] == [True, False]
 
 
 def test_a_build_that_fails_at_the_call_falls_back(tmp_path):
@@ -279,3 +270,26 @@ def test_turned_off_the_route_says_so(tmp_path):
         "blockwise", "blockwise",
         ["fused: the CPU kernel is not available: turned off ($TWIN_ATTENTION_CPU_KERNEL=off)"]]
     assert got["cache"] == []
+
+
+def test_route_says_what_decided_auto_on_cpu(monkeypatch):
+    """``Route.basis``: for ``"auto"`` on CPU, what decided between the library's kernel
+    and the blockwise path (here the suite's ``$TWIN_ATTENTION_CPU_AUTO``; a measurement
+    cached for the build otherwise, ``tests/kernels/test_cpu_auto.py``), and
+    ``explain()`` prints it; empty where no measurement decides (a call the kernel
+    cannot take, an explicit path)."""
+    import jax
+
+    from jax_attention import _cpu_kernel
+    from jax_attention.functional import route
+
+    if jax.default_backend() != "cpu" or _cpu_kernel.known_unavailable() is not None:
+        pytest.skip("the CPU kernel on XLA's CPU backend")
+    q, k, v = _qkv()
+    for forced, path in (("kernel", "fused"), ("blockwise", "blockwise")):
+        monkeypatch.setenv("TWIN_ATTENTION_CPU_AUTO", forced)
+        got = route(q, k, v, causal=True)
+        assert (got.path, got.basis) == (path, f"forced by $TWIN_ATTENTION_CPU_AUTO={forced}")
+        assert got.explain().endswith(f"  decided by: forced by $TWIN_ATTENTION_CPU_AUTO={forced}")
+    assert route(q, k, v, mask=np.ones((20, 20), bool)).basis == ""  # no measurement decides: a dense mask
+    assert route(q, k, v, causal=True, implementation="fused").basis == ""

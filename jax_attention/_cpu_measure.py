@@ -1,0 +1,430 @@
+"""``implementation="auto"`` on a CPU: the library's CPU kernel or the blockwise path (and,
+for a call of few query rows, the kernel's forward for few rows or the explicit math),
+decided by a short measurement on the machine, made once per build of the kernel and
+cached beside it.  ``_cpu_kernel`` asks here (``auto_declines``, ``auto_would_decline``,
+``auto_basis``); nothing here builds or loads the kernel, and nothing runs at import.
+
+The measurement (``measure``: 0.9-1.5 s with its compiles on the 2-core Zen 5 while other
+work ran, a load of 3-4, about half of it compiling the blockwise path's forward +
+backward) times two races, each side jitted, compiled and run once before the clock,
+then run ``REPETITIONS`` times in turns (the order alternating round by round, so that a
+slow spell of a shared machine falls on both), medians; the faster median wins, a tie
+goes to the kernel:
+
+- full calls: a training step of the attention core, forward + backward
+  (``jax.value_and_grad`` of the output's sum) of ``dot_product_attention(causal=True,
+  layout="bshd")`` on ``FULL_CALL`` (B, S, H, D) float32, ``implementation="fused"``
+  (the kernel) against ``"blockwise"``.  Forward + backward because a training step is
+  what ``auto`` mostly serves (a decode step is the other race).  S = 256: the shortest
+  sequence on which the blockwise path skips a causal block (two query blocks of 128)
+  and the kernel walks several tiles, and still one whose blockwise program compiles in
+  well under a second (S = 1024 unrolls eight blocks: about 3 s).  B1 H4 keeps a run
+  near a millisecond.  ``"bshd"`` is what a module's projections hand over: the kernel
+  takes it as it is, the blockwise path transposes once in and out, as a module's head
+  split does.  Where the two are close the answer depends on the shape: a kernel built
+  for AVX2 (``$TWIN_ATTENTION_MARCH=x86-64-v3``) on an AVX-512 Zen 5 is 0.7-0.8x the
+  blockwise time at S = 256 and 1.1-1.2x from S = 512 on (forward + backward); there
+  this race took the kernel in five runs of six, and ``build_kernel --auto blockwise``
+  suits long sequences.
+- few query rows: a decode step over a long cache, ``FEW_ROWS_CALL`` (B, H, S, D): one
+  query row per head over S cached keys with ``kv_lengths``, heads first as a module's
+  cache holds them, forward only: ``"fused"`` (the kernel's forward for few rows,
+  ``"cpu-decode"``) against ``"reference"`` (the explicit math, which ``auto`` runs there
+  otherwise).  4096 keys (the decode benchmark's long prompt) because a decoding loop's
+  time goes to long caches, and because over a short one the race is within its noise
+  (B4 H8 S512 on the Zen 5: 0.7-1.05x, the winner changing from run to run), while the
+  decoding loop, which gives the explicit math buckets of the cache and the kernel the
+  whole cache read to each length, has the kernel ahead (``benchmarks/results``).
+
+The record, a small JSON file ``<library>.auto.json`` beside the library
+(``record_path``), names the library (its name is a hash of the sources, compiler, flags
+and CPU), and for a measurement also the races it timed (``CALLS``), the JAX and jaxlib
+versions and the CPUs this process may use: a record that does not match them, or that
+cannot be read or parsed, is as none, and the next call that needs it measures again
+(two kinds of machine sharing one cache and one build would measure in turn).  ``python -m jax_attention.build_kernel
+--measure`` measures ahead of time, ``--auto kernel|blockwise`` writes a decision without
+measuring (kept whatever the versions and CPUs).  ``$TWIN_ATTENTION_CPU_AUTO``
+(``kernel`` or ``blockwise``) forces the decision for full calls and few rows alike,
+ahead of any record; ``measure`` or unset leaves it to the record.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+OVERRIDE = "TWIN_ATTENTION_CPU_AUTO"
+OVERRIDES = ("kernel", "blockwise", "measure")
+VERSION = 1
+SUFFIX = ".auto.json"
+
+FULL_CALL = (1, 256, 4, 64)  # (B, S, H, D): causal forward + backward, float32, "bshd"
+FEW_ROWS_CALL = (1, 8, 4096, 64)  # (B, H, S, D): one query row per head, kv_lengths, float32, "bhsd"
+REPETITIONS = 7
+
+# What each race decides between: (the kernel's rival, its name in the texts).
+_RIVALS = {"full": ("blockwise", "blockwise"), "few_rows": ("reference", "the explicit math")}
+# What each race times, as its record says: a record of other races is stale.
+CALLS = {
+    "full": "a causal forward + backward at B{} H{} S{} D{} float32, layout bshd".format(
+        *(FULL_CALL[i] for i in (0, 2, 1, 3))),
+    "few_rows": "a decode step at B{} H{} S{} D{} float32, one query row per head, kv_lengths".format(*FEW_ROWS_CALL),
+}
+
+_lock = threading.Lock()  # one measurement at a time in a process; the others wait for its record
+_decided: dict[str, dict[str, Any]] = {}  # record path -> the record in force (read, measured or set)
+_unsaved: dict[str, str] = {}  # record path -> why a decision made here could not be cached
+_local = threading.local()  # .measuring: this thread is the measurement's
+
+
+def forced() -> str | None:
+    """``$TWIN_ATTENTION_CPU_AUTO``: ``"kernel"`` or ``"blockwise"`` (the decision forced,
+    for full calls and few rows alike), or None (``measure``, empty or unset: the cached
+    measurement).  ValueError, naming the variable and its values, for another value."""
+    value = os.environ.get(OVERRIDE) or "measure"
+    if value not in OVERRIDES:
+        raise ValueError(f"${OVERRIDE} must be one of {', '.join(OVERRIDES)} (unset: measure); got {value!r}")
+    return None if value == "measure" else value
+
+
+def record_path(library: Path) -> Path:
+    """The record of ``auto``'s decision for a build: beside the library, named after it."""
+    return library.with_name(library.name + SUFFIX)
+
+
+def measuring() -> bool:
+    """Whether this thread is running the measurement (which must not ask ``auto``)."""
+    return bool(getattr(_local, "measuring", False))
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _versions() -> dict[str, Any]:
+    import jax
+    import jaxlib
+
+    return {"jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", None), "cpus": _cpus()}
+
+
+def _valid(record: Any, library: str) -> bool:
+    """Whether a parsed record is a whole one for this library (and, if measured, for this
+    JAX and these CPUs)."""
+    if not isinstance(record, dict) or record.get("version") != VERSION or record.get("library") != library:
+        return False
+    for race, (rival, _) in _RIVALS.items():
+        entry = record.get(race)
+        if not isinstance(entry, dict) or entry.get("decision") not in ("kernel", rival):
+            return False
+        if record.get("source") == "measured" and (entry.get("call") != CALLS[race] or not all(
+                isinstance(entry.get(f"{side}_ms"), (int, float)) and math.isfinite(entry[f"{side}_ms"])
+                and entry[f"{side}_ms"] > 0 for side in ("kernel", rival))):
+            return False
+    if record.get("source") == "measured":
+        return all(record.get(key) == value for key, value in _versions().items())
+    return record.get("source") == "set" and isinstance(record.get("set_by"), str)
+
+
+def read(path: Path, library: str) -> dict[str, Any] | None:
+    """The record at ``path`` for ``library``, or None: absent, unreadable, not JSON, cut
+    short, for another library, or measured otherwise (other races, another JAX, other
+    CPUs)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if _valid(record, library) else None
+
+
+def write(path: Path, record: dict[str, Any]) -> str | None:
+    """Write a record atomically (a file of its own beside it, renamed into place: a
+    reader sees the old record or the new one, whole); None, or why it could not be
+    written (a read-only cache: the decision then holds for this process only)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, scratch = tempfile.mkstemp(prefix=".auto-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1, sort_keys=True)
+                f.write("\n")
+            os.chmod(scratch, 0o644)  # as readable as the library (mkstemp makes it 0600)
+            os.replace(scratch, path)
+        except BaseException:
+            Path(scratch).unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        return str(error)
+    return None
+
+
+def set_record(library: str, decision: str) -> dict[str, Any]:
+    """A record that sets ``decision`` (``"kernel"`` or ``"blockwise"``) without measuring
+    (``build_kernel --auto``); few rows follow it (``"blockwise"``: the explicit math)."""
+    if decision not in ("kernel", "blockwise"):
+        raise ValueError(f"auto's decision is kernel or blockwise, not {decision!r}")
+    decisions = {race: {"decision": "kernel" if decision == "kernel" else rival} for race, (rival, _) in _RIVALS.items()}
+    return {"version": VERSION, "library": library, "source": "set",
+            "set_by": f"python -m jax_attention.build_kernel --auto {decision}", **decisions}
+
+
+def failed_record(library: str, error: str) -> dict[str, Any]:
+    """The decision of a measurement that failed, held for this process only: blockwise
+    (few rows: the explicit math)."""
+    return {"version": VERSION, "library": library, "source": "failed", "error": error,
+            **{race: {"decision": rival} for race, (rival, _) in _RIVALS.items()}}
+
+
+def measured_record(library: str, timings: dict[str, Any]) -> dict[str, Any]:
+    """The record of a measurement (``measure``'s result) for ``library``."""
+    return {"version": VERSION, "library": library, "source": "measured", **_versions(),
+            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **timings}
+
+
+def decide(path: Path, library: str, *, may_measure: bool) -> dict[str, Any] | None:
+    """The record in force for ``library`` (its record at ``path``): held in this
+    process, else read, else, where ``may_measure``, measured now, cached at ``path``
+    and held; None where there is none and it may not measure.  One measurement at a
+    time: a thread that finds one under way waits for its record.
+
+    A measurement that fails (it raises) is cached nowhere: this process takes the
+    blockwise path, says why with a ``RuntimeWarning``, and the next process measures
+    again.  Asked to measure from the measurement's own thread (an ``"auto"`` call inside
+    it, which it never makes), RuntimeError: it would wait for itself."""
+    key = str(path)
+    if key in _decided:
+        return _decided[key]
+    record = read(path, library)
+    if record is not None:
+        return _decided.setdefault(key, record)
+    if not may_measure:
+        return None
+    if measuring():
+        raise RuntimeError("implementation='auto' asked for the CPU kernel while auto's measurement runs "
+                           "(the measurement calls explicit implementations only)")
+    with _lock:
+        if key in _decided:
+            return _decided[key]
+        record = read(path, library)  # another process may have measured meanwhile
+        if record is None:
+            try:
+                record = measured_record(library, measure())
+            except Exception as error:  # any failure of the measurement: not the kernel, here
+                record = failed_record(library, f"{type(error).__name__}: {error}")
+                _unsaved[key] = "the measurement failed"
+                warnings.warn(f"implementation='auto' takes the blockwise path on CPU: {reason(record, False)}",
+                              RuntimeWarning, stacklevel=2)
+            else:
+                why = write(path, record)
+                if why is not None:
+                    _unsaved[key] = why
+        _decided[key] = record
+        return record
+
+
+def remember(path: Path, record: dict[str, Any], unsaved: str | None = None) -> None:
+    """Hold ``record`` as the decision in force for ``path`` in this process."""
+    _decided[str(path)] = record
+    if unsaved is None:
+        _unsaved.pop(str(path), None)
+    else:
+        _unsaved[str(path)] = unsaved
+
+
+def unsaved(path: Path) -> str | None:
+    """Why the decision held for ``path`` in this process could not be cached (None: it
+    was, or was read from there)."""
+    return _unsaved.get(str(path))
+
+
+def forget() -> None:
+    """Forget the decisions held in this process (the records stay): the next ask reads
+    them again, as a new process does."""
+    _decided.clear()
+    _unsaved.clear()
+
+
+# ---------------------------------------------------------------------- the texts
+
+def _call_text(race: str) -> str:
+    if race == "full":
+        b, s, h, d = FULL_CALL
+        return f"a causal forward + backward at B{b} H{h} S{s} D{d}"
+    b, h, s, d = FEW_ROWS_CALL
+    return f"a decode step at B{b} H{h} S{s} D{d}"
+
+
+def forced_reason(decision: str, few_rows: bool) -> str | None:
+    """``auto``'s reason to pass the kernel by under ``$TWIN_ATTENTION_CPU_AUTO``."""
+    return None if decision == "kernel" else f"${OVERRIDE}={decision} passes the CPU kernel by"
+
+
+def reason(record: dict[str, Any], few_rows: bool) -> str | None:
+    """Why ``auto`` passes the kernel by on this record's word (None: it takes it)."""
+    race = "few_rows" if few_rows else "full"
+    entry = record[race]
+    if entry["decision"] == "kernel":
+        return None
+    rival, rival_name = _RIVALS[race]
+    if record.get("source") == "set":
+        return f"auto is set to blockwise for this build of the CPU kernel ({record.get('set_by')})"
+    if record.get("source") == "failed":
+        return f"the CPU kernel could not be measured on this machine ({record.get('error')})"
+    kernel = "the CPU kernel's forward for few rows" if few_rows else "the CPU kernel"
+    return (f"{kernel} measured slower than {rival_name} on this machine ({entry['kernel_ms']:.3g} ms vs "
+            f"{entry[rival + '_ms']:.3g} ms for {_call_text(race)})")
+
+
+def basis(record: dict[str, Any] | None, few_rows: bool, path: Path) -> str:
+    """One line: what decides ``auto`` for this build (the record's word, or none yet)."""
+    why = unsaved(path)
+    where = f"cached in {path}" if why is None else f"not cached: {why}"
+    if record is None:
+        return (f"not measured yet for this build ({path} is absent): auto takes the CPU kernel, and its first "
+                "call builds the kernel if need be and measures it against the blockwise path")
+    if record.get("source") == "set":
+        return f"set to {record['full']['decision']} by {record.get('set_by')} ({where})"
+    if record.get("source") == "failed":
+        return (f"the measurement failed in this process ({record.get('error')}): the blockwise path, "
+                "not cached (the next process measures again)")
+    race = "few_rows" if few_rows else "full"
+    entry = record[race]
+    rival, rival_name = _RIVALS[race]
+    rival_name = "explicit math" if few_rows else rival_name
+    return (f"measured on this machine for this build: kernel {entry['kernel_ms']:.3g} ms, {rival_name} "
+            f"{entry[rival + '_ms']:.3g} ms ({_call_text(race)}; {where})")
+
+
+_NAMES = {"kernel": "the CPU kernel", "blockwise": "the blockwise path", "reference": "the explicit math"}
+
+
+def summary(record: dict[str, Any]) -> str:
+    """The decisions (and medians) of a record, a line each, for the build command."""
+    lines = []
+    for race, label in (("full", "full calls"), ("few_rows", "few query rows")):
+        entry = record[race]
+        line = f"{label}: {_NAMES[entry['decision']]}"
+        if record.get("source") == "measured":
+            rival, _ = _RIVALS[race]
+            line += (f" (medians of {record.get('repetitions')}: kernel {entry['kernel_ms']:.3g} ms, {rival} "
+                     f"{entry[rival + '_ms']:.3g} ms; {_call_text(race)})")
+        lines.append(line)
+    if record.get("source") == "measured":
+        lines.append(f"measured in {record.get('seconds'):.2f} s, compiles included")
+    else:
+        lines.append(f"set by {record.get('set_by')}, not measured")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the measurement
+
+def measure(repetitions: int = REPETITIONS) -> dict[str, Any]:
+    """Time both races (the module's docstring) and return what the record keeps of them:
+    ``{"full": {"decision", "kernel_ms", "blockwise_ms", "call"}, "few_rows": {"decision",
+    "kernel_ms", "reference_ms", "call"}, "repetitions", "seconds"}``.  The kernel must be
+    built and registered (``_cpu_kernel.available()``).
+
+    It runs in a thread of its own, which carries no trace of its caller's: the first
+    ``"auto"`` call may come inside a ``jax.jit`` (or ``jax.disable_jit``, or another
+    device's context), and the races must run as programs of their own on the CPU.
+    Only explicit implementations are called, so no ``"auto"`` asks to measure again."""
+    result: dict[str, Any] = {}
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        _local.measuring = True
+        try:
+            result.update(_measure(repetitions))
+        except BaseException as error:  # raised again in the caller's thread
+            failed.append(error)
+        finally:
+            _local.measuring = False
+
+    thread = threading.Thread(target=run, name="twin-attention-cpu-auto", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return result
+
+
+def _race(programs: dict[str, Callable[..., Any]], args: tuple[Any, ...], repetitions: int) -> dict[str, float]:
+    """Median milliseconds of each program on ``args``: each compiled and run once first,
+    then run in turns, the order alternating round by round."""
+    import jax
+
+    for program in programs.values():
+        jax.block_until_ready(program(*args))
+    names = list(programs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repetitions):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            jax.block_until_ready(programs[name](*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(taken) * 1e3 for name, taken in times.items()}
+
+
+def _measure(repetitions: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    # Imported here: functional imports _cpu_fused, which imports _cpu_kernel, which imports this.
+    from jax_attention.functional import dot_product_attention, route
+
+    started = time.perf_counter()
+    rng = np.random.default_rng(0)
+    with jax.default_device(jax.devices("cpu")[0]):
+        q, k, v = (jnp.asarray(rng.standard_normal(FULL_CALL), jnp.float32) for _ in range(3))
+        kernel = route(q, k, v, causal=True, implementation="fused", layout="bshd").kernel
+        if kernel != "cpu-kernel":
+            raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {kernel}")
+
+        def step(implementation: str) -> Callable[..., Any]:
+            def loss(q_: Any, k_: Any, v_: Any) -> Any:
+                out = dot_product_attention(q_, k_, v_, causal=True, implementation=implementation, layout="bshd")
+                assert isinstance(out, jax.Array)
+                return jnp.sum(out)
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+        full = _race({"kernel": step("fused"), "blockwise": step("blockwise")}, (q, k, v), repetitions)
+
+        batch, heads, keys, width = FEW_ROWS_CALL
+        q1 = jnp.asarray(rng.standard_normal((batch, heads, 1, width)), jnp.float32)
+        k1, v1 = (jnp.asarray(rng.standard_normal((batch, heads, keys, width)), jnp.float32) for _ in range(2))
+        lengths = jnp.full((batch,), keys, jnp.int32)
+        kernel = route(q1, k1, v1, kv_lengths=lengths, implementation="fused").kernel
+        if kernel != "cpu-decode":
+            raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {kernel}")
+
+        def decode(implementation: str) -> Callable[..., Any]:
+            return jax.jit(lambda q_, k_, v_, n_: dot_product_attention(q_, k_, v_, kv_lengths=n_,
+                                                                        implementation=implementation))
+
+        few = _race({"kernel": decode("fused"), "reference": decode("reference")}, (q1, k1, v1, lengths),
+                    repetitions)
+    return {
+        "full": {"decision": "kernel" if full["kernel"] <= full["blockwise"] else "blockwise",
+                 "kernel_ms": round(full["kernel"], 4), "blockwise_ms": round(full["blockwise"], 4),
+                 "call": CALLS["full"]},
+        "few_rows": {"decision": "kernel" if few["kernel"] <= few["reference"] else "reference",
+                     "kernel_ms": round(few["kernel"], 4), "reference_ms": round(few["reference"], 4),
+                     "call": CALLS["few_rows"]},
+        "repetitions": repetitions,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
