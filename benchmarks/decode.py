@@ -341,7 +341,7 @@ def instruction_sets(env: dict[str, Any]) -> dict[str, Any]:
     and PyTorch's CPU capability."""
     import torch
 
-    out = {k: env["cpu"].get(k) for k in ("isa", "kernel_isa", "kernel_march", "auto_declines")}
+    out = {k: env["cpu"].get(k) for k in ("isa", "kernel_isa", "kernel_march", "auto_declines", "auto_basis")}
     out["kernel_isa_built"] = None
     try:
         from jax_attention import _cpu_kernel

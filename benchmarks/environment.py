@@ -49,10 +49,12 @@ def instruction_sets() -> dict[str, Any]:
     """What decides the CPU path's speed: ``isa``, the widest vector instruction set among
     the CPU's flags; ``kernel_isa``, the one the library's CPU kernel is (or would be)
     built for, asked without building it; ``kernel_march``, ``$TWIN_ATTENTION_MARCH``
-    (None: native); and ``auto_declines``, why ``auto`` passes the kernel by (None: it
-    takes it).  The kernel's entries are None where JAX is missing."""
+    (None: native); ``auto_declines``, why ``auto`` passes the kernel by (None: it
+    takes it); and ``auto_basis``, what decided (the measurement cached for the build,
+    or ``$TWIN_ATTENTION_CPU_AUTO``).  The kernel's entries are None where JAX is missing."""
     out: dict[str, Any] = {"isa": None, "kernel_isa": None,
-                           "kernel_march": os.environ.get("TWIN_ATTENTION_MARCH") or None, "auto_declines": None}
+                           "kernel_march": os.environ.get("TWIN_ATTENTION_MARCH") or None, "auto_declines": None,
+                           "auto_basis": None}
     try:
         from jax_attention import _cpu_kernel
     except ImportError:
@@ -60,6 +62,7 @@ def instruction_sets() -> dict[str, Any]:
     out["isa"] = _cpu_kernel.cpu_instruction_set()
     out["kernel_isa"] = _cpu_kernel.predicted_instruction_set()
     out["auto_declines"] = _cpu_kernel.auto_would_decline()
+    out["auto_basis"] = _cpu_kernel.auto_basis()
     return out
 
 

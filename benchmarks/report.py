@@ -44,6 +44,8 @@ def _isa(cpu: dict[str, Any]) -> str:
         return ""
     march = cpu.get("kernel_march") or "native"
     auto = "auto takes it" if cpu.get("auto_declines") is None else f"auto passes it by: {cpu['auto_declines']}"
+    if cpu.get("auto_basis"):
+        auto += f" ({cpu['auto_basis']})"
     return f"; instruction set {cpu.get('isa')}; CPU kernel built for {cpu.get('kernel_isa')} (-march={march}), {auto}"
 
 
