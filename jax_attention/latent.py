@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from attention_spec import dtype_name
-from attention_spec.cache import check_cache_context, check_cache_dtype, check_cacheable
 from attention_spec.latent import cache_bytes_per_token, check_latent_call, softmax_scale
-from attention_spec.options import check_positive_int
 from jax_attention import functional
-from jax_attention._base import AttentionModule, _Call, _unless
-from jax_attention._cache import append_to_cache
+from jax_attention._base import AttentionModule, _Call, _unbatch
+from jax_attention._cache import append_to_cache, attend_filled, new_cache, new_lengths, unless
+from jax_attention._projections import split_heads
+from jax_attention._qk import normalise
 
 
 class MultiHeadLatentAttention(AttentionModule):
@@ -112,27 +110,14 @@ class MultiHeadLatentAttention(AttentionModule):
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
         if call.cache is not None:
             return self._run_cached(call, return_weights, key, absorb)
-        return self._unbatch(self._run(call, return_weights, key, absorb), call.batched)
+        return _unbatch(self._run(call, return_weights, key, absorb), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> functional.KVCache:
         """An empty latent cache: ``key`` holds the normalised latent (batch_size, 1,
         max_len, kv_lora_rank), ``value`` the turned rope key (batch_size, 1, max_len,
         qk_rope_head_dim), zeros in ``dtype`` (None: the module's); ``lengths`` the fill.
         Raises as ``AttentionModule.init_cache``."""
-        spec = self.spec
-        check_cacheable(spec)
-        check_positive_int("batch_size", batch_size)
-        check_positive_int("max_len", max_len)
-        check_cache_context(max_len, spec.context_length)
-        dtype = jnp.dtype(self._compute_dtype() if dtype is None else dtype)
-        check_cache_dtype(dtype_name(dtype))
-        _, latent, rope = spec.cache_widths()
-        return functional.KVCache(
-            jnp.zeros((batch_size, 1, max_len, latent), dtype),
-            jnp.zeros((batch_size, 1, max_len, rope), dtype),
-            jnp.zeros((batch_size,), jnp.int32),
-            jnp.zeros((2,), jnp.int32),
-        )
+        return new_cache(self, batch_size, max_len, dtype)  # (the widths: spec.cache_widths())
 
     @staticmethod
     def cache_bytes_per_token(cache: functional.KVCache) -> int:
@@ -146,11 +131,9 @@ class MultiHeadLatentAttention(AttentionModule):
         return cast(nnx.Linear, getattr(self, name))
 
     def _rms(self, name: str, t: Array) -> Array:
-        """Hugging Face's RMSNorm: in float32 (float64 stays), cast back, times the scale."""
-        scale = getattr(self, name).scale[...].reshape((1,) * (t.ndim - 1) + (-1,))  # explicit rank
-        x = t.astype(jnp.promote_types(t.dtype, jnp.float32))
-        x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.spec.norm_eps)
-        return scale.astype(t.dtype) * x.astype(t.dtype)
+        """Hugging Face's RMSNorm: in float32 (float64 stays), cast back, times the scale
+        (``_qk.normalise``, qk-norm's math, over the whole width)."""
+        return normalise(t, getattr(self, name).scale[...], self.spec.norm_eps)
 
     def _latent_inputs(
         self, x: Array, implementation: str, positions: Array | None, start: Array | None = None
@@ -164,7 +147,7 @@ class MultiHeadLatentAttention(AttentionModule):
         else:
             q_a = self._rms("q_a_layernorm", self._linear(self._proj("q_a_proj"), x, implementation))
             q = self._linear(self._proj("q_b_proj"), q_a, implementation)
-        q = self._split_heads(q)
+        q = split_heads(q, spec.num_heads)
         compressed = self._linear(self._proj("kv_a_proj_with_mqa"), x, implementation)
         latent = self._rms("kv_a_layernorm", compressed[..., :rank])
         q_rope, k_rope = self._rotate(q[..., nope:], compressed[:, None, :, rank:], positions, start)
@@ -188,7 +171,7 @@ class MultiHeadLatentAttention(AttentionModule):
             out = result[0] if return_weights else result
             out = jnp.einsum("bhtr,hvr->bhtv", out, w[:, nope:], precision=self.precision)
         else:
-            kv = self._split_heads(self._linear(self._proj("kv_b_proj"), latent[:, 0], call.implementation))
+            kv = split_heads(self._linear(self._proj("kv_b_proj"), latent[:, 0], call.implementation), heads)
             k = jnp.concatenate((kv[..., :nope], jnp.broadcast_to(k_rope, (*kv.shape[:3], k_rope.shape[-1]))),
                                 axis=-1)
             result = self._attend(call, q, k, kv[..., nope:], return_weights, key, **extra)
@@ -219,10 +202,10 @@ class MultiHeadLatentAttention(AttentionModule):
         to every filled position (keys and values rebuilt from the cache, or absorbed),
         query t of example b at key position lengths[b] + t; fixed shapes (max_len), the
         attention over the first positions up to the fullest fill, a step past max_len
-        under jit recorded in the cache (as ``AttentionModule._run_cached``)."""
+        under jit recorded in the cache (as ``_cache.run_cached``)."""
         start = call.cache.lengths
         q, latent, k_rope = self._latent_inputs(call.x, call.implementation, call.positions, start)
-        cache, ok = append_to_cache(call.cache, latent, k_rope, self._new_lengths(call))
+        cache, ok = append_to_cache(call.cache, latent, k_rope, new_lengths(call))
         filled = cache.lengths  # after the write (the same as before on an overflow)
 
         def attend(c: _Call, n: int) -> Any:
@@ -230,8 +213,8 @@ class MultiHeadLatentAttention(AttentionModule):
             return self._mix(c, q, latents, ropes, return_weights, key, absorb, kv_lengths=filled, q_offset=start,
                              alignment="top_left")
 
-        result = self._over_filled(call, attend, filled, int(cache.key.shape[2]), return_weights)
+        result = attend_filled(self, call, attend, filled, int(cache.key.shape[2]), return_weights)
         out = self._out(result, return_weights, call.implementation)
         if return_weights:
-            return _unless(ok, out[0]), _unless(ok, out[1]), cache
-        return _unless(ok, out), cache
+            return unless(ok, out[0]), unless(ok, out[1]), cache
+        return unless(ok, out), cache

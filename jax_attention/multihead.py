@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from jax_attention._base import AttentionModule, _head_slice
+from jax_attention._base import AttentionModule, _head_slice, _unbatch
 from jax_attention.causal import CausalAttention
 
 
@@ -97,11 +97,11 @@ class MultiHeadAttentionWrapper(AttentionModule):
             results.append(head._run(head_call, return_weights, key))
         if not return_weights:
             out = jnp.concatenate(cast(list[Array], results), axis=-1)  # (B, T, num_heads * d_out)
-            return self._unbatch(out, call.batched)
+            return _unbatch(out, call.batched)
         pairs = cast(list[tuple[Array, Array]], results)
         out = jnp.concatenate([o for o, _ in pairs], axis=-1)
         weights = jnp.concatenate([w for _, w in pairs], axis=-3)  # (B, num_heads, T, T)
-        return self._unbatch((out, weights), call.batched)
+        return _unbatch((out, weights), call.batched)
 
 
 class MultiHeadAttention(AttentionModule):

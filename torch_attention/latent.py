@@ -12,12 +12,12 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from attention_spec import dtype_name
-from attention_spec.cache import check_cache_context, check_cache_dtype, check_cacheable
 from attention_spec.latent import cache_bytes_per_token, check_latent_call, softmax_scale
-from attention_spec.options import check_positive_int
 from torch_attention import functional
-from torch_attention._base import AttentionModule, _Call, _prefix
+from torch_attention._base import AttentionModule, _Call, _unbatch
+from torch_attention._cache import new_cache, prefix
+from torch_attention._projections import split_heads
+from torch_attention._qk import normalise
 
 
 class MultiHeadLatentAttention(AttentionModule):
@@ -106,27 +106,14 @@ class MultiHeadLatentAttention(AttentionModule):
                              positions=positions)
         if call.cache is not None:
             return self._run_cached(call, return_weights, absorb)
-        return self._unbatch(self._run(call, return_weights, absorb), call.batched)
+        return _unbatch(self._run(call, return_weights, absorb), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> functional.KVCache:
         """An empty latent cache: ``key`` holds the normalised latent (batch_size, 1,
         max_len, kv_lora_rank), ``value`` the turned rope key (batch_size, 1, max_len,
         qk_rope_head_dim), zeros in ``dtype`` (None: the module's); ``lengths`` the fill.
         Raises as ``AttentionModule.init_cache``."""
-        spec = self.spec
-        check_cacheable(spec)
-        check_positive_int("batch_size", batch_size)
-        check_positive_int("max_len", max_len)
-        check_cache_context(max_len, spec.context_length)
-        p = next(self.parameters())
-        dtype = p.dtype if dtype is None else dtype
-        check_cache_dtype(dtype_name(dtype))
-        _, latent, rope = spec.cache_widths()
-        return functional.KVCache(
-            torch.zeros(batch_size, 1, max_len, latent, dtype=dtype, device=p.device),
-            torch.zeros(batch_size, 1, max_len, rope, dtype=dtype, device=p.device),
-            torch.zeros(batch_size, dtype=torch.int64, device=p.device),
-        )
+        return new_cache(self, batch_size, max_len, dtype)  # (the widths: spec.cache_widths())
 
     @staticmethod
     def cache_bytes_per_token(cache: functional.KVCache) -> int:
@@ -140,11 +127,9 @@ class MultiHeadLatentAttention(AttentionModule):
         return cast(nn.Linear, getattr(self, name))
 
     def _rms(self, name: str, t: Tensor) -> Tensor:
-        """Hugging Face's RMSNorm: in float32 (float64 stays), cast back, times the weight."""
-        weight = getattr(self, name).weight
-        x = t.to(torch.promote_types(t.dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
-        return weight * x.to(t.dtype)
+        """Hugging Face's RMSNorm: in float32 (float64 stays), cast back, times the weight
+        (``_qk.normalise``, qk-norm's math, over the whole width)."""
+        return normalise(t, getattr(self, name).weight, self.spec.norm_eps)
 
     def _latent_inputs(
         self, x: Tensor, implementation: str, positions: Tensor | None, start: Tensor | None = None
@@ -157,7 +142,7 @@ class MultiHeadLatentAttention(AttentionModule):
         else:
             q_a = self._rms("q_a_layernorm", self._linear(self._proj("q_a_proj"), x, implementation))
             q = self._linear(self._proj("q_b_proj"), q_a, implementation)
-        q_nope, q_rope = self._split_heads(q).split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
+        q_nope, q_rope = split_heads(q, spec.num_heads).split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
         compressed = self._linear(self._proj("kv_a_proj_with_mqa"), x, implementation)
         latent, k_rope = compressed.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
         latent = self._rms("kv_a_layernorm", latent)
@@ -182,7 +167,7 @@ class MultiHeadLatentAttention(AttentionModule):
             out = result[0] if return_weights else result
             out = torch.einsum("bhtr,hvr->bhtv", out, w[:, nope:])
         else:
-            kv = self._split_heads(self._linear(self._proj("kv_b_proj"), latent[:, 0], call.implementation))
+            kv = split_heads(self._linear(self._proj("kv_b_proj"), latent[:, 0], call.implementation), heads)
             k_nope, v = kv.split([nope, dv], dim=-1)
             k = torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1)
             result = self._attend(call, q, k, v, return_weights, **extra)
@@ -220,8 +205,8 @@ class MultiHeadLatentAttention(AttentionModule):
         latents, rope_keys = cache.key[:, :, :filled].to(q.dtype), cache.value[:, :, :filled].to(q.dtype)
         if latents.requires_grad or rope_keys.requires_grad:  # the next step writes in place: read a copy
             latents, rope_keys = latents.clone(), rope_keys.clone()
-        call = call._replace(mask=_prefix(call.mask, filled), bias=_prefix(call.bias, filled),
-                             dropout_mask=_prefix(call.dropout_mask, filled))
+        call = call._replace(mask=prefix(call.mask, filled), bias=prefix(call.bias, filled),
+                             dropout_mask=prefix(call.dropout_mask, filled))
         kv_lengths: Tensor | None = start + lengths.to(q.device)
         q_offset: Tensor | int = start
         if bool((start == start[0]).all()) and bool((lengths == seq).all()):

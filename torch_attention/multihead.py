@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from torch_attention._base import AttentionModule, _head_slice
+from torch_attention._base import AttentionModule, _head_slice, _unbatch
 from torch_attention.causal import CausalAttention
 
 
@@ -79,11 +79,11 @@ class MultiHeadAttentionWrapper(AttentionModule):
         ]
         if not return_weights:
             out = torch.cat(cast(list[Tensor], results), dim=-1)  # (B, T, num_heads * d_out)
-            return self._unbatch(out, call.batched)
+            return _unbatch(out, call.batched)
         pairs = cast(list[tuple[Tensor, Tensor]], results)
         out = torch.cat([o for o, _ in pairs], dim=-1)
         weights = torch.cat([w for _, w in pairs], dim=-3)  # (B, num_heads, T, S)
-        return self._unbatch((out, weights), call.batched)
+        return _unbatch((out, weights), call.batched)
 
 
 class MultiHeadAttention(AttentionModule):

@@ -100,10 +100,10 @@ def test_decoding_equals_the_oracle_and_the_full_forward(implementation: str, he
     cache of max_len 512 (buckets 128, 256, 512): the fill crosses 128 under jit.
     ``by_example``: every bucket counts as long, so one-token steps attend example by
     example (``_DECODE_BYTES``), as a large batch with a long fill does."""
-    from jax_attention import _base
+    from jax_attention import _cache
 
     if by_example:
-        monkeypatch.setattr(_base, "_DECODE_BYTES", 0)
+        monkeypatch.setattr(_cache, "_DECODE_BYTES", 0)
     _, flax_m = _pair(16, *heads)
     x = _decoding_input()
     # (a cache of 512, not 1000: a bucket less to compile in each of the two steps)

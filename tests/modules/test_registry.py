@@ -153,7 +153,7 @@ def test_flax_initial_weights_are_jax_random_draws_of_their_shapes() -> None:
     import jax
     import jax.numpy as jnp
 
-    from jax_attention._base import draw
+    from jax_attention._projections import draw
 
     cases = [(jax.random.uniform, (3, 5, 7), jnp.float32, -0.5, 0.5), (jax.random.uniform, (33, 31), jnp.float32),
              (jax.random.uniform, (0, 3), jnp.float32), (jax.random.normal, (8, 4), jnp.bfloat16)]

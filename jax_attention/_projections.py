@@ -1,0 +1,152 @@
+"""A module's projections: built as the registry declares them, initialised as PyTorch's
+(``new_projection``); q, k and v from the inputs (``project``, q and k through the
+``"projected"`` transforms of ``_qk`` before the head split); the heads merged and mixed
+by ``out_proj`` (``merge``); each product on the path of the call's ``implementation``
+(``linear``: ``functional.project``).
+
+Twin of ``torch_attention/_projections.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import Array
+
+from attention_spec.registry import AttentionConfig, Projection
+from jax_attention._linear import project as project_linear
+from jax_attention._qk import transform_projected
+
+# --------------------------------------------------------------------------- construction
+
+
+def draw(sample: Any, key: Array, shape: tuple[int, ...], dtype: Any, *args: Any) -> Array:
+    """``sample(key, shape, dtype, *args)`` (``jax.random.uniform``, ``normal``): the same
+    numbers, drawn over a flat length rounded up to a power of two and cut to ``shape``.
+    Under the default PRNG (threefry, partitionable: jax's default) each number is a
+    function of its flat index alone, so the cut is the draw of ``shape`` itself (a test
+    holds it), and XLA compiles one program per power of two instead of one per shape
+    (0.4-1.0 s each on a CPU: a model's first construction paid it for every new width).
+    Any other key or PRNG setting draws ``shape`` directly."""
+    if str(jax.random.key_impl(key)) != "threefry2x32" or not getattr(jax.config, "jax_threefry_partitionable", False):
+        return sample(key, shape, dtype, *args)
+    size = math.prod(shape)
+    return sample(key, (1 << max(size - 1, 0).bit_length(),), dtype, *args)[:size].reshape(shape)
+
+
+def torch_linear_init(fan_in: int) -> Any:
+    """PyTorch's ``nn.Linear`` default for kernel and bias: uniform in +-1/sqrt(fan_in)."""
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init(key: Array, shape: Any, dtype: Any = jnp.float32) -> Array:
+        return draw(jax.random.uniform, key, tuple(shape), dtype, -bound, bound)
+
+    return init
+
+
+def dense(
+    d_in: int,
+    d_out: int,
+    *,
+    use_bias: bool,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any,
+    rngs: nnx.Rngs,
+    partitioning: tuple[str | None, str | None] | None = None,
+) -> nnx.Linear:
+    """An ``nnx.Linear`` initialised as PyTorch's ``nn.Linear`` (kernel (in, out)),
+    parameters stored in ``param_dtype``, computing in ``dtype`` (None: the parameters').
+
+    ``partitioning``: mesh axis names for the kernel's (in, out) dimensions, attached with
+    ``nnx.with_partitioning`` (the bias takes the out name).  Metadata only: the values
+    are unchanged and nothing is sharded at creation (``eager_sharding=False``: a module
+    is built the same with or without a mesh in context, whatever its axes); a user's
+    mesh shards the parameters by ``nnx.get_partition_spec`` under ``jax.jit``."""
+    init = torch_linear_init(d_in)
+    kernel_init, bias_init = init, init
+    if partitioning is not None:
+        kernel_init = nnx.with_partitioning(init, partitioning, eager_sharding=False)
+        bias_init = nnx.with_partitioning(init, (partitioning[1],), eager_sharding=False)
+    return nnx.Linear(
+        d_in, d_out, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init,
+        dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
+    )
+
+
+def new_projection(spec: AttentionConfig, proj: Projection, *, dtype: Any, param_dtype: Any, precision: Any,
+                   rngs: nnx.Rngs) -> nnx.Module | nnx.Param:
+    """The projection ``proj`` of a module of ``spec``: a bare (d_in, d_out) matrix drawn
+    N(0, 1) (``layout="matrix"``), else a ``dense`` layer (kernel (in, out)), partitioned
+    for tensor parallelism."""
+    width, fan_in = cast(int, spec.fan_out(proj.role)), cast(int, spec.fan_in(proj.role))
+    if proj.layout == "matrix":  # N(0, 1), as torch.randn in seed 004
+        return nnx.Param(draw(jax.random.normal, rngs.params(), (fan_in, width), param_dtype))
+    # Tensor parallelism (Megatron): q/k/v split their output features (the heads) over
+    # the "model" mesh axis, out_proj splits its input features and reduces over it.
+    partitioning = ("model", None) if proj.role == "out" else (None, "model")
+    return dense(
+        fan_in, width, use_bias=proj.has_bias(spec), dtype=dtype, param_dtype=param_dtype,
+        precision=precision, rngs=rngs, partitioning=partitioning,
+    )
+
+
+# --------------------------------------------------------------------------- the work
+
+
+def linear(layer: nnx.Module | nnx.Param, inputs: Array, implementation: str, precision: Any) -> Array:
+    """inputs @ a projection's weight (+ bias): an ``nnx.Linear``'s math, or a bare
+    (d_in, d_out) matrix used as x @ W in x's dtype at ``precision`` (the module's);
+    ``functional.project`` does the work, on the path that the call's
+    ``implementation`` picks."""
+    if isinstance(layer, nnx.Param):
+        return project_linear(inputs, layer[...], dtype=inputs.dtype, precision=precision,
+                              implementation=implementation)
+    dense = cast(nnx.Linear, layer)
+    return project_linear(
+        inputs, dense.kernel[...], None if dense.bias is None else dense.bias[...], dtype=dense.dtype,
+        precision=dense.precision, implementation=implementation,
+    )
+
+
+def project(module: Any, x: Array, keys: Array | None, values: Array | None,
+            implementation: str) -> tuple[Array, Array, Array]:
+    """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
+    (cross-attention) or x, by the module's declared projections (its ``_linear``), on
+    ``implementation``'s path; q and k through its ``"projected"`` transforms
+    (``_qk.transform_projected``: qk-norm) before the head split."""
+    spec = module.spec
+    keys = x if keys is None else keys
+    values = x if values is None else values
+    if not spec.projections():
+        # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
+        return x[:, None], keys[:, None], values[:, None]
+
+    def one(role: str, inputs: Array, heads: int) -> Array:
+        y = module._linear(getattr(module, cast(Projection, spec.projection(role)).name), inputs, implementation)
+        if role != "value":
+            y = transform_projected(module, role, y)
+        return split_heads(y, heads)  # (B, T, heads * D) -> (B, heads, T, D)
+
+    kv_heads = spec.kv_heads
+    return one("query", x, spec.num_heads), one("key", keys, kv_heads), one("value", values, kv_heads)
+
+
+def split_heads(t: Array, heads: int) -> Array:
+    b, num_tokens, width = t.shape
+    # (B, T, heads * D) -> (B, T, heads, D) -> (B, heads, T, D)
+    return t.reshape(b, num_tokens, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def merge(module: Any, out: Array, implementation: str) -> Array:
+    """Heads (B, H, T, Dv) -> (B, T, H * Dv), mixed by the module's ``out_proj`` (its
+    ``_linear``) where it has one."""
+    b, h, num_tokens, head_dim = out.shape
+    # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
+    out = out.transpose(0, 2, 1, 3).reshape(b, num_tokens, h * head_dim)
+    out_proj = getattr(module, "out_proj", None)
+    return out if out_proj is None else module._linear(out_proj, out, implementation)  # heads mixed

@@ -1,0 +1,148 @@
+"""The transforms of a module's queries and keys, one declared pipeline (``TRANSFORMS``) of
+free functions: qk-norm (``normalise_qk``) on each role's projection (B, T, heads * D),
+before the head split, then rope (``rotate``, ``_rope.apply_rope``) on q (B, H, T, D) and
+k (B, Hkv, S, D), after it, at the call's checked positions (``check_positions``) or each
+example's cache fill onward.  The latent variant's RMSNorms (``normalise``) and the
+turning of its rope parts (``rotate``) are the same functions.
+
+Twin of ``torch_attention/_qk.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import Array
+
+from attention_spec import dtype_name
+from attention_spec.arrays import host_array
+from attention_spec.registry import AttentionConfig
+from attention_spec.rope import RopeConfig, check_module_positions
+from jax_attention._rope import apply_rope
+
+
+class Transform(NamedTuple):
+    """One transform of q and k: where in the projection it runs, which modules have it,
+    and the module's method that runs it (one line, calling a function here: the seam
+    where ``parity_tests.locate_divergence`` records it as a submodule)."""
+
+    stage: str  # "projected": hook(role, t), t (B, T, heads * D) before the head split;
+    #             "heads": hook(q, k, positions, start), q (B, H, T, D), k (B, Hkv, S, D) after it
+    applies: Callable[[AttentionConfig], bool]
+    hook: str
+
+
+# In their order; the next transform is one more entry.
+TRANSFORMS = (
+    Transform("projected", lambda spec: spec.qk_norm is not None, "_normalise_qk"),
+    Transform("heads", lambda spec: spec.rope is not None, "_rotate"),
+)
+
+
+def transform_projected(module: Any, role: str, t: Array) -> Array:
+    """One role's projection (B, T, heads * D) through the module's ``"projected"``
+    transforms, in order (a role a transform does not touch passes through)."""
+    for transform in TRANSFORMS:
+        if transform.stage == "projected" and transform.applies(module.spec):
+            t = getattr(module, transform.hook)(role, t)
+    return t
+
+
+def transform_heads(module: Any, q: Array, k: Array, positions: Array | None,
+                    start: Array | None = None) -> tuple[Array, Array]:
+    """q (B, H, T, D) and k (B, Hkv, S, D), split into heads, through the module's
+    ``"heads"`` transforms, in order, at ``positions`` (None: ``start`` + 0..T-1)."""
+    for transform in TRANSFORMS:
+        if transform.stage == "heads" and transform.applies(module.spec):
+            q, k = getattr(module, transform.hook)(q, k, positions, start)
+    return q, k
+
+
+# --------------------------------------------------------------------------- qk-norm
+
+
+def qk_norm_layers(spec: AttentionConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
+    """The norms of ``spec.qk_norms()`` by name: scale ones (and bias zeros), as PyTorch's;
+    with ``qk_norm_offset`` the scale starts at ``1 - offset`` (offset + scale = 1), as the
+    PyTorch twin's."""
+    layers: dict[str, nnx.Module] = {}
+    for name, _, width in spec.qk_norms():
+        norm = nnx.RMSNorm if spec.qk_norm == "rms" else nnx.LayerNorm
+        layer = layers[name] = norm(width, epsilon=spec.qk_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if spec.qk_norm_offset:
+            scale = cast(nnx.Param, layer.scale)
+            scale[...] = jnp.full_like(scale[...], 1.0 - spec.qk_norm_offset)
+    return layers
+
+
+def norm_of(module: Any, role: str) -> Any:
+    """The module's qk-norm of ``role`` ("query", "key"), or None (no qk-norm, another role)."""
+    return next((getattr(module, n) for n, r, _ in module.spec.qk_norms() if r == role), None)
+
+
+def normalise_qk(spec: AttentionConfig, norm: Any, t: Array) -> Array:
+    """qk-norm of projected queries or keys (B, T, heads * D), before attention (and
+    before any position encoding): each head's D (``qk_norm_scope="head"``) or the
+    whole width (``"all"``) normalised as Hugging Face does, in float32 (float64
+    for float64), cast back, then times the scale (LayerNorm: plus the bias).  With
+    ``qk_norm_offset`` (Gemma 3) the scale is ``offset + scale`` in that precision and
+    the product is cast back once, as Gemma's RMSNorm.  ``norm`` (the role's
+    ``nnx.RMSNorm`` / ``nnx.LayerNorm``) None: t passes through."""
+    if norm is None:
+        return t
+    layer = spec.qk_norm == "layer"
+    return normalise(t, norm.scale[...], spec.qk_norm_eps, centre=layer, offset=spec.qk_norm_offset,
+                     bias=norm.bias[...] if layer else None)
+
+
+def normalise(t: Array, scale: Array, eps: float, *, centre: bool = False, offset: float = 0.0,
+              bias: Array | None = None) -> Array:
+    """t (..., W) normalised over each group of ``scale``'s width (W / G groups of G):
+    RMSNorm (``centre``: LayerNorm, the mean taken out first) in float32 at least (float64
+    stays), cast back to t's dtype, times ``scale`` (G,) (plus ``bias`` (G,)); with
+    ``offset``, times ``offset + scale`` in that precision, cast back once."""
+    scale = scale.reshape((1,) * t.ndim + (-1,))  # explicit rank: no implicit promotion
+    x = t.reshape(*t.shape[:-1], -1, scale.shape[-1])
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # float32 at least: float64 stays
+    if centre:
+        x = x - x.mean(-1, keepdims=True)
+    x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps)
+    if offset:
+        x = (x * (offset + scale.astype(x.dtype))).astype(t.dtype)
+    else:
+        x = x.astype(t.dtype) * scale.astype(t.dtype)
+    if bias is not None:
+        x = x + bias.reshape(scale.shape).astype(t.dtype)
+    return x.reshape(t.shape)
+
+
+# --------------------------------------------------------------------------- rotary positions
+
+
+def check_positions(rope: RopeConfig | None, positions: Any, x: Array, context: Any) -> Array | None:
+    """A call's ``positions=`` checked (``check_module_positions``; a list or NumPy
+    array as given, before JAX's conversion changes its dtype), as an array."""
+    if positions is not None and not isinstance(positions, jax.Array):
+        positions = host_array("rope positions", positions)
+    shape = None if positions is None else tuple(positions.shape)
+    dtype = None if positions is None else dtype_name(positions.dtype)
+    check_module_positions(rope is not None, shape, dtype, tuple(x.shape), context=context is not None)
+    return None if positions is None else jnp.asarray(positions)
+
+
+def rotate(rope: RopeConfig | None, q: Array, k: Array, positions: Array | None,
+           start: Array | None = None) -> tuple[Array, Array]:
+    """q (B, H, T, D) and k (B, Hkv, T, D) turned by rope at ``positions`` (None:
+    ``start`` + 0..T-1, start 0 without a cache: constants); unchanged without rope."""
+    if rope is None:
+        return q, k
+    at: Any = positions
+    if at is None:
+        steps = np.arange(q.shape[2])[None]
+        at = steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
+    return apply_rope(q, at, rope), apply_rope(k, at, rope)

@@ -1,0 +1,83 @@
+"""A module's projections: built as the registry declares them (``new_projection``); q, k
+and v from the inputs (``project``, q and k through the ``"projected"`` transforms of
+``_qk`` before the head split); the heads merged and mixed by ``out_proj`` (``merge``);
+each product through ``functional.project`` (``linear``).
+
+Twin of ``jax_attention/_projections.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from attention_spec.registry import AttentionConfig, Projection
+from torch_attention._linear import project as project_linear
+from torch_attention._qk import transform_projected
+
+# --------------------------------------------------------------------------- construction
+
+
+def new_projection(spec: AttentionConfig, proj: Projection, factory: dict[str, Any]) -> nn.Module | nn.Parameter:
+    """The projection ``proj`` of a module of ``spec``: a bare (d_in, d_out) matrix drawn
+    N(0, 1) (``layout="matrix"``), else an ``nn.Linear``; ``factory``: its dtype and
+    device."""
+    width, fan_in = cast(int, spec.fan_out(proj.role)), cast(int, spec.fan_in(proj.role))
+    if proj.layout == "matrix":  # N(0, 1) (d_in, d_out), drawn by torch.randn as in seed 004
+        return nn.Parameter(torch.randn(fan_in, width, **factory))
+    return nn.Linear(fan_in, width, bias=proj.has_bias(spec), **factory)
+
+
+# --------------------------------------------------------------------------- the work
+
+
+def linear(layer: nn.Module | nn.Parameter, inputs: Tensor, implementation: str) -> Tensor:
+    """inputs @ a projection's weight (+ bias) through ``functional.project``: an
+    ``nn.Linear``'s math, or a bare (d_in, d_out) matrix used as x @ W."""
+    if isinstance(layer, nn.Module):  # (tested first: isinstance of a Parameter runs Python code)
+        dense = cast(nn.Linear, layer)
+        return project_linear(inputs, dense.weight, dense.bias, implementation=implementation)
+    return project_linear(inputs, layer.T, implementation=implementation)
+
+
+def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
+            implementation: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
+    (cross-attention) or x, by the module's declared projections (its ``_linear``), on
+    ``implementation``'s path; q and k through its ``"projected"`` transforms
+    (``_qk.transform_projected``: qk-norm) before the head split."""
+    spec = module.spec
+    keys = x if keys is None else keys
+    values = x if values is None else values
+    names = {p.role: p.name for p in spec.projections()}  # (one pass over the registry's list)
+    if not names:
+        # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
+        return x.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1)
+
+    def one(role: str, inputs: Tensor, heads: int) -> Tensor:
+        t = module._linear(getattr(module, names[role]), inputs, implementation)
+        if role != "value":
+            t = transform_projected(module, role, t)
+        # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
+        return split_heads(t, heads)
+
+    kv_heads = spec.kv_heads
+    return one("query", x, spec.num_heads), one("key", keys, kv_heads), one("value", values, kv_heads)
+
+
+def split_heads(t: Tensor, heads: int) -> Tensor:
+    b, num_tokens, width = t.shape
+    # (B, T, heads * D) -> (B, T, heads, D) -> (B, heads, T, D)
+    return t.view(b, num_tokens, heads, width // heads).transpose(1, 2)
+
+
+def merge(module: Any, out: Tensor, implementation: str) -> Tensor:
+    """Heads (B, H, T, Dv) -> (B, T, H * Dv), mixed by the module's ``out_proj`` (its
+    ``_linear``) where it has one."""
+    b, h, num_tokens, head_dim = out.shape
+    # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
+    out = out.transpose(1, 2).reshape(b, num_tokens, h * head_dim)
+    out_proj = getattr(module, "out_proj", None)
+    return out if out_proj is None else module._linear(out_proj, out, implementation)  # heads mixed
