@@ -324,10 +324,6 @@ class CallOptions(NamedTuple):
         """Dropout is drawn on this call: training mode and a positive rate."""
         return self.training and self.dropout_rate > 0.0
 
-    @property
-    def banded(self) -> bool:
-        """A band of keys per query beyond what every key sees: causal or a window."""
-        return self.causal or self.window is not None
 
 
 def call_options(

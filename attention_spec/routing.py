@@ -1,9 +1,12 @@
 """Which path computes a call, and why not a faster one: the policy both twins route by.
 
-A twin's ``functional.route()`` asks its machine what it has (the fast paths in order,
-and the ones it declines, with why) and hands that here with the call's options;
-``resolve_route`` picks the path and keeps the reasons.  ``dot_product_attention`` runs
-the path that ``route()`` names, so a user who asks gets the answer the call will act on.
+A twin's table of paths (``_paths.py``) is a list of ``PathEntry`` rows, each saying
+when it declines a call and which options it cannot honour (``option_blockers``);
+``functional.route()`` walks it (``walk``), and ``dot_product_attention`` runs the row
+that ``route()`` names, so a user who asks gets the answer the call will act on.
+``resolve_implementation`` (and ``resolve_route``, its form with reasons) is the same
+policy over a preference of paths, asked by the module planner before any work
+(``planning.check_explicit_path``).
 """
 
 from __future__ import annotations

@@ -11,21 +11,26 @@ then run ``REPETITIONS`` times in turns (the order alternating round by round, s
 slow spell of a shared machine falls on both), medians; the faster median wins, a tie
 goes to the kernel:
 
-- full calls: a training step of the attention core, forward + backward
-  (``jax.value_and_grad`` of the output's sum) of ``dot_product_attention(causal=True,
-  layout="bshd")`` on ``FULL_CALL`` (B, S, H, D) float32, ``implementation="fused"``
-  (the kernel) against ``"blockwise"``.  Forward + backward because a training step is
-  what ``auto`` mostly serves (a decode step is the other race).  S = 256: the shortest
-  sequence on which the blockwise path skips a causal block (two query blocks of 128)
-  and the kernel walks several tiles, and still one whose blockwise program compiles in
-  well under a second (S = 1024 unrolls eight blocks: about 3 s).  B1 H4 keeps a run
-  near a millisecond.  ``"bshd"`` is what a module's projections hand over: the kernel
-  takes it as it is, the blockwise path transposes once in and out, as a module's head
-  split does.  Where the two are close the answer depends on the shape: a kernel built
-  for AVX2 (``$TWIN_ATTENTION_MARCH=x86-64-v3``) on an AVX-512 Zen 5 is 0.7-0.8x the
-  blockwise time at S = 256 and 1.1-1.2x from S = 512 on (forward + backward); there
-  this race took the kernel in five runs of six, and ``build_kernel --auto blockwise``
-  suits long sequences.
+- full calls: a training step of a causal attention layer, forward + backward
+  (``jax.value_and_grad`` of the output's sum with respect to x and the four weights):
+  x (B, S, H * D) projected to q, k and v by ``functional.linear``, ``dot_product_attention
+  (causal=True, layout="bshd")``, the output projected again, on ``FULL_CALL`` (B, S, H,
+  D) float32, every product and the core on ``implementation="fused"`` (the kernel and
+  its matrix product) against ``"blockwise"`` (XLA's dot): the work ``auto`` decides for
+  a module, whose projections follow the same decision (``_linear``).  Forward +
+  backward because a training step is what ``auto`` mostly serves (a decode step is the
+  other race).  The projections are in because they are most of a module's time at
+  short sequences, and on a build narrower than the CPU they decide it: the first form
+  of this race timed the core alone (B1 H4 S256), and on the 2-core Zen 5 it took a
+  kernel built for AVX2 (``$TWIN_ATTENTION_MARCH=x86-64-v3``, XLA capped at AVX2) whose
+  module then ran 1.07-1.27x the blockwise module's time (B32 S128 and B4 S1024).  B2 H4
+  S512 D64: long enough that the attention is a fair share of the step and the blockwise
+  path skips causal blocks, short enough to compile and run in 1.2-1.9 s in all.  There,
+  on that Zen 5, the native build's kernel took 8.8-9.5 ms against the blockwise path's
+  12.1-13.9 (kernel, as its module sweep ranks them).  The AVX2 build's is close: 14.2-15.4
+  ms against 12.1-15.9 in five measurements, three for blockwise, two for the kernel,
+  while its module sweep has the blockwise module 1.07-1.27x faster; there the race can
+  go either way, and ``build_kernel --auto blockwise`` settles it.
 - few query rows: a decode step over a long cache, ``FEW_ROWS_CALL`` (B, H, S, D): one
   query row per head over S cached keys with ``kv_lengths``, heads first as a module's
   cache holds them, forward only: ``"fused"`` (the kernel's forward for few rows,
@@ -68,7 +73,7 @@ OVERRIDES = ("kernel", "blockwise", "measure")
 VERSION = 1
 SUFFIX = ".auto.json"
 
-FULL_CALL = (1, 256, 4, 64)  # (B, S, H, D): causal forward + backward, float32, "bshd"
+FULL_CALL = (2, 512, 4, 64)  # (B, S, H, D): a causal layer's forward + backward, float32, "bshd"
 FEW_ROWS_CALL = (1, 8, 4096, 64)  # (B, H, S, D): one query row per head, kv_lengths, float32, "bhsd"
 REPETITIONS = 7
 
@@ -76,7 +81,7 @@ REPETITIONS = 7
 _RIVALS = {"full": ("blockwise", "blockwise"), "few_rows": ("reference", "the explicit math")}
 # What each race times, as its record says: a record of other races is stale.
 CALLS = {
-    "full": "a causal forward + backward at B{} H{} S{} D{} float32, layout bshd".format(
+    "full": "a causal layer's forward + backward, projections included, at B{} H{} S{} D{} float32, layout bshd".format(
         *(FULL_CALL[i] for i in (0, 2, 1, 3))),
     "few_rows": "a decode step at B{} H{} S{} D{} float32, one query row per head, kv_lengths".format(*FEW_ROWS_CALL),
 }
@@ -263,7 +268,7 @@ def forget() -> None:
 def _call_text(race: str) -> str:
     if race == "full":
         b, s, h, d = FULL_CALL
-        return f"a causal forward + backward at B{b} H{h} S{s} D{d}"
+        return f"a causal layer's forward + backward at B{b} H{h} S{s} D{d}"
     b, h, s, d = FEW_ROWS_CALL
     return f"a decode step at B{b} H{h} S{s} D{d}"
 
@@ -385,24 +390,30 @@ def _measure(repetitions: int) -> dict[str, Any]:
     import numpy as np
 
     # Imported here: functional imports _cpu_fused, which imports _cpu_kernel, which imports this.
-    from jax_attention.functional import dot_product_attention, route
+    from jax_attention.functional import dot_product_attention, linear, route
 
     started = time.perf_counter()
     rng = np.random.default_rng(0)
     with jax.default_device(jax.devices("cpu")[0]):
-        q, k, v = (jnp.asarray(rng.standard_normal(FULL_CALL), jnp.float32) for _ in range(3))
-        kernel = route(q, k, v, causal=True, implementation="fused", layout="bshd").kernel
+        b, seq, h, d = FULL_CALL
+        x = jnp.asarray(rng.standard_normal((b, seq, h * d)), jnp.float32)
+        weights = tuple(jnp.asarray(rng.standard_normal((h * d, h * d)) / math.sqrt(h * d), jnp.float32)
+                        for _ in range(4))
+        q = jax.ShapeDtypeStruct((b, seq, h, d), jnp.float32)
+        kernel = route(q, q, q, causal=True, implementation="fused", layout="bshd").kernel
         if kernel != "cpu-kernel":
             raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {kernel}")
 
         def step(implementation: str) -> Callable[..., Any]:
-            def loss(q_: Any, k_: Any, v_: Any) -> Any:
-                out = dot_product_attention(q_, k_, v_, causal=True, implementation=implementation, layout="bshd")
+            def loss(x_: Any, wq: Any, wk: Any, wv: Any, wo: Any) -> Any:
+                # a module's work: the projections on the path's product, the attention core
+                qkv = [linear(x_, w, implementation=implementation).reshape(b, seq, h, d) for w in (wq, wk, wv)]
+                out = dot_product_attention(*qkv, causal=True, implementation=implementation, layout="bshd")
                 assert isinstance(out, jax.Array)
-                return jnp.sum(out)
-            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+                return jnp.sum(linear(out.reshape(b, seq, h * d), wo, implementation=implementation))
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
-        full = _race({"kernel": step("fused"), "blockwise": step("blockwise")}, (q, k, v), repetitions)
+        full = _race({"kernel": step("fused"), "blockwise": step("blockwise")}, (x, *weights), repetitions)
 
         batch, heads, keys, width = FEW_ROWS_CALL
         q1 = jnp.asarray(rng.standard_normal((batch, heads, 1, width)), jnp.float32)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from attention_spec.geometry import band_reach
-from attention_spec.planning import FUSED_FLOAT64_BLOCKER, SINKS_FUSED_BLOCKER, SOFTCAP_FUSED_BLOCKER
+from attention_spec.planning import fused_blockers
 from attention_spec.routing import PathEntry, option_blockers
 from jax_attention import _blockwise, _cpu_fused, _cpu_kernel, _fused, _reference
 from jax_attention._canonical import Call, structure
@@ -86,9 +86,7 @@ def _explicit_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
 
 
 def _fused_blockers(q: Any, k: Any, v: Any, call: Call, *, sinks: bool) -> list[str]:
-    lacks = ((FUSED_FLOAT64_BLOCKER,) if q.dtype == jnp.float64 else ()) + (
-        (SOFTCAP_FUSED_BLOCKER,) if call.options.softcap is not None else ()) + (
-        (SINKS_FUSED_BLOCKER,) if sinks and call.sinks is not None else ())
+    lacks = fused_blockers(q.dtype == jnp.float64, call.options.softcap, sinks=sinks and call.sinks is not None)
     return option_blockers(call.options, dropout_mask_given=call.dropout_mask is not None,
                            draws_dropout=FUSED_DRAWS_DROPOUT, lacks=lacks)
 

@@ -286,10 +286,8 @@ def attend(q: Array, k: Array, v: Array, call: Call, *, rng: Array | None = None
     it (``"auto"``: blockwise; ``"fused"``: XLA's kernel, with a ``RuntimeWarning``)."""
     shaped = heads_first(q, k, v, call.options.layout)  # (..., H, S, D): what the route reads
     entry, chosen = _walk(*shaped, call)
-    kernel_wanted = entry is _paths.CPU_KERNEL or (
-        call.options.implementation == "fused" and jax.default_backend() == "cpu"
-        and _cpu_fused.fits(shaped[0], mask=call.mask, bias=call.bias, segments=call.segments,
-                            offset=call.offset) is None)
+    kernel_wanted = entry is _paths.CPU_KERNEL or (call.options.implementation == "fused" and _cpu_fused.candidate(
+        shaped[0], "fused", mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset))
     if kernel_wanted and not _cpu_fused.confirm(call.options.implementation, few_rows=_paths.few_rows(shaped[0])):
         entry, chosen = _walk(*shaped, call)  # without it (known now): blockwise for "auto", XLA's for "fused"
     scale = resolve_scale(call.options.scale, shaped[0].shape[-1])

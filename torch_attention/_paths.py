@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attention_spec.planning import FUSED_FLOAT64_BLOCKER, SINKS_FUSED_BLOCKER, SOFTCAP_FUSED_BLOCKER
+from attention_spec.planning import fused_blockers
 from attention_spec.routing import PathEntry, option_blockers
 from torch_attention import _blockwise, _fused, _reference
 from torch_attention._canonical import Call, structure
@@ -33,9 +33,7 @@ def _explicit_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
 
 
 def _fused_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
-    lacks = ((FUSED_FLOAT64_BLOCKER,) if q.dtype == torch.float64 else ()) + (
-        (SOFTCAP_FUSED_BLOCKER,) if call.options.softcap is not None else ()) + (
-        (SINKS_FUSED_BLOCKER,) if call.sinks is not None else ())
+    lacks = fused_blockers(q.dtype == torch.float64, call.options.softcap, sinks=call.sinks is not None)
     return option_blockers(call.options, dropout_mask_given=call.dropout_mask is not None,
                            draws_dropout=FUSED_DRAWS_DROPOUT, lacks=lacks)
 

@@ -29,15 +29,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 # A measurement's result (what _cpu_measure.measure returns): blockwise faster for full
 # calls, the kernel for few rows.
-FULL = "a causal forward + backward at B1 H4 S256 D64 float32, layout bshd"
+FULL = "a causal layer's forward + backward, projections included, at B2 H4 S512 D64 float32, layout bshd"
 FEW = "a decode step at B1 H8 S4096 D64 float32, one query row per head, kv_lengths"
 TIMINGS = {
     "full": {"decision": "blockwise", "kernel_ms": 2.0, "blockwise_ms": 1.0, "call": FULL},
     "few_rows": {"decision": "kernel", "kernel_ms": 0.1, "reference_ms": 0.2, "call": FEW},
     "repetitions": 7, "seconds": 0.5,
 }
-SLOWER = ("the CPU kernel measured slower than blockwise on this machine (2 ms vs 1 ms for a causal forward + "
-          "backward at B1 H4 S256 D64)")
+SLOWER = ("the CPU kernel measured slower than blockwise on this machine (2 ms vs 1 ms for a causal layer's "
+          "forward + backward at B2 H4 S512 D64)")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -124,7 +124,7 @@ def test_the_measurement_is_made_once_cached_and_read_again(measured: Measured, 
     assert record["library"] == _cpu_kernel._state["path"].name and record["source"] == "measured"
     assert record["full"] == TIMINGS["full"] and record["few_rows"] == TIMINGS["few_rows"]
     assert _cpu_kernel.auto_basis() == (f"measured on this machine for this build: kernel 2 ms, blockwise 1 ms "
-                                        f"(a causal forward + backward at B1 H4 S256 D64; cached in {measured.record})")
+                                        f"(a causal layer's forward + backward at B2 H4 S512 D64; cached in {measured.record})")
     assert _cpu_kernel.auto_basis(few_rows=True).startswith("measured on this machine for this build: kernel 0.1 ms, "
                                                             "explicit math 0.2 ms (a decode step at B1 H8 S4096 D64;")
     _cpu_measure.forget()  # as a new process
