@@ -19,25 +19,41 @@ on top.  The functions here are index arithmetic, written once for three kinds o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 
-def reach(causal: bool, window: tuple[int | None, int | None] | None) -> tuple[int | None, int | None]:
+class Band(Protocol):
+    """What bounds the keys a query sees, read by every function here: ``causal`` and
+    ``window`` (a call's ``CallOptions``, a path's static structure, or ``Reach``)."""
+
+    @property
+    def causal(self) -> bool: ...
+
+    @property
+    def window(self) -> tuple[int | None, int | None] | None: ...
+
+
+class Reach(NamedTuple):
+    """A ``Band`` from its two values."""
+
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+
+
+def reach(band: Band) -> tuple[int | None, int | None]:
     """(left, right): a query at key position p sees keys p - left .. p + right (None:
-    unbounded on that side); ``causal`` caps ``right`` at 0."""
-    left, right = window if window is not None else (None, None)
-    if causal:
+    unbounded on that side); ``band.causal`` caps ``right`` at 0."""
+    left, right = band.window if band.window is not None else (None, None)
+    if band.causal:
         right = 0 if right is None else min(right, 0)
     return left, right
 
 
-def band_reach(
-    q_len: int, kv_len: int, offset: int | None, causal: bool, window: tuple[int | None, int | None] | None
-) -> tuple[int | None, int | None]:
+def band_reach(q_len: int, kv_len: int, offset: int | None, band: Band) -> tuple[int | None, int | None]:
     """``reach``, with a side that hides no key of this (q_len x kv_len) block dropped
     (None): one decoded query at the end, say, needs no band at all.  ``offset`` None
     (it differs per example) keeps both sides."""
-    left, right = reach(causal, window)
+    left, right = reach(band)
     if offset is not None:
         if right is not None and offset + right >= kv_len - 1:
             right = None
@@ -51,27 +67,24 @@ def _clip(x: int, lo: int, hi: int) -> int:
 
 
 def key_range_traced(
-    r0: Any, r1: Any, kv_len: int, offset: Any, causal: bool, window: tuple[int | None, int | None] | None,
-    *, clip: Callable[[Any, Any, Any], Any] = _clip, every: bool = False,
+    r0: Any, r1: Any, kv_len: int, offset: Any, band: Band, *, clip: Callable[[Any, Any, Any], Any] = _clip, every: bool = False,
 ) -> tuple[Any, Any]:
     """The keys [lo, hi) that some query of rows r0 .. r1 - 1 sees (``every``: that every
     one of them sees), 0 <= lo <= hi <= kv_len, an empty range where there are none.
     ``r0``, ``r1`` and ``offset`` may be traced integers, with ``clip`` the framework's
     (``jnp.clip``); Python ints by default."""
-    left, right = reach(causal, window)
+    left, right = reach(band)
     first, last = (r1 - 1, r0) if every else (r0, r1 - 1)  # the rows that bound each side
     lo = 0 if left is None else clip(first + offset - left, 0, kv_len)
     hi = kv_len if right is None else clip(last + offset + right + 1, 0, kv_len)
     return lo, clip(hi, lo, kv_len)
 
 
-def key_range(
-    r0: int, r1: int, kv_len: int, offset: int, causal: bool, window: tuple[int | None, int | None] | None
-) -> tuple[int, int]:
+def key_range(r0: int, r1: int, kv_len: int, offset: int, band: Band) -> tuple[int, int]:
     """The keys [lo, hi) that queries r0 .. r1 - 1 (at key positions + offset) can see
-    under ``causal`` and ``window``: the blockwise paths of both twins never compute the
+    under ``band``: the blockwise paths of both twins never compute the
     blocks outside; hi == lo where no query of the block sees a key."""
-    return key_range_traced(r0, r1, kv_len, offset, causal, window)
+    return key_range_traced(r0, r1, kv_len, offset, band)
 
 
 def visible(lag: Any, left: int | None, right: int | None) -> Any:

@@ -56,7 +56,7 @@ def _flash_blocks(st: FlashStatic):  # type: ignore[no-untyped-def]
     """(r0, r1, lo, hi) of every query block with keys in reach, and the empty ones."""
     for r0 in range(0, st.q_len, st.block):
         r1 = min(r0 + st.block, st.q_len)
-        lo, hi = key_range(r0, r1, st.kv_len, st.offset, st.causal, st.window)
+        lo, hi = key_range(r0, r1, st.kv_len, st.offset, st)
         yield r0, r1, lo, hi
 
 
@@ -73,7 +73,7 @@ def _flash_logits(st: FlashStatic, q_c: Array, k_c: Array, bias: Array | None, m
     allowed = _part(mask, r0, r1, lo, hi)
     if length is not None:
         allowed = combine_masks(allowed, within_length(jnp.arange(lo, hi), length)[None, :])
-    allowed = combine_masks(allowed, band(r1 - r0, hi - lo, r0 + st.offset - lo, st.causal, st.window, 2))
+    allowed = combine_masks(allowed, band(r1 - r0, hi - lo, r0 + st.offset - lo, st, 2))
     if allowed is not None:
         allowed = jnp.broadcast_to(allowed, z.shape)
     return raw, z, z_scale, allowed

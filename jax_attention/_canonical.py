@@ -15,7 +15,7 @@ from jax import Array
 
 from attention_spec import check_dropout_mask, check_mask, dtype_name
 from attention_spec.arrays import check_bias, check_sinks, host_array
-from attention_spec.geometry import band_reach, key_range, visible, within_length
+from attention_spec.geometry import Band, Reach, band_reach, key_range, visible, within_length
 from attention_spec.masks import (
     check_kv_lengths_array,
     check_kv_lengths_values,
@@ -260,13 +260,10 @@ def heads_first(q: Any, k: Any, v: Any, layout: str) -> tuple[Any, Any, Any]:
                  for t in (q, k, v))  # type: ignore[return-value]
 
 
-def band(
-    q_len: int, kv_len: int, offset: int | Array, causal: bool, window: tuple[int | None, int | None] | None,
-    ndim: int,
-) -> Array | None:
+def band(q_len: int, kv_len: int, offset: int | Array, reach: Band, ndim: int) -> Array | None:
     """bool, ``ndim`` dimensions: key j is visible from query i (at key position
-    i + offset) under ``causal`` and ``window``; None if every key is."""
-    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, causal, window)
+    i + offset) within ``reach`` (causal, window); None if every key is."""
+    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, reach)
     if left is None and right is None:
         return None
     if isinstance(offset, int):
@@ -284,18 +281,17 @@ def length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
 
 
 def live_keys(
-    mask: Array | None, causal: bool, kv_lengths: Array | None, q_len: int, kv_len: int, ndim: int,
-    *, offset: int = 0, window: tuple[int | None, int | None] | None = None,
+    mask: Array | None, reach: Band, kv_lengths: Array | None, q_len: int, kv_len: int, ndim: int, *, offset: int = 0
 ) -> Array | None:
     """(..., S, 1) bool, ``ndim`` dimensions: key positions that some query may attend
     to; None if all may.  ``mask`` has ``ndim`` dimensions (``canonical_mask``)."""
     live = None
     if mask is not None:
-        reach = band(q_len, kv_len, offset, causal, window, ndim)
-        seen = mask if reach is None else mask & reach
+        seen_band = band(q_len, kv_len, offset, reach, ndim)
+        seen = mask if seen_band is None else mask & seen_band
         live = seen.any(axis=-2)  # (..., S), size-1 dimensions kept
-    elif causal or window is not None:  # the keys within reach of the first to the last query
-        lo, hi = key_range(0, q_len, kv_len, offset, causal, window)
+    elif reach.causal or reach.window is not None:  # the keys within reach of the first to the last query
+        lo, hi = key_range(0, q_len, kv_len, offset, reach)
         if lo > 0 or hi < kv_len:
             positions = jnp.arange(kv_len)
             live = expand_to((positions >= lo) & (positions < hi), ndim - 1)
@@ -330,16 +326,17 @@ def structure(q: Any, k: Array, v: Array, call: Call, structural: bool, layout: 
     H, T, D); k and v are in ``layout`` (``"bshd"``: (..., S, Hkv, D), as the fused
     kernels take them) and are returned in it."""
     q_len, kv_len = q.shape[-2], k.shape[-3] if layout == "bshd" else k.shape[-2]
-    mask, offset, causal, window = call.mask, call.offset, call.options.causal, call.options.window
+    reach: Band = call.options  # causal and window; none once they are a dense mask
+    mask, offset = call.mask, call.offset
     if call.segments is not None:
         mask = combine_masks(mask, call.segments)
     if call.bias is not None:  # a -inf entry blocks its key, as a mask does (``bias_allows``)
         mask = combine_masks(mask, bias_allows(call.bias))
-    if not isinstance(offset, int) or (not structural and (window is not None or (causal and offset))):
-        mask = combine_masks(mask, band(q_len, kv_len, offset, causal, window, q.ndim))
-        offset, causal, window = 0, False, None
+    if not isinstance(offset, int) or (not structural and (reach.window is not None or (reach.causal and offset))):
+        mask = combine_masks(mask, band(q_len, kv_len, offset, reach, q.ndim))
+        offset, reach = 0, Reach()
     lengths = None if reads_to_lengths else call.kv_lengths
-    live = live_keys(mask, causal, lengths, q_len, kv_len, q.ndim, offset=offset, window=window)
+    live = live_keys(mask, reach, lengths, q_len, kv_len, q.ndim, offset=offset)
     groups = q.shape[-3] // k.shape[-2 if layout == "bshd" else -3] if q.ndim >= 3 else 1
     if live is not None:
         if groups > 1 and live.shape[-3] > 1:  # a key is live if any head of its group sees it
@@ -347,4 +344,4 @@ def structure(q: Any, k: Array, v: Array, call: Call, structural: bool, layout: 
         if layout == "bshd":  # (..., Hkv, S, 1) -> (..., S, Hkv, 1)
             live = jnp.swapaxes(live, -3, -2)
         k, v = jnp.where(live, k, jnp.zeros((), k.dtype)), jnp.where(live, v, jnp.zeros((), v.dtype))
-    return Structure(mask, k, v, offset, causal, window, groups)
+    return Structure(mask, k, v, offset, reach.causal, reach.window, groups)

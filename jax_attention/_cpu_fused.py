@@ -180,7 +180,7 @@ def attend(q: Array, k: Array, v: Array, call: Call, *, scale: float, few_rows: 
     tokens_first = options.layout == "bshd"
     batch, kv_len = math.prod(q.shape[:-3]), k.shape[-3 if tokens_first else -2]
     lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
-    left, right = reach(options.causal, options.window)
+    left, right = reach(options)
     st = _KernelStatic(scale, cast(int, call.offset), left, right)
     sinks32 = None if sinks is None else sinks.astype(jnp.float32)
     if few_rows:

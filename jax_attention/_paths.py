@@ -113,7 +113,7 @@ def _plain(q: Any, k: Any, v: Any, call: Call) -> bool:
     offset, causal, window = call.offset, call.options.causal, call.options.window
     if isinstance(offset, int) and window is None and not (causal and offset):
         return True
-    reach = band_reach(q.shape[-2], k.shape[-2], offset if isinstance(offset, int) else None, causal, window)
+    reach = band_reach(q.shape[-2], k.shape[-2], offset if isinstance(offset, int) else None, call.options)
     return reach == (None, None)
 
 

@@ -28,9 +28,8 @@ def _tile_ranges(st: FlashStatic, r0: Array) -> tuple[Array, Array, Array, Array
     every row of the block sees whole, which need no band."""
     rows, keys = st.tile  # type: ignore[misc]
     r1 = jnp.minimum(r0 + rows, st.q_len)
-    lo, hi = key_range_traced(r0, r1, st.kv_len, st.offset, st.causal, st.window, clip=jnp.clip)
-    seen_lo, seen_hi = key_range_traced(r0, r1, st.kv_len, st.offset, st.causal, st.window, clip=jnp.clip,
-                                        every=True)
+    lo, hi = key_range_traced(r0, r1, st.kv_len, st.offset, st, clip=jnp.clip)
+    seen_lo, seen_hi = key_range_traced(r0, r1, st.kv_len, st.offset, st, clip=jnp.clip, every=True)
     empty = hi == lo
     first = lo // keys
     last = jnp.where(empty, first, -(-hi // keys))
@@ -62,7 +61,7 @@ def _tile_logits(st: FlashStatic, q_b: Array, k_t: Array, v_t: Array, bias: Arra
     if length is not None:
         allowed = combine_masks(allowed, within_length(cols, length))
     if edge:
-        left, right = reach(st.causal, st.window)
+        left, right = reach(st)
         lag = cols - (r0 + st.offset + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0))  # key - query position
         band = jnp.broadcast_to(within_length(cols, st.kv_len), (rows, keys))
         seen = visible(lag, left, right)

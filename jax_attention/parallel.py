@@ -45,7 +45,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from attention_spec import dtype_name
 from attention_spec.arrays import check_sinks, host_array
-from attention_spec.geometry import reach, visible, within_length
+from attention_spec.geometry import Reach, reach, visible, within_length
 from attention_spec.parallel import (
     check_layout,
     check_mesh_axis,
@@ -251,7 +251,7 @@ def _allowed(ring: _Ring, q_pos: Array, k_pos: Array, lengths: Array) -> Array |
     """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
     allowed = None
     if ring.causal:  # the keys within the causal reach of each query (``attention_spec.geometry``)
-        allowed = visible(k_pos[None, :] - q_pos[:, None], *reach(True, None))[None, None]
+        allowed = visible(k_pos[None, :] - q_pos[:, None], *reach(Reach(causal=True)))[None, None]
     if ring.padded:
         valid = within_length(k_pos[None, :], lengths[:, None])[:, None, None, :]
         allowed = valid if allowed is None else allowed & valid

@@ -34,7 +34,7 @@ def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scal
     not all T x S weights (the JAX twin gets the same bound from its flash backward).
     The structure (mask of q's rank, offset, causal, window, lengths (B, 1, 1, S)) is
     ``s``'s (``_canonical.structure``); bias, soft-cap and sinks are the call's."""
-    mask, offset, causal, window, lengths = s.mask, s.offset, s.causal, s.window, s.lengths
+    mask, offset, lengths = s.mask, s.offset, s.lengths
     bias, softcap, sinks = call.bias, call.options.softcap, call.sinks
     q_len, kv_len = q.shape[-2], k.shape[-2]
     block = block_size or default_block_size(q_len)
@@ -48,14 +48,14 @@ def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scal
     outputs = []
     for r0 in range(0, q_len, block):
         r1 = min(r0 + block, q_len)
-        lo, hi = _key_range(r0, r1, kv_len, offset, causal, window)  # keys this block can see
+        lo, hi = _key_range(r0, r1, kv_len, offset, s)  # keys this block can see
         if hi == lo:  # nothing within reach: zero rows
             outputs.append(v.new_zeros((*q.shape[:-2], r1 - r0, v.shape[-1])))
             continue
         allowed = None
         if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
             allowed = mask[..., r0:r1, lo:hi] if mask.shape[-2] > 1 else mask[..., lo:hi]
-        allowed = combine_masks(allowed, _band(r1 - r0, hi - lo, r0 + offset - lo, causal, window, 2, q.device))
+        allowed = combine_masks(allowed, _band(r1 - r0, hi - lo, r0 + offset - lo, s, 2, q.device))
         if lengths is not None:
             allowed = combine_masks(allowed, lengths[..., lo:hi])
         # a broadcast (size-1) dimension of the bias stays size 1 under the slice

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from attention_spec import check_dropout_mask, check_mask, dtype_name
 from attention_spec.arrays import check_bias, check_sinks, host_array
-from attention_spec.geometry import band_reach, visible, within_length
+from attention_spec.geometry import Band, Reach, band_reach, visible, within_length
 from attention_spec.geometry import key_range as _key_range
 from attention_spec.masks import (
     check_kv_lengths_array,
@@ -145,13 +145,10 @@ def _same_segment(seg_q: Tensor, seg_k: Tensor, device: Any) -> Tensor:
     return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
 
 
-def _band(
-    q_len: int, kv_len: int, offset: int | Tensor, causal: bool,
-    window: tuple[int | None, int | None] | None, ndim: int, device: Any = None,
-) -> Tensor | None:
+def _band(q_len: int, kv_len: int, offset: int | Tensor, reach: Band, ndim: int, device: Any = None) -> Tensor | None:
     """bool, ``ndim`` dimensions: key j is visible from query i (at key position
-    i + offset) under ``causal`` and ``window``; None if every key is."""
-    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, causal, window)
+    i + offset) within ``reach`` (causal, window); None if every key is."""
+    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, reach)
     if left is None and right is None:
         return None
     rows = torch.arange(q_len, device=device)
@@ -171,17 +168,16 @@ def _length_mask(kv_lengths: Tensor, kv_len: int, ndim: int) -> Tensor:
 
 
 def _live_keys(
-    mask: Tensor | None, causal: bool, lengths: Tensor | None, q_len: int, kv_len: int, device, *,
-    offset: int = 0, window: tuple[int | None, int | None] | None = None,
+    mask: Tensor | None, reach: Band, lengths: Tensor | None, q_len: int, kv_len: int, device, *, offset: int = 0
 ) -> Tensor | None:
     """(..., S, 1) bool: key positions that some query may attend to; None if all may."""
     live = None
     if mask is not None:
-        band = _band(q_len, kv_len, offset, causal, window, 2, device)
+        band = _band(q_len, kv_len, offset, reach, 2, device)
         visible = mask if band is None else mask & band
         live = visible.any(dim=-2)  # (..., S), size-1 dimensions kept
-    elif causal or window is not None:  # the keys within reach of the first to the last query
-        lo, hi = _key_range(0, q_len, kv_len, offset, causal, window)
+    elif reach.causal or reach.window is not None:  # the keys within reach of the first to the last query
+        lo, hi = _key_range(0, q_len, kv_len, offset, reach)
         if lo > 0 or hi < kv_len:
             positions = torch.arange(kv_len, device=device)
             live = (positions >= lo) & (positions < hi)
@@ -302,16 +298,17 @@ def structure(q: Tensor, k: Tensor, v: Tensor, call: Call, path: str) -> Structu
     them (blockwise).  Then k and v with zeros at the key positions that no query may
     attend to: whatever is stored there (NaN included) reaches no output and gets a zero
     gradient.  q, k and v are (..., H, S, D)."""
-    mask, offset, causal, window = call.mask, call.offset, call.options.causal, call.options.window
+    reach: Band = call.options  # causal and window; none once they are a dense mask
+    mask, offset = call.mask, call.offset
     if call.bias is not None and path != "fused":  # the fused path reads -inf from the bias itself: fewer passes
         mask = combine_masks(mask, _bias_allows(call.bias))
     if call.segments is not None:
         mask = combine_masks(mask, call.segments)
-    if not isinstance(offset, int) or (path != "blockwise" and (window is not None or (causal and offset))):
-        mask = combine_masks(mask, _band(q.shape[-2], k.shape[-2], offset, causal, window, q.dim(), q.device))
-        offset, causal, window = 0, False, None
+    if not isinstance(offset, int) or (path != "blockwise" and (reach.window is not None or (reach.causal and offset))):
+        mask = combine_masks(mask, _band(q.shape[-2], k.shape[-2], offset, reach, q.dim(), q.device))
+        offset, reach = 0, Reach()
     lengths = None if call.kv_lengths is None else _length_mask(call.kv_lengths, k.shape[-2], q.dim())
-    live_keys = _live_keys(mask, causal, lengths, q.shape[-2], k.shape[-2], q.device, offset=offset, window=window)
+    live_keys = _live_keys(mask, reach, lengths, q.shape[-2], k.shape[-2], q.device, offset=offset)
     if live_keys is not None:
         groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
         if groups > 1 and live_keys.dim() >= 3 and live_keys.shape[-3] > 1:
@@ -319,4 +316,4 @@ def structure(q: Tensor, k: Tensor, v: Tensor, call: Call, path: str) -> Structu
             live_keys = live_keys.unflatten(-3, (-1, groups)).any(dim=-3)
         zero = torch.zeros((), dtype=v.dtype, device=v.device)
         k, v = torch.where(live_keys, k, zero), torch.where(live_keys, v, zero)
-    return Structure(mask, offset, causal, window, lengths, k, v)
+    return Structure(mask, offset, reach.causal, reach.window, lengths, k, v)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from attention_spec import dtype_name
 from attention_spec.arrays import check_sinks, host_array
-from attention_spec.geometry import reach, visible, within_length
+from attention_spec.geometry import Reach, reach, visible, within_length
 from attention_spec.parallel import (
     check_layout,
     check_ring_qkv,
@@ -258,7 +258,7 @@ def _key_blocks(n: int) -> int:
 def _allowed(ring: _Ring, q_pos: Tensor, k_pos: Tensor, lengths: Tensor | None) -> Tensor | None:
     """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
     allowed = None
-    left, right = reach(ring.causal, None)
+    left, right = reach(Reach(ring.causal))
     if left is not None or right is not None:
         allowed = visible(k_pos[None, :] - q_pos[:, None], left, right)[None, None]  # key minus query position
     if lengths is not None:
