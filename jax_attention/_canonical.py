@@ -176,6 +176,19 @@ class Call(NamedTuple):
     dropout_mask: Array | None = None  # given as a list or NumPy array: checked as given
 
 
+class Operands(NamedTuple):
+    """The arrays a kernel reads beside q, k and v, as one value (a pytree: a field that
+    is None is no leaf): an additive ``bias``, a bool ``mask``, key counts ``lengths`` and
+    sink logits ``sinks``, each in the form that kernel documents, None where the call has
+    none.  A kernel's ``custom_vjp`` takes it as one argument and returns its cotangent as
+    an ``Operands`` too (``float0`` for integers and bools)."""
+
+    bias: Array | None = None
+    mask: Array | None = None
+    lengths: Array | None = None
+    sinks: Array | None = None
+
+
 def canonical_sinks(sinks: Any, q_shape: tuple[int, ...], dtype: Any, normalization: str) -> Array | None:
     """Attention sinks (H,), one logit per query head of q (..., H, T, D), checked
     (``check_sinks``) and cast to the compute dtype of q's ``dtype`` (float32 for half
