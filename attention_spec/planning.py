@@ -1,6 +1,6 @@
 """The plan of one module call, made once before any work: which checks it passes (in the
 order that gives every bad call its one error), and whether an explicit ``implementation``
-can honour its options.
+can honour it (asked of the twin's table of paths, on the call's shapes).
 
 Both twins' modules ask it; a twin keeps only its array work (converting masks and
 lengths, reading values, adding the batch dimension).
@@ -21,9 +21,8 @@ from attention_spec.arrays import (
 )
 from attention_spec.cache import check_cache, check_cache_call, check_cache_context, check_cacheable
 from attention_spec.masks import check_dropout_mask, segment_ids_pair
-from attention_spec.options import check_implementation
+from attention_spec.options import CallOptions, check_implementation
 from attention_spec.registry import AttentionConfig
-from attention_spec.routing import resolve_implementation
 
 # Why an explicit "fused" refuses float64 (both frameworks, one behaviour): JAX's fused
 # attention computes float64 with float32 accuracy; "auto" sends float64 to a path that
@@ -35,55 +34,49 @@ SOFTCAP_FUSED_BLOCKER = "softcap (the fused kernel has no logit soft-capping)"
 SINKS_FUSED_BLOCKER = "sinks (the fused kernel has no attention sinks)"
 
 
-def fused_blockers(float64: bool, softcap: float | None, sinks: bool = False) -> tuple[str, ...]:
-    """What the fused kernels of both twins cannot honour beyond ``resolve_implementation``'s
-    common list: float64 inputs (``float64``), soft-capping and attention sinks (``sinks``:
-    given; the library's CPU kernel honours them, so the JAX twin passes False for it)."""
+def fused_blockers(options: CallOptions, *, float64: bool, sinks_given: bool) -> tuple[str, ...]:
+    """What the fused kernels of both twins cannot honour beyond ``option_blockers``'
+    common list: float64 inputs, soft-capping and attention sinks (``sinks_given``: given
+    to a kernel that has none; the library's CPU kernel has them)."""
     return (
         ((FUSED_FLOAT64_BLOCKER,) if float64 else ())
-        + ((SOFTCAP_FUSED_BLOCKER,) if softcap is not None else ())
-        + ((SINKS_FUSED_BLOCKER,) if sinks else ())
+        + ((SOFTCAP_FUSED_BLOCKER,) if options.softcap is not None else ())
+        + ((SINKS_FUSED_BLOCKER,) if sinks_given else ())
     )
 
 
-def check_explicit_path(
-    implementation: str,
-    *,
-    fused_draws_dropout: bool,
-    float64: bool,
-    softcap: float | None,
-    sinks: bool = False,
-    return_weights: bool,
-    normalization: str,
-    dropout_active: bool,
-    dropout_mask_given: bool,
-) -> None:
-    """Raises the ``ValueError`` that ``dot_product_attention`` raises for an explicit
-    ``implementation`` that cannot honour these options, from the options alone: a
-    module asks it before any work, a cached call before it writes its cache.  (An
-    explicit path's refusals do not depend on the preference order of ``"auto"``;
-    ``fused_draws_dropout`` is the twin's: SDPA draws it, JAX's fused kernels cannot.)"""
-    if implementation in ("auto", "reference"):
-        return  # they refuse nothing: "auto" falls back to the reference math
-    resolve_implementation(
-        implementation, preference=(), return_weights=return_weights, normalization=normalization,
-        dropout_active=dropout_active, dropout_mask_given=dropout_mask_given,
-        fused_draws_dropout=fused_draws_dropout, fused_blockers=fused_blockers(float64, softcap, sinks),
+def module_options(
+    spec: AttentionConfig, *, training: bool, return_weights: bool, implementation: str,
+    causal: bool | None = None, scale: float | None = None, alignment: str | None = None,
+) -> CallOptions:
+    """The ``CallOptions`` of a module's attention: the spec's options and the call's
+    flags (``training``: dropout is on); ``causal``, ``scale`` and ``alignment`` override
+    the spec's where given (a cached step aligns its queries at each example's fill)."""
+    return CallOptions(
+        causal=spec.causal if causal is None else causal,
+        scale=spec.scale if scale is None else scale,
+        mask_strategy=spec.mask_strategy,
+        normalization=spec.normalization,
+        softcap=spec.softcap,
+        window=spec.window,
+        alignment=spec.alignment if alignment is None else alignment,
+        dropout_rate=spec.dropout,
+        training=training,
+        return_weights=return_weights,
+        implementation=implementation,
     )
 
 
-class CallOps(NamedTuple):
-    """A twin's array work that planning a call asks for, each at its place among the
-    checks (a twin's ``functional`` provides most of it)."""
+class RouteFacts(NamedTuple):
+    """What a module call's route depends on beyond its plan: the dtype it computes in,
+    whether dropout is on (``training``), whether it returns the weights, its dropout
+    mask (or None) and whether it decodes into a cache."""
 
-    canonical_mask: Callable[[Any, Shape], Any]  # (mask, target) -> checked, 1s up to target's rank
-    canonical_bias: Callable[[Any, Shape], Any]  # likewise for an additive bias
-    canonical_kv_lengths: Callable[[Any, int, int], Any]  # (lengths, batch, kv_len) -> checked (B,)
-    as_array: Callable[[Any], Any]  # segment ids -> the framework's array
-    cache_fields: Callable[[Any], Any]  # cache -> each field's (shape, dtype name); None: no cache
-    check_cache_room: Callable[[Any, int, int], None]  # (cache, new, max_len): reads the fill
-    fused_draws_dropout: bool  # whether the twin's fused kernel draws dropout
-    fused_takes_sinks: Callable[[], bool]  # whether the twin's fused path can honour sinks here
+    dtype: str
+    training: bool
+    return_weights: bool
+    dropout_mask: Any
+    cached: bool
 
 
 class CallPlan(NamedTuple):
@@ -109,6 +102,21 @@ class CallPlan(NamedTuple):
     kv_lengths: Any
     segment_ids: Any
     kv_segment_ids: Any
+
+
+class CallOps(NamedTuple):
+    """A twin's array work that planning a call asks for, each at its place among the
+    checks (a twin's ``functional`` provides most of it)."""
+
+    canonical_mask: Callable[[Any, Shape], Any]  # (mask, target) -> checked, 1s up to target's rank
+    canonical_bias: Callable[[Any, Shape], Any]  # likewise for an additive bias
+    canonical_kv_lengths: Callable[[Any, int, int], Any]  # (lengths, batch, kv_len) -> checked (B,)
+    as_array: Callable[[Any], Any]  # segment ids -> the framework's array
+    cache_fields: Callable[[Any], Any]  # cache -> each field's (shape, dtype name); None: no cache
+    check_cache_room: Callable[[Any, int, int], None]  # (cache, new, max_len): reads the fill
+    # (spec, plan, RouteFacts) -> None: raises what the twin's table refuses of an explicit
+    # implementation for this call, asked on its shapes (``functional.route_of``)
+    check_route: Callable[[AttentionConfig, CallPlan, RouteFacts], None]
 
 
 def plan_call(
@@ -166,16 +174,14 @@ def plan_call(
     )
     if cache is not None:
         ops.check_cache_room(cache, seq, kv_seq)
-    # An explicit path that cannot honour the options is refused here, not after the
-    # projections (and, with a cache, after the write) inside ``functional``.
-    check_explicit_path(
-        implementation, fused_draws_dropout=ops.fused_draws_dropout, float64=x_dtype == "float64",
-        softcap=spec.softcap, sinks=spec.sinks and not ops.fused_takes_sinks(),
-        return_weights=return_weights, normalization=spec.normalization,
-        dropout_active=training and spec.dropout > 0.0, dropout_mask_given=dropout_mask is not None,
-    )
-    return CallPlan(batched, implementation, batch, seq, kv_seq, keys, values, mask, bias, kv_lengths,
+    plan = CallPlan(batched, implementation, batch, seq, kv_seq, keys, values, mask, bias, kv_lengths,
                     segment_ids, kv_segment_ids)
+    if implementation not in ("auto", "reference"):  # they refuse nothing: "auto" falls back to the reference
+        # An explicit path that cannot honour the call is refused here, by the twin's
+        # table, not after the projections (and, with a cache, after the write).
+        ops.check_route(spec, plan, RouteFacts(compute_dtype or x_dtype, training, return_weights, dropout_mask,
+                                               cache is not None))
+    return plan
 
 
 def _checked_context(spec: AttentionConfig, x: Any, context: Any, compute_dtype: str) -> tuple[Any, Any]:

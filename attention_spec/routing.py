@@ -4,9 +4,10 @@ A twin's table of paths (``_paths.py``) is a list of ``PathEntry`` rows, each sa
 when it declines a call and which options it cannot honour (``option_blockers``);
 ``functional.route()`` walks it (``walk``), and ``dot_product_attention`` runs the row
 that ``route()`` names, so a user who asks gets the answer the call will act on.
-``resolve_implementation`` (and ``resolve_route``, its form with reasons) is the same
-policy over a preference of paths, asked by the module planner before any work
-(``planning.check_explicit_path``).
+A module's planner asks the same table before any work, on the call's shapes
+(``planning.plan_call``, a twin's ``check_route``).  ``resolve_implementation`` (and
+``resolve_route``, its form with reasons) is the policy over a bare preference of paths,
+for a caller with no table.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ from flax import nnx
 from jax import Array
 
 from attention_spec import dtype_name
-from attention_spec.options import CallOptions
-from attention_spec.planning import CallOps, plan_call
+from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_options, plan_call
 from attention_spec.registry import AttentionConfig, make_config
 from jax_attention import functional
 from jax_attention._cache import check_room, new_cache, run_cached
@@ -57,10 +56,29 @@ _OPS = CallOps(
     as_array=jnp.asarray,
     cache_fields=functional.cache_fields,
     check_cache_room=check_room,  # eager only: a compiled step records an overflow in the cache
-    fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT,
-    # the library's CPU kernel takes sinks; jax.nn.dot_product_attention does not
-    fused_takes_sinks=lambda: jax.default_backend() == "cpu",
+    check_route=lambda spec, plan, facts: _check_route(spec, plan, facts),
 )
+
+
+def _check_route(spec: AttentionConfig, plan: CallPlan, facts: RouteFacts) -> None:
+    """Raises what the table of paths refuses of a module call's explicit
+    ``implementation`` (``functional.route_of``), asked before any work on the call as
+    its attention will see it: q (B, H, T, D), k and v (B, Hkv, S, D) as shapes, the
+    planned arrays, sinks as a shape, and a cached step's queries at each example's fill
+    (a per-example offset)."""
+    options = module_options(spec, training=facts.training, return_weights=facts.return_weights,
+                             implementation=plan.implementation, alignment="top_left" if facts.cached else None)
+    batch, width, dtype = plan.batch, spec.head_dim or 1, jnp.dtype(facts.dtype)
+    q = jax.ShapeDtypeStruct((batch, spec.num_heads, plan.seq, width), dtype)
+    k = jax.ShapeDtypeStruct((batch, spec.kv_heads, plan.kv_seq, width), dtype)
+    shape: Any = jax.ShapeDtypeStruct  # arrays as shapes: the table reads no value
+    call = functional.Call(
+        options, mask=plan.mask, bias=plan.bias, kv_lengths=plan.kv_lengths,
+        offset=shape((batch,), jnp.int32) if facts.cached else 0,
+        segments=None if plan.segment_ids is None else shape((batch, 1, plan.seq, plan.kv_seq), jnp.bool_),
+        sinks=shape((spec.num_heads,), dtype) if spec.sinks else None, dropout_mask=facts.dropout_mask,
+    )
+    functional.route_of(q, k, k, call)
 
 
 def _unbatch(result: Array | tuple[Array, Array], batched: bool) -> Array | tuple[Array, Array]:
@@ -257,14 +275,8 @@ class AttentionModule(nnx.Module):
         return not call.deterministic and self.spec.dropout > 0.0 and call.dropout_mask is None
 
     def _draw_key(self, call: _Call, rngs: Any, return_weights: bool) -> Array | None:
-        if not self._draws(call):
+        if not self._draws(call):  # (an explicit path that cannot draw was refused by the plan)
             return None
-        if call.implementation not in ("auto", "reference"):
-            # An explicit path may refuse the options (functional's choice, e.g. a path that
-            # cannot draw dropout): ask it on abstract values, before the stream advances.
-            run = self._run_cached if call.cache is not None else self._run
-            jax.eval_shape(lambda x, key: run(call._replace(x=x), return_weights, key),
-                           call.x, jax.random.key(0))
         return _dropout_key(getattr(self, "dropout"), rngs)  # noqa: B009 (a dropout variant has one)
 
     def _attend(self, call: _Call, q: Array, k: Array, v: Array, return_weights: bool, key: Array | None,
@@ -280,19 +292,8 @@ class AttentionModule(nnx.Module):
         (``functional.assemble``: checked once, by ``plan_call``).  The keywords override
         the module's causal, kv_lengths, alignment and scale, and add a q_offset."""
         spec = self.spec
-        options = CallOptions(
-            causal=spec.causal if causal is None else causal,
-            scale=spec.scale if scale is None else scale,
-            mask_strategy=spec.mask_strategy,
-            normalization=spec.normalization,
-            softcap=spec.softcap,
-            window=spec.window,
-            alignment=spec.alignment if alignment is None else alignment,
-            dropout_rate=spec.dropout,
-            training=not call.deterministic,
-            return_weights=return_weights,
-            implementation=call.implementation,
-        )
+        options = module_options(spec, training=not call.deterministic, return_weights=return_weights,
+                                 implementation=call.implementation, causal=causal, scale=scale, alignment=alignment)
         return functional.assemble(
             tuple(q.shape), k.shape[-2], q.dtype, options, mask=call.mask, bias=call.bias,
             kv_lengths=call.kv_lengths if kv_lengths is _FROM_CALL else kv_lengths, dropout_mask=call.dropout_mask,

@@ -85,8 +85,9 @@ def _explicit_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
     return option_blockers(call.options, dropout_mask_given=call.dropout_mask is not None)
 
 
-def _fused_blockers(q: Any, k: Any, v: Any, call: Call, *, sinks: bool) -> list[str]:
-    lacks = fused_blockers(q.dtype == jnp.float64, call.options.softcap, sinks=sinks and call.sinks is not None)
+def _fused_blockers(q: Any, k: Any, v: Any, call: Call, *, kernel_has_sinks: bool) -> list[str]:
+    lacks = fused_blockers(call.options, float64=q.dtype == jnp.float64,
+                           sinks_given=not kernel_has_sinks and call.sinks is not None)
     return option_blockers(call.options, dropout_mask_given=call.dropout_mask is not None,
                            draws_dropout=FUSED_DRAWS_DROPOUT, lacks=lacks)
 
@@ -197,12 +198,12 @@ def _kernel_basis(q: Any, k: Any, v: Any, call: Call) -> str:
 
 CPU_KERNEL = PathEntry(
     "fused", declines=_kernel_declines,
-    blockers=lambda q, k, v, call: _fused_blockers(q, k, v, call, sinks=False),  # the kernel has sinks
+    blockers=lambda q, k, v, call: _fused_blockers(q, k, v, call, kernel_has_sinks=True),
     kernel=lambda q, k, v, call: "cpu-decode" if few_rows(q) else "cpu-kernel", run=_run_kernel,
     basis=_kernel_basis,
 )
 XLA_FUSED = PathEntry(  # jax.nn.dot_product_attention (cuDNN or XLA) or splash
-    "fused", declines=_never, blockers=lambda q, k, v, call: _fused_blockers(q, k, v, call, sinks=True),
+    "fused", declines=_never, blockers=lambda q, k, v, call: _fused_blockers(q, k, v, call, kernel_has_sinks=False),
     kernel=lambda q, k, v, call: _fused.kernel_for(q, k, v, plain=_plain(q, k, v, call)), run=_run_fused,
 )
 BLOCKWISE = PathEntry("blockwise", declines=_blockwise_declines, blockers=_explicit_blockers,

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attention_spec import dtype_name
-from attention_spec.options import CallOptions
-from attention_spec.planning import CallOps, plan_call
+from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_options, plan_call
 from attention_spec.registry import AttentionConfig, make_config
 from torch_attention import functional
 from torch_attention._cache import check_room, new_cache, run_cached
@@ -77,9 +76,31 @@ _OPS = CallOps(
     as_array=torch.as_tensor,
     cache_fields=functional.cache_fields,
     check_cache_room=check_room,
-    fused_draws_dropout=functional.FUSED_DRAWS_DROPOUT,
-    fused_takes_sinks=lambda: False,  # SDPA has no sinks
+    check_route=lambda spec, plan, facts: _check_route(spec, plan, facts),
 )
+
+
+def _check_route(spec: AttentionConfig, plan: CallPlan, facts: RouteFacts) -> None:
+    """Raises what the table of paths refuses of a module call's explicit
+    ``implementation`` (``functional.route_of``), asked before any work on the call as
+    its attention will see it: q (B, H, T, D), k and v (B, Hkv, S, D) and sinks as shapes
+    (tensors on the meta device), the planned tensors, and a cached step's queries at
+    each example's fill (a per-example offset)."""
+    options = module_options(spec, training=facts.training, return_weights=facts.return_weights,
+                             implementation=plan.implementation, alignment="top_left" if facts.cached else None)
+    batch, width, dtype = plan.batch, spec.head_dim or 1, getattr(torch, facts.dtype)
+
+    def shape(*size: int, dtype: torch.dtype = dtype) -> Tensor:
+        return torch.empty(size, dtype=dtype, device="meta")
+
+    q, k = shape(batch, spec.num_heads, plan.seq, width), shape(batch, spec.kv_heads, plan.kv_seq, width)
+    call = functional.Call(
+        options, mask=plan.mask, bias=plan.bias, kv_lengths=plan.kv_lengths,
+        offset=shape(batch, dtype=torch.int64) if facts.cached else 0,
+        segments=None if plan.segment_ids is None else shape(batch, 1, plan.seq, plan.kv_seq, dtype=torch.bool),
+        sinks=shape(spec.num_heads) if spec.sinks else None, dropout_mask=facts.dropout_mask,
+    )
+    functional.route_of(q, k, k, call)
 
 
 def _unbatch(result: Tensor | tuple[Tensor, Tensor], batched: bool) -> Tensor | tuple[Tensor, Tensor]:
@@ -264,19 +285,8 @@ class AttentionModule(nn.Module):
         checked once, by ``plan_call``).  The keywords override the module's causal,
         kv_lengths, alignment and scale, and add a q_offset."""
         spec = self.spec
-        options = CallOptions(
-            causal=spec.causal if causal is None else causal,
-            scale=spec.scale if scale is None else scale,
-            mask_strategy=spec.mask_strategy,
-            normalization=spec.normalization,
-            softcap=spec.softcap,
-            window=spec.window,
-            alignment=spec.alignment if alignment is None else alignment,
-            dropout_rate=spec.dropout,
-            training=self.training,
-            return_weights=return_weights,
-            implementation=call.implementation,
-        )
+        options = module_options(spec, training=self.training, return_weights=return_weights,
+                                 implementation=call.implementation, causal=causal, scale=scale, alignment=alignment)
         return functional.assemble(
             q, k.shape[-2], options, mask=call.mask, bias=call.bias,
             kv_lengths=call.kv_lengths if kv_lengths is _FROM_CALL else kv_lengths, dropout_mask=call.dropout_mask,

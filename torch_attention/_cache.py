@@ -55,7 +55,8 @@ def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KV
     padding, is overwritten by the next call).  Written in place: the same tensors, with
     the fill advanced, are returned.  The caller makes every check of the call first (a
     module's ``_prepare``: that T positions fit, ``check_cache_room``, and that the path
-    can honour the call, ``attention_spec.planning.check_explicit_path``), so a refused call leaves the cache as it was.
+    can honour the call, asked of the table by ``attention_spec.planning.plan_call``), so a refused call leaves the
+    cache as it was.
     Autograd records the writes: a reader that keeps what it read across the next write
     reads a copy (a module's cached step does, while autograd records)."""
     positions = cache.lengths[:, None] + torch.arange(k.shape[-2], device=k.device)  # (B, T)

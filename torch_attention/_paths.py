@@ -33,7 +33,7 @@ def _explicit_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
 
 
 def _fused_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
-    lacks = fused_blockers(q.dtype == torch.float64, call.options.softcap, sinks=call.sinks is not None)
+    lacks = fused_blockers(call.options, float64=q.dtype == torch.float64, sinks_given=call.sinks is not None)  # SDPA has none
     return option_blockers(call.options, dropout_mask_given=call.dropout_mask is not None,
                            draws_dropout=FUSED_DRAWS_DROPOUT, lacks=lacks)
 

@@ -16,8 +16,9 @@ import pytest
 
 from attention_spec.arrays import check_bias, dtype_name
 from attention_spec.masks import check_kv_lengths_array, check_mask
-from attention_spec.planning import CallOps, CallPlan, plan_call
+from attention_spec.planning import CallOps, CallPlan, RouteFacts, fused_blockers, module_options, plan_call
 from attention_spec.registry import make_config
+from attention_spec.routing import resolve_implementation
 
 D_IN, D_OUT, HEADS, KDIM = 6, 4, 2, 3
 
@@ -48,9 +49,22 @@ OPS = CallOps(
     as_array=np.asarray,
     cache_fields=lambda cache: None,
     check_cache_room=lambda cache, new, max_len: None,
-    fused_draws_dropout=False,
-    fused_takes_sinks=lambda: False,
+    check_route=lambda spec, plan, facts: _check_route(spec, plan, facts),
 )
+
+
+def _check_route(spec: Any, plan: CallPlan, facts: RouteFacts, *, fused_has_sinks: bool = False) -> None:
+    """A table-free twin's route check: the policy over a bare preference of paths, a
+    fused kernel without dropout (and, unless ``fused_has_sinks``, without sinks)."""
+    options = module_options(spec, training=facts.training, return_weights=facts.return_weights,
+                             implementation=plan.implementation)
+    resolve_implementation(
+        plan.implementation, preference=(), return_weights=facts.return_weights,
+        normalization=options.normalization, dropout_active=options.dropout_active,
+        dropout_mask_given=facts.dropout_mask is not None, fused_draws_dropout=False,
+        fused_blockers=fused_blockers(options, float64=facts.dtype == "float64",
+                                      sinks_given=spec.sinks and not fused_has_sinks),
+    )
 
 
 def _spec(**overrides: Any) -> Any:
@@ -105,9 +119,52 @@ def test_an_explicit_fused_path_refuses_sinks_unless_the_twin_takes_them_there()
     spec = _spec(sinks=True, kdim=None, vdim=None, dropout=0.0)
     with pytest.raises(ValueError, match=re.escape("cannot honour sinks (the fused kernel has no attention sinks)")):
         plan_call(spec, OPS, x, compute_dtype=None, training=False, implementation="fused")
-    takes = OPS._replace(fused_takes_sinks=lambda: True)
+    takes = OPS._replace(check_route=functools.partial(_check_route, fused_has_sinks=True))
     assert plan_call(spec, takes, x, compute_dtype=None, training=False, implementation="fused").implementation \
         == "fused"
+
+
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_an_explicit_path_is_refused_by_the_table_before_the_projections(fw: str) -> None:
+    """The planner asks the twin's table of paths, on the call's shapes: an explicit
+    ``"fused"`` with sinks runs where its row has them (JAX on CPU: the library's kernel,
+    for a call it fits) and is refused by name, before any projection, where the row that
+    takes the call has none (a dense mask, or a cached step's per-example offset, sends
+    JAX's call to XLA's kernel; SDPA has none)."""
+    pytest.importorskip("torch" if fw == "torch" else "flax")
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    mask = np.ones((2, 1, 3, 3), bool)
+    options = {"d_in": 8, "d_out": 8, "context_length": None, "dropout": 0.0, "num_heads": 2, "sinks": True,
+               "implementation": "fused"}
+    if fw == "torch":
+        import torch
+
+        import torch_attention as lib
+        module: Any = lib.MultiHeadAttention(**options)
+        as_array: Any = torch.tensor
+    else:
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        import jax_attention as lib
+        module = lib.MultiHeadAttention(**options, rngs=nnx.Rngs(0))
+        as_array = jnp.asarray
+    projected = []
+    original = type(module)._project
+    module._project = lambda *args: projected.append(1) or original(module, *args)  # (the instance's seam)
+    refused = re.escape("implementation='fused' cannot honour sinks (the fused kernel has no attention sinks)")
+    calls = {"mask": lambda: module(as_array(x), as_array(mask)),
+             "cached": lambda: module(as_array(x), cache=module.init_cache(2, 8))}
+    if fw == "jax" and jax.default_backend() == "cpu":
+        assert module(as_array(x)).shape == (2, 3, 8)  # the CPU kernel has sinks
+        projected.clear()
+    else:
+        calls["plain"] = lambda: module(as_array(x))
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=refused):
+            call()
+        assert not projected, f"{fw} {name}: refused after the projections"
 
 
 # --------------------------------------------------------------------------- checked once
