@@ -8,7 +8,8 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from attention_spec.geometry import key_range as _key_range
-from torch_attention._canonical import Call, Structure, _band
+from attention_spec.options import CallOptions
+from torch_attention._canonical import Call, Operands, Structure, _band
 from torch_attention._reference import _adjust, _compute_dtype, _softmax
 from torch_attention.masks import _and_masks as combine_masks
 
@@ -35,7 +36,7 @@ def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scal
     The structure (mask of q's rank, offset, causal, window, lengths (B, 1, 1, S)) is
     ``s``'s (``_canonical.structure``); bias, soft-cap and sinks are the call's."""
     mask, offset, lengths = s.mask, s.offset, s.lengths
-    bias, softcap, sinks = call.bias, call.options.softcap, call.sinks
+    bias, sinks = call.bias, call.sinks
     q_len, kv_len = q.shape[-2], k.shape[-2]
     block = block_size or default_block_size(q_len)
     ct = _compute_dtype(q.dtype)
@@ -60,7 +61,8 @@ def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scal
             allowed = combine_masks(allowed, lengths[..., lo:hi])
         # a broadcast (size-1) dimension of the bias stays size 1 under the slice
         part = None if bias is None else (bias[..., r0:r1, lo:hi] if bias.shape[-2] > 1 else bias[..., lo:hi])
-        args = (qc[..., r0:r1, :], kc[..., lo:hi, :], vc[..., lo:hi, :], allowed, part, scale, softcap, sinks)
+        args = (qc[..., r0:r1, :], kc[..., lo:hi, :], vc[..., lo:hi, :], scale, call.options,
+                Operands(bias=part, mask=allowed, sinks=sinks))
         if recompute:
             out = torch.utils.checkpoint.checkpoint(_query_block, *args, use_reentrant=False, preserve_rng_state=False)
         else:
@@ -69,14 +71,15 @@ def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scal
     return torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]
 
 
-def _query_block(
-    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, bias: Tensor | None, scale: float,
-    softcap: float | None, sinks: Tensor | None,
-) -> Tensor:
-    """One block of ``blockwise``: the reference math on the keys within its reach."""
+def _query_block(q: Tensor, k: Tensor, v: Tensor, scale: float, options: CallOptions, block: Operands) -> Tensor:
+    """One block of ``blockwise``: q (..., Tb, D), and k and v (..., Sb, D or Dv) on the keys
+    within its reach, in the compute dtype -> the block's output (..., Tb, Dv).  ``block``
+    holds the block's slice of the bias, its mask (True = may attend) and the call's sinks
+    (H,); ``options`` its soft-cap."""
+    softcap = options.softcap
     scores = torch.matmul(q, k.transpose(-2, -1))  # unscaled
-    if bias is None and softcap is None and sinks is None:
-        weights = _softmax(scores, allowed, scale)
+    if block.bias is None and softcap is None and block.sinks is None:
+        weights = _softmax(scores, block.mask, scale)
     else:
-        weights = _softmax(_adjust(scores * scale, bias, softcap), allowed, sinks=sinks)
+        weights = _softmax(_adjust(scores * scale, block.bias, softcap), block.mask, sinks=block.sinks)
     return torch.matmul(weights, v)

@@ -200,6 +200,20 @@ class Call(NamedTuple):
     dropout_mask: Tensor | None = None  # given as a list or NumPy array: checked as given
 
 
+class Operands(NamedTuple):
+    """The tensors a kernel reads beside q, k and v, as one value (the JAX twin's
+    ``Operands``): an additive ``bias``, a bool ``mask``, key counts ``lengths`` and sink
+    logits ``sinks``, each in the form that kernel documents, None where the call has
+    none.  Autograd tracks the tensors in it where a kernel runs as plain operations or
+    under a non-reentrant checkpoint; an ``autograd.Function`` takes them as direct
+    arguments."""
+
+    bias: Tensor | None = None
+    mask: Tensor | None = None
+    lengths: Tensor | None = None
+    sinks: Tensor | None = None
+
+
 def assemble(
     q: Tensor, kv_len: int, options: CallOptions, *, mask: Tensor | None = None, bias: Tensor | None = None,
     kv_lengths: Tensor | None = None, dropout_mask: Any = None, q_offset: Any = None, segment_ids: Any = None,

@@ -80,12 +80,22 @@ def _softmax(scores: Tensor, mask: Tensor | None, scale: float = 1.0, sinks: Ten
 
     The maximum is taken over the unscaled scores and ``(scores - max) * scale`` is
     exponentiated: the subtraction is exact for the largest score whatever a compiler
-    fuses (the twin of the JAX formulation, where it matters).  ``sinks`` (H,): see
-    ``_softmax_with_sinks`` (the scores are then the final ones, ``scale`` 1)."""
+    fuses (the twin of the JAX formulation, where it matters).
+
+    With ``sinks`` (H,) the scores (..., H, T, S) are the final ones (``scale`` 1) and each
+    row's denominator also holds its head's sink logit (gpt-oss):
+    ``exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m))`` with m the larger of the row
+    maximum and the sink, so a row sums to less than 1.  A row with nothing to attend to
+    has m = sink: its sum is 1 and its weights 0 (zeros, finite gradients).  The sinks
+    are cast to the scores' (compute) dtype and get their gradient through the
+    denominator (m is a constant shift)."""
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
     if sinks is not None:
-        return _softmax_with_sinks(scores, sinks)
+        sink = sinks.to(scores.dtype)[:, None, None]  # (H, 1, 1): broadcasts over T and the lead
+        row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink).detach()
+        unnormalized = torch.exp(scores - row_max)
+        return unnormalized / (unnormalized.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max))
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     if mask is not None:
         # A row with nothing to attend to (known from the mask) subtracts 0: exp(-inf)
@@ -93,20 +103,6 @@ def _softmax(scores: Tensor, mask: Tensor | None, scale: float = 1.0, sinks: Ten
         row_max = torch.where(mask.any(dim=-1, keepdim=True), row_max, torch.zeros_like(row_max))
     unnormalized = torch.exp((scores - row_max) * scale)
     return _safe_divide(unnormalized, unnormalized.sum(dim=-1, keepdim=True))
-
-
-def _softmax_with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
-    """The weights of final scores (..., H, T, S) (blocked keys at -inf) whose softmax
-    denominator also holds one sink logit per query head, ``sinks`` (H,) (gpt-oss):
-    ``exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m))`` with m the larger of the row
-    maximum and the sink, so a row sums to less than 1.  A row with nothing to attend to
-    has m = sink: its sum is 1 and its weights 0 (zeros, finite gradients).  The sinks
-    are cast to the scores' (compute) dtype and get their gradient through the
-    denominator (m is a constant shift)."""
-    sink = sinks.to(scores.dtype)[:, None, None]  # (H, 1, 1): broadcasts over T and the lead
-    row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink).detach()
-    unnormalized = torch.exp(scores - row_max)
-    return unnormalized / (unnormalized.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max))
 
 
 def _safe_divide(weights: Tensor, row_sum: Tensor) -> Tensor:
@@ -144,8 +140,8 @@ def attention_weights(
     """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout.
     ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores.
     ``sinks`` (H,) where q is (..., H, T, D): one logit per query head in the units of
-    those final scores, in each softmax's denominator (``_softmax_with_sinks``; the
-    key weights are returned, a row summing to less than 1); softmax only."""
+    those final scores, in each softmax's denominator (``_softmax``; the key weights are
+    returned, a row summing to less than 1); softmax only."""
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], q.device)
     if bias is not None:  # a -inf entry blocks its key
         mask = combine_masks(mask, _bias_allows(bias))

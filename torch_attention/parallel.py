@@ -56,6 +56,7 @@ from attention_spec.parallel import (
 )
 from attention_spec.rope import RopeConfig, check_rope, check_rope_call, needs_seq_len
 from torch_attention import functional
+from torch_attention._canonical import Operands
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
 
@@ -214,20 +215,21 @@ class _RingAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, sinks: Tensor | None, ring: _Ring
     ) -> Tensor:
+        operands = Operands(lengths=lengths, sinks=sinks)
         with torch.no_grad():
-            out, (row_max, row_sum) = _forward(ring, q, k, v, lengths, sinks)
+            out, (row_max, row_sum) = _forward(ring, q, k, v, operands)
         ctx.save_for_backward(q, k, v, out, row_max, row_sum)
-        ctx.ring, ctx.lengths, ctx.sinks = ring, lengths, sinks
+        ctx.ring, ctx.operands = ring, operands
         return out
 
     @staticmethod
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, row_max, row_sum = ctx.saved_tensors
         with torch.no_grad():
-            dq, dk, dv = _backward(ctx.ring, q, k, v, ctx.lengths, out, (row_max, row_sum), d_out)
+            dq, dk, dv = _backward(ctx.ring, q, k, v, ctx.operands, out, (row_max, row_sum), d_out)
             d_sinks = None
-            if ctx.sinks is not None and ctx.needs_input_grad[4]:
-                d_sinks = _sink_grad(ctx.ring, ctx.sinks, out, (row_max, row_sum), d_out)
+            if ctx.operands.sinks is not None and ctx.needs_input_grad[4]:
+                d_sinks = _sink_grad(ctx.ring, ctx.operands, out, (row_max, row_sum), d_out)
         return dq, dk, dv, None, d_sinks, None
 
 
@@ -284,14 +286,14 @@ def _hidden(ring: _Ring, q_chunk: int, k_chunk: int) -> bool:
     return ring.causal and not chunk_seen(q_chunk, k_chunk, ring.q_piece, ring.kv_piece)
 
 
-def _forward(
-    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, sinks: Tensor | None
-) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """This rank's forward: out (B, H, L, Dv) in v's dtype, and the row statistics
-    (B, H, L) in the compute dtype: the maximum of the unscaled scores (0 for a row with
-    nothing to attend to) and the sum of exp((s - max) * scale) (0 there), the sinks
-    folded into both (``_with_sinks``).  Kept apart, not as one log-sum-exp: at logits of
+def _forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, operands: Operands) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """This rank's forward, with the call's key counts ``lengths`` (B,) and ``sinks`` (H,)
+    from ``operands`` (None where absent): out (B, H, L, Dv) in v's dtype, and the row
+    statistics (B, H, L) in the compute dtype: the maximum of the unscaled scores (0 for a
+    row with nothing to attend to) and the sum of exp((s - max) * scale) (0 there), the
+    sinks folded into both (``_with_sinks``).  Kept apart, not as one log-sum-exp: at logits of
     1e10 the sum's logarithm is below the maximum's float32 spacing and would be lost."""
+    lengths, sinks = operands.lengths, operands.sinks
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     width = k.shape[-1]
     q_chunks = piece_chunks(ring.rank, ring.size, ring.layout)
@@ -335,10 +337,13 @@ def _with_sinks(state: tuple[Tensor, Tensor, Tensor], sink: Tensor, scale: float
     return m_new, row_sum * rescale + torch.exp(sink - m_new * scale), acc * rescale[..., None]
 
 
-def _sink_grad(ring: _Ring, sinks: Tensor, out: Tensor, stats: tuple[Tensor, Tensor], d_out: Tensor) -> Tensor:
-    """d loss / d sinks (H,): -sum over the group's rows of p_sink * rowsum(dO * O), p_sink
-    = exp(sink - m * scale) / l from the forward's statistics (the sink's weight), summed
-    over the group (all-reduce) so that every rank holds the whole gradient."""
+def _sink_grad(ring: _Ring, operands: Operands, out: Tensor, stats: tuple[Tensor, Tensor], d_out: Tensor) -> Tensor:
+    """d loss / d sinks (H,), the ``sinks`` of ``operands`` (not None): -sum over the
+    group's rows of p_sink * rowsum(dO * O), p_sink = exp(sink - m * scale) / l from the
+    forward's statistics (the sink's weight), summed over the group (all-reduce) so that
+    every rank holds the whole gradient."""
+    sinks = operands.sinks
+    assert sinks is not None  # called only for a call with sinks
     row_max, row_sum = stats
     ct = row_max.dtype
     sink = sinks.to(ct)[None, :, None]
@@ -377,11 +382,13 @@ def _fold(
 
 
 def _backward(
-    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, out: Tensor,
+    ring: _Ring, q: Tensor, k: Tensor, v: Tensor, operands: Operands, out: Tensor,
     stats: tuple[Tensor, Tensor], d_out: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """This rank's backward: dq, dk, dv for its own q, k, v (in their dtypes), from the
-    forward's row statistics (maximum, sum)."""
+    forward's ``operands`` (the key counts ``lengths`` read; the sinks' part of the
+    gradient is ``_sink_grad``'s) and row statistics (maximum, sum)."""
+    lengths = operands.lengths
     row_max, row_sum = stats
     ct = row_max.dtype
     inv_sum = 1.0 / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
