@@ -16,7 +16,7 @@ from jax import Array
 from attention_spec import dtype_name
 from attention_spec.geometry import reach
 from jax_attention import _cpu_kernel
-from jax_attention._canonical import Call, float0
+from jax_attention._canonical import Call, Operands, float0
 from jax_attention._fused import bthd
 
 
@@ -107,53 +107,54 @@ class _KernelStatic(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_attention(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array,
-                      sinks: Array | None) -> Array:
-    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,),
-    float32 sinks (H,) or None -> (B, T, H, Dv): the CPU kernel, with its FlashAttention
-    backward (the sinks' gradient included)."""
-    return _kernel_attention_fwd(st, q, k, v, lengths, sinks)[0]
+def _kernel_attention(st: _KernelStatic, q: Array, k: Array, v: Array, ops: Operands) -> Array:
+    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), and ``ops`` holding
+    int32 ``lengths`` (B,) and float32 ``sinks`` (H,) or None -> (B, T, H, Dv): the CPU
+    kernel, with its FlashAttention backward (the sinks' gradient included)."""
+    return _kernel_attention_fwd(st, q, k, v, ops)[0]
 
 
-def _kernel_attention_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array,
-                          sinks: Array | None) -> tuple[Array, Any]:
-    out, row_max, row_sum = _cpu_kernel.forward(q, k, v, lengths, sinks=sinks, **st._asdict())
-    return out, (q, k, v, lengths, sinks, out, row_max, row_sum)
+def _kernel_attention_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, ops: Operands) -> tuple[Array, Any]:
+    out, row_max, row_sum = _cpu_kernel.forward(q, k, v, ops, **st._asdict())
+    return out, (q, k, v, ops, out, row_max, row_sum)
 
 
 def _kernel_attention_bwd(st: _KernelStatic, residuals: Any, d_out: Array) -> tuple[Any, ...]:
-    q, k, v, lengths, sinks, out, row_max, row_sum = residuals
-    dq, dk, dv, dsinks = _cpu_kernel.backward(q, k, v, lengths, out, d_out, row_max, row_sum, sinks=sinks,
-                                              **st._asdict())
-    return dq, dk, dv, float0(lengths), None if sinks is None else dsinks
+    q, k, v, ops, out, row_max, row_sum = residuals
+    dq, dk, dv, dsinks = _cpu_kernel.backward(q, k, v, ops, out, d_out, row_max, row_sum, **st._asdict())
+    return dq, dk, dv, _cotangent(ops, dsinks)
+
+
+def _cotangent(ops: Operands, dsinks: Array) -> Operands:
+    """The cotangent of the kernel's operands: none for the lengths, the kernel's
+    ``dsinks`` for sinks (none without)."""
+    return Operands(lengths=float0(ops.lengths), sinks=None if ops.sinks is None else dsinks)
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
-def _few_rows_attention(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array, sinks: Array | None,
-                        heads_first: bool) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _few_rows_attention(st: _KernelStatic, q: Array, k: Array, v: Array, ops: Operands, heads_first: bool) -> Array:
     """``_kernel_attention`` for few query rows (``_cpu_kernel.decode_forward``): keys and
     values read where they lie, in either layout (``heads_first``: q (B, H, T, D), k and v
     (B, Hkv, S, D), the output (B, H, T, Dv)); the gradient is the kernel's backward."""
-    return _few_rows_fwd(st, q, k, v, lengths, sinks, heads_first)[0]
+    return _few_rows_fwd(st, q, k, v, ops, heads_first)[0]
 
 
-def _few_rows_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, lengths: Array, sinks: Array | None,
+def _few_rows_fwd(st: _KernelStatic, q: Array, k: Array, v: Array, ops: Operands,
                   heads_first: bool) -> tuple[Array, Any]:
-    out, row_max, row_sum = _cpu_kernel.decode_forward(q, k, v, lengths, sinks=sinks, heads_first=heads_first,
-                                                       **st._asdict())
-    return out, (q, k, v, lengths, sinks, out, row_max, row_sum)
+    out, row_max, row_sum = _cpu_kernel.decode_forward(q, k, v, ops, heads_first=heads_first, **st._asdict())
+    return out, (q, k, v, ops, out, row_max, row_sum)
 
 
 def _few_rows_bwd(st: _KernelStatic, heads_first: bool, residuals: Any, d_out: Array) -> tuple[Any, ...]:
     # The backward takes tokens before heads: heads-first operands swap in and out.
     swap = (lambda t: jnp.swapaxes(t, 1, 2)) if heads_first else (lambda t: t)
-    q, k, v, lengths, sinks, out, row_max, row_sum = residuals
-    dq, dk, dv, dsinks = _cpu_kernel.backward(swap(q), swap(k), swap(v), lengths, swap(out), swap(d_out), row_max,
-                                              row_sum, sinks=sinks, **st._asdict())
-    return swap(dq), swap(dk), swap(dv), float0(lengths), None if sinks is None else dsinks
+    q, k, v, ops, out, row_max, row_sum = residuals
+    dq, dk, dv, dsinks = _cpu_kernel.backward(swap(q), swap(k), swap(v), ops, swap(out), swap(d_out), row_max,
+                                              row_sum, **st._asdict())
+    return swap(dq), swap(dk), swap(dv), _cotangent(ops, dsinks)
 
 
 _few_rows_attention.defvjp(_few_rows_fwd, _few_rows_bwd)
@@ -182,16 +183,16 @@ def attend(q: Array, k: Array, v: Array, call: Call, *, scale: float, few_rows: 
     lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     left, right = reach(options)
     st = _KernelStatic(scale, cast(int, call.offset), left, right)
-    sinks32 = None if sinks is None else sinks.astype(jnp.float32)
+    ops = Operands(lengths=lengths, sinks=None if sinks is None else sinks.astype(jnp.float32))
     if few_rows:
         q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]).astype(jnp.float32) for t in (q, k, v))
-        out = _few_rows_attention(st, q4, k4, v4, lengths, sinks32, not tokens_first)
+        out = _few_rows_attention(st, q4, k4, v4, ops, not tokens_first)
         return out.reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)
     if tokens_first:  # already (..., T, H, D): only the leading dimensions are flattened
         q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]).astype(jnp.float32) for t in (q, k, v))
     else:
         q4, k4, v4 = (bthd(t, batch).astype(jnp.float32) for t in (q, k, v))
-    out = _kernel_attention(st, q4, k4, v4, lengths, sinks32)  # (B, T, H, Dv)
+    out = _kernel_attention(st, q4, k4, v4, ops)  # (B, T, H, Dv)
     if not tokens_first:
         out = jnp.swapaxes(out, 1, 2)
     return out.reshape(*q.shape[:-1], v.shape[-1]).astype(v.dtype)

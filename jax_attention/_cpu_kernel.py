@@ -46,13 +46,16 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_attention import _cpu_measure
+
+if TYPE_CHECKING:
+    from jax_attention._canonical import Operands
 
 _SOURCES = Path(__file__).with_name("csrc")
 _SOURCE = _SOURCES / "flash_attention_cpu.cc"  # the translation unit: includes the headers beside it
@@ -509,31 +512,32 @@ def _attributes(scale: float, offset: int, left: int | None, right: int | None) 
     }
 
 
-def _sinks_operand(sinks: jax.Array | None) -> jax.Array:
+def _sinks_operand(ops: Operands) -> jax.Array:
     # No sinks travel as float32 (0,): the kernel then runs as it did before it had them.
-    return jnp.zeros((0,), jnp.float32) if sinks is None else sinks
+    return jnp.zeros((0,), jnp.float32) if ops.sinks is None else ops.sinks
 
 
-def forward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float, offset: int,
-            left: int | None, right: int | None,
-            sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), int32 lengths (B,),
-    float32 sinks (H,) or None -> (out (B, T, H, Dv), row max (B, H, T), row normaliser
-    (B, H, T), the sink's share included); see the source's header.  Tokens come before
-    heads, as a module's projections produce them."""
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, ops: Operands, *, scale: float, offset: int,
+            left: int | None, right: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 q (B, T, H, D), k (B, S, Hkv, D), v (B, S, Hkv, Dv), and ``ops`` holding
+    int32 ``lengths`` (B,) and float32 ``sinks`` (H,) or None (no bias or mask) -> (out
+    (B, T, H, Dv), row max (B, H, T), row normaliser (B, H, T), the sink's share
+    included); see the source's header.  Tokens come before heads, as a module's
+    projections produce them."""
     batch, q_len, heads, _ = q.shape
     rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
     shapes = (jax.ShapeDtypeStruct((batch, q_len, heads, v.shape[-1]), jnp.float32), rows, rows)
     call = jax.ffi.ffi_call(_FORWARD, shapes, vmap_method="sequential")
-    out, row_max, row_sum = call(q, k, v, lengths, _sinks_operand(sinks), **_attributes(scale, offset, left, right))
+    out, row_max, row_sum = call(q, k, v, ops.lengths, _sinks_operand(ops),
+                                 **_attributes(scale, offset, left, right))
     return out, row_max, row_sum
 
 
-def decode_forward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float, offset: int,
-                   left: int | None, right: int | None, sinks: jax.Array | None = None,
+def decode_forward(q: jax.Array, k: jax.Array, v: jax.Array, ops: Operands, *, scale: float, offset: int,
+                   left: int | None, right: int | None,
                    heads_first: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``forward`` for few query rows (``csrc/decode.h``): keys and values read where
-    they lie, none past a length, in either layout: tokens before heads as ``forward``
+    """``forward`` for few query rows (``csrc/decode.h``), ``ops`` as it takes them:
+    keys and values read where they lie, none past a length, in either layout: tokens before heads as ``forward``
     takes them, or with ``heads_first`` q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S,
     Dv) and out (B, H, T, Dv), as a module's cache holds them.  The row statistics are
     ``forward``'s, (B, H, T)."""
@@ -542,20 +546,21 @@ def decode_forward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
     shapes = (jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), jnp.float32), rows, rows)
     call = jax.ffi.ffi_call(_DECODE, shapes, vmap_method="sequential")
-    out, row_max, row_sum = call(q, k, v, lengths, _sinks_operand(sinks), heads_first=np.bool_(heads_first),
+    out, row_max, row_sum = call(q, k, v, ops.lengths, _sinks_operand(ops), heads_first=np.bool_(heads_first),
                                  **_attributes(scale, offset, left, right))
     return out, row_max, row_sum
 
 
-def backward(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, out: jax.Array, d_out: jax.Array,
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, ops: Operands, out: jax.Array, d_out: jax.Array,
              row_max: jax.Array, row_sum: jax.Array, *, scale: float, offset: int, left: int | None,
-             right: int | None, sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv, dsinks), float32, in the layouts of q, k, v and sinks ((0,) without
-    sinks), from the forward's inputs, output and row statistics."""
-    sinks = _sinks_operand(sinks)
+             right: int | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv, dsinks), float32, in the layouts of q, k, v and ``ops.sinks`` ((0,)
+    without sinks), from the forward's inputs (``ops`` as ``forward`` takes them), output
+    and row statistics."""
+    sinks = _sinks_operand(ops)
     shapes = tuple(jax.ShapeDtypeStruct(t.shape, jnp.float32) for t in (q, k, v, sinks))
     call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")
-    dq, dk, dv, dsinks = call(q, k, v, lengths, out, d_out, row_max, row_sum, sinks,
+    dq, dk, dv, dsinks = call(q, k, v, ops.lengths, out, d_out, row_max, row_sum, sinks,
                               **_attributes(scale, offset, left, right))
     return dq, dk, dv, dsinks
 

@@ -14,7 +14,7 @@ from jax import Array
 
 from attention_spec.geometry import key_range_traced, reach, visible, within_length
 from jax_attention import _online_softmax
-from jax_attention._canonical import compute_dtype
+from jax_attention._canonical import Operands, compute_dtype
 from jax_attention._reference import adjust
 from jax_attention.masks import _and_masks as combine_masks
 
@@ -48,18 +48,19 @@ def _tile_of(a: Array | None, r0: Array, c0: Array, rows: int, keys: int) -> Arr
     return jax.lax.dynamic_slice(a, start, (rows if a.shape[0] > 1 else 1, keys if a.shape[1] > 1 else 1))
 
 
-def _tile_logits(st: FlashStatic, q_b: Array, k_t: Array, v_t: Array, bias: Array | None, mask: Array | None,
-                 length: Array | None, r0: Array, c0: Array, edge: bool) -> tuple[Array, Array, float, Array, Array]:
-    """One tile: (unscaled scores s, logits z with hidden keys at -inf, z's scale, k_t,
-    v_t); as ``_blockwise``'s blocks.  An ``edge`` tile (one that some row sees only in
+def _tile_logits(st: FlashStatic, q_b: Array, k_t: Array, v_t: Array, ops: Operands, r0: Array, c0: Array,
+                 edge: bool) -> tuple[Array, Array, float, Array, Array]:
+    """One tile of a slice whose bias and mask (padded, ``_tiled_operands``) and key
+    count ``ops`` holds: (unscaled scores s, logits z with hidden keys at -inf, z's
+    scale, k_t, v_t); as ``_blockwise``'s blocks.  An ``edge`` tile (one that some row sees only in
     part, or that reaches past S) gets the band, and its keys and values outside the
     block's reach are zeroed first, so that a NaN stored there stays out, as on the
     unrolled path, which never reads them."""
     rows, keys = st.tile  # type: ignore[misc]
     cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
-    allowed = _tile_of(mask, r0, c0, rows, keys)
-    if length is not None:
-        allowed = combine_masks(allowed, within_length(cols, length))
+    allowed = _tile_of(ops.mask, r0, c0, rows, keys)
+    if ops.lengths is not None:
+        allowed = combine_masks(allowed, within_length(cols, ops.lengths))
     if edge:
         left, right = reach(st)
         lag = cols - (r0 + st.offset + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0))  # key - query position
@@ -71,8 +72,8 @@ def _tile_logits(st: FlashStatic, q_b: Array, k_t: Array, v_t: Array, bias: Arra
         in_reach = band.any(axis=0)[:, None]  # (keys, 1): seen by some row of the block
         k_t, v_t = jnp.where(in_reach, k_t, 0.0), jnp.where(in_reach, v_t, 0.0)
     raw = jnp.matmul(q_b, k_t.T, precision=st.precision)  # (rows, keys)
-    if bias is not None or st.softcap is not None:
-        z, z_scale = adjust(raw * st.scale, _tile_of(bias, r0, c0, rows, keys), st.softcap), 1.0
+    if ops.bias is not None or st.softcap is not None:
+        z, z_scale = adjust(raw * st.scale, _tile_of(ops.bias, r0, c0, rows, keys), st.softcap), 1.0
     else:
         z, z_scale = raw, st.scale
     if allowed is not None:
@@ -91,19 +92,21 @@ def _pad_to(a: Array, size: int, axis: int, value: Any = 0, *, broadcast: bool =
     return jnp.pad(a, widths, constant_values=value)
 
 
-def _tiled_operands(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None,
-                    mask: Array | None) -> tuple[Array, Array, Array, Array | None, Array | None]:
-    """q, k, v in the compute dtype and bias and mask, padded to whole tiles."""
+def _tiled_operands(st: FlashStatic, q: Array, k: Array, v: Array,
+                    ops: Operands) -> tuple[Array, Array, Array, Operands]:
+    """q, k, v in the compute dtype, and ``ops`` with its bias (in the compute dtype)
+    and mask, padded to whole tiles."""
     rows, keys = st.tile  # type: ignore[misc]
     t_pad, s_pad = -(-st.q_len // rows) * rows, -(-st.kv_len // keys) * keys
     ct = compute_dtype(q.dtype)
     q_p = _pad_to(q.astype(ct), t_pad, 0, broadcast=False)
     k_p, v_p = (_pad_to(t.astype(ct), s_pad, 0, broadcast=False) for t in (k, v))
+    bias, mask = ops.bias, ops.mask
     if bias is not None:
         bias = _pad_to(_pad_to(bias.astype(ct), t_pad, 0), s_pad, 1)
     if mask is not None:
         mask = _pad_to(_pad_to(mask, t_pad, 0, False), s_pad, 1, False)
-    return q_p, k_p, v_p, bias, mask
+    return q_p, k_p, v_p, ops._replace(bias=bias, mask=mask)
 
 
 def _key_tiles(st: FlashStatic, r0: Array, body: Any, carry: Any) -> Any:
@@ -115,18 +118,19 @@ def _key_tiles(st: FlashStatic, r0: Array, body: Any, carry: Any) -> Any:
     return jax.lax.fori_loop(inner_last, last, body(True), carry)
 
 
-def tiled_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | None, mask: Array | None,
-                  length: Array | None, sink: Array | None = None) -> tuple[Array, tuple[Array, Array, Array]]:
+def tiled_forward(st: FlashStatic, q: Array, k: Array, v: Array,
+                  ops: Operands) -> tuple[Array, tuple[Array, Array, Array]]:
     """The blockwise forward of one slice for long sequences: a ``fori_loop`` over query
     blocks, and in each a loop over the key tiles in reach with the online softmax (the
-    output rescaled when the row maximum grows).  The band is applied only to the edge
-    tiles; a ``sink`` logit joins each row's normaliser at the end
-    (``_online_softmax.finish``).  (out in v's dtype, (out, row max, row sum) in the
-    compute dtype)."""
+    output rescaled when the row maximum grows).  ``ops`` holds the slice's bias and mask
+    (T or 1, S or 1), its key count () and its sink logit (), as ``_blockwise``'s
+    ``_flash_forward`` takes them.  The band is applied only to the edge tiles; the sink
+    logit joins each row's normaliser at the end (``_online_softmax.finish``).  (out in
+    v's dtype, (out, row max, row sum) in the compute dtype)."""
     rows, keys = st.tile  # type: ignore[misc]
-    q_p, k_p, v_p, bias, mask = _tiled_operands(st, q, k, v, bias, mask)
+    q_p, k_p, v_p, ops = _tiled_operands(st, q, k, v, ops)
     ct, dv = q_p.dtype, v.shape[-1]
-    z_scale = 1.0 if bias is not None or st.softcap is not None else st.scale  # as ``_tile_logits``'s
+    z_scale = 1.0 if ops.bias is not None or st.softcap is not None else st.scale  # as ``_tile_logits``'s
 
     def query_block(i: Array, done: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         r0 = (i * rows).astype(jnp.int32)
@@ -136,13 +140,13 @@ def tiled_forward(st: FlashStatic, q: Array, k: Array, v: Array, bias: Array | N
             def body(t: Array, carry: _online_softmax.State) -> _online_softmax.State:
                 c0 = (t * keys).astype(jnp.int32)
                 k_t, v_t = jax.lax.dynamic_slice_in_dim(k_p, c0, keys), jax.lax.dynamic_slice_in_dim(v_p, c0, keys)
-                _, z, z_scale, _, v_t = _tile_logits(st, q_b, k_t, v_t, bias, mask, length, r0, c0, edge)
+                _, z, z_scale, _, v_t = _tile_logits(st, q_b, k_t, v_t, ops, r0, c0, edge)
                 return _online_softmax.step(carry, z, z_scale, lambda p: jnp.matmul(p, v_t, precision=st.precision))
             return body
 
         carry = (jnp.full((rows, 1), -jnp.inf, ct), jnp.zeros((rows, 1), ct), jnp.zeros((rows, dv), ct))
         m, total, acc = _key_tiles(st, r0, step, carry)
-        out_b, max_b, sum_b = _online_softmax.finish(m, total, acc, z_scale, sink)
+        out_b, max_b, sum_b = _online_softmax.finish(m, total, acc, z_scale, ops.sinks)
         out, row_max, row_sum = done
         out = jax.lax.dynamic_update_slice_in_dim(out, out_b, r0, 0)
         row_max = jax.lax.dynamic_update_slice_in_dim(row_max, max_b, r0, 0)
@@ -160,11 +164,12 @@ def tiled_backward(st: FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, 
     """The blockwise backward of one slice for long sequences, in the forward's loops:
     each tile's weights are recomputed from the saved row maximum and sum; dq is summed
     over a block's tiles, dk, dv (and a bias's gradient) are added into their tiles in
-    place."""
-    q, k, v, bias, mask, length, out_c, row_max, row_sum = residuals
+    place.  ``residuals`` are ``_blockwise._slice_backward``'s: q, k, v, the slice's
+    operands and its (out, row max, row sum)."""
+    q, k, v, ops, out_c, row_max, row_sum = residuals
     st = st._replace(tile=st.backward_tile)  # its own tile shape: the stats are per row, not per tile
     rows, keys = st.tile  # type: ignore[misc]
-    q_p, k_p, v_p, bias_p, mask_p = _tiled_operands(st, q, k, v, bias, mask)
+    q_p, k_p, v_p, ops_p = _tiled_operands(st, q, k, v, ops)
     ct, t_pad = q_p.dtype, q_p.shape[0]
     do = d_out.astype(ct)
     delta = _pad_to((do * out_c).sum(axis=-1, keepdims=True), t_pad, 0, broadcast=False)
@@ -181,7 +186,7 @@ def tiled_backward(st: FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, 
                 dq_b, dk, dv, d_bias = carry
                 c0 = (t * keys).astype(jnp.int32)
                 k_t, v_t = jax.lax.dynamic_slice_in_dim(k_p, c0, keys), jax.lax.dynamic_slice_in_dim(v_p, c0, keys)
-                raw, z, z_scale, k_t, v_t = _tile_logits(st, q_b, k_t, v_t, bias_p, mask_p, length, r0, c0, edge)
+                raw, z, z_scale, k_t, v_t = _tile_logits(st, q_b, k_t, v_t, ops_p, r0, c0, edge)
                 p = _online_softmax.probabilities(z, m, z_scale) * inv_total  # the forward's weights
                 dv = _add_tile(dv, jnp.matmul(p.T, do_b, precision=st.precision), c0)
                 g = p * (jnp.matmul(do_b, v_t.T, precision=st.precision) - delta_b)  # w.r.t. z * z_scale
@@ -201,10 +206,10 @@ def tiled_backward(st: FlashStatic, residuals: Any, d_out: Array) -> tuple[Any, 
         return jax.lax.dynamic_update_slice_in_dim(dq, dq_b, r0, 0), dk, dv, d_bias
 
     grads = (jnp.zeros(q_p.shape, ct), jnp.zeros(k_p.shape, ct), jnp.zeros(v_p.shape, ct),
-             None if bias_p is None else jnp.zeros(bias_p.shape, ct))
+             None if ops_p.bias is None else jnp.zeros(ops_p.bias.shape, ct))
     dq, dk, dv, d_bias = jax.lax.fori_loop(0, t_pad // rows, query_block, grads)
     if d_bias is not None:
-        d_bias = d_bias[: bias.shape[0], : bias.shape[1]]
+        d_bias = d_bias[: ops.bias.shape[0], : ops.bias.shape[1]]
     return dq[: st.q_len].astype(q.dtype), dk[: st.kv_len].astype(k.dtype), dv[: st.kv_len].astype(v.dtype), d_bias
 
 

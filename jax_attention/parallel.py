@@ -36,7 +36,7 @@ permutes in the backward.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,7 @@ from attention_spec.parallel import (
 )
 from attention_spec.rope import RopeConfig, check_rope, check_rope_call
 from jax_attention import _online_softmax, functional
+from jax_attention._canonical import Operands, float0
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
 
@@ -159,11 +160,10 @@ def ring_attention(
                  functional.resolve_scale(scale, head_dim), sinks is not None)
     sharded, replicated = PartitionSpec(None, None, axis_name, None), PartitionSpec()
     local = _shard_map(
-        _ring_function(ring), mesh=mesh, in_specs=(sharded, sharded, sharded, replicated, replicated),
-        out_specs=sharded,
+        _ring_function(ring), mesh=mesh, in_specs=(sharded, sharded, sharded, replicated), out_specs=sharded,
     )
-    return local(q, k, v, jnp.zeros((batch,), jnp.int32) if lengths is None else lengths,
-                 jnp.zeros((q.shape[1],), jnp.float32) if sinks is None else sinks)
+    ops = Operands(lengths=jnp.zeros((batch,), jnp.int32) if lengths is None else lengths, sinks=sinks)
+    return local(q, k, v, ops)
 
 
 def _turned(q: Array, k: Array, rope: RopeConfig, positions: Any, ring_size: int, layout: str) -> tuple[Array, Array]:
@@ -202,28 +202,30 @@ class _Ring(NamedTuple):
     causal: bool
     padded: bool  # kv_lengths given
     scale: float
-    has_sinks: bool  # sinks given (else the function gets zeros in their place and ignores them)
+    has_sinks: bool  # sinks given (else the function's operands hold none)
 
 
 @functools.lru_cache(maxsize=64)
 def _ring_function(ring: _Ring) -> Any:
-    """The per-device function (q, k, v, lengths, sinks) -> out of one ring, with its
-    backward.  The sinks' cotangent is this device's rows' share: ``shard_map`` sums the
-    cotangents of a replicated input over the devices."""
+    """The per-device function (q, k, v, ops) -> out of one ring, with its backward;
+    ``ops`` holds int32 ``lengths`` (B,) (zeros where the ring is not ``padded``) and the
+    ``sinks`` (H,), None where the ring ``has_sinks`` not.  The operands' cotangent is an
+    ``Operands``: none for the lengths, and for the sinks this device's rows' share:
+    ``shard_map`` sums the cotangents of a replicated input over the devices."""
 
     @jax.custom_vjp
-    def attend(q: Array, k: Array, v: Array, lengths: Array, sinks: Array) -> Array:
-        return _forward(ring, q, k, v, lengths, sinks)[0]
+    def attend(q: Array, k: Array, v: Array, ops: Operands) -> Array:
+        return _forward(ring, q, k, v, ops)[0]
 
-    def forward(q: Array, k: Array, v: Array, lengths: Array, sinks: Array) -> tuple[Array, tuple[Any, ...]]:
-        out, stats = _forward(ring, q, k, v, lengths, sinks)
-        return out, (q, k, v, lengths, sinks, out, stats)
+    def forward(q: Array, k: Array, v: Array, ops: Operands) -> tuple[Array, tuple[Any, ...]]:
+        out, stats = _forward(ring, q, k, v, ops)
+        return out, (q, k, v, ops, out, stats)
 
     def backward(residuals: tuple[Any, ...], d_out: Array) -> tuple[Any, ...]:
-        q, k, v, lengths, sinks, out, stats = residuals
-        dq, dk, dv = _backward(ring, q, k, v, lengths, out, stats, d_out)
-        d_sinks = _sink_grad(ring, sinks, out, stats, d_out) if ring.has_sinks else jnp.zeros_like(sinks)
-        return dq, dk, dv, None, d_sinks  # lengths: integers, no cotangent
+        q, k, v, ops, out, stats = residuals
+        dq, dk, dv = _backward(ring, q, k, v, cast(Array, ops.lengths), out, stats, d_out)
+        d_sinks = _sink_grad(ring, ops, out, stats, d_out) if ring.has_sinks else None
+        return dq, dk, dv, Operands(lengths=float0(ops.lengths), sinks=d_sinks)
 
     attend.defvjp(forward, backward)
     return attend
@@ -297,13 +299,11 @@ def _scores(q: Array, k: Array) -> Array:
     return ungroup_rows(_mm(group_rows(q, k.shape[1]), jnp.swapaxes(k, -2, -1)), q.shape[1])
 
 
-def _forward(
-    ring: _Ring, q: Array, k: Array, v: Array, lengths: Array, sinks: Array
-) -> tuple[Array, tuple[Array, Array]]:
-    """One device's forward: out (B, H, L, Dv) in v's dtype, and the row statistics
-    (B, H, L) in the compute dtype: the maximum of the unscaled scores (0 for a row with
-    nothing to attend to) and the sum of exp((s - max) * scale) (0 there), the sinks
-    folded into both (``_with_sinks``).  Kept apart, not as one log-sum-exp: at logits of
+def _forward(ring: _Ring, q: Array, k: Array, v: Array, ops: Operands) -> tuple[Array, tuple[Array, Array]]:
+    """One device's forward, ``ops`` as ``_ring_function`` takes them: out (B, H, L, Dv)
+    in v's dtype, and the row statistics (B, H, L) in the compute dtype: the maximum of
+    the unscaled scores (0 for a row with nothing to attend to) and the sum of
+    exp((s - max) * scale) (0 there), the sinks folded into both (``_with_sinks``).  Kept apart, not as one log-sum-exp: at logits of
     1e10 the sum's logarithm is below the maximum's float32 spacing and would be lost."""
     ct = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     width = k.shape[-1]
@@ -316,6 +316,7 @@ def _forward(
          jnp.zeros((batch, heads, ring.q_piece, v.shape[-1]), ct))
         for _ in queries
     ]
+    lengths = cast(Array, ops.lengths)  # always given: zeros where the ring is not padded
     kv = _without_padding(ring, jnp.concatenate([k, v], axis=-1), me, lengths)  # one permute per step
     for step in range(ring.size):
         k_chunks = piece_chunks((me - step) % ring.size, ring.size, ring.layout)
@@ -329,7 +330,9 @@ def _forward(
             kv = jax.lax.ppermute(kv, ring.axis_name, _next(ring))
     outs, maxes, sums = [], [], []
     for state in states:
-        m, row_sum, acc = _with_sinks(state, sinks.astype(ct)[None, :, None], ring.scale) if ring.has_sinks else state
+        m, row_sum, acc = state
+        if ring.has_sinks:
+            m, row_sum, acc = _with_sinks(state, cast(Array, ops.sinks).astype(ct)[None, :, None], ring.scale)
         live = row_sum > 0
         outs.append(acc / jnp.where(live, row_sum, 1.0)[..., None])
         maxes.append(jnp.where(live, m, 0.0))
@@ -351,12 +354,13 @@ def _with_sinks(state: tuple[Array, Array, Array], sink: Array, scale: float) ->
     return m_new, row_sum * rescale + jnp.exp(sink - m_new * scale), acc * rescale[..., None]
 
 
-def _sink_grad(ring: _Ring, sinks: Array, out: Array, stats: tuple[Array, Array], d_out: Array) -> Array:
-    """This device's share of d loss / d sinks (H,): -sum over its rows of p_sink *
-    rowsum(dO * O), p_sink = exp(sink - m * scale) / l from the forward's statistics (the
-    sink's weight); ``shard_map`` sums the shares over the devices."""
+def _sink_grad(ring: _Ring, ops: Operands, out: Array, stats: tuple[Array, Array], d_out: Array) -> Array:
+    """This device's share of d loss / d sinks (``ops.sinks``, (H,)): -sum over its rows
+    of p_sink * rowsum(dO * O), p_sink = exp(sink - m * scale) / l from the forward's
+    statistics (the sink's weight); ``shard_map`` sums the shares over the devices."""
     row_max, row_sum = stats
     ct = row_max.dtype
+    sinks = cast(Array, ops.sinks)  # called only where the ring has sinks
     p_sink = jnp.exp(sinks.astype(ct)[None, :, None] - row_max * ring.scale) / row_sum  # l > 0 with sinks
     delta = (d_out.astype(ct) * out.astype(ct)).sum(axis=-1)
     return -(p_sink * delta).sum(axis=(0, 2)).astype(sinks.dtype)

@@ -176,15 +176,16 @@ def test_the_kernel_itself_never_reads_past_a_length():
     import jax.numpy as jnp
 
     from jax_attention import _cpu_kernel
+    from jax_attention._canonical import Operands
 
     q, k, v, cot = (np.swapaxes(a, 1, 2).astype(np.float32) for a in _inputs(2, 4, 2, 40, 700, 64, 64, seed=5))
-    lengths = jnp.asarray([700, 333], jnp.int32)
+    ops = Operands(lengths=jnp.asarray([700, 333], jnp.int32))
     attrs = dict(scale=0.125, offset=0, left=None, right=None)
 
     def both(k: np.ndarray, v: np.ndarray) -> list[np.ndarray]:
         q_, k_, v_, cot_ = map(jnp.asarray, (q, k, v, cot))
-        out, row_max, row_sum = _cpu_kernel.forward(q_, k_, v_, lengths, **attrs)
-        grads = _cpu_kernel.backward(q_, k_, v_, lengths, out, cot_, row_max, row_sum, **attrs)
+        out, row_max, row_sum = _cpu_kernel.forward(q_, k_, v_, ops, **attrs)
+        grads = _cpu_kernel.backward(q_, k_, v_, ops, out, cot_, row_max, row_sum, **attrs)
         return [np.asarray(a) for a in (out, row_max, row_sum, *grads)]
 
     clean = both(k, v)
@@ -205,15 +206,16 @@ def test_the_forward_for_few_rows_reads_in_place_and_never_past_a_length(heads_f
     import jax.numpy as jnp
 
     from jax_attention import _cpu_kernel
+    from jax_attention._canonical import Operands
 
     q, k, v, _ = (np.swapaxes(a, 1, 2).astype(np.float32) for a in _inputs(2, 6, 2, 3, 700, 64, 48, seed=7))
-    lengths = jnp.asarray([700, 333], jnp.int32)
-    attrs = dict(scale=0.125, offset=690, left=400, right=0, sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0, 1.0, -3.0]))
-    blocks = _cpu_kernel.forward(*map(jnp.asarray, (q, k, v)), lengths, **attrs)
+    ops = Operands(lengths=jnp.asarray([700, 333], jnp.int32), sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0, 1.0, -3.0]))
+    attrs = dict(scale=0.125, offset=690, left=400, right=0)
+    blocks = _cpu_kernel.forward(*map(jnp.asarray, (q, k, v)), ops, **attrs)
 
     def few(k: np.ndarray, v: np.ndarray) -> list[np.ndarray]:
         swap = (lambda t: np.swapaxes(t, 1, 2)) if heads_first else (lambda t: t)
-        out, row_max, row_sum = _cpu_kernel.decode_forward(*(jnp.asarray(swap(t)) for t in (q, k, v)), lengths,
+        out, row_max, row_sum = _cpu_kernel.decode_forward(*(jnp.asarray(swap(t)) for t in (q, k, v)), ops,
                                                            heads_first=heads_first, **attrs)
         return [swap(np.asarray(out)), np.asarray(row_max), np.asarray(row_sum)]
 
