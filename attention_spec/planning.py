@@ -52,15 +52,16 @@ def module_options(
     """The ``CallOptions`` of a module's attention: the spec's options and the call's
     flags (``training``: dropout is on); ``causal``, ``scale`` and ``alignment`` override
     the spec's where given (a cached step aligns its queries at each example's fill)."""
+    scoring = spec.scoring
     return CallOptions(
-        causal=spec.causal if causal is None else causal,
-        scale=spec.scale if scale is None else scale,
-        mask_strategy=spec.mask_strategy,
-        normalization=spec.normalization,
-        softcap=spec.softcap,
-        window=spec.window,
-        alignment=spec.alignment if alignment is None else alignment,
-        dropout_rate=spec.dropout,
+        causal=scoring.causal if causal is None else causal,
+        scale=scoring.scale if scale is None else scale,
+        mask_strategy=scoring.mask_strategy,
+        normalization=scoring.normalization,
+        softcap=scoring.softcap,
+        window=scoring.window,
+        alignment=scoring.alignment if alignment is None else alignment,
+        dropout_rate=scoring.dropout,
         training=training,
         return_weights=return_weights,
         implementation=implementation,

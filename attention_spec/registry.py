@@ -24,9 +24,11 @@ Reading the registry::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, cast
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, cast
 
 from attention_spec.latent import check_latent_widths, check_norm_eps
 from attention_spec.options import (
@@ -54,9 +56,14 @@ __all__ = [
     "REQUIRED",
     "VARIANTS",
     "AttentionConfig",
+    "Layers",
+    "LatentWidths",
     "Option",
     "Projection",
+    "QKTransforms",
+    "Scoring",
     "Variant",
+    "Widths",
     "make_config",
     "variant",
 ]
@@ -314,29 +321,40 @@ def variant(name: str) -> Variant:
 
 
 @dataclass(frozen=True)
-class AttentionConfig:
-    """Every option of a variant, validated, frozen and hashable (``module.spec``).
+class Widths:
+    """A config's widths and heads: ``d_in``, ``d_out`` (or a ``Head``'s ``head_size``),
+    the context cap, query and key/value heads, cross-attention's key and value input
+    widths, the ``head_dim=`` option as given (``head_dim_option``) and
+    ``out_features``."""
 
-    Build one with ``make_config`` (the variant's declared defaults, e.g. ``out_proj=True``
-    for ``MultiHeadAttention``); direct construction takes the neutral defaults below.
-
-    Fields that the variant does not expose hold the variant's fixed value or the neutral
-    default below (e.g. ``dropout=0.0``, ``num_heads=1`` for a single-head variant);
-    setting one of them raises ``ValueError``.  ``context_length=None`` means no cap on
-    the sequence length.  The ``head_dim=`` option is held as ``head_dim_option`` (None
-    or the int given); ``head_dim`` is the resolved width of one head.  Raises
-    ``TypeError``/``ValueError`` (the texts of ``attention_spec.options``) for a bad value.
-    """
-
-    variant: str
     d_in: int | None = None
     d_out: int | None = None
     head_size: int | None = None
     context_length: int | None = None
-    dropout: float = 0.0
     num_heads: int = 1
+    num_kv_heads: int | None = None
+    kdim: int | None = None
+    vdim: int | None = None
+    head_dim_option: int | None = None  # the ``head_dim=`` option as given (``head_dim``: resolved)
+    out_features: int | None = None
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Which projections a config creates beyond its declared ones, and their biases."""
+
     qkv_bias: bool = False
     out_proj: bool = False
+    out_bias: bool = False
+    attention_bias: bool = False  # latent attention's projections
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How the attention weights are made and which path computes them: the scale, the
+    structure (causal, window and its alignment), soft-capping, sinks, the mask strategy
+    and normalisation, dropout on the weights and the ``implementation``."""
+
     scale: float | None = None
     causal: bool = False
     mask_strategy: str = "fill"
@@ -345,38 +363,140 @@ class AttentionConfig:
     softcap: float | None = None
     window: tuple[int | None, int | None] | None = None
     alignment: str = "top_left"
-    num_kv_heads: int | None = None
-    kdim: int | None = None
-    vdim: int | None = None
-    head_dim_option: int | None = None  # the ``head_dim=`` option as given (``head_dim``: resolved)
-    out_features: int | None = None
-    out_bias: bool = False
+    sinks: bool = False  # a parameter ``sinks`` (num_heads,): each head's logit in every softmax
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class QKTransforms:
+    """What is done to queries and keys before the scores: qk-norm (its kind, scope,
+    epsilon and offset) and the rotary embedding (an ``attention_spec.rope.RopeConfig``)."""
+
     qk_norm: str | None = None
     qk_norm_scope: str = "head"
     qk_norm_eps: float = 1e-6
     qk_norm_offset: float = 0.0
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
-    sinks: bool = False  # a parameter ``sinks`` (num_heads,): each head's logit in every softmax
-    # multi-head latent attention (``heads="latent"``): the ranks and the widths of one head
+
+
+@dataclass(frozen=True)
+class LatentWidths:
+    """Multi-head latent attention's (``heads="latent"``) ranks, the widths of one head
+    and its norms' epsilon; neutral (None) for every other variant."""
+
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    attention_bias: bool = False
     norm_eps: float = 1e-6  # q_a_layernorm's and kv_a_layernorm's
+
+
+# Each subject's record, by the config's field that holds it; every option's subject.
+_SUBJECTS: dict[str, type] = {
+    "widths": Widths, "layers": Layers, "scoring": Scoring, "qk": QKTransforms, "latent": LatentWidths,
+}
+_SUBJECT_OF: dict[str, str] = {f.name: subject for subject, record in _SUBJECTS.items() for f in fields(record)}
+
+
+@dataclass(frozen=True, init=False)
+class AttentionConfig:
+    """Every option of a variant, validated, frozen and hashable (``module.spec``), held
+    in records by subject: ``widths`` (``Widths``), ``layers`` (``Layers``), ``scoring``
+    (``Scoring``), ``qk`` (``QKTransforms``) and ``latent`` (``LatentWidths``).  Each
+    option reads as an attribute too (``spec.num_heads`` is ``spec.widths.num_heads``).
+
+    Build one with ``make_config`` (the variant's declared defaults, e.g. ``out_proj=True``
+    for ``MultiHeadAttention``); direct construction takes the options by name
+    (``AttentionConfig("CausalAttention", d_in=4, d_out=4)``) or whole records, with the
+    neutral defaults of the records, and ``dataclasses.replace(spec, causal=False)``
+    changes one option.
+
+    Options that the variant does not expose hold the variant's fixed value or the
+    neutral default (e.g. ``dropout=0.0``, ``num_heads=1`` for a single-head variant);
+    setting one of them raises ``ValueError``.  ``context_length=None`` means no cap on
+    the sequence length.  The ``head_dim=`` option is held as ``head_dim_option`` (None
+    or the int given); ``head_dim`` is the resolved width of one head.  Raises
+    ``TypeError``/``ValueError`` (the texts of ``attention_spec.options``) for a bad value.
+    """
+
+    variant: str
+    widths: Widths
+    layers: Layers
+    scoring: Scoring
+    qk: QKTransforms
+    latent: LatentWidths
+
+    if TYPE_CHECKING:  # each option, read through its record (the properties set below the class)
+        d_in: int | None
+        d_out: int | None
+        head_size: int | None
+        context_length: int | None
+        num_heads: int
+        num_kv_heads: int | None
+        kdim: int | None
+        vdim: int | None
+        head_dim_option: int | None
+        out_features: int | None
+        qkv_bias: bool
+        out_proj: bool
+        out_bias: bool
+        attention_bias: bool
+        scale: float | None
+        causal: bool
+        mask_strategy: str
+        normalization: str
+        implementation: str
+        softcap: float | None
+        window: tuple[int | None, int | None] | None
+        alignment: str
+        sinks: bool
+        dropout: float
+        qk_norm: str | None
+        qk_norm_scope: str
+        qk_norm_eps: float
+        qk_norm_offset: float
+        rope: Any
+        q_lora_rank: int | None
+        kv_lora_rank: int | None
+        qk_nope_head_dim: int | None
+        qk_rope_head_dim: int | None
+        v_head_dim: int | None
+        norm_eps: float
+
+    def __init__(self, variant: str, widths: Widths | None = None, layers: Layers | None = None,
+                 scoring: Scoring | None = None, qk: QKTransforms | None = None, latent: LatentWidths | None = None,
+                 **options: Any) -> None:
+        unknown = sorted(set(options) - set(_SUBJECT_OF))
+        if unknown:
+            raise TypeError(f"AttentionConfig() got an unexpected keyword argument {unknown[0]!r}")
+        given = {"widths": widths, "layers": layers, "scoring": scoring, "qk": qk, "latent": latent}
+        object.__setattr__(self, "variant", variant)
+        for subject, record in _SUBJECTS.items():
+            own = {name: value for name, value in options.items() if _SUBJECT_OF[name] == subject}
+            base = given[subject]
+            if base is None or own:
+                base = record(**own) if base is None else dataclasses.replace(base, **own)
+            object.__setattr__(self, subject, base)
+        self.__post_init__()
+
+    def _set(self, name: str, value: Any) -> None:
+        """Writes a normalised option into its record (frozen: once, while checking)."""
+        subject = _SUBJECT_OF[name]
+        object.__setattr__(self, subject, dataclasses.replace(getattr(self, subject), **{name: value}))
 
     def __post_init__(self) -> None:
         decl = variant(self.variant)
         exposed = {_FIELDS.get(name, name) for name in decl.options}
         fixed = dict(decl.fixed)
-        for f in fields(self):
-            if f.name == "variant" or f.name in exposed:
-                continue
-            neutral = fixed.get(f.name, f.default)
-            if getattr(self, f.name) != neutral:
-                raise ValueError(f"{self.variant} has no option {_OPTIONS.get(f.name, f.name)!r}")
-        set_ = object.__setattr__  # frozen: normalised values are written once, here
+        for record in _SUBJECTS.values():
+            for f in fields(record):
+                if f.name in exposed:
+                    continue
+                neutral = fixed.get(f.name, f.default)
+                if getattr(self, f.name) != neutral:
+                    raise ValueError(f"{self.variant} has no option {_OPTIONS.get(f.name, f.name)!r}")
+        set_ = AttentionConfig._set  # frozen: normalised values are written once, here
         for name in ("d_in", "d_out", "head_size"):
             if name in exposed:
                 check_positive_int(name, getattr(self, name))
@@ -560,6 +680,11 @@ class AttentionConfig:
         opts = self.options()
         head_opts = {k: opts[k] for k in REGISTRY[decl.head_variant].options if k in opts}
         return make_config(decl.head_variant, head_opts)
+
+
+for _name, _subject in _SUBJECT_OF.items():  # each option read through its record, read-only
+    setattr(AttentionConfig, _name, property(attrgetter(f"{_subject}.{_name}"), doc=f"``{_subject}.{_name}``."))
+del _name, _subject
 
 
 def make_config(name: str, options: Mapping[str, Any]) -> AttentionConfig:

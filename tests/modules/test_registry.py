@@ -198,6 +198,31 @@ def test_config_is_frozen_hashable_and_validated() -> None:
         AttentionConfig("SelfAttention_v1", d_in=2, d_out=2, dropout=0.5)
     with pytest.raises(TypeError, match="CausalAttention\\(\\) missing required argument: 'dropout'"):
         make_config("CausalAttention", {"d_in": 2, "d_out": 2, "context_length": 3})
+
+
+def test_config_holds_its_options_in_records_by_subject() -> None:
+    """Each option lives in one record (widths, layers, scoring, qk, latent) and reads by
+    name through it; a record replaces as a whole, an option changes alone, and a
+    normalised value (the window's tuple) is written into its record."""
+    from attention_spec.registry import LatentWidths, Layers, QKTransforms, Scoring, Widths
+
+    records = {"widths": Widths, "layers": Layers, "scoring": Scoring, "qk": QKTransforms, "latent": LatentWidths}
+    assert [f.name for f in dataclasses.fields(AttentionConfig)] == ["variant", *records]
+    names = [f.name for record in records.values() for f in dataclasses.fields(record)]
+    assert len(names) == len(set(names)), "an option in two records"
+    spec = make_config("MultiHeadAttention", {**CONFIGS["MultiHeadAttention"], "window": [3, 0], "softcap": 5.0})
+    for subject, record in records.items():
+        held = getattr(spec, subject)
+        assert isinstance(held, record)
+        for f in dataclasses.fields(record):
+            assert getattr(spec, f.name) == getattr(held, f.name)
+    assert spec.scoring.window == (3, 0) and spec.widths.num_heads == 2 and spec.latent == LatentWidths()
+    changed = dataclasses.replace(spec, causal=False)
+    assert changed.scoring == dataclasses.replace(spec.scoring, causal=False) and changed.widths is spec.widths
+    assert dataclasses.replace(spec, scoring=changed.scoring) == changed
+    assert set(spec.options()) <= {*names, "head_dim"}  # every constructor keyword is a field of a record
+    with pytest.raises(TypeError, match="unexpected keyword argument 'heads'"):
+        AttentionConfig("MultiHeadAttention", heads=2)
     # values are normalised: an int rate is a float, so equal configs hash equal
     assert make_config("Head", {"d_in": 2, "head_size": 2, "context_length": 3, "dropout": 0}).dropout == 0.0
     # the fixed scale of the parameterless variant
