@@ -36,25 +36,25 @@ def fits(q: Array, *, mask: Array | None = None, bias: Array | None = None, segm
 
 
 def declines(q: Array, *, mask: Array | None = None, bias: Array | None = None, segments: Array | None = None,
-             offset: int | Array = 0, implementation: str = "fused", race: str = "full") -> str | None:
+             offset: int | Array = 0, implementation: str = "fused", few_rows: bool = False) -> str | None:
     """Why ``implementation`` (``"fused"`` or ``"auto"``) does not run the kernel for a
     call on XLA's CPU backend (None: it does), asked without building it: the call
     (``fits``), then the machine: a kernel known not to be had (turned off, or a build
     that failed), and for ``"auto"`` its decision: ``$TWIN_ATTENTION_CPU_AUTO`` or the
-    measurement cached for this build (``_cpu_kernel.auto_would_decline``; ``race``: the
-    kind of call it decides, ``_paths.race``)."""
+    measurement cached for this build (``_cpu_kernel.auto_would_decline``; ``few_rows``:
+    the decision for the forward for few rows)."""
     why = fits(q, mask=mask, bias=bias, segments=segments, offset=offset)
     if why is not None:
         return why
     if implementation == "auto":
-        return _cpu_kernel.auto_would_decline(race)
+        return _cpu_kernel.auto_would_decline(few_rows)
     missing = _cpu_kernel.known_unavailable()
     return None if missing is None else f"the CPU kernel is not available: {missing}"
 
 
 def cpu_kernel_supports(q: Array, *, mask: Array | None = None, bias: Array | None = None,
                         segments: Array | None = None, offset: int | Array = 0,
-                        implementation: str = "fused", race: str = "full") -> bool:
+                        implementation: str = "fused", few_rows: bool = False) -> bool:
     """Whether ``implementation`` (``"fused"`` or ``"auto"``) runs the library's CPU
     kernel (``_cpu_kernel``) for a call, asked without building it: XLA's CPU backend,
     float32, bfloat16 or float16 inputs (computed in float32), no dense mask, bias or
@@ -68,7 +68,7 @@ def cpu_kernel_supports(q: Array, *, mask: Array | None = None, bias: Array | No
     build) an explicit ``"fused"`` says so with a ``RuntimeWarning``."""
     return jax.default_backend() == "cpu" and declines(
         q, mask=mask, bias=bias, segments=segments, offset=offset, implementation=implementation,
-        race=race) is None
+        few_rows=few_rows) is None
 
 
 def candidate(q: Array, implementation: str, *, mask: Array | None = None, bias: Array | None = None,
@@ -82,18 +82,18 @@ def candidate(q: Array, implementation: str, *, mask: Array | None = None, bias:
     return cpu_kernel_supports(q, mask=mask, bias=bias, segments=segments, offset=offset, implementation="auto")
 
 
-def confirm(implementation: str, race: str = "full") -> bool:
+def confirm(implementation: str, few_rows: bool = False) -> bool:
     """Whether the kernel runs a call that was routed to it (or, for an explicit
     ``"fused"``, would be): it is built and loaded, building it on its first use, and
     for ``"auto"`` taken by its decision, measured on first use if none is cached
-    (``race``: the kind of call, ``_paths.race``; ``_cpu_kernel.auto_declines``).  An explicit
+    (``few_rows``: the forward for few rows; ``_cpu_kernel.auto_declines``).  An explicit
     ``"fused"`` that cannot have it says so (``_cpu_kernel.warn_fallback``, naming the
     caller of this function's caller)."""
     if not _cpu_kernel.available():
         if implementation == "fused":
             _cpu_kernel.warn_fallback()
         return False
-    return implementation != "auto" or _cpu_kernel.auto_declines(race) is None
+    return implementation != "auto" or _cpu_kernel.auto_declines(few_rows) is None
 
 
 class _KernelStatic(NamedTuple):

@@ -408,33 +408,32 @@ def _library_name_of(record: Path) -> str:
     return record.name[:-len(_cpu_measure.SUFFIX)]
 
 
-def auto_declines(race: str = "full") -> str | None:
+def auto_declines(few_rows: bool = False) -> str | None:
     """Why ``implementation="auto"`` does not run the kernel on this machine, or None
     where it does, building the kernel on the first call (a kernel that cannot be had is
     passed by, saying why).  ``$TWIN_ATTENTION_CPU_AUTO`` (``kernel``, ``blockwise``)
     forces the answer; otherwise the measurement of this build on this machine decides
     (``_cpu_measure``): read from its record, or, where there is none (or it is
     unreadable, or from another JAX or other CPUs), measured now (about a second, once
-    per build and machine) and cached.  ``race``: the kind of call (``_paths.race``):
-    ``"full"`` and ``"long"`` (the kernel against the blockwise path, below and from
-    ``_paths.LONG_SEQUENCE`` keys), which also decide a projection's ``"auto"``
-    (``functional.linear``), and ``"few_rows"`` (the kernel's forward for few rows
-    against the explicit math).  An explicit ``"fused"`` runs the kernel
+    per build and machine) and cached.  ``few_rows``: the decision for a call of few
+    query rows (the kernel's forward for few rows against the explicit math); the other
+    (full calls: the kernel against the blockwise path) also decides a projection's
+    ``"auto"`` (``functional.linear``).  An explicit ``"fused"`` runs the kernel
     whatever this says."""
     isa = instruction_set()
     if isa is None:
         return f"the CPU kernel is not available: {build_error()}"
     decision = _cpu_measure.forced()
     if decision is not None:
-        return _cpu_measure.forced_reason(decision, race)
+        return _cpu_measure.forced_reason(decision, few_rows)
     name = _library_name()
     if name is None:  # loaded, so not reached; no record without a name
         return None
     record = _cpu_measure.decide(_cpu_measure.record_path(cache_dir() / name), name, may_measure=True)
-    return None if record is None else _cpu_measure.reason(record, race)
+    return None if record is None else _cpu_measure.reason(record, few_rows)
 
 
-def auto_would_decline(race: str = "full") -> str | None:
+def auto_would_decline(few_rows: bool = False) -> str | None:
     """``auto_declines``'s answer asked without building the kernel or measuring it: a
     kernel known to be missing (turned off, a failed build) is passed by, saying why;
     ``$TWIN_ATTENTION_CPU_AUTO`` forces the answer; otherwise the cached measurement of
@@ -448,17 +447,17 @@ def auto_would_decline(race: str = "full") -> str | None:
         return f"the CPU kernel is not available: {missing}"
     decision = _cpu_measure.forced()
     if decision is not None:
-        return _cpu_measure.forced_reason(decision, race)
+        return _cpu_measure.forced_reason(decision, few_rows)
     path = auto_record()
     if path is None:  # no compiler: the call's build fails, and it falls back then
         return None
     record = _cpu_measure.decide(path, _library_name_of(path), may_measure=False)
-    return None if record is None else _cpu_measure.reason(record, race)
+    return None if record is None else _cpu_measure.reason(record, few_rows)
 
 
-def auto_basis(race: str = "full") -> str:
+def auto_basis(few_rows: bool = False) -> str:
     """One line saying what decides ``implementation="auto"``'s choice of the kernel here
-    for calls of ``race``'s kind (``auto_declines``), asked without building or measuring:
+    (``few_rows``: for a call of few query rows), asked without building or measuring:
     the kernel missing, ``$TWIN_ATTENTION_CPU_AUTO``, the measurement cached for this
     build (its medians and where it is cached), a decision set by ``python -m
     jax_attention.build_kernel --auto``, or none yet (the first call measures)."""
@@ -473,7 +472,7 @@ def auto_basis(race: str = "full") -> str:
         return ("no C++ compiler found ($CXX, c++, g++ or clang++): auto tries the CPU kernel, whose build then "
                 "fails, and takes the blockwise path")
     record = _cpu_measure.decide(path, _library_name_of(path), may_measure=False)
-    return _cpu_measure.basis(record, race, path)
+    return _cpu_measure.basis(record, few_rows, path)
 
 
 def measure_auto() -> tuple[Path, dict[str, Any]]:

@@ -4,38 +4,34 @@ decided by a short measurement on the machine, made once per build of the kernel
 cached beside it.  ``_cpu_kernel`` asks here (``auto_declines``, ``auto_would_decline``,
 ``auto_basis``); nothing here builds or loads the kernel, and nothing runs at import.
 
-The measurement (``measure``: 5-6 s with its compiles on the 2-core Zen 5, most of it
-compiling and running the long race) times three races, each side jitted, compiled and
-run once before the clock, then run ``REPETITIONS`` times in turns (the order
-alternating round by round, so that a slow spell of a shared machine falls on both),
-medians; the faster median wins, a tie goes to the kernel.  Each race decides the calls
-of its kind (``_paths.race``):
+The measurement (``measure``: 2.3-2.8 s with its compiles on the 2-core Zen 5, about half
+of it compiling the blockwise path's forward + backward) times two races, each side jitted, compiled and run once before the clock,
+then run ``REPETITIONS`` times in turns (the order alternating round by round, so that a
+slow spell of a shared machine falls on both), medians; the faster median wins, a tie
+goes to the kernel:
 
-- full calls (``"full"``, below ``_paths.LONG_SEQUENCE`` keys): a training step of a
-  causal attention layer, forward + backward (``jax.value_and_grad`` of the output's sum
-  with respect to x and the four weights): x (B, S, H * D) projected to q, k and v by
-  ``functional.linear``, ``dot_product_attention(causal=True, layout="bshd")``, the
-  output projected again, on ``FULL_CALL`` (B, S, H, D) float32, every product and the
-  core on ``implementation="fused"`` (the kernel and its matrix product) against
-  ``"blockwise"`` (XLA's dot): the work ``auto`` decides for a module, whose projections
-  follow the same decision (``_linear``).  Forward + backward because a training step is
-  what ``auto`` mostly serves (a decode step is the other race).  The projections are in
-  because they are most of a module's time at short sequences, and on a build narrower
-  than the CPU they decide it: the first form of this race timed the core alone (B1 H4
-  S256), and on the 2-core Zen 5 it took a kernel built for AVX2
-  (``$TWIN_ATTENTION_MARCH=x86-64-v3``, XLA capped at AVX2) whose module then ran
-  1.07-1.27x the blockwise module's time (B32 S128 and B4 S1024).  B2 H4 S512 D64: long
-  enough that the attention is a fair share of the step and the blockwise path skips
-  causal blocks, short enough to compile and run in about a second.  On that Zen 5 the
-  native build's kernel took 8.8-9.5 ms against the blockwise path's 12.1-15.1; the AVX2
-  build's 14.2-15.4 against 12.1-15.9, and at the sweep's shapes (medians of 9, one
-  process) 1.15x the blockwise path's time at B2 H4 S512, 1.22x at B32 H4 S128, 1.33x at
-  B4 H8 S1024.
-- long sequences (``"long"``, from ``_paths.LONG_SEQUENCE`` keys, where the blockwise
-  path walks its loops, ``_tiled``): the same training step at ``LONG_CALL``.  Its own
-  race because the rank can turn with the rival's form: the AVX2 build above took 0.77x
-  the blockwise path's time at B1 H4 S4096 while it was behind at every shorter shape
-  (the native build: 0.56x there, 0.58-0.82x at the shorter ones).
+- full calls: a training step of a causal attention layer, forward + backward
+  (``jax.value_and_grad`` of the output's sum with respect to x and the four weights):
+  x (B, S, H * D) projected to q, k and v by ``functional.linear``, ``dot_product_attention
+  (causal=True, layout="bshd")``, the output projected again, on ``FULL_CALL`` (B, S, H,
+  D) float32, every product and the core on ``implementation="fused"`` (the kernel and
+  its matrix product) against ``"blockwise"`` (XLA's dot): the work ``auto`` decides for
+  a module, whose projections follow the same decision (``_linear``).  Forward +
+  backward because a training step is what ``auto`` mostly serves (a decode step is the
+  other race).  The projections are in because they are most of a module's time at
+  short sequences, and on a build narrower than the CPU they decide it: the first form
+  of this race timed the core alone (B1 H4 S256), and on the 2-core Zen 5 it took a
+  kernel built for AVX2 (``$TWIN_ATTENTION_MARCH=x86-64-v3``, XLA capped at AVX2) whose
+  module then ran 1.07-1.27x the blockwise module's time (B32 S128 and B4 S1024).  B8 H4
+  S256 D64 (about 15-25 ms a step): the shape where the two builds' ranks were surest.
+  Ratios of the kernel's median to the blockwise path's on that Zen 5, three processes
+  each (medians of 7): native build B8 H4 S256 0.69-0.75, B32 H4 S128 0.72-0.86, B2 H4
+  S512 0.68-0.70, B1 H4 S4096 0.56; the AVX2 build 1.14-1.24, 1.13-1.32, 1.04-1.24 and
+  1.02 (a tie), while its module sweep had the blockwise module ahead at every shape,
+  S16384 and S32768 included (forward 0.78-0.79x, forward + backward 0.86-0.93x the
+  kernel's time).  The second form of this race, at B2 H4 S512, was the closest shape
+  on the AVX2 build and went either way; one race at a shorter shape decides long
+  sequences too, as those sweeps rank them on both builds.
 - few query rows: a decode step over a long cache, ``FEW_ROWS_CALL`` (B, H, S, D): one
   query row per head over S cached keys with ``kv_lengths``, heads first as a module's
   cache holds them, forward only: ``"fused"`` (the kernel's forward for few rows,
@@ -75,23 +71,19 @@ from typing import Any
 
 OVERRIDE = "TWIN_ATTENTION_CPU_AUTO"
 OVERRIDES = ("kernel", "blockwise", "measure")
-VERSION = 2
+VERSION = 1
 SUFFIX = ".auto.json"
 
-FULL_CALL = (2, 512, 4, 64)  # (B, S, H, D): a causal layer's forward + backward, float32, "bshd"
-LONG_CALL = (1, 4096, 4, 64)  # the same at _paths.LONG_SEQUENCE keys, where the blockwise path is its loops
+FULL_CALL = (8, 256, 4, 64)  # (B, S, H, D): a causal layer's forward + backward, float32, "bshd"
 FEW_ROWS_CALL = (1, 8, 4096, 64)  # (B, H, S, D): one query row per head, kv_lengths, float32, "bhsd"
 REPETITIONS = 7
 
-# The races, each deciding the calls of one kind (``_paths.race``): (the kernel's rival, its
-# name in the texts).
-_RIVALS = {"full": ("blockwise", "blockwise"), "long": ("blockwise", "blockwise"),
-           "few_rows": ("reference", "the explicit math")}
-_LAYER = "a causal layer's forward + backward, projections included, at B{} H{} S{} D{} float32, layout bshd"
+# What each race decides between: (the kernel's rival, its name in the texts).
+_RIVALS = {"full": ("blockwise", "blockwise"), "few_rows": ("reference", "the explicit math")}
 # What each race times, as its record says: a record of other races is stale.
 CALLS = {
-    "full": _LAYER.format(*(FULL_CALL[i] for i in (0, 2, 1, 3))),
-    "long": _LAYER.format(*(LONG_CALL[i] for i in (0, 2, 1, 3))),
+    "full": "a causal layer's forward + backward, projections included, at B{} H{} S{} D{} float32, layout bshd".format(
+        *(FULL_CALL[i] for i in (0, 2, 1, 3))),
     "few_rows": "a decode step at B{} H{} S{} D{} float32, one query row per head, kv_lengths".format(*FEW_ROWS_CALL),
 }
 
@@ -240,7 +232,7 @@ def decide(path: Path, library: str, *, may_measure: bool) -> dict[str, Any] | N
             except Exception as error:  # any failure of the measurement: not the kernel, here
                 record = failed_record(library, f"{type(error).__name__}: {error}")
                 _unsaved[key] = "the measurement failed"
-                warnings.warn(f"implementation='auto' takes the blockwise path on CPU: {reason(record, 'full')}",
+                warnings.warn(f"implementation='auto' takes the blockwise path on CPU: {reason(record, False)}",
                               RuntimeWarning, stacklevel=2)
             else:
                 why = write(path, record)
@@ -275,21 +267,21 @@ def forget() -> None:
 # ---------------------------------------------------------------------- the texts
 
 def _call_text(race: str) -> str:
-    if race in ("full", "long"):
-        b, s, h, d = FULL_CALL if race == "full" else LONG_CALL
+    if race == "full":
+        b, s, h, d = FULL_CALL
         return f"a causal layer's forward + backward at B{b} H{h} S{s} D{d}"
     b, h, s, d = FEW_ROWS_CALL
     return f"a decode step at B{b} H{h} S{s} D{d}"
 
 
-def forced_reason(decision: str, race: str) -> str | None:
+def forced_reason(decision: str, few_rows: bool) -> str | None:
     """``auto``'s reason to pass the kernel by under ``$TWIN_ATTENTION_CPU_AUTO``."""
     return None if decision == "kernel" else f"${OVERRIDE}={decision} passes the CPU kernel by"
 
 
-def reason(record: dict[str, Any], race: str) -> str | None:
-    """Why ``auto`` passes the kernel by for calls of ``race``'s kind on this record's
-    word (None: it takes it)."""
+def reason(record: dict[str, Any], few_rows: bool) -> str | None:
+    """Why ``auto`` passes the kernel by on this record's word (None: it takes it)."""
+    race = "few_rows" if few_rows else "full"
     entry = record[race]
     if entry["decision"] == "kernel":
         return None
@@ -298,14 +290,13 @@ def reason(record: dict[str, Any], race: str) -> str | None:
         return f"auto is set to blockwise for this build of the CPU kernel ({record.get('set_by')})"
     if record.get("source") == "failed":
         return f"the CPU kernel could not be measured on this machine ({record.get('error')})"
-    kernel = "the CPU kernel's forward for few rows" if race == "few_rows" else "the CPU kernel"
+    kernel = "the CPU kernel's forward for few rows" if few_rows else "the CPU kernel"
     return (f"{kernel} measured slower than {rival_name} on this machine ({entry['kernel_ms']:.3g} ms vs "
             f"{entry[rival + '_ms']:.3g} ms for {_call_text(race)})")
 
 
-def basis(record: dict[str, Any] | None, race: str, path: Path) -> str:
-    """One line: what decides ``auto`` for calls of ``race``'s kind with this build (the
-    record's word, or none yet)."""
+def basis(record: dict[str, Any] | None, few_rows: bool, path: Path) -> str:
+    """One line: what decides ``auto`` for this build (the record's word, or none yet)."""
     why = unsaved(path)
     where = f"cached in {path}" if why is None else f"not cached: {why}"
     if record is None:
@@ -316,9 +307,10 @@ def basis(record: dict[str, Any] | None, race: str, path: Path) -> str:
     if record.get("source") == "failed":
         return (f"the measurement failed in this process ({record.get('error')}): the blockwise path, "
                 "not cached (the next process measures again)")
+    race = "few_rows" if few_rows else "full"
     entry = record[race]
     rival, rival_name = _RIVALS[race]
-    rival_name = "explicit math" if race == "few_rows" else rival_name
+    rival_name = "explicit math" if few_rows else rival_name
     return (f"measured on this machine for this build: kernel {entry['kernel_ms']:.3g} ms, {rival_name} "
             f"{entry[rival + '_ms']:.3g} ms ({_call_text(race)}; {where})")
 
@@ -329,7 +321,7 @@ _NAMES = {"kernel": "the CPU kernel", "blockwise": "the blockwise path", "refere
 def summary(record: dict[str, Any]) -> str:
     """The decisions (and medians) of a record, a line each, for the build command."""
     lines = []
-    for race, label in (("full", "full calls"), ("long", "long sequences"), ("few_rows", "few query rows")):
+    for race, label in (("full", "full calls"), ("few_rows", "few query rows")):
         entry = record[race]
         line = f"{label}: {_NAMES[entry['decision']]}"
         if record.get("source") == "measured":
@@ -404,29 +396,25 @@ def _measure(repetitions: int) -> dict[str, Any]:
     started = time.perf_counter()
     rng = np.random.default_rng(0)
     with jax.default_device(jax.devices("cpu")[0]):
-        def layer(shape: tuple[int, int, int, int]) -> dict[str, float]:
-            """The race of a causal layer's training step at ``shape`` (B, S, H, D)."""
-            b, seq, h, d = shape
-            x = jnp.asarray(rng.standard_normal((b, seq, h * d)), jnp.float32)
-            weights = tuple(jnp.asarray(rng.standard_normal((h * d, h * d)) / math.sqrt(h * d), jnp.float32)
-                            for _ in range(4))
-            q = jax.ShapeDtypeStruct((b, seq, h, d), jnp.float32)
-            kernel = route(q, q, q, causal=True, implementation="fused", layout="bshd").kernel
-            if kernel != "cpu-kernel":
-                raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {kernel}")
+        b, seq, h, d = FULL_CALL
+        x = jnp.asarray(rng.standard_normal((b, seq, h * d)), jnp.float32)
+        weights = tuple(jnp.asarray(rng.standard_normal((h * d, h * d)) / math.sqrt(h * d), jnp.float32)
+                        for _ in range(4))
+        q = jax.ShapeDtypeStruct((b, seq, h, d), jnp.float32)
+        kernel = route(q, q, q, causal=True, implementation="fused", layout="bshd").kernel
+        if kernel != "cpu-kernel":
+            raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {kernel}")
 
-            def step(implementation: str) -> Callable[..., Any]:
-                def loss(x_: Any, wq: Any, wk: Any, wv: Any, wo: Any) -> Any:
-                    # a module's work: the projections on the path's product, the attention core
-                    qkv = [linear(x_, w, implementation=implementation).reshape(b, seq, h, d) for w in (wq, wk, wv)]
-                    out = dot_product_attention(*qkv, causal=True, implementation=implementation, layout="bshd")
-                    assert isinstance(out, jax.Array)
-                    return jnp.sum(linear(out.reshape(b, seq, h * d), wo, implementation=implementation))
-                return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        def step(implementation: str) -> Callable[..., Any]:
+            def loss(x_: Any, wq: Any, wk: Any, wv: Any, wo: Any) -> Any:
+                # a module's work: the projections on the path's product, the attention core
+                qkv = [linear(x_, w, implementation=implementation).reshape(b, seq, h, d) for w in (wq, wk, wv)]
+                out = dot_product_attention(*qkv, causal=True, implementation=implementation, layout="bshd")
+                assert isinstance(out, jax.Array)
+                return jnp.sum(linear(out.reshape(b, seq, h * d), wo, implementation=implementation))
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
-            return _race({"kernel": step("fused"), "blockwise": step("blockwise")}, (x, *weights), repetitions)
-
-        full, long = layer(FULL_CALL), layer(LONG_CALL)
+        full = _race({"kernel": step("fused"), "blockwise": step("blockwise")}, (x, *weights), repetitions)
 
         batch, heads, keys, width = FEW_ROWS_CALL
         q1 = jnp.asarray(rng.standard_normal((batch, heads, 1, width)), jnp.float32)
@@ -443,9 +431,9 @@ def _measure(repetitions: int) -> dict[str, Any]:
         few = _race({"kernel": decode("fused"), "reference": decode("reference")}, (q1, k1, v1, lengths),
                     repetitions)
     return {
-        **{race: {"decision": "kernel" if times["kernel"] <= times["blockwise"] else "blockwise",
-                  "kernel_ms": round(times["kernel"], 4), "blockwise_ms": round(times["blockwise"], 4),
-                  "call": CALLS[race]} for race, times in (("full", full), ("long", long))},
+        "full": {"decision": "kernel" if full["kernel"] <= full["blockwise"] else "blockwise",
+                 "kernel_ms": round(full["kernel"], 4), "blockwise_ms": round(full["blockwise"], 4),
+                 "call": CALLS["full"]},
         "few_rows": {"decision": "kernel" if few["kernel"] <= few["reference"] else "reference",
                      "kernel_ms": round(few["kernel"], 4), "reference_ms": round(few["reference"], 4),
                      "call": CALLS["few_rows"]},

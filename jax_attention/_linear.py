@@ -16,7 +16,6 @@ from attention_spec.arrays import check_linear
 from attention_spec.options import check_implementation
 from jax_attention import _cpu_kernel
 from jax_attention._cpu_fused import candidate, confirm
-from jax_attention._paths import LONG_SEQUENCE
 from jax_attention._reference import Precision
 
 # "auto" leaves a product of at most this many rows of x (a decode step's tokens) to XLA's
@@ -31,8 +30,7 @@ def linear(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = N
     type), the bias added after the product.
 
     ``implementation`` is the attention call's.  ``"fused"`` (and ``"auto"`` where its
-    decision for full calls, or long sequences from ``LONG_SEQUENCE`` rows, takes the
-    kernel, ``_cpu_kernel.auto_declines``, and x has
+    decision for full calls takes the kernel, ``_cpu_kernel.auto_declines``, and x has
     more than ``FEW_ROWS`` rows) run a float32 product on the library's CPU matrix-product kernel
     (``_cpu_kernel.matmul``, built with the attention kernel on first use; see
     ``cpu_kernel_supports``), forward and backward; every other case is XLA's dot at
@@ -51,8 +49,7 @@ def project(x: Array, kernel: Array, bias: Array | None = None, *, dtype: Any = 
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*operands)
     x, kernel = x.astype(dtype), kernel.astype(dtype)
     few = implementation == "auto" and math.prod(x.shape[:-1]) <= FEW_ROWS
-    race = "long" if x.ndim >= 2 and x.shape[-2] >= LONG_SEQUENCE else "full"  # as its attention's (_paths.race)
-    if not few and candidate(x, implementation) and confirm(implementation, race) and dtype == jnp.float32:
+    if not few and candidate(x, implementation) and confirm(implementation) and dtype == jnp.float32:
         y = _kernel_linear(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
     else:
         y = _xla_product(x, kernel, precision)

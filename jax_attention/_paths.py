@@ -74,21 +74,6 @@ def few_rows(q: Any) -> bool:
     return jax.default_backend() == "cpu" and q.shape[-2] <= FEW_QUERY_ROWS
 
 
-def race(q_len: int, kv_len: int) -> str:
-    """Which of ``"auto"``'s measurements on a CPU (``_cpu_measure``) decides whether a
-    call of ``q_len`` query rows over ``kv_len`` keys takes the library's kernel:
-    ``"few_rows"`` (at most ``FEW_QUERY_ROWS``: the kernel's forward for few rows against
-    the explicit math), ``"long"`` (from ``LONG_SEQUENCE`` keys, where the blockwise path
-    is its loops) or ``"full"`` (the kernel against the unrolled blockwise path).  Two
-    races for full calls because a build's rank can change with the form of its rival:
-    on the 2-core Zen 5, a kernel built for AVX2 with XLA capped at AVX2 took 1.15-1.33x
-    the blockwise path's time for a causal layer's training step at S128-S1024, and 0.77x
-    at S4096 (the loops)."""
-    if q_len <= FEW_QUERY_ROWS:
-        return "few_rows"
-    return "long" if kv_len >= LONG_SEQUENCE else "full"
-
-
 # ---------------------------------------------------------------------- what each row honours
 
 def _never(q: Any, k: Any, v: Any, call: Call) -> None:
@@ -110,7 +95,7 @@ def _fused_blockers(q: Any, k: Any, v: Any, call: Call, *, kernel_has_sinks: boo
 def _kernel_declines(q: Any, k: Any, v: Any, call: Call) -> str | None:
     """The library's CPU kernel, asked without building it (``_cpu_fused.declines``)."""
     return _cpu_fused.declines(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset,
-                               implementation=call.options.implementation, race=race(q.shape[-2], k.shape[-2]))
+                               implementation=call.options.implementation, few_rows=few_rows(q))
 
 
 def _blockwise_declines(q: Any, k: Any, v: Any, call: Call) -> str | None:
@@ -208,7 +193,7 @@ def _kernel_basis(q: Any, k: Any, v: Any, call: Call) -> str:
     (``_cpu_kernel.auto_basis``, asked without building or measuring)."""
     if _cpu_fused.fits(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset) is not None:
         return ""
-    return _cpu_kernel.auto_basis(race(q.shape[-2], k.shape[-2]))
+    return _cpu_kernel.auto_basis(few_rows(q))
 
 
 CPU_KERNEL = PathEntry(

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                              "else ~/.cache/twin-attention); later processes need the same")
     decision = parser.add_mutually_exclusive_group()
     decision.add_argument("--measure", action="store_true",
-                          help="then measure the kernel against the blockwise path on this machine now (a few "
-                               "seconds), cache implementation='auto''s decision beside the build and print it")
+                          help="then measure the kernel against the blockwise path on this machine now (about a "
+                               "second), cache implementation='auto''s decision beside the build and print it")
     decision.add_argument("--auto", choices=("kernel", "blockwise"), default=None,
                           help="then cache this decision for implementation='auto' beside the build, measuring nothing")
     args = parser.parse_args(argv)

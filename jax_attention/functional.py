@@ -288,8 +288,7 @@ def attend(q: Array, k: Array, v: Array, call: Call, *, rng: Array | None = None
     entry, chosen = _walk(*shaped, call)
     kernel_wanted = entry is _paths.CPU_KERNEL or (call.options.implementation == "fused" and _cpu_fused.candidate(
         shaped[0], "fused", mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset))
-    if kernel_wanted and not _cpu_fused.confirm(call.options.implementation,
-                                                race=_paths.race(shaped[0].shape[-2], shaped[1].shape[-2])):
+    if kernel_wanted and not _cpu_fused.confirm(call.options.implementation, few_rows=_paths.few_rows(shaped[0])):
         entry, chosen = _walk(*shaped, call)  # without it (known now): blockwise for "auto", XLA's for "fused"
     scale = resolve_scale(call.options.scale, shaped[0].shape[-1])
     return entry.run(q, k, v, shaped[0], call, chosen.kernel, scale=scale, precision=precision, rng=rng)

@@ -28,18 +28,16 @@ pytestmark = needs_jax
 REPO = Path(__file__).resolve().parents[2]
 
 # A measurement's result (what _cpu_measure.measure returns): blockwise faster for full
-# calls, the kernel for long sequences and few rows.
-FULL = "a causal layer's forward + backward, projections included, at B2 H4 S512 D64 float32, layout bshd"
-LONG = "a causal layer's forward + backward, projections included, at B1 H4 S4096 D64 float32, layout bshd"
+# calls, the kernel for few rows.
+FULL = "a causal layer's forward + backward, projections included, at B8 H4 S256 D64 float32, layout bshd"
 FEW = "a decode step at B1 H8 S4096 D64 float32, one query row per head, kv_lengths"
 TIMINGS = {
     "full": {"decision": "blockwise", "kernel_ms": 2.0, "blockwise_ms": 1.0, "call": FULL},
-    "long": {"decision": "kernel", "kernel_ms": 30.0, "blockwise_ms": 40.0, "call": LONG},
     "few_rows": {"decision": "kernel", "kernel_ms": 0.1, "reference_ms": 0.2, "call": FEW},
     "repetitions": 7, "seconds": 0.5,
 }
 SLOWER = ("the CPU kernel measured slower than blockwise on this machine (2 ms vs 1 ms for a causal layer's "
-          "forward + backward at B2 H4 S512 D64)")
+          "forward + backward at B8 H4 S256 D64)")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -117,18 +115,17 @@ def test_the_measurement_is_made_once_cached_and_read_again(measured: Measured, 
                                   np.asarray(dot_product_attention(q, k, v, causal=True, implementation="blockwise")))
     assert route(q, k, v, causal=True) == ("blockwise", "blockwise", (f"fused: {SLOWER}",))
     assert _cpu_kernel.auto_declines() == _cpu_kernel.auto_would_decline() == SLOWER
-    assert _cpu_kernel.auto_declines(race="few_rows") is None and _cpu_kernel.auto_would_decline(race="few_rows") is None
+    assert _cpu_kernel.auto_declines(few_rows=True) is None and _cpu_kernel.auto_would_decline(few_rows=True) is None
     assert route(*_qkv(1), causal=True).kernel == "cpu-decode"
-    assert _cpu_kernel.auto_declines(race="long") is None  # long sequences: their own race, the kernel here
 
     record = measured.read()
     assert sorted(p.name for p in measured.dir.iterdir()) == [measured.record.name]  # no scratch file left
     assert measured.record.name == _cpu_kernel._state["path"].name + ".auto.json"
     assert record["library"] == _cpu_kernel._state["path"].name and record["source"] == "measured"
-    assert all(record[race] == TIMINGS[race] for race in ("full", "long", "few_rows"))
+    assert record["full"] == TIMINGS["full"] and record["few_rows"] == TIMINGS["few_rows"]
     assert _cpu_kernel.auto_basis() == (f"measured on this machine for this build: kernel 2 ms, blockwise 1 ms "
-                                        f"(a causal layer's forward + backward at B2 H4 S512 D64; cached in {measured.record})")
-    assert _cpu_kernel.auto_basis(race="few_rows").startswith("measured on this machine for this build: kernel 0.1 ms, "
+                                        f"(a causal layer's forward + backward at B8 H4 S256 D64; cached in {measured.record})")
+    assert _cpu_kernel.auto_basis(few_rows=True).startswith("measured on this machine for this build: kernel 0.1 ms, "
                                                             "explicit math 0.2 ms (a decode step at B1 H8 S4096 D64;")
     _cpu_measure.forget()  # as a new process
     assert _cpu_kernel.auto_would_decline() == SLOWER and _cpu_kernel.auto_declines() == SLOWER
@@ -197,12 +194,12 @@ def test_the_override_forces_either_decision(measured: Measured, monkeypatch: py
     full, few = route(*_qkv(32), causal=True), route(*_qkv(1), causal=True)
     if value == "kernel":
         assert (full.kernel, few.kernel) == ("cpu-kernel", "cpu-decode")
-        assert _cpu_kernel.auto_declines() is None and _cpu_kernel.auto_declines(race="few_rows") is None
+        assert _cpu_kernel.auto_declines() is None and _cpu_kernel.auto_declines(few_rows=True) is None
     elif value == "blockwise":
         why = "fused: $TWIN_ATTENTION_CPU_AUTO=blockwise passes the CPU kernel by"
         assert (full.kernel, full.reasons) == ("blockwise", (why,))
         assert few.kernel == "reference" and why in few.reasons, few.explain()
-        assert _cpu_kernel.auto_declines(race="few_rows") == why[len("fused: "):]
+        assert _cpu_kernel.auto_declines(few_rows=True) == why[len("fused: "):]
     else:
         assert (full.kernel, few.kernel) == ("cpu-kernel", "reference")
         assert any("forward for few rows measured slower than the explicit math" in r for r in few.reasons), few
@@ -258,7 +255,7 @@ def test_a_measurement_that_fails_takes_blockwise_for_the_process(measured: Meas
     why = "the CPU kernel could not be measured on this machine (ValueError: a stand-in failure)"
     with pytest.warns(RuntimeWarning, match=r"takes the blockwise path on CPU: the CPU kernel could not be measured"):
         assert _cpu_kernel.auto_declines() == why
-    assert _cpu_kernel.auto_declines(race="few_rows") == why == _cpu_kernel.auto_would_decline()
+    assert _cpu_kernel.auto_declines(few_rows=True) == why == _cpu_kernel.auto_would_decline()
     assert route(*_qkv(32), causal=True) == ("blockwise", "blockwise", (f"fused: {why}",))
     assert route(*_qkv(1), causal=True).kernel == "reference"
     assert _cpu_kernel.auto_basis().startswith("the measurement failed in this process (ValueError")
@@ -363,20 +360,18 @@ def test_the_command_measures_or_sets_the_decision(tmp_path: Path):
     record = library.with_name(library.name + ".auto.json")
     assert lines[1] == f"implementation='auto' on this machine, cached in {record}:", lines
     assert lines[2].startswith("full calls: the ") and "medians of 7: kernel " in lines[2], lines
-    assert lines[3].startswith("long sequences: the ") and "at B1 H4 S4096 D64" in lines[3], lines
-    assert lines[4].startswith("few query rows: the ") and " reference " in lines[4], lines
-    assert lines[5].startswith("measured in ") and lines[5].endswith(" s, compiles included"), lines
+    assert lines[3].startswith("few query rows: the ") and " reference " in lines[3], lines
+    assert lines[4].startswith("measured in ") and lines[4].endswith(" s, compiles included"), lines
     assert json.loads(record.read_text())["source"] == "measured"
 
     lines = run("-m", "jax_attention.build_kernel", "--auto", "blockwise")
     assert lines == [str(library), f"implementation='auto' on this machine, cached in {record}:",
-                     "full calls: the blockwise path", "long sequences: the blockwise path",
-                     "few query rows: the explicit math",
+                     "full calls: the blockwise path", "few query rows: the explicit math",
                      "set by python -m jax_attention.build_kernel --auto blockwise, not measured"]
     assert json.loads(record.read_text()) == {
-        "version": 2, "library": library.name, "source": "set",
+        "version": 1, "library": library.name, "source": "set",
         "set_by": "python -m jax_attention.build_kernel --auto blockwise",
-        "full": {"decision": "blockwise"}, "long": {"decision": "blockwise"}, "few_rows": {"decision": "reference"}}
+        "full": {"decision": "blockwise"}, "few_rows": {"decision": "reference"}}
     asked = json.loads(run("-c", _ASK)[-1])
     why = ("auto is set to blockwise for this build of the CPU kernel "
            "(python -m jax_attention.build_kernel --auto blockwise)")
