@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, cast
 
 from attention_spec.latent import check_latent_widths, check_norm_eps
@@ -404,7 +403,7 @@ class AttentionConfig:
     """Every option of a variant, validated, frozen and hashable (``module.spec``), held
     in records by subject: ``widths`` (``Widths``), ``layers`` (``Layers``), ``scoring``
     (``Scoring``), ``qk`` (``QKTransforms``) and ``latent`` (``LatentWidths``).  Each
-    option reads as an attribute too (``spec.num_heads`` is ``spec.widths.num_heads``).
+    option reads by name too (``spec.num_heads`` is ``spec.widths.num_heads``).
 
     Build one with ``make_config`` (the variant's declared defaults, e.g. ``out_proj=True``
     for ``MultiHeadAttention``); direct construction takes the options by name
@@ -427,7 +426,7 @@ class AttentionConfig:
     qk: QKTransforms
     latent: LatentWidths
 
-    if TYPE_CHECKING:  # each option, read through its record (the properties set below the class)
+    if TYPE_CHECKING:  # each option by name, as ``__init__`` sets it beside its record
         d_in: int | None
         d_out: int | None
         head_size: int | None
@@ -478,12 +477,16 @@ class AttentionConfig:
             if base is None or own:
                 base = record(**own) if base is None else dataclasses.replace(base, **own)
             object.__setattr__(self, subject, base)
+            # each option also by name: as fast to read as a plain attribute (a decode step
+            # reads the spec on every call); the records are what compares and hashes
+            self.__dict__.update(vars(base))
         self.__post_init__()
 
     def _set(self, name: str, value: Any) -> None:
         """Writes a normalised option into its record (frozen: once, while checking)."""
         subject = _SUBJECT_OF[name]
         object.__setattr__(self, subject, dataclasses.replace(getattr(self, subject), **{name: value}))
+        self.__dict__[name] = value
 
     def __post_init__(self) -> None:
         decl = variant(self.variant)
@@ -680,11 +683,6 @@ class AttentionConfig:
         opts = self.options()
         head_opts = {k: opts[k] for k in REGISTRY[decl.head_variant].options if k in opts}
         return make_config(decl.head_variant, head_opts)
-
-
-for _name, _subject in _SUBJECT_OF.items():  # each option read through its record, read-only
-    setattr(AttentionConfig, _name, property(attrgetter(f"{_subject}.{_name}"), doc=f"``{_subject}.{_name}``."))
-del _name, _subject
 
 
 def make_config(name: str, options: Mapping[str, Any]) -> AttentionConfig:
