@@ -40,6 +40,8 @@ from typing import Any
 import jax
 from jax import Array
 
+from attention_spec.mods import and_masks as and_masks
+from attention_spec.mods import or_masks as or_masks
 from attention_spec.options import CallOptions, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import PathEntry, Route, walk
@@ -57,6 +59,9 @@ from jax_attention._canonical import canonical_segments as canonical_segments
 from jax_attention._canonical import canonicalise as canonicalise
 from jax_attention._canonical import heads_first
 from jax_attention._cpu_fused import cpu_kernel_supports as cpu_kernel_supports
+from jax_attention._flex import BlockMask as BlockMask
+from jax_attention._flex import create_block_mask as create_block_mask
+from jax_attention._flex import flex_attention as flex_attention
 from jax_attention._fused import cudnn_supports as cudnn_supports
 from jax_attention._fused import splash_attention as splash_attention
 from jax_attention._fused import splash_supports as splash_supports
@@ -74,19 +79,24 @@ from jax_attention._reference import resolve_scale as resolve_scale
 from jax_attention._rope import apply_rope as apply_rope
 
 __all__ = [
+    "BlockMask",
     "RopeConfig",
+    "and_masks",
     "apply_rope",
     "attention_scores",
     "attention_weights",
     "canonical_bias",
     "canonical_kv_lengths",
     "canonical_mask",
+    "create_block_mask",
     "cpu_kernel_supports",
     "default_block_size",
     "dot_product_attention",
     "dropout_weights",
+    "flex_attention",
     "linear",
     "normalize_scores",
+    "or_masks",
     "resolve_scale",
     "route",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["attention", "forward"]
+__all__ = ["attention", "flex_attention", "forward"]
 
 
 def attention(
@@ -125,6 +125,58 @@ def attention(
             out[idx + (i,)] = acc
             weights[idx + (i,)] = row
     return out, weights
+
+
+def flex_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    scale: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """PyTorch's flex_attention as loops: q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev)
+    -> out (B, Hq, L, Ev), lse (B, Hq, L), float64.
+
+    For each (b, h, i, j): query head h reads kv head h // (Hq // Hkv); the score
+    ``s = q.k * scale`` (float64) becomes ``score_mod(s, b, h, i, j)``, each index an
+    ``np.int64``; key j is visible where ``mask_mod(b, h, i, j)`` holds and the modded
+    score is not -inf.  A row's weights are the softmax of its visible scores and its
+    lse the natural log of their sum of exp; a row that sees no key is zeros, lse -inf.
+    Mods that capture arrays should capture NumPy (float64) ones here."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    batch, heads, t_len, _ = q.shape
+    groups = heads // k.shape[1]  # query heads per key/value head
+    s_len = k.shape[2]
+    out = np.zeros((batch, heads, t_len, v.shape[-1]))
+    lse = np.full((batch, heads, t_len), -math.inf)
+    for b in range(batch):
+        for h in range(heads):
+            kvh = h // groups
+            for i in range(t_len):
+                scores: list[float | None] = []
+                for j in range(s_len):
+                    index = (np.int64(b), np.int64(h), np.int64(i), np.int64(j))
+                    if mask_mod is not None and not bool(mask_mod(*index)):
+                        scores.append(None)  # blocked
+                        continue
+                    s = np.float64(float(np.dot(q[b, h, i], k[b, kvh, j])) * scale)
+                    if score_mod is not None:
+                        s = float(score_mod(s, *index))
+                    scores.append(None if s == -math.inf else float(s))
+                live = [s for s in scores if s is not None]
+                if not live:
+                    continue  # nothing to attend to: zeros, lse -inf
+                top = max(live)
+                exps = [0.0 if s is None else math.exp(s - top) for s in scores]
+                total = math.fsum(exps)
+                lse[b, h, i] = top + math.log(total)
+                acc = np.zeros(v.shape[-1])
+                for j, e in enumerate(exps):  # each value, weighted
+                    acc += (e / total) * v[b, kvh, j]
+                out[b, h, i] = acc
+    return out, lse
 
 
 def _linear(params: Mapping[str, np.ndarray], name: str, x: np.ndarray) -> np.ndarray:

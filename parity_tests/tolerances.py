@@ -87,3 +87,22 @@ TRAINING_PARITY: dict[str, Tolerance] = {
     "float64": Tolerance(1e-12, 1e-12, normwise=True),
     "float32": Tolerance(5e-5, 5e-5, normwise=True),
 }
+
+# flex_attention (tests/functional/test_flex.py), both twins, measured as the smallest t with
+# rtol = atol = t that every case passes (10 cases of mods and block masks, B 2, H 4,
+# L = S = 32, blocks of 8; torch 2.13.0 CPU, jax 0.10.2, 2-core x86, 2026-11-29): against the float64
+# loop oracle, out and lse, float32 2.5e-7 and float64 5.6e-16; the margins as ORACLE's.
+FLEX_ORACLE: dict[str, Tolerance] = {
+    "float64": Tolerance(1e-12, 1e-12),
+    "float32": Tolerance(1e-5, 1e-5),  # measured 2.5e-7
+}
+# The PyTorch twin against PyTorch's own flex_attention (eager, CPU), float32, out and lse:
+# measured 1.7e-7 (PyTorch's own against the oracle: 3.1e-7).
+FLEX_TORCH = Tolerance(1e-5, 1e-5)
+# flex with a library mod against dot_product_attention with the option it stands for
+# (implementation="reference"), float64: measured 4.0e-16.
+FLEX_OPTION = Tolerance(1e-12, 1e-12)
+# float64 gradients (q, k, v, a captured bias table or ALiBi slopes) against directional
+# central differences of the oracle (eps 1e-6): |<grad, u> - fd| / (sum |grad_i u_i| + |fd|),
+# measured 5.3e-12 (the differences' own error dominates); as test_gradient_oracle's RTOL.
+FLEX_GRAD_ORACLE = 1e-9

@@ -32,6 +32,8 @@ from typing import Any
 
 from torch import Tensor
 
+from attention_spec.mods import and_masks as and_masks
+from attention_spec.mods import or_masks as or_masks
 from attention_spec.options import CallOptions, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import PathEntry, Route, walk
@@ -49,6 +51,9 @@ from torch_attention._canonical import canonical_q_offset as canonical_q_offset
 from torch_attention._canonical import canonical_segments as canonical_segments
 from torch_attention._canonical import canonicalise as canonicalise
 from torch_attention._canonical import heads_first
+from torch_attention._flex import BlockMask as BlockMask
+from torch_attention._flex import create_block_mask as create_block_mask
+from torch_attention._flex import flex_attention as flex_attention
 from torch_attention._linear import linear as linear
 from torch_attention._linear import project as project
 from torch_attention._paths import FUSED_DRAWS_DROPOUT as FUSED_DRAWS_DROPOUT
@@ -60,18 +65,23 @@ from torch_attention._reference import resolve_scale as resolve_scale
 from torch_attention._rope import apply_rope as apply_rope
 
 __all__ = [
+    "BlockMask",
     "RopeConfig",
+    "and_masks",
     "apply_rope",
     "attention_scores",
     "attention_weights",
     "canonical_bias",
     "canonical_kv_lengths",
     "canonical_mask",
+    "create_block_mask",
     "default_block_size",
     "dot_product_attention",
     "dropout_weights",
+    "flex_attention",
     "linear",
     "normalize_scores",
+    "or_masks",
     "resolve_scale",
     "route",
 ]

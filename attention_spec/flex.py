@@ -1,0 +1,251 @@
+"""``flex_attention``'s contract, framework-free: the checks of its arguments (one error
+text for both twins), of ``create_block_mask``'s, and the plan of the blocks a call
+computes, read from a block mask's tables on the host.
+
+Block masks have PyTorch's layout (``torch.nn.attention.flex_attention.BlockMask``):
+for each (b, h) (each of size B or 1, broadcast) and query block i,
+``kv_num_blocks[b, h, i]`` key blocks in ``kv_indices[b, h, i, :kv_num_blocks]`` are
+*partial* (some of their keys masked: the mask mod decides) and
+``full_kv_num_blocks[b, h, i]`` in ``full_kv_indices`` are *full* (every key visible: no
+mask needed); every other key block is empty and skipped.  Indices are int32, each row
+the block numbers of one kind in ascending order, then the others (PyTorch's stable
+descending argsort of the dense block mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attention_spec.arrays import FLOAT_DTYPES, as_shape
+from attention_spec.options import check_scale
+
+__all__ = [
+    "KeyRun",
+    "QueryBlock",
+    "blocks_computed",
+    "check_block_mask",
+    "check_block_mask_args",
+    "check_flex_inputs",
+    "check_mod",
+    "dense_blocks",
+    "ordered_blocks",
+    "plan_blocks",
+    "plan_without_mask",
+]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_flex_inputs(q: Any, k: Any, v: Any, dtypes: tuple[str, str, str], *, enable_gqa: bool,
+                      scale: Any) -> tuple[int, float | None]:
+    """q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), one floating dtype; Hq == Hkv,
+    or with ``enable_gqa`` a multiple of it.  Returns (Hq // Hkv, the scale checked).
+
+    Raises:
+      ValueError: shapes that do not fit together; TypeError: dtypes (or a bad scale,
+        ``check_scale``'s texts)."""
+    q, k, v = as_shape(q), as_shape(k), as_shape(v)
+    got = f"got q {q}, k {k}, v {v}"
+    if not len(q) == len(k) == len(v) == 4:
+        raise ValueError(f"flex_attention: q, k and v must be 4-d, (B, Hq, L, E), (B, Hkv, S, E) and "
+                         f"(B, Hkv, S, Ev); {got}")
+    if not q[0] == k[0] == v[0]:
+        raise ValueError(f"flex_attention: q, k and v must have one batch size; {got}")
+    if k[1] != v[1] or k[2] != v[2]:
+        raise ValueError(f"flex_attention: k and v must have the same heads and length (Hkv, S); {got}")
+    if q[3] != k[3]:
+        raise ValueError(f"flex_attention: q and k must have the same last dimension (E); {got}")
+    if 0 in q or 0 in k or 0 in v:
+        raise ValueError(f"flex_attention: q, k and v must not be empty; {got}")
+    if len(set(dtypes)) != 1 or dtypes[0] not in FLOAT_DTYPES:
+        raise TypeError(f"flex_attention: q, k and v must share one floating-point dtype; got "
+                        f"{dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"flex_attention: enable_gqa must be a bool; got {enable_gqa!r}")
+    if not enable_gqa and q[1] != k[1]:
+        raise ValueError(f"flex_attention: q has {q[1]} heads and k and v {k[1]}; pass enable_gqa=True for "
+                         f"grouped-query attention; {got}")
+    if q[1] % k[1]:
+        raise ValueError(f"flex_attention: with enable_gqa=True, q's heads ({q[1]}) must be a multiple of "
+                         f"k's and v's ({k[1]}); {got}")
+    return q[1] // k[1], check_scale(scale)
+
+
+def check_mod(name: str, mod: Any) -> None:
+    """``score_mod`` / ``mask_mod``: None or a callable.  Raises TypeError."""
+    if mod is not None and not callable(mod):
+        raise TypeError(f"flex_attention: {name} must be callable or None; got {type(mod).__name__}")
+
+
+def check_block_mask(shapes: Sequence[Any], block_size: Any, seq_lengths: Any, q: Any, *, full_given: bool,
+                     kv_len: int) -> None:
+    """A block mask for q (B, Hq, L, E) and keys of length ``kv_len``: ``shapes`` those of
+    kv_num_blocks, kv_indices (and full_kv_num_blocks, full_kv_indices where
+    ``full_given``), made for (L, kv_len), each of (B, Hq) of size 1 or the call's.
+    Raises ValueError."""
+    q = as_shape(q)
+    b, h, q_len = q[0], q[1], q[2]
+    lengths = tuple(int(n) for n in seq_lengths)
+    if lengths != (q_len, kv_len):
+        raise ValueError(f"flex_attention: block_mask was made for q_len={lengths[0]}, kv_len={lengths[1]}; "
+                         f"got q_len={q_len}, kv_len={kv_len}; make one for these lengths")
+    bq, bkv = block_size
+    n_q, n_kv = -(-q_len // bq), -(-kv_len // bkv)
+    num, idx = as_shape(shapes[0]), as_shape(shapes[1])
+    expected = [num, idx] + ([as_shape(shapes[2]), as_shape(shapes[3])] if full_given else [])
+    for name, shape in zip(("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"), expected,
+                           strict=False):
+        rank = 3 if "num" in name else 4
+        ok = len(shape) == rank and shape[0] in (1, b) and shape[1] in (1, h) and shape[2] == n_q
+        if ok and rank == 4:
+            ok = shape[3] == n_kv
+        if not ok:
+            want = f"({b} or 1, {h} or 1, {n_q}" + (")" if rank == 3 else f", {n_kv})")
+            raise ValueError(f"flex_attention: block_mask.{name} must have shape {want} for q {q} and "
+                             f"BLOCK_SIZE {tuple(block_size)}; got {shape}")
+
+
+def check_block_mask_args(mask_mod: Any, batch: Any, heads: Any, q_len: Any, kv_len: Any,
+                          block_size: Any) -> tuple[int, int, int, int, tuple[int, int]]:
+    """``create_block_mask``'s arguments: a callable ``mask_mod``; B and H None (1) or
+    ints >= 1; Q_LEN, KV_LEN ints >= 1; BLOCK_SIZE an int >= 1 or a pair (query block,
+    key block).  Returns (B, H, Q_LEN, KV_LEN, (q block, key block)).
+    Raises TypeError / ValueError."""
+    if not callable(mask_mod):
+        raise TypeError(f"create_block_mask: mask_mod must be callable; got {type(mask_mod).__name__}")
+    sizes = []
+    for name, value, optional in (("B", batch, True), ("H", heads, True), ("Q_LEN", q_len, False),
+                                  ("KV_LEN", kv_len, False)):
+        sizes.append(_positive("create_block_mask", name, 1 if optional and value is None else value))
+    pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
+    if len(pair) != 2:
+        raise ValueError(f"create_block_mask: BLOCK_SIZE must be an int or a pair of ints; got {block_size!r}")
+    bq, bkv = (_positive("create_block_mask", "BLOCK_SIZE", s) for s in pair)
+    return sizes[0], sizes[1], sizes[2], sizes[3], (bq, bkv)
+
+
+def _positive(where: str, name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {name} must be an int; got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{where}: {name} must be >= 1; got {value}")
+    return int(value)
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def ordered_blocks(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A dense block mask (..., n_q, n_kv) (bool or 0/1) -> (num_blocks (..., n_q),
+    indices (..., n_q, n_kv)), int32: PyTorch's ``_dense_to_ordered`` (the blocks set, in
+    ascending order, then the others)."""
+    dense = np.asarray(dense).astype(np.int32)
+    order = np.argsort(-dense, axis=-1, kind="stable")
+    return dense.sum(axis=-1).astype(np.int32), order.astype(np.int32)
+
+
+def dense_blocks(num_blocks: np.ndarray, indices: np.ndarray, n_kv: int) -> np.ndarray:
+    """(num_blocks (..., n_q), indices (..., n_q, n)) -> bool (..., n_q, n_kv): the
+    blocks listed (the first ``num_blocks`` of each row)."""
+    num_blocks, indices = np.asarray(num_blocks), np.asarray(indices)
+    listed = np.arange(indices.shape[-1]) < num_blocks[..., None]
+    dense = np.zeros((*indices.shape[:-1], n_kv + 1), dtype=bool)
+    np.put_along_axis(dense, np.where(listed, indices, n_kv).astype(np.int64), True, axis=-1)
+    return dense[..., :n_kv]
+
+
+class KeyRun(NamedTuple):
+    """Adjacent key blocks of one query block that are computed alike.
+
+    ``kind``: ``"full"`` (every key visible for every (b, h): no mask), ``"partial"``
+    (partial for every (b, h): the mask mod alone) or ``"mixed"`` (the kind differs by
+    (b, h): ``full | (partial & mask_mod)``, the flags bool (B', H', 1, keys), ``partial``
+    None where no (b, h) has a partial block here).  ``start``, ``stop``: key positions,
+    ``stop - start`` keys."""
+
+    start: int
+    stop: int
+    kind: str
+    full: np.ndarray | None = None
+    partial: np.ndarray | None = None
+
+
+class QueryBlock(NamedTuple):
+    """One query block: its query rows ``start:stop`` and the runs of keys it computes,
+    in key order (none: every key blocked, zeros)."""
+
+    start: int
+    stop: int
+    runs: tuple[KeyRun, ...]
+
+    @property
+    def key_positions(self) -> np.ndarray:
+        """The key positions computed, in order (the runs' ranges, concatenated)."""
+        if not self.runs:
+            return np.zeros((0,), dtype=np.int64)
+        return np.concatenate([np.arange(r.start, r.stop) for r in self.runs])
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """(first, stop) where the keys computed are one contiguous range, else None."""
+        for a, b in zip(self.runs, self.runs[1:], strict=False):
+            if a.stop != b.start:
+                return None
+        return (self.runs[0].start, self.runs[-1].stop) if self.runs else None
+
+
+def plan_without_mask(q_len: int, kv_len: int, block: int) -> tuple[QueryBlock, ...]:
+    """No block mask: query blocks of ``block`` rows, each over every key, unmasked."""
+    return tuple(QueryBlock(i, min(i + block, q_len), (KeyRun(0, kv_len, "full"),)) for i in range(0, q_len, block))
+
+
+def plan_blocks(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any, full_kv_indices: Any,
+                block_size: tuple[int, int], seq_lengths: tuple[int, int]) -> tuple[QueryBlock, ...]:
+    """The blocks a call computes, from a block mask's tables (NumPy, on the host): per
+    query block, the key blocks that some (b, h) needs (partial or full), grouped into
+    runs of one kind (``KeyRun``); a key block empty for every (b, h) is skipped."""
+    bq, bkv = block_size
+    q_len, kv_len = seq_lengths
+    n_q, n_kv = -(-q_len // bq), -(-kv_len // bkv)
+    partial = dense_blocks(kv_num_blocks, kv_indices, n_kv)  # (B', H', n_q, n_kv)
+    if full_kv_num_blocks is None:
+        full = np.zeros_like(partial)
+    else:
+        full = dense_blocks(full_kv_num_blocks, full_kv_indices, n_kv) & ~partial
+    plan = []
+    for i in range(n_q):
+        runs: list[KeyRun] = []
+        for j in range(n_kv):
+            p, f = partial[:, :, i, j], full[:, :, i, j]  # (B', H')
+            if not (p.any() or f.any()):
+                continue
+            kind = "full" if f.all() else "partial" if p.all() else "mixed"
+            start, stop = j * bkv, min((j + 1) * bkv, kv_len)
+            flags = (f[:, :, None, None], p[:, :, None, None]) if kind == "mixed" else (None, None)
+            last = runs[-1] if runs else None
+            if last is not None and last.stop == start and last.kind == kind:
+                if kind == "mixed":
+                    assert last.full is not None and last.partial is not None and flags[0] is not None
+                    flags = (np.concatenate([last.full, np.repeat(flags[0], stop - start, -1)], -1),
+                             np.concatenate([last.partial, np.repeat(flags[1], stop - start, -1)], -1))
+                runs[-1] = KeyRun(last.start, stop, kind, *flags)
+            elif kind == "mixed":
+                assert flags[0] is not None and flags[1] is not None
+                runs.append(KeyRun(start, stop, kind, np.repeat(flags[0], stop - start, -1),
+                                   np.repeat(flags[1], stop - start, -1)))
+            else:
+                runs.append(KeyRun(start, stop, kind))
+        plan.append(QueryBlock(i * bq, min((i + 1) * bq, q_len),
+                               tuple(r._replace(partial=None) if r.kind == "mixed" and r.partial is not None
+                                     and not r.partial.any() else r for r in runs)))
+    return tuple(plan)
+
+
+def blocks_computed(plan: Sequence[QueryBlock], block_size: tuple[int, int]) -> int:
+    """How many (query block, key block) pairs a plan computes."""
+    bkv = block_size[1]
+    return sum(-(-(r.stop - r.start) // bkv) for qb in plan for r in qb.runs)

@@ -1,0 +1,488 @@
+"""Mods for ``flex_attention``, written once: one definition runs in PyTorch, JAX and NumPy.
+
+A *mask mod* ``mask_mod(b, h, q_idx, kv_idx) -> bool`` says whether query ``q_idx`` of
+example ``b`` and query head ``h`` may attend to key ``kv_idx`` (True = may attend, the
+library's one polarity).  A *score mod* ``score_mod(score, b, h, q_idx, kv_idx) -> score``
+changes a scaled score ``scale * q.k`` before the softmax.  These are PyTorch's
+``flex_attention`` signatures.
+
+Mods are called vectorised: the flex paths pass broadcastable integer index arrays,
+b (B, 1, 1, 1), h (1, H, 1, 1) (the query head), q_idx (1, 1, T, 1) and kv_idx
+(1, 1, 1, S), and the scores (B, H, T, S); the float64 oracle
+(``parity_tests.reference.flex_attention``) passes NumPy scalars.  So a mod must be
+elementwise and broadcast: operators (``==``, ``&``, ``+``, ...), indexing of an array it
+captures by index arrays (``doc_ids[b, q_idx]``), and no Python ``if`` on an index, as
+PyTorch's vmap-based semantics already require of a mod.
+
+The library's mods are small frozen callables.  Each one says which named option of
+``dot_product_attention`` it stands for (``options``: ``causal`` -> ``{"causal": True}``,
+``sliding_window(l, r)`` -> ``{"window": (l, r)}``, ``softcap(c)`` -> ``{"softcap": c}``,
+``documents`` -> ``{"segment_ids": ..., "kv_segment_ids": ...}``; None where there is none)
+and which arrays it captures (``arrays``; ``with_arrays`` and ``map_arrays`` give the same
+mod over other arrays: NumPy copies for the oracle, or a JAX pytree's leaves).  A captured
+NumPy array (or list) is converted to the framework of the index arrays on each call, so a
+mod built once over NumPy arrays runs in all three; give framework arrays (a torch
+tensor with ``requires_grad``, a traced JAX array) for gradients to reach them.
+
+Neither framework is imported here: the few functions a mod needs (``tanh``, ``where``)
+are looked up from the type of their argument (a torch tensor: torch; a JAX array or
+tracer: ``jax.numpy``; anything else: NumPy), among the modules already imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from attention_spec.options import check_softcap, check_window
+
+__all__ = [
+    "Mod",
+    "alibi",
+    "and_masks",
+    "bias_table",
+    "causal",
+    "chain",
+    "documents",
+    "or_masks",
+    "prefix_lm",
+    "sliding_window",
+    "softcap",
+]
+
+
+# --------------------------------------------------------------------------- the namespace
+
+
+def _framework(x: Any) -> str:
+    """``"torch"``, ``"jax"`` or ``"numpy"``: the framework an argument belongs to."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.Array):  # tracers included
+        return "jax"
+    return "numpy"
+
+
+def _tanh(x: Any) -> Any:
+    kind = _framework(x)
+    if kind == "torch":
+        return sys.modules["torch"].tanh(x)
+    if kind == "jax":
+        return sys.modules["jax"].numpy.tanh(x)
+    return np.tanh(x)
+
+
+def _where(condition: Any, a: Any, b: Any) -> Any:
+    """``where`` of the framework of ``condition``."""
+    kind = _framework(condition)
+    if kind == "torch":
+        return sys.modules["torch"].where(condition, a, b)
+    if kind == "jax":
+        return sys.modules["jax"].numpy.where(condition, a, b)
+    return np.where(condition, a, b)
+
+
+def _like(array: Any, index: Any) -> Any:
+    """A captured ``array`` in the framework of ``index``: a NumPy array becomes a torch
+    tensor on the index's device or a JAX array; a framework's array stays as given."""
+    if not isinstance(array, np.ndarray):
+        return array
+    kind = _framework(index)
+    if kind == "torch":
+        return sys.modules["torch"].as_tensor(array, device=index.device)
+    if kind == "jax":
+        # The dtype given: without it, a trace after switching jax.enable_x64 on reuses the
+        # float32 constant of an earlier trace of the same NumPy array (jax 0.10).
+        jax = sys.modules["jax"]
+        return jax.numpy.asarray(array, dtype=jax.dtypes.canonicalize_dtype(array.dtype))
+    return array
+
+
+def _captured(value: Any) -> Any:
+    """A captured array as kept: lists and tuples become NumPy arrays, NumPy and
+    framework arrays are kept as given."""
+    return np.asarray(value) if isinstance(value, (list, tuple)) else value
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, np.generic)
+
+
+# --------------------------------------------------------------------------- the base
+
+
+@dataclass(frozen=True, eq=False)
+class Mod:
+    """A library mod: a frozen callable (a mask mod or a score mod, ``kind``).
+
+    Two mods are equal when they are of one class with equal settings and the same
+    captured array objects (``arrays``, compared by identity): a mod can be static data
+    of a compiled function (the JAX twin's ``BlockMask`` keeps its ``mask_mod`` so)."""
+
+    kind: ClassVar[str] = ""  # "mask" or "score"
+    # The fields that may hold captured arrays (a field holding a Python int is a setting).
+    _array_fields: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def options(self) -> dict[str, Any] | None:
+        """The named options of ``dot_product_attention`` that this mod stands for, or None
+        where it stands for none (``route`` then keeps it on the flex path)."""
+        return None
+
+    @property
+    def arrays(self) -> tuple[Any, ...]:
+        """The arrays this mod captures, in a fixed order (its parts' in turn)."""
+        return tuple(v for f in self._array_fields if _is_array(v := getattr(self, f)))
+
+    def with_arrays(self, arrays: Sequence[Any]) -> Mod:
+        """This mod over ``arrays`` instead (as many as ``arrays``, in its order)."""
+        arrays = list(arrays)
+        if len(arrays) != len(self.arrays):
+            raise ValueError(f"{type(self).__name__} captures {len(self.arrays)} arrays; got {len(arrays)}")
+        changes = {f: arrays.pop(0) for f in self._array_fields if _is_array(getattr(self, f))}
+        return dataclasses.replace(self, **changes)
+
+    def map_arrays(self, fn: Callable[[Any], Any]) -> Mod:
+        """This mod with ``fn`` applied to each captured array (``np.asarray`` for the oracle)."""
+        return self.with_arrays([fn(a) for a in self.arrays])
+
+    def static_key(self) -> tuple[Any, ...]:
+        """The class and the settings, without the arrays: what a compiled function over
+        this mod depends on (the JAX twin's pytree structure)."""
+        settings = tuple(
+            (f.name, None if _is_array(v := getattr(self, f.name)) else v) for f in dataclasses.fields(self)
+        )
+        return (type(self), settings)
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.static_key(), tuple(id(a) for a in self.arrays))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mod) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+# --------------------------------------------------------------------------- mask mods
+
+
+@dataclass(frozen=True, eq=False)
+class Causal(Mod):
+    """Key at or before the query: ``q_idx >= kv_idx`` (top-left aligned)."""
+
+    kind: ClassVar[str] = "mask"
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx >= kv_idx
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"causal": True}
+
+
+causal = Causal()
+
+
+@dataclass(frozen=True, eq=False)
+class SlidingWindow(Mod):
+    """Keys ``q_idx - left .. q_idx + right`` (inclusive)."""
+
+    kind: ClassVar[str] = "mask"
+    left: int
+    right: int = 0
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx - kv_idx <= self.left) & (kv_idx - q_idx <= self.right)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"window": (self.left, self.right)}
+
+
+def sliding_window(left: int, right: int = 0) -> SlidingWindow:
+    """The mask mod of a sliding window: the query at position p sees keys p - left ..
+    p + right (ints >= 0; ``right=0``: causal within the window).  Stands for
+    ``window=(left, right)``.  Raises TypeError / ValueError (``check_window``'s texts)."""
+    pair = check_window((left, right))
+    if pair is None or pair[0] is None or pair[1] is None:
+        raise TypeError(f"sliding_window takes two ints >= 0; got left={left!r}, right={right!r}")
+    return SlidingWindow(pair[0], pair[1])
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixLM(Mod):
+    """Bidirectional within the prefix, causal after it."""
+
+    kind: ClassVar[str] = "mask"
+    _array_fields: ClassVar[tuple[str, ...]] = ("prefix_length",)
+    prefix_length: Any
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        prefix = self.prefix_length
+        if _is_array(prefix):
+            prefix = _like(prefix, b)[b]  # per example: (B, 1, 1, 1)
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+
+def prefix_lm(prefix_length: Any) -> PrefixLM:
+    """The mask mod of a prefix LM: every query sees the keys of the prefix (positions
+    below ``prefix_length``) and, after them, the keys up to its own position.
+    ``prefix_length``: an int, or integers (B,) indexed by ``b`` (an array of any
+    framework, or a list).  Stands for no named option (``options`` None)."""
+    if isinstance(prefix_length, (bool, np.bool_)) or not (
+        isinstance(prefix_length, (int, np.integer)) or _is_array(_captured(prefix_length))
+    ):
+        raise TypeError(f"prefix_lm takes an int or integers (B,); got {type(prefix_length).__name__}")
+    if isinstance(prefix_length, np.integer):
+        prefix_length = int(prefix_length)
+    return PrefixLM(_captured(prefix_length))
+
+
+@dataclass(frozen=True, eq=False)
+class Documents(Mod):
+    """Packed documents: a query sees only keys of its own document id."""
+
+    kind: ClassVar[str] = "mask"
+    _array_fields: ClassVar[tuple[str, ...]] = ("doc_ids", "kv_doc_ids")
+    doc_ids: Any
+    kv_doc_ids: Any = None
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        ids = _like(self.doc_ids, b)
+        kv_ids = ids if self.kv_doc_ids is None else _like(self.kv_doc_ids, b)
+        return ids[b, q_idx] == kv_ids[b, kv_idx]
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"segment_ids": self.doc_ids, "kv_segment_ids": self.kv_doc_ids}
+
+
+def documents(doc_ids: Any, kv_doc_ids: Any = None) -> Documents:
+    """The mask mod of packed documents: ``doc_ids[b, q_idx] == kv_doc_ids[b, kv_idx]``,
+    ``doc_ids`` integers (B, T) and ``kv_doc_ids`` (B, S) (None: ``doc_ids``, for T == S).
+    Stands for ``segment_ids=doc_ids, kv_segment_ids=kv_doc_ids``."""
+    doc_ids, kv_doc_ids = _captured(doc_ids), _captured(kv_doc_ids)
+    for name, ids in (("doc_ids", doc_ids), ("kv_doc_ids", kv_doc_ids)):
+        if ids is not None and (not _is_array(ids) or len(ids.shape) != 2):
+            raise ValueError(f"documents: {name} must be integers of shape (B, length); got {_describe(ids)}")
+    return Documents(doc_ids, kv_doc_ids)
+
+
+def _describe(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if _is_array(value) else type(value).__name__
+
+
+@dataclass(frozen=True, eq=False)
+class _Combined(Mod):
+    """Mods combined (their arrays: each part's in turn)."""
+
+    parts: tuple[Callable[..., Any], ...] = ()
+
+    @property
+    def arrays(self) -> tuple[Any, ...]:
+        found: list[Any] = []
+        for p in self.parts:
+            if isinstance(p, Mod):
+                found.extend(p.arrays)
+        return tuple(found)
+
+    def with_arrays(self, arrays: Sequence[Any]) -> Mod:
+        arrays = list(arrays)
+        if len(arrays) != len(self.arrays):
+            raise ValueError(f"{type(self).__name__} captures {len(self.arrays)} arrays; got {len(arrays)}")
+        parts = []
+        for p in self.parts:
+            if isinstance(p, Mod):
+                n = len(p.arrays)
+                parts.append(p.with_arrays(arrays[:n]))
+                arrays = arrays[n:]
+            else:
+                parts.append(p)
+        return dataclasses.replace(self, parts=tuple(parts))
+
+    def static_key(self) -> tuple[Any, ...]:
+        return (type(self), tuple(p.static_key() if isinstance(p, Mod) else p for p in self.parts))
+
+    def _merged(self) -> dict[str, Any] | None:
+        """The parts' options together, where each part has some and none contradicts
+        another (one option set to two values)."""
+        merged: dict[str, Any] = {}
+        for p in self.parts:
+            options = p.options if isinstance(p, Mod) else None
+            if options is None:
+                return None
+            for name, value in options.items():
+                if name in merged and not _same(merged[name], value):
+                    return None
+                merged[name] = value
+        return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b if _is_array(a) or _is_array(b) else a == b
+
+
+@dataclass(frozen=True, eq=False)
+class AndMasks(_Combined):
+    """Keys that every part lets through."""
+
+    kind: ClassVar[str] = "mask"
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        result = b == b  # every key (no parts)
+        for part in self.parts:
+            result = result & part(b, h, q_idx, kv_idx)
+        return result
+
+    @property
+    def options(self) -> dict[str, Any] | None:
+        return self._merged()
+
+
+@dataclass(frozen=True, eq=False)
+class OrMasks(_Combined):
+    """Keys that some part lets through."""
+
+    kind: ClassVar[str] = "mask"
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        result = b != b  # no key (no parts)
+        for part in self.parts:
+            result = result | part(b, h, q_idx, kv_idx)
+        return result
+
+    @property
+    def options(self) -> dict[str, Any] | None:
+        return self.parts[0].options if len(self.parts) == 1 and isinstance(self.parts[0], Mod) else None
+
+
+def _callables(name: str, mods: tuple[Any, ...]) -> tuple[Any, ...]:
+    for m in mods:
+        if not callable(m):
+            raise TypeError(f"{name} takes callable mods; got {type(m).__name__}")
+    return mods
+
+
+def and_masks(*mask_mods: Callable[..., Any]) -> AndMasks:
+    """The mask mod that lets a key through where every one of ``mask_mods`` does
+    (none: every key).  Stands for the parts' options together, where each part has
+    some and no two set one option to different values."""
+    return AndMasks(_callables("and_masks", mask_mods))
+
+
+def or_masks(*mask_mods: Callable[..., Any]) -> OrMasks:
+    """The mask mod that lets a key through where any one of ``mask_mods`` does (none: no
+    key).  Stands for no named option (one part: that part's)."""
+    return OrMasks(_callables("or_masks", mask_mods))
+
+
+# --------------------------------------------------------------------------- score mods
+
+
+@dataclass(frozen=True, eq=False)
+class Alibi(Mod):
+    """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)``."""
+
+    kind: ClassVar[str] = "score"
+    _array_fields: ClassVar[tuple[str, ...]] = ("slopes",)
+    slopes: Any
+
+    def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + _like(self.slopes, h)[h] * (kv_idx - q_idx)
+
+
+def alibi(slopes: Any) -> Alibi:
+    """The score mod of ALiBi: ``score + slopes[h] * (kv_idx - q_idx)``, ``slopes`` (H,)
+    per query head (differentiable where given as a framework's array).  Stands for no
+    named option (it is a ``bias``, made dense)."""
+    slopes = _captured(slopes)
+    if not _is_array(slopes) or len(slopes.shape) != 1:
+        raise ValueError(f"alibi: slopes must have shape (H,), one per query head; got {_describe(slopes)}")
+    return Alibi(slopes)
+
+
+@dataclass(frozen=True, eq=False)
+class Softcap(Mod):
+    """``cap * tanh(score / cap)``."""
+
+    kind: ClassVar[str] = "score"
+    cap: float
+
+    def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return self.cap * _tanh(score / self.cap)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"softcap": self.cap}
+
+
+def softcap(cap: float) -> Softcap:
+    """The score mod of soft-capping (Gemma 2): ``cap * tanh(score / cap)``, ``cap > 0``.
+    Stands for ``softcap=cap``.  Raises ValueError (``check_softcap``'s text)."""
+    checked = check_softcap(cap)
+    assert checked is not None
+    return Softcap(checked)
+
+
+@dataclass(frozen=True, eq=False)
+class BiasTable(Mod):
+    """A learned relative-position bias: ``score + table[h, m + clip(q_idx - kv_idx, -m, m)]``."""
+
+    kind: ClassVar[str] = "score"
+    _array_fields: ClassVar[tuple[str, ...]] = ("table",)
+    table: Any
+
+    def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        reach = (self.table.shape[-1] - 1) // 2  # m: the farthest distance with its own entry
+        lag = q_idx - kv_idx
+        lag = _where(lag > reach, reach, _where(lag < -reach, -reach, lag))
+        return score + _like(self.table, h)[h, lag + reach]
+
+
+def bias_table(table: Any) -> BiasTable:
+    """The score mod of a learned relative-position bias, ``table`` (H, 2m + 1) per query
+    head: ``score + table[h, m + clip(q_idx - kv_idx, -m, m)]``.  Column m is the query's
+    own position, m + d the key d positions before it, m - d the key d after it; keys
+    farther than m share the last entry of their side (as T5's far buckets do).
+    Differentiable where given as a framework's array.  Stands for no named option.
+    Raises ValueError for a table that is not (H, odd width)."""
+    table = _captured(table)
+    if not _is_array(table) or len(table.shape) != 2 or table.shape[-1] % 2 != 1:
+        raise ValueError(f"bias_table: table must have shape (H, 2m + 1), an odd width; got {_describe(table)}")
+    return BiasTable(table)
+
+
+@dataclass(frozen=True, eq=False)
+class Chain(_Combined):
+    """Score mods applied in turn."""
+
+    kind: ClassVar[str] = "score"
+
+    def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        for part in self.parts:
+            score = part(score, b, h, q_idx, kv_idx)
+        return score
+
+    @property
+    def options(self) -> dict[str, Any] | None:
+        return self._merged()
+
+
+def chain(*score_mods: Callable[..., Any]) -> Chain:
+    """The score mod that applies ``score_mods`` in turn (the first one to the scaled
+    score).  Stands for the parts' options together (e.g. ``chain(softcap(c))``:
+    ``softcap=c``), where each part has some."""
+    return Chain(_callables("chain", score_mods))
+
+
+# Every class of library mod (the JAX twin registers each one as a pytree).
+MOD_CLASSES: tuple[type[Mod], ...] = (Causal, SlidingWindow, PrefixLM, Documents, AndMasks, OrMasks, Alibi,
+                                      Softcap, BiasTable, Chain)

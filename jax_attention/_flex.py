@@ -1,0 +1,314 @@
+"""``flex_attention`` for JAX: PyTorch's flex_attention (score and mask mods, block-sparse
+block masks) on the library's math, forward and backward.  ``torch_attention/_flex.py``
+is its twin; the mods are ``attention_spec.mods``'s, the checks and the block plan
+``attention_spec.flex``'s.
+
+Per query block of ``BLOCK_SIZE`` rows, only the key blocks that the block mask marks
+non-empty are computed: their scores in the compute dtype (float32 for half precision;
+float64 stays), ``score_mod`` applied with index arrays, the mask mod on partial blocks
+only, the library's stable softmax (``_reference.softmax``), then weights @ v.  Each
+query block is a ``jax.checkpoint``: the backward recomputes its scores, so no (L, S)
+array is kept for it, and gradients reach q, k, v and the arrays the mods capture.
+
+The block plan is read on the host where the block mask's tables are concrete (made by
+``create_block_mask`` outside a trace, or closed over by a jitted function).  Tables
+that are traced (a ``BlockMask`` passed into ``jax.jit`` as an argument, or made inside
+one from traced arrays) cannot say which blocks to skip: every block is computed, each
+masked by the tables' block kinds and the mask mod (the same numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from attention_spec import dtype_name
+from attention_spec import flex as spec
+from attention_spec import mods as library
+from jax_attention._canonical import compute_dtype
+from jax_attention._reference import resolve_scale, softmax
+
+# Without a block mask: query blocks of this many rows (PyTorch's default BLOCK_SIZE).
+DEFAULT_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """A block-sparse mask in PyTorch's layout (``attention_spec.flex``): int32
+    kv_num_blocks (B', H', n_q), kv_indices (B', H', n_q, n_kv), and the same for full
+    blocks (or None), B' and H' the batch and heads it was made for (1: broadcast);
+    ``BLOCK_SIZE`` (query block, key block); ``mask_mod``, applied on partial blocks;
+    ``seq_lengths`` (Q_LEN, KV_LEN).  A pytree: the tables are its leaves, ``BLOCK_SIZE``,
+    ``mask_mod`` and ``seq_lengths`` static data."""
+
+    kv_num_blocks: Any
+    kv_indices: Any
+    full_kv_num_blocks: Any
+    full_kv_indices: Any
+    BLOCK_SIZE: tuple[int, int]  # noqa: N815 (PyTorch's name)
+    mask_mod: Callable[..., Any]
+    seq_lengths: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B', H', Q_LEN, KV_LEN)."""
+        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
+
+    def tables(self) -> tuple[Any, Any, Any, Any]:
+        return (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
+
+
+jax.tree_util.register_dataclass(
+    BlockMask, data_fields=["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"],
+    meta_fields=["BLOCK_SIZE", "mask_mod", "seq_lengths"])
+
+
+class _Structure:
+    """A library mod's pytree structure: equal for mods of one class and settings (the
+    arrays are the leaves); keeps one such mod to rebuild from."""
+
+    def __init__(self, mod: library.Mod) -> None:
+        self.mod, self.key = mod, mod.static_key()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Structure) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+for _cls in library.MOD_CLASSES:  # library mods are pytrees: their arrays can be traced, differentiated
+    jax.tree_util.register_pytree_node(
+        _cls, lambda m: (m.arrays, _Structure(m)), lambda s, arrays: s.mod.with_arrays(arrays))
+
+
+def _host(tables: tuple[Any, Any, Any, Any]) -> tuple[Any, Any, Any, Any]:
+    """A block mask's concrete tables as NumPy arrays (None kept)."""
+    a, b, c, d = (None if t is None else np.asarray(t) for t in tables)
+    return a, b, c, d
+
+
+def _is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,  # noqa: N803
+                      BLOCK_SIZE: int | tuple[int, int] = 128) -> BlockMask:  # noqa: N803
+    """The block mask of ``mask_mod`` (b, h, q_idx, kv_idx) -> bool (True = may attend) for
+    B x H x Q_LEN x KV_LEN (B or H None: 1, broadcast over the call's), in blocks of
+    ``BLOCK_SIZE`` (an int, or (query block, key block)): which key blocks of each query
+    block are partial, full or empty.  PyTorch's ``create_block_mask`` (its tables
+    exactly), without ``device``.
+
+    ``mask_mod`` runs on NumPy index arrays, one query block at a time (no (L, S) mask
+    is made whole), so the tables are NumPy (concrete) wherever the mod's captured arrays
+    are; a mod over traced arrays (inside ``jax.jit``) gives traced tables, and the call
+    then computes every block.  Raises TypeError / ValueError (bad sizes)."""
+    b_, h_, q_len, kv_len, (bq, bkv) = spec.check_block_mask_args(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE)
+    n_kv = -(-kv_len // bkv)
+    b = np.arange(b_).reshape(b_, 1, 1, 1)
+    h = np.arange(h_).reshape(1, h_, 1, 1)
+    kv = np.arange(kv_len).reshape(1, 1, 1, kv_len)
+    sums = []
+    for start in range(0, q_len, bq):
+        rows = np.arange(start, min(start + bq, q_len)).reshape(1, 1, -1, 1)
+        m = mask_mod(b, h, rows, kv)
+        xp = jnp if _is_traced(m) else np
+        m = xp.broadcast_to(xp.asarray(m if xp is jnp else np.asarray(m)), (b_, h_, rows.shape[2], kv_len))
+        # padded to whole blocks with False, as PyTorch pads: a ragged block is never full
+        m = xp.pad(m, ((0, 0), (0, 0), (0, bq - m.shape[2]), (0, n_kv * bkv - kv_len)))
+        sums.append(m.reshape(b_, h_, bq, n_kv, bkv).sum(axis=(2, 4)))
+    xp = jnp if any(_is_traced(s) for s in sums) else np
+    counts = xp.stack(sums, axis=2)  # (B', H', n_q, n_kv): visible keys per block
+    full = counts == bq * bkv
+    partial = (counts > 0) & ~full
+    order = spec.ordered_blocks if xp is np else _ordered_traced
+    (num, indices), (full_num, full_indices) = order(partial), order(full)
+    return BlockMask(num, indices, full_num, full_indices, BLOCK_SIZE=(bq, bkv), mask_mod=mask_mod,
+                     seq_lengths=(q_len, kv_len))
+
+
+def _ordered_traced(dense: Array) -> tuple[Array, Array]:
+    """``spec.ordered_blocks`` for traced arrays."""
+    dense = dense.astype(jnp.int32)
+    return dense.sum(axis=-1).astype(jnp.int32), jnp.argsort(-dense, axis=-1, stable=True).astype(jnp.int32)
+
+
+def _dense_traced(num: Array, indices: Array, n_kv: int) -> Array:
+    """``spec.dense_blocks`` for traced arrays: bool (B', H', n_q, n_kv)."""
+    # explicit ranks throughout: the library runs under jax_numpy_rank_promotion="raise"
+    listed = jnp.arange(indices.shape[-1]).reshape(1, 1, 1, -1) < num[..., None]  # (B', H', n_q, n)
+    hits = (indices[..., None] == jnp.arange(n_kv).reshape(1, 1, 1, 1, n_kv)) & listed[..., None]
+    return hits.any(axis=-2)  # (B', H', n_q, n_kv)
+
+
+def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[..., Any] | None = None,
+                   block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+                   return_lse: bool = False) -> Array | tuple[Array, Array]:
+    """Attention with a score mod and a block-sparse mask: query (B, Hq, L, E), key
+    (B, Hkv, S, E), value (B, Hkv, S, Ev) -> (B, Hq, L, Ev) in the inputs' dtype, with
+    ``return_lse`` also lse (B, Hq, L) in the compute dtype (float32, float64 for
+    float64): the natural log of each row's sum of exp(modded scores), -inf for a row
+    that sees no key (its output row is zeros).  PyTorch's ``flex_attention``.
+
+    Args:
+      score_mod: ``(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled scores
+        ``scale * q.k`` (``attention_spec.mods``: vectorised, elementwise).  A score it
+        makes -inf blocks its key.  ``h`` is the query head.
+      block_mask: ``create_block_mask``'s; None: every key visible.  Its ``mask_mod``
+        (True = may attend) decides the keys of partial blocks; empty blocks are skipped.
+        Closed over (concrete), it skips blocks under ``jax.jit`` too; traced, every
+        block is computed and masked.
+      scale: None = 1/sqrt(E); a float as given.
+      enable_gqa: k and v may have Hkv heads dividing Hq; query head h reads kv head
+        h // (Hq // Hkv).  Without it Hq must equal Hkv.
+
+    Differentiable (``jax.grad``) in q, k, v and the arrays the mods capture, one query
+    block recomputed at a time; works under ``jax.jit`` and ``jax.vmap``.
+
+    Raises:
+      ValueError / TypeError: shapes, dtypes, scale, mods or a block mask that do not fit
+        (``attention_spec.flex``'s texts, the PyTorch twin's), before any computation.
+    """
+    groups, scale = spec.check_flex_inputs(query.shape, key.shape, value.shape,
+                                           (dtype_name(query.dtype), dtype_name(key.dtype), dtype_name(value.dtype)),
+                                           enable_gqa=enable_gqa, scale=scale)
+    spec.check_mod("score_mod", score_mod)
+    plan, mask_mod, flags = _plan(query, key, block_mask)
+    batch, heads, q_len, dim = query.shape
+    kv_heads, v_dim = key.shape[1], value.shape[3]
+    scale = resolve_scale(scale, dim)
+    qg = query.reshape(batch, kv_heads, groups, q_len, dim)  # (B, Hkv, G, L, E): query head h = kvh * G + g
+    kg, vg = key[:, :, None], value[:, :, None]  # (B, Hkv, 1, S, E|Ev)
+    ct = compute_dtype(query.dtype)
+    outs, lses = [], []
+    for qb, traced in zip(plan, flags, strict=True):
+        rows = qb.stop - qb.start
+        if not qb.runs:  # every key blocked: zeros, lse -inf
+            outs.append(jnp.zeros((batch, heads, rows, v_dim), value.dtype))
+            lses.append(jnp.full((batch, heads, rows), -jnp.inf, ct))
+            continue
+        block = _query_block(qb, score_mod, mask_mod, traced, scale, ct, heads)
+        out, lse = jax.checkpoint(block)(qg[:, :, :, qb.start:qb.stop], kg, vg)
+        outs.append(out.astype(value.dtype))
+        lses.append(lse)
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)  # (B, Hq, L, Ev)
+    if not return_lse:
+        return out
+    return out, lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=2)
+
+
+def _plan(query: Array, key: Array, block_mask: BlockMask | None) -> tuple[
+        tuple[spec.QueryBlock, ...], Callable[..., Any] | None, list[tuple[Array, Array] | None]]:
+    """(the query blocks and their key runs, the mask mod, and per query block the
+    traced tables' kinds of its keys (full, partial), bool (B', H', 1, S), or None where
+    the tables are concrete)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if block_mask is None:
+        plan = spec.plan_without_mask(q_len, kv_len, DEFAULT_BLOCK)
+        return plan, None, [None] * len(plan)
+    tables = block_mask.tables()
+    full_given = tables[2] is not None and tables[3] is not None
+    spec.check_block_mask([t.shape for t in tables if t is not None], block_mask.BLOCK_SIZE,
+                          block_mask.seq_lengths, query.shape, full_given=full_given, kv_len=kv_len)
+    spec.check_mod("block_mask.mask_mod", block_mask.mask_mod)
+    bq, bkv = block_mask.BLOCK_SIZE
+    if not any(_is_traced(t) for t in tables):
+        plan = spec.plan_blocks(*_host(tables), (bq, bkv), (q_len, kv_len))
+        return plan, block_mask.mask_mod, [None] * len(plan)
+    n_kv = -(-kv_len // bkv)
+    partial = _dense_traced(tables[0], tables[1], n_kv)  # (B', H', n_q, n_kv)
+    full = _dense_traced(tables[2], tables[3], n_kv) & ~partial if full_given else jnp.zeros_like(partial)
+
+    def keys(kind: Array, i: int) -> Array:  # (B', H', 1, S): the kind of each key's block
+        return jnp.repeat(kind[:, :, i], bkv, axis=-1)[:, :, None, :kv_len]
+
+    plan = tuple(spec.QueryBlock(start, min(start + bq, q_len), (spec.KeyRun(0, kv_len, "traced"),))
+                 for start in range(0, q_len, bq))
+    return plan, block_mask.mask_mod, [(keys(full, i), keys(partial, i)) for i in range(len(plan))]
+
+
+def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None,
+                 flags: tuple[Array, Array] | None, scale: float, ct: Any, heads: int) -> Callable[..., Any]:
+    """The function of one query block, (q (B, Hkv, G, rows, E), k, v (B, Hkv, 1, S, .)) ->
+    (out (B, Hq, rows, Ev) in the compute dtype, lse (B, Hq, rows))."""
+    span, positions = qb.span, qb.key_positions
+
+    def block(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+        batch, kv_heads, groups, rows, _ = q.shape
+        if span is not None:
+            k, v = k[..., span[0]:span[1], :], v[..., span[0]:span[1], :]
+        else:
+            k, v = jnp.take(k, positions, axis=-2), jnp.take(v, positions, axis=-2)
+        n = k.shape[-2]
+        scores = jnp.matmul(q.astype(ct), jnp.swapaxes(k.astype(ct), -2, -1), precision="highest")
+        scores = scores.reshape(batch, heads, rows, n) * scale  # (B, Hq, rows, n)
+        b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1)
+        h = jnp.arange(heads, dtype=jnp.int32).reshape(1, heads, 1, 1)
+        q_idx = jnp.arange(qb.start, qb.stop, dtype=jnp.int32).reshape(1, 1, rows, 1)
+        mask = _mask(qb, mask_mod, flags, b, h, q_idx, scores.shape)
+        if score_mod is not None:
+            kv_idx = jnp.asarray(positions, jnp.int32).reshape(1, 1, 1, n)
+            scores = jnp.broadcast_to(score_mod(scores, b, h, q_idx, kv_idx), scores.shape).astype(ct)
+            finite = scores != -jnp.inf  # a score the mod makes -inf blocks its key
+            mask = finite if mask is None else mask & finite
+        weights = softmax(scores, mask)
+        out = jnp.matmul(weights.reshape(batch, kv_heads, groups, rows, n), v.astype(ct), precision="highest")
+        return out.reshape(batch, heads, rows, -1), _lse(scores, mask)
+
+    return block
+
+
+def _mask(qb: spec.QueryBlock, mask_mod: Callable[..., Any] | None, flags: tuple[Array, Array] | None,
+          b: Array, h: Array, q_idx: Array, shape: tuple[int, ...]) -> Array | None:
+    """The block's mask (True = may attend), broadcastable to ``shape`` (B, Hq, rows, n):
+    None where every key computed is in a full block."""
+    if all(r.kind == "full" for r in qb.runs):
+        return None
+    pieces = []
+    for run in qb.runs:
+        width = (*shape[:3], run.stop - run.start)
+        if run.kind == "full":
+            pieces.append(jnp.ones(width, bool))
+            continue
+        kv_idx = jnp.arange(run.start, run.stop, dtype=jnp.int32).reshape(1, 1, 1, -1)
+        if run.kind == "traced":  # every key block, masked by the traced tables' kinds
+            assert flags is not None and mask_mod is not None
+            piece = flags[0] | (flags[1] & mask_mod(b, h, q_idx, kv_idx))
+        elif run.kind == "partial":
+            assert mask_mod is not None
+            piece = mask_mod(b, h, q_idx, kv_idx)
+        else:  # mixed: the kinds differ by (b, h)
+            assert run.full is not None
+            piece = jnp.asarray(run.full)
+            if run.partial is not None:
+                assert mask_mod is not None
+                piece = piece | (jnp.asarray(run.partial) & mask_mod(b, h, q_idx, kv_idx))
+        pieces.append(jnp.broadcast_to(piece, width))
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
+
+
+def _lse(scores: Array, mask: Array | None) -> Array:
+    """log(sum(exp(scores))) over the keys ``mask`` lets through (B, Hq, rows); -inf for a
+    row that sees none (with zero gradients)."""
+    if mask is None:
+        return jax.nn.logsumexp(scores, axis=-1)
+    live = jnp.broadcast_to(mask, scores.shape).any(axis=-1)
+    kept = jnp.where(mask, scores, -jnp.inf)
+    return jnp.where(live, jax.nn.logsumexp(jnp.where(live[..., None], kept, 0.0), axis=-1), -jnp.inf)
+
+
+def blocks_computed(block_mask: BlockMask | None, q_len: int, kv_len: int) -> int:
+    """How many (query block, key block) pairs a call over this block mask computes (for
+    the tests: block skipping is real).  Without a block mask every pair, in blocks of
+    ``DEFAULT_BLOCK``."""
+    if block_mask is None:
+        return -(-q_len // DEFAULT_BLOCK) * -(-kv_len // DEFAULT_BLOCK)
+    plan = spec.plan_blocks(*_host(block_mask.tables()), block_mask.BLOCK_SIZE, (q_len, kv_len))
+    return spec.blocks_computed(plan, block_mask.BLOCK_SIZE)
