@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attention_spec.arrays import FLOAT_DTYPES, as_shape
+from attention_spec.mods import Mod
 from attention_spec.options import check_scale
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "check_flex_inputs",
     "check_mod",
     "dense_blocks",
+    "named_options",
     "ordered_blocks",
     "plan_blocks",
     "plan_without_mask",
@@ -107,6 +109,30 @@ def check_block_mask(shapes: Sequence[Any], block_size: Any, seq_lengths: Any, q
             want = f"({b} or 1, {h} or 1, {n_q}" + (")" if rank == 3 else f", {n_kv})")
             raise ValueError(f"flex_attention: block_mask.{name} must have shape {want} for q {q} and "
                              f"BLOCK_SIZE {tuple(block_size)}; got {shape}")
+
+
+def named_options(score_mod: Any, mask_mod: Any, *, return_lse: bool) -> tuple[dict[str, Any] | None, str]:
+    """(the options of ``dot_product_attention`` that a flex call's mods stand for, or None
+    and why not).  A call whose mods are all library mods (``attention_spec.mods``) that
+    stand for named options, none set two ways, and that asks for no log-sum-exp is that
+    call of ``dot_product_attention``: the twins run it there, on the fastest path that
+    honours those options (a mod missing, None, stands for nothing to add)."""
+    if return_lse:
+        return None, "return_lse=True (dot_product_attention gives no log-sum-exp)"
+    options: dict[str, Any] = {}
+    for role, mod in (("block_mask.mask_mod", mask_mod), ("score_mod", score_mod)):
+        if mod is None:
+            continue
+        own = mod.options if isinstance(mod, Mod) else None
+        if own is None:
+            what = type(mod).__name__ if isinstance(mod, Mod) else "a function of its own"
+            return None, f"{role} ({what}) stands for no named option"
+        for name, value in own.items():
+            if name in options and not (options[name] is value or (
+                    not hasattr(value, "shape") and options[name] == value)):
+                return None, f"the mods set {name} two ways"
+            options[name] = value
+    return options, ""
 
 
 def check_block_mask_args(mask_mod: Any, batch: Any, heads: Any, q_len: Any, kv_len: Any,

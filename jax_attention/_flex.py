@@ -176,10 +176,7 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
       ValueError / TypeError: shapes, dtypes, scale, mods or a block mask that do not fit
         (``attention_spec.flex``'s texts, the PyTorch twin's), before any computation.
     """
-    groups, scale = spec.check_flex_inputs(query.shape, key.shape, value.shape,
-                                           (dtype_name(query.dtype), dtype_name(key.dtype), dtype_name(value.dtype)),
-                                           enable_gqa=enable_gqa, scale=scale)
-    spec.check_mod("score_mod", score_mod)
+    groups, scale = check(query, key, value, score_mod, block_mask, scale, enable_gqa)
     plan, mask_mod, flags = _plan(query, key, block_mask)
     batch, heads, q_len, dim = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[3]
@@ -204,6 +201,25 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
     return out, lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=2)
 
 
+def check(query: Any, key: Any, value: Any, score_mod: Any, block_mask: BlockMask | None, scale: Any,
+          enable_gqa: bool) -> tuple[int, float | None]:
+    """Every check of a flex call, before any work, whichever path then runs it
+    (``functional.flex_attention``): q, k, v, the scale, the mods and the block mask
+    (``attention_spec.flex``'s texts, the PyTorch twin's).  Returns (query heads per
+    key/value head, the scale checked)."""
+    groups, scale = spec.check_flex_inputs(query.shape, key.shape, value.shape,
+                                           (dtype_name(query.dtype), dtype_name(key.dtype), dtype_name(value.dtype)),
+                                           enable_gqa=enable_gqa, scale=scale)
+    spec.check_mod("score_mod", score_mod)
+    if block_mask is not None:
+        tables = block_mask.tables()
+        full_given = tables[2] is not None and tables[3] is not None
+        spec.check_block_mask([t.shape for t in tables if t is not None], block_mask.BLOCK_SIZE,
+                              block_mask.seq_lengths, query.shape, full_given=full_given, kv_len=key.shape[2])
+        spec.check_mod("block_mask.mask_mod", block_mask.mask_mod)
+    return groups, scale
+
+
 def _plan(query: Array, key: Array, block_mask: BlockMask | None) -> tuple[
         tuple[spec.QueryBlock, ...], Callable[..., Any] | None, list[tuple[Array, Array] | None]]:
     """(the query blocks and their key runs, the mask mod, and per query block the
@@ -215,9 +231,6 @@ def _plan(query: Array, key: Array, block_mask: BlockMask | None) -> tuple[
         return plan, None, [None] * len(plan)
     tables = block_mask.tables()
     full_given = tables[2] is not None and tables[3] is not None
-    spec.check_block_mask([t.shape for t in tables if t is not None], block_mask.BLOCK_SIZE,
-                          block_mask.seq_lengths, query.shape, full_given=full_given, kv_len=kv_len)
-    spec.check_mod("block_mask.mask_mod", block_mask.mask_mod)
     bq, bkv = block_mask.BLOCK_SIZE
     if not any(_is_traced(t) for t in tables):
         plan = spec.plan_blocks(*_host(tables), (bq, bkv), (q_len, kv_len))

@@ -35,17 +35,19 @@ shared with the ring), ``_fused`` (``jax.nn.dot_product_attention`` and splash),
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 from jax import Array
 
+from attention_spec.flex import named_options
 from attention_spec.mods import and_masks as and_masks
 from attention_spec.mods import or_masks as or_masks
 from attention_spec.options import CallOptions, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import PathEntry, Route, walk
-from jax_attention import _cpu_fused, _paths
+from jax_attention import _cpu_fused, _flex, _paths
 from jax_attention._cache import KVCache as KVCache
 from jax_attention._cache import append_to_cache as append_to_cache
 from jax_attention._cache import cache_fields as cache_fields
@@ -61,7 +63,6 @@ from jax_attention._canonical import heads_first
 from jax_attention._cpu_fused import cpu_kernel_supports as cpu_kernel_supports
 from jax_attention._flex import BlockMask as BlockMask
 from jax_attention._flex import create_block_mask as create_block_mask
-from jax_attention._flex import flex_attention as flex_attention
 from jax_attention._fused import cudnn_supports as cudnn_supports
 from jax_attention._fused import splash_attention as splash_attention
 from jax_attention._fused import splash_supports as splash_supports
@@ -94,6 +95,7 @@ __all__ = [
     "dot_product_attention",
     "dropout_weights",
     "flex_attention",
+    "flex_route",
     "linear",
     "normalize_scores",
     "or_masks",
@@ -285,6 +287,48 @@ def dot_product_attention(
         ``kv_lengths`` are not checked (see ``canonical_kv_lengths``).
     """
     return attend(q, k, v, _checked(locals()), rng=rng, precision=precision)
+
+
+def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[..., Any] | None = None,
+                   block_mask: _flex.BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+                   return_lse: bool = False) -> Array | tuple[Array, Array]:
+    """PyTorch's ``flex_attention`` (``_flex.flex_attention``: score and mask mods, block
+    masks, forward and backward; on every CPU, under ``jax.jit``).  A call whose mods are all library mods that
+    stand for named options (``attention_spec.mods``: ``causal``, ``sliding_window``,
+    ``softcap``, ``documents`` and their ``and_masks`` / ``chain``), without
+    ``return_lse``, is that call of ``dot_product_attention`` and runs there, on the
+    fastest path that honours the options; any other runs on the flex path.
+    ``flex_route`` says which, and why.  Every check is the flex path's, made first."""
+    options, _ = _flex_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    if options is None:
+        return _flex.flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    return cast(Array, dot_product_attention(query, key, value, scale=scale, **options))
+
+
+def flex_route(query: Array, key: Array, value: Array, score_mod: Callable[..., Any] | None = None,
+               block_mask: _flex.BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+               return_lse: bool = False) -> Route:
+    """Which path ``flex_attention`` takes for these arguments, and why: where its mods
+    stand for named options, ``route``'s answer for them, its reasons led by the options
+    (``"flex: the mods stand for causal=True, softcap=30.0"``); else ``("flex",
+    "flex-blocks", (why not,))``, the flex path (query blocks over the key blocks the
+    block mask keeps).  Raises what ``flex_attention`` raises for bad arguments."""
+    options, why = _flex_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    if options is None:
+        return Route("flex", "flex-blocks", (f"named options: {why}",))
+    chosen = route(query, key, value, scale=scale, **options)
+    shown = ", ".join(f"{name}=<array>" if hasattr(value, "shape") else f"{name}={value!r}"
+                      for name, value in options.items()) or "no option"
+    return Route(chosen.path, chosen.kernel, (f"flex: the mods stand for {shown}", *chosen.reasons),
+                 basis=chosen.basis)
+
+
+def _flex_options(query: Any, key: Any, value: Any, score_mod: Any, block_mask: Any, scale: Any, enable_gqa: bool,
+                  return_lse: bool) -> tuple[dict[str, Any] | None, str]:
+    """A flex call checked (``_flex.check``), then the named options its mods stand for
+    (``attention_spec.flex.named_options``), or None and why not."""
+    _flex.check(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    return named_options(score_mod, None if block_mask is None else block_mask.mask_mod, return_lse=return_lse)
 
 
 def attend(q: Array, k: Array, v: Array, call: Call, *, rng: Array | None = None,

@@ -28,16 +28,18 @@ call once (``_plan``), takes the route that ``route`` reports, then runs that pa
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from torch import Tensor
 
+from attention_spec.flex import named_options
 from attention_spec.mods import and_masks as and_masks
 from attention_spec.mods import or_masks as or_masks
 from attention_spec.options import CallOptions, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import PathEntry, Route, walk
-from torch_attention import _paths
+from torch_attention import _flex, _paths
 from torch_attention._blockwise import default_block_size as default_block_size
 from torch_attention._cache import KVCache as KVCache
 from torch_attention._cache import append_to_cache as append_to_cache
@@ -53,7 +55,6 @@ from torch_attention._canonical import canonicalise as canonicalise
 from torch_attention._canonical import heads_first
 from torch_attention._flex import BlockMask as BlockMask
 from torch_attention._flex import create_block_mask as create_block_mask
-from torch_attention._flex import flex_attention as flex_attention
 from torch_attention._linear import linear as linear
 from torch_attention._linear import project as project
 from torch_attention._paths import FUSED_DRAWS_DROPOUT as FUSED_DRAWS_DROPOUT
@@ -79,6 +80,7 @@ __all__ = [
     "dot_product_attention",
     "dropout_weights",
     "flex_attention",
+    "flex_route",
     "linear",
     "normalize_scores",
     "or_masks",
@@ -248,6 +250,48 @@ def dot_product_attention(
         honour an option; all before any computation.
     """
     return attend(q, k, v, _checked(locals()))
+
+
+def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callable[..., Any] | None = None,
+                   block_mask: _flex.BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+                   return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """PyTorch's ``flex_attention`` (``_flex.flex_attention``: score and mask mods, block
+    masks, forward and backward; on the CPU too).  A call whose mods are all library mods that
+    stand for named options (``attention_spec.mods``: ``causal``, ``sliding_window``,
+    ``softcap``, ``documents`` and their ``and_masks`` / ``chain``), without
+    ``return_lse``, is that call of ``dot_product_attention`` and runs there, on the
+    fastest path that honours the options; any other runs on the flex path.
+    ``flex_route`` says which, and why.  Every check is the flex path's, made first."""
+    options, _ = _flex_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    if options is None:
+        return _flex.flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    return cast(Tensor, dot_product_attention(query, key, value, scale=scale, **options))
+
+
+def flex_route(query: Tensor, key: Tensor, value: Tensor, score_mod: Callable[..., Any] | None = None,
+               block_mask: _flex.BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+               return_lse: bool = False) -> Route:
+    """Which path ``flex_attention`` takes for these arguments, and why: where its mods
+    stand for named options, ``route``'s answer for them, its reasons led by the options
+    (``"flex: the mods stand for causal=True, softcap=30.0"``); else ``("flex",
+    "flex-blocks", (why not,))``, the flex path (query blocks over the key blocks the
+    block mask keeps).  Raises what ``flex_attention`` raises for bad arguments."""
+    options, why = _flex_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    if options is None:
+        return Route("flex", "flex-blocks", (f"named options: {why}",))
+    chosen = route(query, key, value, scale=scale, **options)
+    shown = ", ".join(f"{name}=<array>" if hasattr(value, "shape") else f"{name}={value!r}"
+                      for name, value in options.items()) or "no option"
+    return Route(chosen.path, chosen.kernel, (f"flex: the mods stand for {shown}", *chosen.reasons),
+                 basis=chosen.basis)
+
+
+def _flex_options(query: Any, key: Any, value: Any, score_mod: Any, block_mask: Any, scale: Any, enable_gqa: bool,
+                  return_lse: bool) -> tuple[dict[str, Any] | None, str]:
+    """A flex call checked (``_flex.check``), then the named options its mods stand for
+    (``attention_spec.flex.named_options``), or None and why not."""
+    _flex.check(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    return named_options(score_mod, None if block_mask is None else block_mask.mask_mod, return_lse=return_lse)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor | tuple[Tensor, Tensor]:

@@ -545,6 +545,54 @@ def test_bad_input_gives_one_error_text_in_both_twins(case: str) -> None:
     assert found[0] == found[1]
 
 
+# --------------------------------------------------------------------------- named options
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_mods_that_stand_for_named_options_run_as_dot_product_attention(framework: str) -> None:
+    """Library mods that all stand for named options (causal, a window, soft-capping,
+    documents) make the call that call of ``dot_product_attention``: the same numbers to
+    the bit, and ``flex_route`` gives its route led by the options.  A mod that stands for
+    none (ALiBi), or ``return_lse``, keeps the call on the flex path (``_flex``'s numbers),
+    and ``flex_route`` says why.  The checks are the flex path's whichever runs."""
+    if framework == "torch":
+        import torch
+
+        import torch_attention._flex as flex_path
+        import torch_attention.functional as f
+        conv: Any = torch.tensor
+    else:
+        import jax.numpy as jnp
+
+        import jax_attention._flex as flex_path  # type: ignore[no-redef]
+        import jax_attention.functional as f  # type: ignore[no-redef]
+        conv = jnp.asarray
+    rng = np.random.default_rng(3)
+    q, k, v = (conv(rng.standard_normal((2, 4, 32, 8), dtype=np.float32)) for _ in range(3))
+    ids = np.repeat(np.array([[0] * 20 + [1] * 12]), 2, axis=0)
+    mask_mod = mods.and_masks(mods.causal, mods.sliding_window(9), mods.documents(ids))
+    block_mask = f.create_block_mask(mask_mod, 2, None, 32, 32, BLOCK_SIZE=8)
+    named = {"causal": True, "window": (9, 0), "softcap": 20.0, "segment_ids": conv(ids)}
+    got = f.flex_attention(q, k, v, score_mod=mods.softcap(20.0), block_mask=block_mask)
+    want = f.dot_product_attention(q, k, v, **named)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    chosen = f.flex_route(q, k, v, score_mod=mods.softcap(20.0), block_mask=block_mask)
+    assert chosen.reasons[0] == ("flex: the mods stand for causal=True, window=(9, 0), segment_ids=<array>, "
+                                 "kv_segment_ids=None, softcap=20.0")
+    assert (chosen.path, chosen.kernel, chosen.reasons[1:]) == tuple(f.route(q, k, v, **named))
+
+    slopes = mods.alibi(np.linspace(0.5, 0.1, 4, dtype=np.float32))
+    got = f.flex_attention(q, k, v, score_mod=slopes, block_mask=block_mask)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(
+        flex_path.flex_attention(q, k, v, score_mod=slopes, block_mask=block_mask)))
+    assert f.flex_route(q, k, v, score_mod=slopes, block_mask=block_mask) == (
+        "flex", "flex-blocks", ("named options: score_mod (Alibi) stands for no named option",))
+    assert f.flex_route(q, k, v, block_mask=block_mask, return_lse=True).reasons == (
+        "named options: return_lse=True (dot_product_attention gives no log-sum-exp)",)
+    with pytest.raises(ValueError, match="flex_attention: q has 4 heads and k and v 2"):
+        f.flex_attention(q, k[:, :2], v[:, :2], score_mod=mods.softcap(20.0), block_mask=block_mask)
+
+
 # --------------------------------------------------------------------------- half precision
 
 
