@@ -3,7 +3,9 @@ block masks) on the library's math, forward and backward.  ``torch_attention/_fl
 is its twin; the mods are ``attention_spec.mods``'s, the checks and the block plan
 ``attention_spec.flex``'s.
 
-Per query block of ``BLOCK_SIZE`` rows, only the key blocks that the block mask marks
+One (example, query head) slice at a time (``jax.lax.map``: plain 2-d products, which
+XLA's CPU backend runs 2.3x faster than one batched product per query block), and per
+query block of ``BLOCK_SIZE`` rows, only the key blocks that the block mask marks
 non-empty are computed: their scores in the compute dtype (float32 for half precision;
 float64 stays), ``score_mod`` applied with index arrays, the mask mod on partial blocks
 only, the library's stable softmax (``_reference.softmax``), then weights @ v.  Each
@@ -179,26 +181,40 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
     groups, scale = check(query, key, value, score_mod, block_mask, scale, enable_gqa)
     plan, mask_mod, flags = _plan(query, key, block_mask)
     batch, heads, q_len, dim = query.shape
-    kv_heads, v_dim = key.shape[1], value.shape[3]
+    v_dim = value.shape[3]
     scale = resolve_scale(scale, dim)
-    qg = query.reshape(batch, kv_heads, groups, q_len, dim)  # (B, Hkv, G, L, E): query head h = kvh * G + g
-    kg, vg = key[:, :, None], value[:, :, None]  # (B, Hkv, 1, S, E|Ev)
     ct = compute_dtype(query.dtype)
-    outs, lses = [], []
-    for qb, traced in zip(plan, flags, strict=True):
-        rows = qb.stop - qb.start
-        if not qb.runs:  # every key blocked: zeros, lse -inf
-            outs.append(jnp.zeros((batch, heads, rows, v_dim), value.dtype))
-            lses.append(jnp.full((batch, heads, rows), -jnp.inf, ct))
-            continue
-        block = _query_block(qb, score_mod, mask_mod, traced, scale, ct, heads)
-        out, lse = jax.checkpoint(block)(qg[:, :, :, qb.start:qb.stop], kg, vg)
-        outs.append(out.astype(value.dtype))
-        lses.append(lse)
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)  # (B, Hq, L, Ev)
+    if groups > 1:  # each query head's key/value head, as its own slice (the blockwise path's repeat)
+        key, value = jnp.repeat(key, groups, axis=1), jnp.repeat(value, groups, axis=1)
+
+    def one_slice(operands: tuple[Array, Array, Array, Array]) -> tuple[Array, Array]:
+        """Slice s, (example s // Hq, query head s % Hq): q (L, E), k (S, E), v (S, Ev) ->
+        out (L, Ev), lse (L,): its query blocks in turn, each a ``jax.checkpoint``."""
+        index, q, k, v = operands
+        b, h = (index // heads).reshape(1, 1, 1, 1), (index % heads).reshape(1, 1, 1, 1)  # as the mods take them
+        outs, lses = [], []
+        for qb, traced in zip(plan, flags, strict=True):
+            rows = qb.stop - qb.start
+            if not qb.runs:  # every key blocked: zeros, lse -inf
+                outs.append(jnp.zeros((rows, v_dim), value.dtype))
+                lses.append(jnp.full((rows,), -jnp.inf, ct))
+                continue
+            block = _query_block(qb, score_mod, mask_mod, traced, scale, ct, b, h)
+            out, lse = jax.checkpoint(block)(q[qb.start:qb.stop], k, v)
+            outs.append(out.astype(value.dtype))
+            lses.append(lse)
+        return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0),
+                lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=0))
+
+    # One slice at a time: plain 2-d products, which XLA's CPU backend ran 2.3x faster than
+    # the same work as one batched product per query block (B1 H8 S2048 D64, forward).
+    slices = (jnp.arange(batch * heads, dtype=jnp.int32), query.reshape(batch * heads, q_len, dim),
+              key.reshape(batch * heads, *key.shape[2:]), value.reshape(batch * heads, *value.shape[2:]))
+    out_s, lse_s = jax.lax.map(one_slice, slices)
+    out = out_s.reshape(batch, heads, q_len, v_dim)
     if not return_lse:
         return out
-    return out, lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=2)
+    return out, lse_s.reshape(batch, heads, q_len)
 
 
 def check(query: Any, key: Any, value: Any, score_mod: Any, block_mask: BlockMask | None, scale: Any,
@@ -248,62 +264,67 @@ def _plan(query: Array, key: Array, block_mask: BlockMask | None) -> tuple[
 
 
 def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None,
-                 flags: tuple[Array, Array] | None, scale: float, ct: Any, heads: int) -> Callable[..., Any]:
-    """The function of one query block, (q (B, Hkv, G, rows, E), k, v (B, Hkv, 1, S, .)) ->
-    (out (B, Hq, rows, Ev) in the compute dtype, lse (B, Hq, rows))."""
+                 flags: tuple[Array, Array] | None, scale: float, ct: Any, b: Array, h: Array) -> Callable[..., Any]:
+    """The function of one query block of one slice (example ``b``, query head ``h``, each
+    (1, 1, 1, 1)): (q (rows, E), k (S, E), v (S, Ev)) -> (out (rows, Ev) in the compute
+    dtype, lse (rows,)).  The mods see what they see in the PyTorch twin, index arrays of
+    rank 4 (q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, n)) and scores (1, 1, rows, n)."""
     span, positions = qb.span, qb.key_positions
 
     def block(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-        batch, kv_heads, groups, rows, _ = q.shape
+        rows = q.shape[0]
         if span is not None:
-            k, v = k[..., span[0]:span[1], :], v[..., span[0]:span[1], :]
+            k, v = k[span[0]:span[1]], v[span[0]:span[1]]
         else:
-            k, v = jnp.take(k, positions, axis=-2), jnp.take(v, positions, axis=-2)
-        n = k.shape[-2]
-        scores = jnp.matmul(q.astype(ct), jnp.swapaxes(k.astype(ct), -2, -1), precision="highest")
-        scores = scores.reshape(batch, heads, rows, n) * scale  # (B, Hq, rows, n)
-        b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1)
-        h = jnp.arange(heads, dtype=jnp.int32).reshape(1, heads, 1, 1)
+            k, v = jnp.take(k, positions, axis=0), jnp.take(v, positions, axis=0)
+        n = k.shape[0]
+        scores = jnp.matmul(q.astype(ct), k.astype(ct).T, precision="highest") * scale  # (rows, n)
         q_idx = jnp.arange(qb.start, qb.stop, dtype=jnp.int32).reshape(1, 1, rows, 1)
         mask = _mask(qb, mask_mod, flags, b, h, q_idx, scores.shape)
         if score_mod is not None:
             kv_idx = jnp.asarray(positions, jnp.int32).reshape(1, 1, 1, n)
-            scores = jnp.broadcast_to(score_mod(scores, b, h, q_idx, kv_idx), scores.shape).astype(ct)
+            modded = score_mod(scores.reshape(1, 1, rows, n), b, h, q_idx, kv_idx)
+            scores = jnp.broadcast_to(modded, (1, 1, rows, n)).reshape(rows, n).astype(ct)
             finite = scores != -jnp.inf  # a score the mod makes -inf blocks its key
             mask = finite if mask is None else mask & finite
         weights = softmax(scores, mask)
-        out = jnp.matmul(weights.reshape(batch, kv_heads, groups, rows, n), v.astype(ct), precision="highest")
-        return out.reshape(batch, heads, rows, -1), _lse(scores, mask)
+        return jnp.matmul(weights, v.astype(ct), precision="highest"), _lse(scores, mask)
 
     return block
 
 
 def _mask(qb: spec.QueryBlock, mask_mod: Callable[..., Any] | None, flags: tuple[Array, Array] | None,
           b: Array, h: Array, q_idx: Array, shape: tuple[int, ...]) -> Array | None:
-    """The block's mask (True = may attend), broadcastable to ``shape`` (B, Hq, rows, n):
-    None where every key computed is in a full block."""
+    """A slice's block mask (True = may attend), (rows, n): None where every key computed is
+    in a full block.  Tables made for one example or head (B' or H' of 1) serve every one."""
     if all(r.kind == "full" for r in qb.runs):
         return None
+
+    def of_slice(table: Any) -> Array:  # (B', H', 1, keys) -> (1, 1, 1, keys): this slice's row
+        table = jnp.asarray(table)
+        row = table[b[0, 0, 0, 0] if table.shape[0] > 1 else 0, h[0, 0, 0, 0] if table.shape[1] > 1 else 0]
+        return row.reshape(1, 1, *row.shape)
+
     pieces = []
     for run in qb.runs:
-        width = (*shape[:3], run.stop - run.start)
+        width = (shape[0], run.stop - run.start)
         if run.kind == "full":
             pieces.append(jnp.ones(width, bool))
             continue
         kv_idx = jnp.arange(run.start, run.stop, dtype=jnp.int32).reshape(1, 1, 1, -1)
         if run.kind == "traced":  # every key block, masked by the traced tables' kinds
             assert flags is not None and mask_mod is not None
-            piece = flags[0] | (flags[1] & mask_mod(b, h, q_idx, kv_idx))
+            piece = of_slice(flags[0]) | (of_slice(flags[1]) & mask_mod(b, h, q_idx, kv_idx))
         elif run.kind == "partial":
             assert mask_mod is not None
             piece = mask_mod(b, h, q_idx, kv_idx)
         else:  # mixed: the kinds differ by (b, h)
             assert run.full is not None
-            piece = jnp.asarray(run.full)
+            piece = of_slice(run.full)
             if run.partial is not None:
                 assert mask_mod is not None
-                piece = piece | (jnp.asarray(run.partial) & mask_mod(b, h, q_idx, kv_idx))
-        pieces.append(jnp.broadcast_to(piece, width))
+                piece = piece | (of_slice(run.partial) & mask_mod(b, h, q_idx, kv_idx))
+        pieces.append(jnp.broadcast_to(piece, (1, 1, *width)).reshape(width))  # a mod's rank-4 answer
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
 
