@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attention_spec.arrays import FLOAT_DTYPES, as_shape
+from attention_spec.arrays import FLOAT_DTYPES, as_shape, dtype_name
 from attention_spec.mods import Mod
 from attention_spec.options import check_scale
 
@@ -29,7 +29,10 @@ __all__ = [
     "blocks_computed",
     "check_block_mask",
     "check_block_mask_args",
+    "check_flex_call",
     "check_flex_inputs",
+    "flex_call_options",
+    "options_text",
     "check_mod",
     "dense_blocks",
     "named_options",
@@ -109,6 +112,42 @@ def check_block_mask(shapes: Sequence[Any], block_size: Any, seq_lengths: Any, q
             want = f"({b} or 1, {h} or 1, {n_q}" + (")" if rank == 3 else f", {n_kv})")
             raise ValueError(f"flex_attention: block_mask.{name} must have shape {want} for q {q} and "
                              f"BLOCK_SIZE {tuple(block_size)}; got {shape}")
+
+
+def check_flex_call(query: Any, key: Any, value: Any, score_mod: Any, block_mask: Any, scale: Any,
+                    enable_gqa: bool) -> tuple[int, float | None]:
+    """Every check of a flex call in either twin, before any work, whichever path then runs
+    it: q, k and v (read for their shapes and dtypes), the scale, the mods and the block
+    mask (either twin's ``BlockMask``, or PyTorch's: the same attributes).  Returns (query
+    heads per key/value head, the scale checked)."""
+    groups, scale = check_flex_inputs(query.shape, key.shape, value.shape,
+                                      (dtype_name(query.dtype), dtype_name(key.dtype), dtype_name(value.dtype)),
+                                      enable_gqa=enable_gqa, scale=scale)
+    check_mod("score_mod", score_mod)
+    if block_mask is not None:
+        tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                  block_mask.full_kv_indices)
+        full_given = tables[2] is not None and tables[3] is not None
+        check_block_mask([t.shape for t in tables if t is not None], tuple(int(n) for n in block_mask.BLOCK_SIZE),
+                         block_mask.seq_lengths, query.shape, full_given=full_given, kv_len=key.shape[2])
+        check_mod("block_mask.mask_mod", block_mask.mask_mod)
+    return groups, scale
+
+
+def flex_call_options(query: Any, key: Any, value: Any, score_mod: Any, block_mask: Any, scale: Any,
+                      enable_gqa: bool, return_lse: bool) -> tuple[dict[str, Any] | None, str]:
+    """A flex call checked (``check_flex_call``), then the named options its mods stand
+    for (``named_options``), or None and why not: what each twin's ``flex_attention`` and
+    ``flex_route`` decide by."""
+    check_flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    return named_options(score_mod, None if block_mask is None else block_mask.mask_mod, return_lse=return_lse)
+
+
+def options_text(options: dict[str, Any]) -> str:
+    """``flex_route``'s first reason for a call that runs as ``dot_product_attention``."""
+    shown = ", ".join(f"{name}=<array>" if hasattr(value, "shape") else f"{name}={value!r}"
+                      for name, value in options.items())
+    return f"flex: the mods stand for {shown or 'no option'}"
 
 
 def named_options(score_mod: Any, mask_mod: Any, *, return_lse: bool) -> tuple[dict[str, Any] | None, str]:

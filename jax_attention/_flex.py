@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from attention_spec import dtype_name
 from attention_spec import flex as spec
 from attention_spec import mods as library
 from jax_attention._canonical import compute_dtype
@@ -178,7 +177,7 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
       ValueError / TypeError: shapes, dtypes, scale, mods or a block mask that do not fit
         (``attention_spec.flex``'s texts, the PyTorch twin's), before any computation.
     """
-    groups, scale = check(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    groups, scale = spec.check_flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
     plan, mask_mod, flags = _plan(query, key, block_mask)
     batch, heads, q_len, dim = query.shape
     v_dim = value.shape[3]
@@ -215,25 +214,6 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
     if not return_lse:
         return out
     return out, lse_s.reshape(batch, heads, q_len)
-
-
-def check(query: Any, key: Any, value: Any, score_mod: Any, block_mask: BlockMask | None, scale: Any,
-          enable_gqa: bool) -> tuple[int, float | None]:
-    """Every check of a flex call, before any work, whichever path then runs it
-    (``functional.flex_attention``): q, k, v, the scale, the mods and the block mask
-    (``attention_spec.flex``'s texts, the PyTorch twin's).  Returns (query heads per
-    key/value head, the scale checked)."""
-    groups, scale = spec.check_flex_inputs(query.shape, key.shape, value.shape,
-                                           (dtype_name(query.dtype), dtype_name(key.dtype), dtype_name(value.dtype)),
-                                           enable_gqa=enable_gqa, scale=scale)
-    spec.check_mod("score_mod", score_mod)
-    if block_mask is not None:
-        tables = block_mask.tables()
-        full_given = tables[2] is not None and tables[3] is not None
-        spec.check_block_mask([t.shape for t in tables if t is not None], block_mask.BLOCK_SIZE,
-                              block_mask.seq_lengths, query.shape, full_given=full_given, kv_len=key.shape[2])
-        spec.check_mod("block_mask.mask_mod", block_mask.mask_mod)
-    return groups, scale
 
 
 def _plan(query: Array, key: Array, block_mask: BlockMask | None) -> tuple[

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attention_spec import dtype_name
 from attention_spec import flex as spec
 from torch_attention._reference import _compute_dtype, _softmax, resolve_scale
 
@@ -121,7 +120,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
       ValueError / TypeError: shapes, dtypes, scale, mods or a block mask that do not fit
         (``attention_spec.flex``'s texts, the JAX twin's), before any computation.
     """
-    groups, scale = check(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    groups, scale = spec.check_flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
     plan, mask_mod = _plan(query, key, block_mask)
     batch, heads, q_len, dim = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[3]
@@ -154,27 +153,6 @@ def _host(block_mask: Any) -> tuple[Any, Any, Any, Any]:
               block_mask.full_kv_indices)
     a, b, c, d = (None if t is None else t.detach().cpu().numpy() for t in tables)
     return a, b, c, d
-
-
-def check(query: Tensor, key: Tensor, value: Tensor, score_mod: Any, block_mask: Any, scale: Any,
-          enable_gqa: bool) -> tuple[int, float | None]:
-    """Every check of a flex call, before any work, whichever path then runs it
-    (``functional.flex_attention``): q, k, v, the scale, the mods and the block mask
-    (``attention_spec.flex``'s texts, the JAX twin's).  Returns (query heads per
-    key/value head, the scale checked)."""
-    groups, scale = spec.check_flex_inputs(query.shape, key.shape, value.shape,
-                                           (dtype_name(query.dtype), dtype_name(key.dtype), dtype_name(value.dtype)),
-                                           enable_gqa=enable_gqa, scale=scale)
-    spec.check_mod("score_mod", score_mod)
-    if block_mask is not None:
-        tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-                  block_mask.full_kv_indices)
-        full_given = tables[2] is not None and tables[3] is not None
-        block_size = tuple(int(s) for s in block_mask.BLOCK_SIZE)
-        spec.check_block_mask([t.shape for t in tables if t is not None], block_size, block_mask.seq_lengths,
-                              query.shape, full_given=full_given, kv_len=key.shape[2])
-        spec.check_mod("block_mask.mask_mod", block_mask.mask_mod)
-    return groups, scale
 
 
 def _plan(query: Tensor, key: Tensor, block_mask: Any) -> tuple[tuple[spec.QueryBlock, ...], Any]:

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from torch import Tensor
 
-from attention_spec.flex import named_options
+from attention_spec.flex import flex_call_options, options_text
 from attention_spec.mods import and_masks as and_masks
 from attention_spec.mods import or_masks as or_masks
 from attention_spec.options import CallOptions, call_options
@@ -262,7 +262,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
     ``return_lse``, is that call of ``dot_product_attention`` and runs there, on the
     fastest path that honours the options; any other runs on the flex path.
     ``flex_route`` says which, and why.  Every check is the flex path's, made first."""
-    options, _ = _flex_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    options, _ = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
     if options is None:
         return _flex.flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
     return cast(Tensor, dot_product_attention(query, key, value, scale=scale, **options))
@@ -276,22 +276,11 @@ def flex_route(query: Tensor, key: Tensor, value: Tensor, score_mod: Callable[..
     (``"flex: the mods stand for causal=True, softcap=30.0"``); else ``("flex",
     "flex-blocks", (why not,))``, the flex path (query blocks over the key blocks the
     block mask keeps).  Raises what ``flex_attention`` raises for bad arguments."""
-    options, why = _flex_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    options, why = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
     if options is None:
         return Route("flex", "flex-blocks", (f"named options: {why}",))
     chosen = route(query, key, value, scale=scale, **options)
-    shown = ", ".join(f"{name}=<array>" if hasattr(value, "shape") else f"{name}={value!r}"
-                      for name, value in options.items()) or "no option"
-    return Route(chosen.path, chosen.kernel, (f"flex: the mods stand for {shown}", *chosen.reasons),
-                 basis=chosen.basis)
-
-
-def _flex_options(query: Any, key: Any, value: Any, score_mod: Any, block_mask: Any, scale: Any, enable_gqa: bool,
-                  return_lse: bool) -> tuple[dict[str, Any] | None, str]:
-    """A flex call checked (``_flex.check``), then the named options its mods stand for
-    (``attention_spec.flex.named_options``), or None and why not."""
-    _flex.check(query, key, value, score_mod, block_mask, scale, enable_gqa)
-    return named_options(score_mod, None if block_mask is None else block_mask.mask_mod, return_lse=return_lse)
+    return Route(chosen.path, chosen.kernel, (options_text(options), *chosen.reasons), basis=chosen.basis)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor | tuple[Tensor, Tensor]:
