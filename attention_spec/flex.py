@@ -19,14 +19,22 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from attention_spec import mods as library
 from attention_spec.arrays import FLOAT_DTYPES, as_shape, dtype_name
+from attention_spec.geometry import reach
 from attention_spec.mods import Mod
-from attention_spec.options import check_scale
+from attention_spec.options import CallOptions, check_scale
+from attention_spec.routing import option_blockers
 
 __all__ = [
     "KeyRun",
     "QueryBlock",
+    "batch_free",
     "blocks_computed",
+    "call_mods",
+    "check_module_mods",
+    "fold_named",
+    "mod_blockers",
     "check_block_mask",
     "check_block_mask_args",
     "check_flex_call",
@@ -199,6 +207,90 @@ def _positive(where: str, name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{where}: {name} must be >= 1; got {value}")
     return int(value)
+
+
+# --------------------------------------------------------------------------- a module's mods
+
+
+def check_module_mods(score_mod: Any, mask_mod: Any) -> None:
+    """A module's ``score_mod`` and ``mask_mod``: None or callables.  Raises TypeError."""
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is not None and not callable(mod):
+            raise TypeError(f"{name} must be callable or None; got {type(mod).__name__}")
+
+
+def _narrower(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def fold_named(causal: bool, window: tuple[int | None, int | None] | None, softcap: float | None,
+               score_mod: Any, mask_mod: Any) -> tuple[bool, tuple[int | None, int | None] | None, float | None,
+                                                       Any, Any]:
+    """A module's mods folded into its named options where they stand for them: a mask
+    mod standing for ``causal`` and/or a ``window`` (``causal``, ``sliding_window``,
+    ``and_masks`` of them) narrows the module's (the keys both let through); a score mod
+    standing for ``softcap`` (``softcap``, ``chain(softcap(c))``) is the module's soft cap
+    where it has none.  Returns (causal, window, softcap, the score mod left, the mask mod
+    left): a mod left (not None) runs on the flex path or the reference math.  Exact: a
+    module's mods see key positions (``library.Positioned``), as its causal and window do."""
+    named = mask_mod.options if isinstance(mask_mod, Mod) else None
+    if named is not None and set(named) <= {"causal", "window"}:
+        causal = causal or bool(named.get("causal", False))
+        extra = named.get("window")
+        if extra is not None:
+            window = extra if window is None else (_narrower(window[0], extra[0]), _narrower(window[1], extra[1]))
+        mask_mod = None
+    named = score_mod.options if isinstance(score_mod, Mod) else None
+    if named is not None and set(named) <= {"softcap"} and not (softcap is not None and "softcap" in named):
+        softcap = named.get("softcap", softcap)
+        score_mod = None
+    return causal, window, softcap, score_mod, mask_mod
+
+
+def mod_blockers(options: CallOptions, *, rank: int, sinks_given: bool, dropout_mask_given: bool) -> list[str]:
+    """What the flex path cannot honour of a module call with mods: the weights returned,
+    another normalisation than the softmax, dropout, an explicit dropout mask, sinks, and
+    q, k and v of another rank than 4."""
+    found = option_blockers(options, dropout_mask_given=dropout_mask_given, honours_mods=True)
+    if sinks_given:
+        found.append("sinks (the flex path has none)")
+    if rank != 4:
+        found.append(f"q of rank {rank} (the flex path takes (B, H, T, D))")
+    return found
+
+
+def batch_free(mod: Any) -> bool:
+    """Whether a mask mod is the same for every example and head: a library mod that
+    captures no array and is made of library mods only (a block mask for (1, 1) then
+    serves the call); a function of the user's own may read ``b`` or ``h``."""
+    if isinstance(mod, library.Positioned):
+        return not hasattr(mod.offset, "shape") and batch_free(mod.mod)
+    if isinstance(mod, library._Combined):
+        return all(batch_free(p) for p in mod.parts)
+    return isinstance(mod, Mod) and not mod.arrays
+
+
+def call_mods(options: CallOptions, *, offset: Any, mask: Any, bias: Any, lengths: Any,
+              segments: Any) -> tuple[Any, Any]:
+    """(score_mod, mask_mod) of a module call on the flex path: the call's own options and
+    arrays (its band at ``offset``, lengths, mask, same-segment mask; soft cap and bias:
+    ``library.CallMask`` / ``CallScore``) together with the module's mods seen at key
+    positions (``library.positioned``), in the library's order: soft cap, bias, then the
+    module's score mod; a key is visible where the call's mask and the module's mask mod
+    both let it through (and the final score is not -inf).  ``mask_mod`` None where no
+    key is hidden."""
+    left, right = reach(options)
+    own_mask = None
+    if left is not None or right is not None or any(a is not None for a in (lengths, mask, segments)):
+        own_mask = library.CallMask(offset, left, right, lengths, mask, segments)
+    user_mask = library.positioned(options.mask_mod, offset)
+    mask_mod = user_mask if own_mask is None else own_mask if user_mask is None else library.and_masks(
+        own_mask, user_mask)
+    own_score = None if options.softcap is None and bias is None else library.CallScore(options.softcap, bias)
+    user_score = library.positioned(options.score_mod, offset)
+    score_mod = user_score if own_score is None else own_score if user_score is None else library.chain(
+        own_score, user_score)
+    return score_mod, mask_mod
 
 
 # --------------------------------------------------------------------------- tables

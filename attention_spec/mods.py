@@ -483,6 +483,136 @@ def chain(*score_mods: Callable[..., Any]) -> Chain:
     return Chain(_callables("chain", score_mods))
 
 
+# --------------------------------------------------------------------------- a module's call
+# A module built with ``score_mod=`` / ``mask_mod=`` that stand for no named option runs on
+# the flex path (``attention_spec.flex.call_mods``): its own options and the call's arrays
+# become these mods, and its mods see positions (``Positioned``).
+
+
+def _at(array: Any, index: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """``array`` (B', H', T', S'), each of size 1 or the call's, at the index arrays (an
+    axis of size 1 is read at 0 for every index: broadcast)."""
+    array = _like(array, index)
+    return array[tuple(i if n > 1 else 0 for i, n in zip((b, h, q_idx, kv_idx), array.shape, strict=True))]
+
+
+@dataclass(frozen=True, eq=False)
+class Positioned(Mod):
+    """A module's mod seen at positions: ``mod`` called with ``q_idx + offset`` (the
+    query's key position: ``offset`` an int, or integers (B,) per example, a decode step's
+    fill), so that ``causal`` means causal whatever the alignment."""
+
+    mod: Callable[..., Any] = causal
+    offset: Any = 0
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return getattr(self.mod, "kind", "")
+
+    def _shift(self, b: Any, q_idx: Any) -> Any:
+        if _is_array(self.offset):
+            return q_idx + _like(self.offset, b)[b]
+        return q_idx + self.offset if self.offset else q_idx
+
+    def __call__(self, *args: Any) -> Any:
+        if len(args) == 5:  # a score mod
+            score, b, h, q_idx, kv_idx = args
+            return self.mod(score, b, h, self._shift(b, q_idx), kv_idx)
+        b, h, q_idx, kv_idx = args
+        return self.mod(b, h, self._shift(b, q_idx), kv_idx)
+
+    @property
+    def arrays(self) -> tuple[Any, ...]:
+        own = (self.offset,) if _is_array(self.offset) else ()
+        return own + (self.mod.arrays if isinstance(self.mod, Mod) else ())
+
+    def with_arrays(self, arrays: Sequence[Any]) -> Mod:
+        arrays = list(arrays)
+        if len(arrays) != len(self.arrays):
+            raise ValueError(f"Positioned captures {len(self.arrays)} arrays; got {len(arrays)}")
+        offset = arrays.pop(0) if _is_array(self.offset) else self.offset
+        mod = self.mod.with_arrays(arrays) if isinstance(self.mod, Mod) else self.mod
+        return Positioned(mod, offset)
+
+    def static_key(self) -> tuple[Any, ...]:
+        inner = self.mod.static_key() if isinstance(self.mod, Mod) else self.mod
+        return (type(self), inner, None if _is_array(self.offset) else self.offset)
+
+
+def positioned(mod: Callable[..., Any] | None, offset: Any) -> Callable[..., Any] | None:
+    """``mod`` seen at positions ``q_idx + offset`` (``Positioned``); itself at offset 0."""
+    if mod is None or (not _is_array(offset) and offset == 0):
+        return mod
+    return Positioned(mod, offset)
+
+
+@dataclass(frozen=True, eq=False)
+class CallMask(Mod):
+    """The keys a module's call lets a query see, as a mask mod (the geometry's rule,
+    ``attention_spec.geometry``): the band ``left <= kv_idx - (q_idx + offset) <= right``
+    (None: unbounded), keys before ``lengths[b]``, a dense ``mask`` (B', H', T', S') and
+    the same-segment mask ``segments`` (B, 1, T, S), each where the call has it."""
+
+    kind: ClassVar[str] = "mask"
+    _array_fields: ClassVar[tuple[str, ...]] = ("offset", "lengths", "mask", "segments")
+    offset: Any = 0
+    left: int | None = None
+    right: int | None = None
+    lengths: Any = None
+    mask: Any = None
+    segments: Any = None
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        from attention_spec.geometry import visible, within_length
+
+        seen = visible(kv_idx - Positioned(causal, self.offset)._shift(b, q_idx), self.left, self.right)
+        if self.lengths is not None:
+            ok = within_length(kv_idx, _like(self.lengths, b)[b])
+            seen = ok if seen is None else seen & ok
+        for dense in (self.mask, self.segments):
+            if dense is not None:
+                ok = _at(dense, b, b, h, q_idx, kv_idx)
+                seen = ok if seen is None else seen & ok
+        return (kv_idx == kv_idx) if seen is None else seen
+
+
+@dataclass(frozen=True, eq=False)
+class CallScore(Mod):
+    """A module call's own change of the scores, as a score mod, in the library's order:
+    ``cap * tanh(score / cap)``, then ``+ bias`` (B', H', T', S')."""
+
+    kind: ClassVar[str] = "score"
+    _array_fields: ClassVar[tuple[str, ...]] = ("bias",)
+    cap: float | None = None
+    bias: Any = None
+
+    def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if self.cap is not None:
+            score = self.cap * _tanh(score / self.cap)
+        if self.bias is not None:
+            score = score + _at(self.bias, b, b, h, q_idx, kv_idx)
+        return score
+
+
+def portable(role: str, mod: Any) -> Any:
+    """A module's ``score_mod`` / ``mask_mod`` ready for the other framework: a library
+    mod over NumPy copies of its arrays (``map_arrays``); None as None.  Raises ValueError
+    for a function of the user's own, which is written in one framework's operations."""
+    if mod is None:
+        return None
+    if not isinstance(mod, Mod):
+        raise ValueError(
+            f"{role} is a function of its own ({getattr(mod, '__qualname__', type(mod).__name__)}), written in "
+            f"one framework's operations: it cannot move to the other; build it from attention_spec.mods")
+    return mod.map_arrays(_numpy)
+
+
+def _numpy(array: Any) -> np.ndarray:
+    if hasattr(array, "detach"):  # a torch tensor (a parameter included)
+        array = array.detach().cpu()
+    return np.asarray(array)
+
+
 # Every class of library mod (the JAX twin registers each one as a pytree).
 MOD_CLASSES: tuple[type[Mod], ...] = (Causal, SlidingWindow, PrefixLM, Documents, AndMasks, OrMasks, Alibi,
-                                      Softcap, BiasTable, Chain)
+                                      Softcap, BiasTable, Chain, Positioned, CallMask, CallScore)

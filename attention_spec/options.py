@@ -318,12 +318,21 @@ class CallOptions(NamedTuple):
     return_weights: bool = False
     implementation: str = "auto"
     layout: str = "bhsd"
+    # A module's score and mask mods that stand for no named option (``flex.fold_named``):
+    # the flex path and the reference math apply them, every other path refuses them.
+    score_mod: Any = None
+    mask_mod: Any = None
 
     @property
     def dropout_active(self) -> bool:
         """Dropout is drawn on this call: training mode and a positive rate."""
         return self.training and self.dropout_rate > 0.0
 
+
+
+# The fields that the public functions take as keywords of the same names (a module's
+# mods reach ``CallOptions`` through its planner alone).
+KEYWORD_FIELDS = tuple(name for name in CallOptions._fields if name not in ("score_mod", "mask_mod"))
 
 
 def call_options(

@@ -20,6 +20,7 @@ from attention_spec.arrays import (
     dtype_name,
 )
 from attention_spec.cache import check_cache, check_cache_call, check_cache_context, check_cacheable
+from attention_spec.flex import fold_named
 from attention_spec.masks import check_dropout_mask, segment_ids_pair
 from attention_spec.options import CallOptions, check_implementation
 from attention_spec.registry import AttentionConfig
@@ -53,18 +54,24 @@ def module_options(
     flags (``training``: dropout is on); ``causal``, ``scale`` and ``alignment`` override
     the spec's where given (a cached step aligns its queries at each example's fill)."""
     scoring = spec.scoring
+    causal = scoring.causal if causal is None else causal
+    softcap, window, score_mod, mask_mod = scoring.softcap, scoring.window, scoring.score_mod, scoring.mask_mod
+    if score_mod is not None or mask_mod is not None:  # those that stand for named options are them
+        causal, window, softcap, score_mod, mask_mod = fold_named(causal, window, softcap, score_mod, mask_mod)
     return CallOptions(
-        causal=scoring.causal if causal is None else causal,
+        causal=causal,
         scale=scoring.scale if scale is None else scale,
         mask_strategy=scoring.mask_strategy,
         normalization=scoring.normalization,
-        softcap=scoring.softcap,
-        window=scoring.window,
+        softcap=softcap,
+        window=window,
         alignment=scoring.alignment if alignment is None else alignment,
         dropout_rate=scoring.dropout,
         training=training,
         return_weights=return_weights,
         implementation=implementation,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
     )
 
 

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
 
+from attention_spec.flex import check_module_mods
 from attention_spec.latent import check_latent_widths, check_norm_eps
 from attention_spec.options import (
     check_alignment,
@@ -287,6 +288,8 @@ REGISTRY: dict[str, Variant] = {
              Option("qk_norm_offset", 0.0, True),  # Gemma 3: scale by 1 + weight
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              Option("sinks", False, True),  # gpt-oss's attention sinks: one learned logit per head
+             # flex attention's mods (attention_spec.mods), applied to this module's scores
+             Option("score_mod", None, True), Option("mask_mod", None, True),
              *_common(causal=True)),
             projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "out_bias", when="out_proj")),
             has_dropout=True,
@@ -364,6 +367,11 @@ class Scoring:
     alignment: str = "top_left"
     sinks: bool = False  # a parameter ``sinks`` (num_heads,): each head's logit in every softmax
     dropout: float = 0.0
+    # flex attention's mods (``attention_spec.mods``, or functions of the user's own):
+    # ``score_mod(score, b, h, q_idx, kv_idx)``, ``mask_mod(b, h, q_idx, kv_idx)``, seeing
+    # key positions
+    score_mod: Any = None
+    mask_mod: Any = None
 
 
 @dataclass(frozen=True)
@@ -451,6 +459,8 @@ class AttentionConfig:
         alignment: str
         sinks: bool
         dropout: float
+        score_mod: Any
+        mask_mod: Any
         qk_norm: str | None
         qk_norm_scope: str
         qk_norm_eps: float
@@ -531,6 +541,7 @@ class AttentionConfig:
         set_(self, "softcap", check_softcap(self.softcap))
         set_(self, "window", check_window(self.window))  # a tuple (hashable), or None
         check_alignment(self.alignment)
+        check_module_mods(self.score_mod, self.mask_mod)
         if self.num_kv_heads is not None:
             check_kv_heads(self.num_heads, self.num_kv_heads)
         for name in ("kdim", "vdim"):

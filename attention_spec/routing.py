@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from attention_spec.mods import Mod
 from attention_spec.options import CallOptions, check_implementation
 
 
@@ -154,14 +155,30 @@ def resolve_implementation(
     )[0]
 
 
+def mod_names(options: CallOptions) -> list[str]:
+    """The mods of a call that only the flex path and the reference math apply, each as
+    its blocker text names it, e.g. ``"score_mod (Alibi, which stands for no named option)"``."""
+    found = []
+    for role in ("score_mod", "mask_mod"):
+        mod = getattr(options, role)
+        if mod is not None:
+            what = type(mod).__name__ if isinstance(mod, Mod) else "a function of its own"
+            found.append(f"{role} ({what}, which stands for no named option)")
+    return found
+
+
 def option_blockers(options: CallOptions, *, dropout_mask_given: bool, draws_dropout: bool = False,
-                    lacks: tuple[str, ...] = ()) -> list[str]:
+                    lacks: tuple[str, ...] = (), honours_mods: bool = False) -> list[str]:
     """What a path other than the reference math cannot honour of a call's options
     (``path_blockers``'s list, from the ``CallOptions``): the weights returned, another
     normalisation than the softmax, an explicit dropout mask, dropout it does not draw
-    (``draws_dropout``), then what its kernel lacks (``lacks``)."""
-    return _blockers(options.return_weights, options.normalization, options.dropout_active, dropout_mask_given,
-                     draws_dropout=draws_dropout, lacks=lacks)
+    (``draws_dropout``), then what its kernel lacks (``lacks``), then a module's mods that
+    stand for no named option, unless it ``honours_mods`` (the flex path)."""
+    found = _blockers(options.return_weights, options.normalization, options.dropout_active, dropout_mask_given,
+                      draws_dropout=draws_dropout, lacks=lacks)
+    if not honours_mods and (options.score_mod is not None or options.mask_mod is not None):
+        found += mod_names(options)
+    return found
 
 
 class PathEntry(NamedTuple):
@@ -187,6 +204,9 @@ class PathEntry(NamedTuple):
     run: Callable[..., Any]
     auto: bool = True
     basis: Callable[[Any, Any, Any, Any], str] | None = None
+    # Whether the row is for this call at all (None: every call): a row that is not is
+    # passed by without a reason (the flex path, for a call without mods).
+    applies: Callable[[Any], bool] | None = None
 
 
 def walk(table: Sequence[PathEntry], q: Any, k: Any, v: Any, call: Any) -> tuple[PathEntry, tuple[str, ...]]:
@@ -199,7 +219,7 @@ def walk(table: Sequence[PathEntry], q: Any, k: Any, v: Any, call: Any) -> tuple
     if requested == "auto":
         reasons: list[str] = []
         for entry in table:
-            if not entry.auto:
+            if not entry.auto or (entry.applies is not None and not entry.applies(call)):
                 continue
             why = entry.declines(q, k, v, call)
             if why is None:

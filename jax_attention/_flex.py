@@ -216,6 +216,35 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
     return out, lse_s.reshape(batch, heads, q_len)
 
 
+def run_call(q: Array, k: Array, v: Array, call: Any, *, scale: float) -> Array:
+    """The flex path of a module's call whose mods stand for no named option (a row of
+    ``_paths``): the call's options and arrays and the module's mods as one score mod and
+    one mask mod (``attention_spec.flex.call_mods``), the mask mod's block mask (for every
+    example and head, or (1, 1) where it is the same for all; concrete where the mods
+    capture no traced array, so blocks are skipped under ``jit`` too), then
+    ``flex_attention``.  q (B, H, T, D), k and v (B, Hkv, S, D)."""
+    score_mod, mask_mod = spec.call_mods(call.options, offset=call.offset, mask=call.mask, bias=call.bias,
+                                         lengths=call.kv_lengths, segments=call.segments)
+    block_mask = None
+    if mask_mod is not None:
+        batch, heads = (1, 1) if spec.batch_free(mask_mod) else (q.shape[0], q.shape[1])
+        block_mask = create_block_mask(mask_mod, batch, heads, q.shape[2], k.shape[2], BLOCK_SIZE=DEFAULT_BLOCK)
+    out = flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa=q.shape[1] != k.shape[1])
+    assert not isinstance(out, tuple)
+    return out
+
+
+def index_arrays(q: Array, k: Array) -> tuple[Array, Array, Array, Array]:
+    """(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, T, 1), kv_idx (1, 1, 1, S)), int32: the
+    indices a mod takes for every score of q (B, H, T, D) against k (..., S, D)."""
+    batch, heads, q_len = q.shape[:3]
+    kv_len = k.shape[-2]
+    return (jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1),
+            jnp.arange(heads, dtype=jnp.int32).reshape(1, heads, 1, 1),
+            jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, q_len, 1),
+            jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, kv_len))
+
+
 def _plan(query: Array, key: Array, block_mask: BlockMask | None) -> tuple[
         tuple[spec.QueryBlock, ...], Callable[..., Any] | None, list[tuple[Array, Array] | None]]:
     """(the query blocks and their key runs, the mask mod, and per query block the

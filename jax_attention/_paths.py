@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from attention_spec.flex import mod_blockers
 from attention_spec.geometry import band_reach
+from attention_spec.mods import positioned
 from attention_spec.planning import fused_blockers
 from attention_spec.routing import PathEntry, option_blockers
-from jax_attention import _blockwise, _cpu_fused, _cpu_kernel, _fused, _reference
+from jax_attention import _blockwise, _cpu_fused, _cpu_kernel, _flex, _fused, _reference
 from jax_attention._canonical import Call, structure
 
 # jax.nn.dot_product_attention (and the CPU kernel) cannot draw dropout.
@@ -175,10 +177,26 @@ def _run_reference(q: Array, k: Array, v: Array, call: Call, *, scale: float, pr
         q, k, mask=_reference.reference_mask(s.mask, call.kv_lengths, k.shape[-2], q.ndim), causal=s.causal,
         scale=scale, mask_strategy=o.mask_strategy, normalization=o.normalization, precision=precision,
         bias=call.bias, softcap=o.softcap, sinks=call.sinks,
+        score_mod=positioned(o.score_mod, call.offset), mask_mod=positioned(o.mask_mod, call.offset),
     )
     weights = _reference.dropout_weights(weights, o.dropout_rate, deterministic=not o.training, rng=rng,
                                          dropout_mask=call.dropout_mask)
     return _reference.mix(weights, v, precision, o.return_weights)
+
+
+def _has_mods(call: Call) -> bool:
+    return call.options.score_mod is not None or call.options.mask_mod is not None
+
+
+def _flex_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
+    return mod_blockers(call.options, rank=len(q.shape), sinks_given=call.sinks is not None,
+                        dropout_mask_given=call.dropout_mask is not None)
+
+
+@_heads_first
+def _run_flex(q: Array, k: Array, v: Array, call: Call, *, scale: float, precision: Any,
+              rng: Array | None) -> Array:
+    return _flex.run_call(q, k, v, call, scale=scale)
 
 
 # ---------------------------------------------------------------------- the rows
@@ -208,12 +226,16 @@ XLA_FUSED = PathEntry(  # jax.nn.dot_product_attention (cuDNN or XLA) or splash
 )
 BLOCKWISE = PathEntry("blockwise", declines=_blockwise_declines, blockers=_explicit_blockers,
                       kernel=_blockwise_kernel, run=_run_blockwise)
+# A module's mods that stand for no named option: query blocks over the key blocks they
+# leave visible (``_flex``); an explicit path cannot ask for it ("auto" alone takes it).
+FLEX = PathEntry("flex", declines=_never, blockers=_flex_blockers,
+                 kernel=lambda q, k, v, call: "flex-blocks", run=_run_flex, applies=_has_mods)
 REFERENCE = PathEntry("reference", declines=_never, blockers=lambda q, k, v, call: [],
                       kernel=lambda q, k, v, call: "reference", run=_run_reference)
 
 # XLA's fused kernel on CPU is the explicit math fused by XLA: "auto" passes it by there.
-_CPU_TABLE = (CPU_KERNEL, XLA_FUSED._replace(auto=False), BLOCKWISE, REFERENCE)
-_ACCELERATOR_TABLE = (XLA_FUSED, BLOCKWISE, REFERENCE)
+_CPU_TABLE = (CPU_KERNEL, XLA_FUSED._replace(auto=False), BLOCKWISE, FLEX, REFERENCE)
+_ACCELERATOR_TABLE = (XLA_FUSED, BLOCKWISE, FLEX, REFERENCE)
 
 
 def table(backend: str | None = None) -> tuple[PathEntry, ...]:

@@ -168,11 +168,16 @@ def attention_weights(
     bias: Array | None = None,
     softcap: float | None = None,
     sinks: Array | None = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Array:
     """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout.
     ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores;
     ``sinks`` (H,), q being (..., H, T, D), join each softmax's denominator, one logit per
-    query head in the units of the final scores (the rows then sum to less than 1)."""
+    query head in the units of the final scores (the rows then sum to less than 1).
+    ``score_mod`` / ``mask_mod`` (a module's mods, seeing the indices of q (B, H, T, D)
+    and k: ``_flex.index_arrays``): the score mod after the bias, the mask mod with the
+    mask (and a score it makes -inf blocks its key)."""
     if sinks is not None:
         sinks = jnp.asarray(sinks)
         check_sinks(sinks.shape, dtype_name(sinks.dtype), q.shape, normalization)
@@ -182,12 +187,31 @@ def attention_weights(
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], raw.ndim)
     if bias is not None:  # a -inf entry blocks its key
         mask = combine_masks(mask, expand_to(bias_allows(bias), raw.ndim))
+    if score_mod is not None or mask_mod is not None:
+        scores, mask = _modded(adjust(raw * scale, bias, softcap), mask, q, k, score_mod, mask_mod)
+        if normalization == "sum":
+            return normalize_scores(scores, mask, normalization=normalization)
+        return softmax(scores, mask, sinks=sinks)
     if normalization == "sum":
         return normalize_scores(adjust(raw * scale, bias, softcap), mask, normalization=normalization)
     check_mask_strategy(mask_strategy)  # "renormalize" equals "fill" (see normalize_scores)
     if bias is not None or softcap is not None:
         return softmax(adjust(raw * scale, bias, softcap), mask, sinks=sinks)
     return softmax(raw, mask, scale, sinks=sinks)
+
+
+def _modded(scores: Array, mask: Array | None, q: Array, k: Array, score_mod: Any,
+            mask_mod: Any) -> tuple[Array, Array | None]:
+    """The final scores (B, H, T, S) and mask with a module's mods applied."""
+    from jax_attention._flex import index_arrays
+
+    b, h, q_idx, kv_idx = index_arrays(q, k)
+    if mask_mod is not None:
+        mask = combine_masks(mask, jnp.broadcast_to(mask_mod(b, h, q_idx, kv_idx), scores.shape))
+    if score_mod is not None:
+        scores = jnp.broadcast_to(score_mod(scores, b, h, q_idx, kv_idx), scores.shape).astype(scores.dtype)
+        mask = combine_masks(mask, scores != -jnp.inf)
+    return scores, mask
 
 
 def _combine(mask: Array | None, causal: bool, q_len: int, kv_len: int, ndim: int) -> Array | None:

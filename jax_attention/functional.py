@@ -44,7 +44,7 @@ from jax import Array
 from attention_spec.flex import flex_call_options, options_text
 from attention_spec.mods import and_masks as and_masks
 from attention_spec.mods import or_masks as or_masks
-from attention_spec.options import CallOptions, call_options
+from attention_spec.options import KEYWORD_FIELDS, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import PathEntry, Route, walk
 from jax_attention import _cpu_fused, _flex, _paths
@@ -148,7 +148,7 @@ def _checked(given: dict[str, Any]) -> Call:
 
 # dot_product_attention's keywords by where they go: the options, the arrays (rng and
 # precision go to the run).
-_OPTIONS = tuple(name for name in CallOptions._fields if name != "training")
+_OPTIONS = tuple(name for name in KEYWORD_FIELDS if name != "training")
 _ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks")
 
 

@@ -58,9 +58,13 @@ DTYPE_IDS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": 
 # variant configured with such an option gets a refusal case on those paths.
 # (mask_strategy="renormalize" is not here: it equals "fill" in exact arithmetic and
 # every path computes it, stably; the causal-renorm variant runs on all four.)
+# A module's flex mod that stands for no named option (any such value of the option).
+NOT_NAMED = "a mod standing for no named option"
 REFUSED: dict[tuple[str, Any], tuple[str, ...]] = {
     ("normalization", "sum"): ("fused", "blockwise"),
     ("sinks", True): ("fused",),  # SDPA and jax.nn.dot_product_attention have no sinks
+    # the flex path ("auto") and the reference math apply it; the kernels refuse it by name
+    ("mask_mod", NOT_NAMED): ("fused", "blockwise"),
 }
 # The refusals that one framework may honour instead, where its path can: the JAX twin's
 # "fused" on CPU is the library's kernel, which takes sinks (its refusal case then checks
@@ -92,6 +96,9 @@ class Variant:
     # Rotary variants are called at positions from here on (beyond 400, where RoPE's
     # errors show), example b shifted by 7b: ``positions(batch, seq)``.
     first_position: int | None = None
+    # Options that depend on the number of query heads (a score mod with one slope per
+    # head): ``per_heads(heads)`` -> ((option, value), ...), added to ``extra``.
+    per_heads: Any = None
 
     def positions(self, batch: int, seq: int) -> np.ndarray | None:
         """The ``positions=`` of a call, integers (B, T), or None (the variant takes none)."""
@@ -117,20 +124,21 @@ class Variant:
         config = {name: value for name, value in values.items() if name in decl.options}
         if self.kv_group:
             config["num_kv_heads"] = max(1, heads // self.kv_group)
-        return {**config, **dict(self.extra)}
+        return {**config, **dict(self.extra), **dict(self.per_heads(heads) if self.per_heads else ())}
 
     def refusal(self, implementation: str) -> str | None:
         """The option ``implementation`` refuses for this variant (as the error names
         it, e.g. ``normalization='sum'``), or None if the path runs it."""
         for (option, value), paths in REFUSED.items():
-            if dict(self.extra).get(option) == value and implementation in paths:
-                return option if value is True else f"{option}={value!r}"  # a switch is named alone
+            if _given(dict(self.extra).get(option), value) and implementation in paths:
+                named_alone = value is True or value is NOT_NAMED  # a switch, a mod: named alone
+                return option if named_alone else f"{option}={value!r}"
         return None
 
     def may_honour(self, side: str) -> bool:
         """Whether ``side`` ("torch" or "flax") may run this variant's refused path
         instead of refusing it (``MAY_HONOUR``)."""
-        return any(dict(self.extra).get(option) == value and side in sides
+        return any(_given(dict(self.extra).get(option), value) and side in sides
                    for (option, value), sides in MAY_HONOUR.items())
 
     def runs_on(self, implementation: str) -> bool:
@@ -140,6 +148,27 @@ class Variant:
         """x of ``shape`` + (d_in,), float64, at this variant's scale."""
         x = rng.standard_normal((*shape, D_IN)) * self.input_scale
         return np.abs(x) if self.positive else x
+
+
+def _given(value: Any, refused: Any) -> bool:
+    """Whether an option's ``value`` is the ``refused`` one (``NOT_NAMED``: a mod that
+    stands for no named option)."""
+    if refused is NOT_NAMED:
+        return value is not None and getattr(value, "options", None) is None
+    return bool(value == refused)
+
+
+def _alibi(heads: int) -> tuple[tuple[str, Any], ...]:
+    """ALiBi's slopes for ``heads`` query heads (2^(-8 (h + 1) / heads)), as a score mod."""
+    from attention_spec import mods
+
+    return (("score_mod", mods.alibi(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads))),)
+
+
+def _flex_mods() -> Any:
+    from attention_spec import mods
+
+    return mods
 
 
 VARIANTS: dict[str, Variant] = {
@@ -179,6 +208,13 @@ VARIANTS: dict[str, Variant] = {
                                      original_max_position_embeddings=128)),), first_position=480),
         # gpt-oss's attention sinks (one logit per head in every softmax) with grouped heads
         Variant("mha-sinks-gqa", "MultiHeadAttention", (("sinks", True),), kv_group=2),
+        # flex attention's mods: a window written as a mask mod (it stands for window=(3, 1):
+        # every path runs it as that option); ALiBi over a prefix LM with grouped heads,
+        # which stand for no option (the flex path under "auto", the reference math)
+        Variant("mha-flexwindow", "MultiHeadAttention",
+                (("causal", False), ("mask_mod", _flex_mods().sliding_window(3, 1)))),
+        Variant("mha-flex-alibi-gqa", "MultiHeadAttention",
+                (("causal", False), ("mask_mod", _flex_mods().prefix_lm(2))), kv_group=2, per_heads=_alibi),
         # DeepSeek-V3's multi-head latent attention: queries through a low-rank pair, keys
         # and values expanded from a latent of rank 12 with one shared rope key, nope 6 +
         # rope 4 wide queries and keys, values 5 wide, interleaved YaRN with mscale

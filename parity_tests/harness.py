@@ -120,7 +120,7 @@ def to_flax(torch_module: Any, *, rngs: Any = None) -> Any:
     # the computation dtype, left at None follows it).
     key = "param_dtype" if _takes(cls.__init__, "param_dtype") else "dtype"
     kwargs = {key: dtype} if _takes(cls.__init__, key) else {}
-    twin = cls(**torch_module.config, **kwargs, rngs=rngs if rngs is not None else nnx.Rngs(0))
+    twin = cls(**portable_config(torch_module.config), **kwargs, rngs=rngs if rngs is not None else nnx.Rngs(0))
     jax_attention.interop.load_torch_state_dict(twin, torch_module.state_dict())
     twin.set_attributes(deterministic=not torch_module.training, raise_if_not_found=False)
     return twin
@@ -147,10 +147,20 @@ def to_torch(flax_module: Any) -> Any:
             "build the Flax module with dtype=None or dtype=param_dtype"
         )
     kwargs = {"dtype": torch_dtype(dtype)} if _takes(cls.__init__, "dtype") else {}
-    twin = cls(**flax_module.config, **kwargs)
+    twin = cls(**portable_config(flax_module.config), **kwargs)
     torch_attention.interop.load_flax_arrays(twin, flax_arrays(flax_module))
     twin.train(not _flax_deterministic(flax_module))
     return twin
+
+
+def portable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A module's constructor keywords for its twin in the other framework: a library mod
+    (``score_mod``, ``mask_mod``) over NumPy copies of its arrays (``mods.portable``; a
+    function of the user's own raises ValueError, before anything is built)."""
+    from attention_spec.mods import portable
+
+    return {name: portable(name, value) if name in ("score_mod", "mask_mod") else value
+            for name, value in config.items()}
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -35,6 +35,8 @@ def attention(
     segment_ids: np.ndarray | None = None,
     kv_segment_ids: np.ndarray | None = None,
     sinks: np.ndarray | None = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """q (..., T, D), k (..., S, D), v (..., S, Dv) -> out (..., T, Dv), weights (..., T, S).
 
@@ -57,7 +59,15 @@ def attention(
     softmax's denominator as a key with no value: a row's weights are
     ``exp(s_j) / (sum_j exp(s_j) + exp(sink))`` and sum to less than 1.  A row that sees
     no key stays zeros (its whole weight on the sink).
+
+    A module's flex mods (q (B, H, T, D)): ``mask_mod(b, h, p, j)`` blocks key j of query
+    i where it is false, and the final score (capped, biased) becomes
+    ``score_mod(s, b, h, p, j)`` (a -inf blocks the key), each index an ``np.int64``, p
+    the query's key position (``i + offset``), h the query head.
     """
+    from attention_spec.mods import portable
+
+    score_mod, mask_mod = portable("score_mod", score_mod), portable("mask_mod", mask_mod)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     lead = q.shape[:-2]
     t_len, s_len = q.shape[-2], k.shape[-2]
@@ -94,6 +104,8 @@ def attention(
                 )
                 # a -inf bias entry blocks its key as a mask does (the library's rule)
                 blocked = blocked or (bias_b is not None and bias_b[idx + (i, j)] == -math.inf)
+                at = (*(np.int64(n) for n in idx), np.int64(p), np.int64(j))  # a mod's (b, h, p, j)
+                blocked = blocked or (mask_mod is not None and not bool(mask_mod(*at)))
                 if blocked or not allowed[idx + (i, j)]:
                     scores.append(None)  # blocked
                 else:
@@ -102,7 +114,9 @@ def attention(
                         s = softcap * math.tanh(s / softcap)
                     if bias_b is not None:
                         s += float(bias_b[idx + (i, j)])
-                    scores.append(s)
+                    if score_mod is not None:
+                        s = float(score_mod(np.float64(s), *at))
+                    scores.append(None if s == -math.inf else s)
             live = [s for s in scores if s is not None]
             if not live:
                 continue  # nothing to attend to: zero weights, zero output
@@ -242,7 +256,8 @@ def forward(
     common = {"mask": mask, "causal": bool(options.get("causal", False)), "keep": keep, "rate": rate,
               "normalization": options.get("normalization", "softmax"), "bias": bias,
               "softcap": options.get("softcap"), "window": options.get("window"),
-              "sinks": params.get("sinks") if options.get("sinks") else None}
+              "sinks": params.get("sinks") if options.get("sinks") else None,
+              "score_mod": options.get("score_mod"), "mask_mod": options.get("mask_mod")}
     if decl.heads == "latent":  # multi-head latent attention: its own projections
         return _latent(options, params, x, positions, common)
     projections = [p for p in decl.projections if p.exists(options)]

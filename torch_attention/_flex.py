@@ -147,6 +147,35 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
     return out, lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
 
 
+def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Tensor:
+    """The flex path of a module's call whose mods stand for no named option (a row of
+    ``_paths``): the call's options and tensors and the module's mods as one score mod
+    and one mask mod (``attention_spec.flex.call_mods``), the mask mod's block mask (for
+    every example and head, or (1, 1) where it is the same for all), then
+    ``flex_attention``.  q (B, H, T, D), k and v (B, Hkv, S, D)."""
+    score_mod, mask_mod = spec.call_mods(call.options, offset=call.offset, mask=call.mask, bias=call.bias,
+                                         lengths=call.kv_lengths, segments=call.segments)
+    block_mask = None
+    if mask_mod is not None:
+        batch, heads = (1, 1) if spec.batch_free(mask_mod) else (q.shape[0], q.shape[1])
+        block_mask = create_block_mask(mask_mod, batch, heads, q.shape[2], k.shape[2], device=q.device,
+                                       BLOCK_SIZE=DEFAULT_BLOCK)
+    out = flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa=q.shape[1] != k.shape[1])
+    assert isinstance(out, Tensor)
+    return out
+
+
+def index_arrays(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, T, 1), kv_idx (1, 1, 1, S)): the
+    indices a mod takes for every score of q (B, H, T, D) against k (..., S, D)."""
+    batch, heads, q_len = q.shape[:3]
+    kv_len, device = k.shape[-2], q.device
+    return (torch.arange(batch, device=device).reshape(batch, 1, 1, 1),
+            torch.arange(heads, device=device).reshape(1, heads, 1, 1),
+            torch.arange(q_len, device=device).reshape(1, 1, q_len, 1),
+            torch.arange(kv_len, device=device).reshape(1, 1, 1, kv_len))
+
+
 def _host(block_mask: Any) -> tuple[Any, Any, Any, Any]:
     """A block mask's tables as NumPy arrays (None kept)."""
     tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attention_spec.flex import mod_blockers
+from attention_spec.mods import positioned
 from attention_spec.planning import fused_blockers
 from attention_spec.routing import PathEntry, option_blockers
-from torch_attention import _blockwise, _fused, _reference
+from torch_attention import _blockwise, _flex, _fused, _reference
 from torch_attention._canonical import Call, structure
 from torch_attention.masks import _and_masks as combine_masks
 
@@ -82,6 +84,7 @@ def _run_reference(q: Tensor, k: Tensor, v: Tensor, call: Call, *, scale: float)
     weights = _reference.attention_weights(
         q, k, mask=mask, causal=s.causal, scale=scale, mask_strategy=o.mask_strategy,
         normalization=o.normalization, bias=call.bias, softcap=o.softcap, sinks=call.sinks,
+        score_mod=positioned(o.score_mod, call.offset), mask_mod=positioned(o.mask_mod, call.offset),
     )
     weights = _reference.dropout_weights(weights, o.dropout_rate, training=o.training, dropout_mask=call.dropout_mask)
     # mixed in the compute dtype: half-precision weights would add a rounding per weight
@@ -89,11 +92,28 @@ def _run_reference(q: Tensor, k: Tensor, v: Tensor, call: Call, *, scale: float)
     return (out, weights.to(v.dtype)) if o.return_weights else out
 
 
+def _has_mods(call: Call) -> bool:
+    return call.options.score_mod is not None or call.options.mask_mod is not None
+
+
+def _flex_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
+    return mod_blockers(call.options, rank=q.dim(), sinks_given=call.sinks is not None,
+                        dropout_mask_given=call.dropout_mask is not None)
+
+
+def _run_flex(q: Tensor, k: Tensor, v: Tensor, call: Call, *, scale: float) -> Tensor:
+    return _flex.run_call(q, k, v, call, scale=scale)
+
+
 FUSED = PathEntry("fused", declines=_never, blockers=_fused_blockers,
                   kernel=lambda q, k, v, call: "sdpa", run=_run_fused)
 BLOCKWISE = PathEntry("blockwise", declines=_never, blockers=_explicit_blockers,
                       kernel=lambda q, k, v, call: "blockwise", run=_run_blockwise)
+# A module's mods that stand for no named option: query blocks over the key blocks they
+# leave visible (``_flex``); an explicit path cannot ask for it ("auto" alone takes it).
+FLEX = PathEntry("flex", declines=lambda q, k, v, call: None, blockers=_flex_blockers,
+                 kernel=lambda q, k, v, call: "flex-blocks", run=_run_flex, applies=_has_mods)
 REFERENCE = PathEntry("reference", declines=_never, blockers=lambda q, k, v, call: [],
                       kernel=lambda q, k, v, call: "reference", run=_run_reference)
 
-TABLE = (FUSED, BLOCKWISE, REFERENCE)
+TABLE = (FUSED, BLOCKWISE, FLEX, REFERENCE)

@@ -9,6 +9,7 @@ functions.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -136,16 +137,26 @@ def attention_weights(
     bias: Tensor | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Tensor:
     """Weights (..., T, S) from q (..., T, D) and k (..., S, D), before dropout.
     ``bias`` (broadcastable to (..., T, S)) is added to the scaled, soft-capped scores.
     ``sinks`` (H,) where q is (..., H, T, D): one logit per query head in the units of
     those final scores, in each softmax's denominator (``_softmax``; the key weights are
-    returned, a row summing to less than 1); softmax only."""
+    returned, a row summing to less than 1); softmax only.
+    ``score_mod`` / ``mask_mod`` (a module's mods, seeing the indices of q (B, H, T, D)
+    and k: ``_flex.index_arrays``): the score mod after the bias, the mask mod with the
+    mask (and a score it makes -inf blocks its key)."""
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], q.device)
     if bias is not None:  # a -inf entry blocks its key
         mask = combine_masks(mask, _bias_allows(bias))
     scale = resolve_scale(scale, q.shape[-1])
+    if score_mod is not None or mask_mod is not None:
+        scores, mask = _modded(_adjust(attention_scores(q, k, scale), bias, softcap), mask, q, k, score_mod, mask_mod)
+        if normalization == "sum":
+            return normalize_scores(scores, mask, normalization=normalization)
+        return _softmax(scores, mask, sinks=sinks)
     if normalization == "sum":
         scores = _adjust(attention_scores(q, k, scale), bias, softcap)
         return normalize_scores(scores, mask, normalization=normalization)
@@ -153,6 +164,20 @@ def attention_weights(
     if bias is not None or softcap is not None or sinks is not None:
         return _softmax(_adjust(attention_scores(q, k, scale), bias, softcap), mask, sinks=sinks)
     return _softmax(attention_scores(q, k, 1.0), mask, scale)
+
+
+def _modded(scores: Tensor, mask: Tensor | None, q: Tensor, k: Tensor, score_mod: Any,
+            mask_mod: Any) -> tuple[Tensor, Tensor | None]:
+    """The final scores (B, H, T, S) and mask with a module's mods applied."""
+    from torch_attention._flex import index_arrays
+
+    b, h, q_idx, kv_idx = index_arrays(q, k)
+    if mask_mod is not None:
+        mask = combine_masks(mask, torch.as_tensor(mask_mod(b, h, q_idx, kv_idx)).expand(scores.shape))
+    if score_mod is not None:
+        scores = torch.as_tensor(score_mod(scores, b, h, q_idx, kv_idx)).to(scores.dtype).expand(scores.shape)
+        mask = combine_masks(mask, scores != -math.inf)
+    return scores, mask
 
 
 def _combine(mask: Tensor | None, causal: bool, q_len: int, kv_len: int, device) -> Tensor | None:

@@ -36,7 +36,7 @@ from torch import Tensor
 from attention_spec.flex import flex_call_options, options_text
 from attention_spec.mods import and_masks as and_masks
 from attention_spec.mods import or_masks as or_masks
-from attention_spec.options import CallOptions, call_options
+from attention_spec.options import KEYWORD_FIELDS, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import PathEntry, Route, walk
 from torch_attention import _flex, _paths
@@ -131,7 +131,7 @@ def _checked(given: dict[str, Any]) -> Call:
     """The checked call of ``route``'s or ``dot_product_attention``'s arguments (their
     ``locals()``, the same keywords): the options made and checked once
     (``call_options``), then q, k, v and the tensors against them (``canonicalise``)."""
-    options = call_options(**{name: given[name] for name in CallOptions._fields})
+    options = call_options(**{name: given[name] for name in KEYWORD_FIELDS})
     return canonicalise(given["q"], given["k"], given["v"], options, **{name: given[name] for name in _ARRAYS})
 
 

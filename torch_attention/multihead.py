@@ -113,6 +113,15 @@ class MultiHeadAttention(AttentionModule):
     Attention sinks (gpt-oss): ``sinks=True`` adds a parameter ``sinks`` of shape
     (num_heads,), zeros at first: each head's learned logit joins every softmax's
     denominator as a key without a value, so a query's weights sum to less than 1.
+    Flex attention's mods: ``score_mod=`` (``score_mod(score, b, h, q_idx, kv_idx)``) and
+    ``mask_mod=`` (``mask_mod(b, h, q_idx, kv_idx)``, True = may attend), from
+    ``attention_spec.mods`` or written in this framework's operations; ``q_idx`` and
+    ``kv_idx`` are key positions (a query's own position in self-attention, each
+    example's fill onward in a cached step).  A mod that stands for a named option
+    (``causal``, ``sliding_window``, ``softcap``) is that option, on every path; any other
+    runs on the flex path (``"auto"``) or the reference math, after the soft cap and
+    the call's bias, with the module's own mask (``to_flax`` / ``to_torch`` carry library
+    mods).
 
     (B, T, d_in) -> (B, T, out_features or d_out); weights (B, num_heads, T, T).
     Scale None = 1/sqrt(head_dim).  ``context_length=None``: no cap on T (a port of
@@ -143,6 +152,8 @@ class MultiHeadAttention(AttentionModule):
         qk_norm_offset: float = 0.0,
         rope: Any = None,
         sinks: bool = False,
+        score_mod: Any = None,
+        mask_mod: Any = None,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",

@@ -54,9 +54,11 @@ def test_every_path_runs_every_variant_that_it_can_and_refuses_the_others():
             refused = variant.refusal(path)
             assert all(c.refusal == refused for c in cases)
     # the design refuses exactly what DESIGN says an explicit fast path cannot honour
-    # (sinks: SDPA and jax.nn.dot_product_attention; the JAX twin's CPU kernel may take them)
+    # (sinks: SDPA and jax.nn.dot_product_attention; the JAX twin's CPU kernel may take them;
+    # a flex mod that stands for no named option: the kernels, not the flex path nor the math)
     assert {(c.variant, c.implementation) for c in CASES if c.refusal} == {
         ("simplified-sum", "fused"), ("simplified-sum", "blockwise"), ("mha-sinks-gqa", "fused"),
+        ("mha-flex-alibi-gqa", "fused"), ("mha-flex-alibi-gqa", "blockwise"),
     }
 
 
