@@ -157,9 +157,10 @@ def resolve_implementation(
 
 def mod_names(options: CallOptions) -> list[str]:
     """The mods of a call that only the flex path and the reference math apply, each as
-    its blocker text names it, e.g. ``"score_mod (Alibi, which stands for no named option)"``."""
+    its blocker text names it, e.g. ``"score_mod (Alibi, which stands for no named option)"``, the
+    mask mod first."""
     found = []
-    for role in ("score_mod", "mask_mod"):
+    for role in ("mask_mod", "score_mod"):  # flex_attention's order: the block mask's, then the score's
         mod = getattr(options, role)
         if mod is not None:
             what = type(mod).__name__ if isinstance(mod, Mod) else "a function of its own"

@@ -1,6 +1,6 @@
 """Data and tensor parallelism for the Flax modules: one training step of
 ``MultiHeadAttention`` on a (data=2, model=4) mesh of 8 simulated CPU devices against the
-same step unsharded.
+same step unsharded; the same for a module with flex attention's mods (the flex path).
 
 Run as ``python -m parity_tests.distributed.jax_sharded_step`` (``XLA_FLAGS`` asks for 8
 host devices before jax is imported); prints one JSON object: the largest differences of
@@ -26,6 +26,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import jax_attention as ja  # noqa: E402
+from attention_spec import mods  # noqa: E402
 
 # Plain SGD: the update is a multiple of the gradient, so the parameters differ by the
 # gradients' rounding.  (Adam divides by the gradient's size: on a parameter whose gradient
@@ -56,23 +57,13 @@ def largest(a: Any, b: Any) -> float:
                zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-def main() -> None:
-    jax.config.update("jax_numpy_rank_promotion", "raise")
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((8, 12, 32)), jnp.float32)  # (B, T, d_in)
-    target = jnp.asarray(rng.standard_normal((8, 12, 32)), jnp.float32)
-
-    def build() -> ja.MultiHeadAttention:
-        return ja.MultiHeadAttention(d_in=32, d_out=32, context_length=None, dropout=0.0, num_heads=8,
-                                     qkv_bias=True, rngs=nnx.Rngs(0))
-
-    single = run(build(), x, target)
-
+def step_on_mesh(model: ja.MultiHeadAttention, x: jax.Array, target: jax.Array) -> tuple[Any, ...]:
+    """The compiled step's HLO text, then ``run``'s results, on a (data=2, model=4) mesh:
+    the parameters sharded as the modules declare, the batch by "data"."""
     # Auto axes (GSPMD propagates the shardings): jax >= 0.7 makes Explicit ones by default,
     # under which lax.map (the blockwise path's loop over (batch, head) slices) refuses a
     # sharded leading dimension.
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    model = build()
     state = nnx.state(model)
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), nnx.get_partition_spec(state))
     nnx.update(model, jax.device_put(state, shardings))
@@ -81,8 +72,28 @@ def main() -> None:
     optimizer = nnx.Optimizer(model, OPTIMIZER, wrt=nnx.Param)
     hlo = str(train_step.lower(model, optimizer, xs, ts).compile().as_text())
     loss, out, grads = train_step(model, optimizer, xs, ts)
-    sharded = (loss, out, nnx.to_pure_dict(grads), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return hlo, loss, out, nnx.to_pure_dict(grads), nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
+
+def main() -> None:
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((8, 12, 32)), jnp.float32)  # (B, T, d_in)
+    target = jnp.asarray(rng.standard_normal((8, 12, 32)), jnp.float32)
+
+    def build(**options: Any) -> ja.MultiHeadAttention:
+        return ja.MultiHeadAttention(d_in=32, d_out=32, context_length=None, dropout=0.0, num_heads=8,
+                                     qkv_bias=True, rngs=nnx.Rngs(0), **options)
+
+    single = run(build(), x, target)
+    sharded = step_on_mesh(build(), x, target)
+    # Flex attention's mods that stand for no named option (ALiBi over a prefix LM): the
+    # flex path, one (example, head) slice at a time, with the batch sharded by "data"
+    flex = {"causal": False, "score_mod": mods.alibi(2.0 ** (-np.arange(1, 9))), "mask_mod": mods.prefix_lm(5)}
+    flex_single, flex_sharded = run(build(**flex), x, target), step_on_mesh(build(**flex), x, target)
+
+    hlo, sharded = sharded[0], sharded[1:]
+    out = sharded[1]
     report = {
         "loss": largest(single[0], sharded[0]),
         "output": largest(single[1], sharded[1]),
@@ -93,6 +104,8 @@ def main() -> None:
         "output_spec": str(out.sharding.spec),
         "all_reduce": "all-reduce" in hlo,
         "devices": len(jax.devices()),
+        "flex": max(largest(a, b) for a, b in zip(flex_single, flex_sharded[1:], strict=True)),
+        "flex_output_spec": str(flex_sharded[2].sharding.spec),
     }
     print(json.dumps(report))
 

@@ -163,7 +163,8 @@ def _matches_the_oracle(case_id: str, result: dict[str, Any]) -> bool:
 @needs_jax
 def test_sharded_training_step_equals_unsharded() -> None:
     """(data=2, model=4): q/k/v kernels split by heads, out_proj by its input features (an
-    all-reduce in the compiled step), the batch by data; everything equals one device."""
+    all-reduce in the compiled step), the batch by data; everything equals one device.  The
+    same for a module with flex attention's mods (ALiBi over a prefix LM: the flex path)."""
     report = _sharded_step_report()
     assert report["devices"] == 8
     for name in ("loss", "output", "gradients", "parameters"):
@@ -174,6 +175,8 @@ def test_sharded_training_step_equals_unsharded() -> None:
     assert specs["out_proj.kernel"] == "P('model',)" and specs["out_proj.bias"] == "P()"
     assert report["output_spec"] == "P('data',)"
     assert report["all_reduce"]
+    # a module with flex mods (the flex path): the same step sharded equals it unsharded
+    assert report["flex"] <= STEP_TOL and report["flex_output_spec"] == "P('data',)"
 
 
 def _sharded_step_report() -> dict[str, Any]:

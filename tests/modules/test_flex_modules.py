@@ -103,8 +103,8 @@ def test_mods_that_stand_for_no_option_run_on_the_flex_path_with_the_calls_own_o
     assert seen == ["torch", "flax"] * len(calls)  # "auto" took the flex path, the reference did not
     for module in (pt, fx):
         for path in ("fused", "blockwise"):
-            with pytest.raises(ValueError, match=r"score_mod \(Alibi, which stands for no named "
-                                                 r"option\); mask_mod \(PrefixLM"):
+            with pytest.raises(ValueError, match=r"mask_mod \(PrefixLM, which stands for no named "
+                                                 r"option\); score_mod \(Alibi"):
                 _run(module, x, implementation=path)
 
 
