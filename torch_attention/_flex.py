@@ -136,7 +136,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
             outs.append(query.new_zeros((batch, heads, rows, v_dim), dtype=value.dtype))
             lses.append(query.new_full((batch, heads, rows), -math.inf, dtype=ct))
             continue
-        block = _query_block(qb, score_mod, mask_mod, scale, ct, heads)
+        block = _query_block(qb, score_mod, mask_mod, scale, ct, heads, return_lse)
         q_rows = qg[:, :, :, qb.start:qb.stop]
         out, lse = checkpoint(block, q_rows, kg, vg, use_reentrant=False) if recompute else block(q_rows, kg, vg)
         outs.append(out.to(value.dtype))
@@ -195,9 +195,10 @@ def _plan(query: Tensor, key: Tensor, block_mask: Any) -> tuple[tuple[spec.Query
 
 
 def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None,
-                 scale: float, ct: torch.dtype, heads: int) -> Callable[..., tuple[Tensor, Tensor]]:
+                 scale: float, ct: torch.dtype, heads: int, with_lse: bool) -> Callable[..., tuple[Tensor, Tensor]]:
     """The function of one query block, (q (B, Hkv, G, rows, E), k, v (B, Hkv, 1, S, .)) ->
-    (out (B, Hq, rows, Ev) in the compute dtype, lse (B, Hq, rows))."""
+    (out (B, Hq, rows, Ev) in the compute dtype, lse (B, Hq, rows); ``with_lse`` False: an
+    empty tensor in its place, the log-sum-exp not computed)."""
     span, positions = qb.span, qb.key_positions
 
     def block(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -222,7 +223,7 @@ def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask
             mask = finite if mask is None else mask & finite
         weights = _softmax(scores, mask)
         out = torch.matmul(weights.reshape(batch, kv_heads, groups, rows, n), v.to(ct))
-        return out.reshape(batch, heads, rows, -1), _lse(scores, mask)
+        return out.reshape(batch, heads, rows, -1), _lse(scores, mask) if with_lse else scores.new_empty(0)
 
     return block
 
