@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="issue 10's CPU sweep: S 128..32768 (float32, causal, head_dim 64), forward and forward+backward, "
              "both twins, flax.nnx.MultiHeadAttention and torch.nn.MultiheadAttention, a process per case",
     )
+    which.add_argument(
+        "--flex", action="store_true",
+        help="flex attention's CPU targets (issue 42): python -m benchmarks.flex, given --runs, one --seq and --out",
+    )
     parser.add_argument("--with-compile", action="store_true", help="add ours-torch-compile to --quick")
     parser.add_argument("--systems", type=_names, help=f"comma-separated subset of: {', '.join(SYSTEMS)}")
     parser.add_argument("--runs", type=int, help="timed runs per measurement (the mode's default otherwise)")
@@ -66,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.flex:  # a benchmark of its own (benchmarks/flex.py)
+        from benchmarks import flex
+
+        flex.main([*(["--runs", str(args.runs)] if args.runs else []),
+                   *(["--seq", str(args.seq[0])] if args.seq else []),
+                   *(["--out", str(args.out)] if args.out else [])])
+        return
     name = ("quick" if args.quick else "cpu-target" if args.cpu_target
             else "cpu-sweep" if args.cpu_sweep else "full")
     chosen = mode(name, with_compile=args.with_compile)

@@ -32,3 +32,14 @@ def test_every_system_runs_agrees_and_the_record_holds_the_ratios(tmp_path: Path
         "ours-torch-flex named / named option, forward + backward",
         "ours-jax flex / torch.compile flex, forward (causal)"}
     assert "Ratios" in (tmp_path / "flex.md").read_text()
+
+
+def test_the_benchmarks_entry_point_runs_the_flex_benchmark(tmp_path: Path, monkeypatch) -> None:
+    """``python -m benchmarks --flex`` is ``python -m benchmarks.flex``, given its options."""
+    from benchmarks import __main__ as entry
+    from benchmarks import flex
+
+    given: list[list[str]] = []
+    monkeypatch.setattr(flex, "main", lambda argv=None: given.append(list(argv or [])))
+    entry.main(["--flex", "--runs", "3", "--seq", "512", "--out", str(tmp_path)])
+    assert given == [["--runs", "3", "--seq", "512", "--out", str(tmp_path)]]
