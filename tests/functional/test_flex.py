@@ -492,6 +492,49 @@ def test_jax_block_mask_traced_vmapped_and_mods_as_arguments() -> None:
     assert passed._cache_size() == 1
 
 
+@pytest.mark.parametrize("case", ["documents-bias-table", "gqa-causal-alibi", "rows-blocked-chain",
+                                  "no-block-mask-chain"])
+def test_jax_many_query_blocks_run_in_loops(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``UNROLLED_BLOCKS`` query blocks the JAX twin runs them in a few loops over the
+    key blocks each group needs (per-example kinds, grouped heads, rows and a whole block
+    without keys, no block mask): out and lse equal the float64 oracle, and the gradients
+    (q, k, v and a captured table) the unrolled blocks'."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_attention._flex as jax_flex
+    import jax_attention.functional as jf
+
+    mask_mod, score_mod, batch, kv_heads, kv_len, unmasked = CASES[case]
+    bm = None if unmasked else jf.create_block_mask(mask_mod, batch, None, L, kv_len, BLOCK_SIZE=BLOCK)
+    q, k, v = (jnp.asarray(a) for a in _inputs(case))
+    arrays = [jnp.asarray(a, jnp.float32) for a in getattr(score_mod, "arrays", ())]
+
+    def run(limit: int) -> Any:
+        monkeypatch.setattr(jax_flex, "UNROLLED_BLOCKS", limit)
+
+        def loss(q: Any, k: Any, v: Any, arrays: Any) -> Any:
+            mod = score_mod.with_arrays(arrays) if arrays else score_mod
+            out, lse = jf.flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=kv_heads != H,
+                                         return_lse=True)
+            return (out * jnp.cos(out)).sum(), (out, lse)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, arrays)
+
+    looped = []
+    original = jax_flex._looped
+    monkeypatch.setattr(jax_flex, "_looped", lambda *a: (looped.append(1), original(*a))[1])
+    grads, (out, lse) = run(0)
+    assert looped
+    want_out, want_lse = _oracle(case)
+    _close(np.asarray(out), want_out, FLEX_ORACLE["float32"], "out")
+    _close(np.asarray(lse), want_lse, FLEX_ORACLE["float32"], "lse")
+    unrolled, _ = run(10**6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=PARITY["float32"].rtol,
+                                   atol=PARITY["float32"].atol * float(np.abs(want).max()))
+
+
 # --------------------------------------------------------------------------- bad input
 
 
