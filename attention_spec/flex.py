@@ -14,7 +14,7 @@ descending argsort of the dense block mask).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,11 +29,11 @@ from attention_spec.routing import option_blockers
 __all__ = [
     "KeyRun",
     "QueryBlock",
-    "batch_free",
     "blocks_computed",
     "call_mods",
     "check_module_mods",
     "fold_named",
+    "mask_reads",
     "mod_blockers",
     "check_block_mask",
     "check_block_mask_args",
@@ -45,6 +45,7 @@ __all__ = [
     "dense_blocks",
     "named_options",
     "ordered_blocks",
+    "untraced_part",
     "plan_blocks",
     "plan_without_mask",
 ]
@@ -259,15 +260,48 @@ def mod_blockers(options: CallOptions, *, rank: int, sinks_given: bool, dropout_
     return found
 
 
-def batch_free(mod: Any) -> bool:
-    """Whether a mask mod is the same for every example and head: a library mod that
-    captures no array and is made of library mods only (a block mask for (1, 1) then
-    serves the call); a function of the user's own may read ``b`` or ``h``."""
+def mask_reads(mod: Any) -> tuple[bool, bool]:
+    """(whether a mask mod reads ``b``, whether it reads ``h``): what a block mask made for
+    it needs of the call's batch and heads (neither: one (1, 1) block mask serves every
+    example and head).  Library mods say it by their arrays (per example: lengths, prefix
+    lengths, document ids, a per-example offset; a dense mask or segments by their first
+    two sizes); a function of the user's own may read both."""
     if isinstance(mod, library.Positioned):
-        return not hasattr(mod.offset, "shape") and batch_free(mod.mod)
+        inner = mask_reads(mod.mod)
+        return inner[0] or hasattr(mod.offset, "shape"), inner[1]
     if isinstance(mod, library._Combined):
-        return all(batch_free(p) for p in mod.parts)
-    return isinstance(mod, Mod) and not mod.arrays
+        reads = [mask_reads(p) for p in mod.parts]
+        return any(r[0] for r in reads), any(r[1] for r in reads)
+    if isinstance(mod, library.CallMask):
+        dense = [a for a in (mod.mask, mod.segments) if a is not None]
+        per_example = hasattr(mod.offset, "shape") or mod.lengths is not None or any(a.shape[0] > 1 for a in dense)
+        return per_example, any(a.shape[1] > 1 for a in dense)
+    if isinstance(mod, (library.PrefixLM, library.Documents)):
+        return bool(mod.arrays), False
+    if isinstance(mod, Mod):
+        return bool(mod.arrays), bool(mod.arrays)
+    return True, True
+
+
+def untraced_part(mod: Any, traced: Callable[[Any], bool]) -> Any:
+    """What of a mask mod is known without its traced arrays (``traced(array)``: the JAX
+    twin's test), a mask mod that lets through every key the whole one does, or None where
+    nothing is: the mod itself where it captures no traced array; of an ``and_masks``, the
+    and of its parts' such parts; of a call's mask (``CallMask``) with traced tensors, its
+    band (an untraced offset); a function of the user's own as it is (its block mask says
+    whether it was).  Its block mask's non-empty blocks are the blocks worth computing."""
+    if isinstance(mod, library.AndMasks):
+        parts = [p for p in (untraced_part(x, traced) for x in mod.parts) if p is not None]
+        return None if not parts else parts[0] if len(parts) == 1 else library.and_masks(*parts)
+    if isinstance(mod, library.CallMask):
+        if not any(traced(a) for a in mod.arrays):
+            return mod
+        if traced(mod.offset) or (mod.left is None and mod.right is None):
+            return None
+        return library.CallMask(mod.offset, mod.left, mod.right)
+    if isinstance(mod, Mod):
+        return None if any(traced(a) for a in mod.arrays) else mod
+    return mod
 
 
 def call_mods(options: CallOptions, *, offset: Any, mask: Any, bias: Any, lengths: Any,

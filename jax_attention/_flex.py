@@ -234,19 +234,43 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
 def run_call(q: Array, k: Array, v: Array, call: Any, *, scale: float) -> Array:
     """The flex path of a module's call whose mods stand for no named option (a row of
     ``_paths``): the call's options and arrays and the module's mods as one score mod and
-    one mask mod (``attention_spec.flex.call_mods``), the mask mod's block mask (for every
-    example and head, or (1, 1) where it is the same for all; concrete where the mods
+    one mask mod (``attention_spec.flex.call_mods``), the mask mod's block mask (for the
+    examples and heads it reads, ``attention_spec.flex.mask_reads``; concrete where the mods
     capture no traced array, so blocks are skipped under ``jit`` too), then
     ``flex_attention``.  q (B, H, T, D), k and v (B, Hkv, S, D)."""
     score_mod, mask_mod = spec.call_mods(call.options, offset=call.offset, mask=call.mask, bias=call.bias,
                                          lengths=call.kv_lengths, segments=call.segments)
     block_mask = None
     if mask_mod is not None:
-        batch, heads = (1, 1) if spec.batch_free(mask_mod) else (q.shape[0], q.shape[1])
-        block_mask = create_block_mask(mask_mod, batch, heads, q.shape[2], k.shape[2], BLOCK_SIZE=DEFAULT_BLOCK)
+        block_mask = _call_block_mask(mask_mod, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     out = flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa=q.shape[1] != k.shape[1])
     assert not isinstance(out, tuple)
     return out
+
+
+def _call_block_mask(mask_mod: Any, batch: int, heads: int, q_len: int, kv_len: int) -> BlockMask:
+    """A module call's block mask: ``mask_mod``'s, for the examples and heads it reads.
+    Where it captures traced arrays (a call's mask or lengths under ``jit``), the blocks
+    are those that its untraced part (``attention_spec.flex.untraced_part``: the causal
+    band, a window, the module's own mods) leaves non-empty, each partial (the whole mask
+    mod decides its keys), so that a causal call still skips half of them."""
+    def made(mod: Any) -> BlockMask:
+        reads_b, reads_h = spec.mask_reads(mod)
+        return create_block_mask(mod, batch if reads_b else 1, heads if reads_h else 1, q_len, kv_len,
+                                 BLOCK_SIZE=DEFAULT_BLOCK)
+
+    known = spec.untraced_part(mask_mod, _is_traced)
+    if known is mask_mod or known is None:
+        return made(mask_mod)
+    outline = made(known)
+    if any(_is_traced(t) for t in outline.tables()):  # a function of the user's own over traced arrays
+        return made(mask_mod)
+    n_kv = -(-kv_len // DEFAULT_BLOCK)
+    num, indices, full_num, full_indices = _host(outline.tables())
+    some = spec.dense_blocks(num, indices, n_kv) | spec.dense_blocks(full_num, full_indices, n_kv)
+    num, indices = spec.ordered_blocks(some)
+    return BlockMask(num, indices, None, None, BLOCK_SIZE=outline.BLOCK_SIZE, mask_mod=mask_mod,
+                     seq_lengths=(q_len, kv_len))
 
 
 def index_arrays(q: Array, k: Array) -> tuple[Array, Array, Array, Array]:

@@ -151,13 +151,15 @@ def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Ten
     """The flex path of a module's call whose mods stand for no named option (a row of
     ``_paths``): the call's options and tensors and the module's mods as one score mod
     and one mask mod (``attention_spec.flex.call_mods``), the mask mod's block mask (for
-    every example and head, or (1, 1) where it is the same for all), then
+    the examples and heads it reads, ``attention_spec.flex.mask_reads``; (1, 1) where it
+    reads neither), then
     ``flex_attention``.  q (B, H, T, D), k and v (B, Hkv, S, D)."""
     score_mod, mask_mod = spec.call_mods(call.options, offset=call.offset, mask=call.mask, bias=call.bias,
                                          lengths=call.kv_lengths, segments=call.segments)
     block_mask = None
     if mask_mod is not None:
-        batch, heads = (1, 1) if spec.batch_free(mask_mod) else (q.shape[0], q.shape[1])
+        reads_b, reads_h = spec.mask_reads(mask_mod)
+        batch, heads = (q.shape[0] if reads_b else 1), (q.shape[1] if reads_h else 1)
         block_mask = create_block_mask(mask_mod, batch, heads, q.shape[2], k.shape[2], device=q.device,
                                        BLOCK_SIZE=DEFAULT_BLOCK)
     out = flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -28,14 +28,14 @@ TOL = {"rtol": ORACLE["float32"].rtol, "atol": ORACLE["float32"].atol}
 SLOPES = 2.0 ** (-8.0 * np.arange(1, HEADS + 1) / HEADS)
 
 
-def _torch_pair(**options):
+def _torch_pair(context_length=64, **options):
     """(torch module, its Flax twin), eval mode, float32 weights drawn from seed 0."""
     import torch
 
     import torch_attention
 
     torch.manual_seed(0)
-    pt = torch_attention.MultiHeadAttention(D_IN, D_IN, 64, 0.0, HEADS, qkv_bias=True, **options).eval()
+    pt = torch_attention.MultiHeadAttention(D_IN, D_IN, context_length, 0.0, HEADS, qkv_bias=True, **options).eval()
     return pt, to_flax(pt)
 
 
@@ -218,3 +218,37 @@ def test_a_mod_that_is_not_callable_is_refused_by_name(framework):
         extra = {"rngs": nnx.Rngs(0)}
     with pytest.raises(TypeError, match=r"^mask_mod must be callable or None; got float$"):
         lib.MultiHeadAttention(D_IN, D_IN, 64, 0.0, HEADS, mask_mod=math.pi, **extra)
+
+
+def test_a_jitted_call_with_traced_lengths_still_skips_the_causal_blocks():
+    """Under jit a call's lengths are traced, so its mask mod's block mask cannot be known;
+    the blocks are those its untraced part (the causal band) leaves, each partial: at
+    S=512 in blocks of 128, 10 of the 16, and the numbers those of the eager call."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_attention._flex as jax_flex
+    from attention_spec.flex import blocks_computed, plan_blocks
+    from attention_spec.mods import CallMask
+
+    seen = []
+
+    @jax.jit
+    def outline(lengths):
+        bm = jax_flex._call_block_mask(CallMask(0, None, 0, lengths), 2, 4, 512, 512)
+        seen.append(bm)
+        return bm.kv_num_blocks
+
+    outline(jnp.asarray([512, 300]))
+    bm = seen[0]
+    assert not isinstance(bm.kv_num_blocks, jax.core.Tracer) and bm.full_kv_num_blocks is None
+    plan = plan_blocks(*jax_flex._host(bm.tables()), bm.BLOCK_SIZE, (512, 512))
+    assert blocks_computed(plan, bm.BLOCK_SIZE) == 10
+
+    from flax import nnx
+
+    pt, fx = _torch_pair(None, score_mod=mods.alibi(SLOPES))  # causal: the band is the untraced part
+    x = np.random.default_rng(3).standard_normal((2, 300, D_IN)).astype(np.float32)
+    lengths = np.array([300, 170])
+    got = nnx.jit(lambda m, x, n: m(x, kv_lengths=n))(fx, jnp.asarray(x), jnp.asarray(lengths))
+    np.testing.assert_allclose(np.asarray(got), _run(pt, x, kv_lengths=lengths), **TOL)
