@@ -105,6 +105,20 @@ def _like(array: Any, index: Any) -> Any:
     return array
 
 
+def _in_dtype_of(value: Any, score: Any) -> Any:
+    """A captured array's values in the dtype of the framework's ``score`` (a float64
+    NumPy array read in float32 scores: float32, as the JAX twin reads it without x64),
+    so that both twins compute a mod in the scores' precision; NumPy scores (the float64
+    oracle) and NumPy scalars keep what they are given."""
+    kind = _framework(score)
+    if kind == "torch" and value.dtype != score.dtype and value.is_floating_point():
+        return value.to(score.dtype)
+    if kind == "jax" and value.dtype != score.dtype and sys.modules["jax"].numpy.issubdtype(
+            value.dtype, sys.modules["jax"].numpy.floating):
+        return value.astype(score.dtype)
+    return value
+
+
 def _captured(value: Any) -> Any:
     """A captured array as kept: lists and tuples become NumPy arrays, NumPy and
     framework arrays are kept as given."""
@@ -396,7 +410,7 @@ class Alibi(Mod):
     slopes: Any
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return score + _like(self.slopes, h)[h] * (kv_idx - q_idx)
+        return score + _in_dtype_of(_like(self.slopes, h)[h], score) * (kv_idx - q_idx)
 
 
 def alibi(slopes: Any) -> Alibi:
@@ -444,7 +458,7 @@ class BiasTable(Mod):
         reach = (self.table.shape[-1] - 1) // 2  # m: the farthest distance with its own entry
         lag = q_idx - kv_idx
         lag = _where(lag > reach, reach, _where(lag < -reach, -reach, lag))
-        return score + _like(self.table, h)[h, lag + reach]
+        return score + _in_dtype_of(_like(self.table, h)[h, lag + reach], score)
 
 
 def bias_table(table: Any) -> BiasTable:
@@ -590,7 +604,7 @@ class CallScore(Mod):
         if self.cap is not None:
             score = self.cap * _tanh(score / self.cap)
         if self.bias is not None:
-            score = score + _at(self.bias, b, b, h, q_idx, kv_idx)
+            score = score + _in_dtype_of(_at(self.bias, b, b, h, q_idx, kv_idx), score)
         return score
 
 
