@@ -233,15 +233,16 @@ def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask
 def _mask(qb: spec.QueryBlock, mask_mod: Callable[..., Any] | None, b: Tensor, h: Tensor, q_idx: Tensor,
           shape: tuple[int, ...]) -> Tensor | None:
     """The block's mask (True = may attend), broadcastable to ``shape`` (B, Hq, rows, n):
-    None where every key computed is in a full block."""
+    None where every key computed is in a full block.  Its first two sizes are those the
+    mask mod's answers need (a causal mod's: (1, 1, rows, n), not a copy per example and
+    head: the softmax broadcasts it)."""
     if all(r.kind == "full" for r in qb.runs):
         return None
     device = b.device
     pieces = []
     for run in qb.runs:
-        width = (*shape[:3], run.stop - run.start)
         if run.kind == "full":
-            pieces.append(torch.ones(width, dtype=torch.bool, device=device))
+            pieces.append(torch.ones((1, 1, shape[2], run.stop - run.start), dtype=torch.bool, device=device))
             continue
         kv_idx = torch.arange(run.start, run.stop, device=device).reshape(1, 1, 1, -1)
         if run.kind == "partial":
@@ -253,7 +254,9 @@ def _mask(qb: spec.QueryBlock, mask_mod: Callable[..., Any] | None, b: Tensor, h
             if run.partial is not None:
                 assert mask_mod is not None
                 piece = piece | (torch.as_tensor(run.partial, device=device) & mask_mod(b, h, q_idx, kv_idx))
-        pieces.append(piece.expand(width))
+        pieces.append(piece)
+    lead = torch.broadcast_shapes(*(tuple(p.shape[:2]) + (1, 1) for p in pieces))[:2]
+    pieces = [p.expand(*lead, shape[2], p.shape[-1]) for p in pieces]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
 
 
