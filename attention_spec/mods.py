@@ -510,6 +510,14 @@ def _at(array: Any, index: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return array[tuple(i if n > 1 else 0 for i, n in zip((b, h, q_idx, kv_idx), array.shape, strict=True))]
 
 
+def _shifted(q_idx: Any, offset: Any, b: Any) -> Any:
+    """The key positions of queries ``q_idx``: ``q_idx + offset`` (an int, or one per
+    example, read at ``b``)."""
+    if _is_array(offset):
+        return q_idx + _like(offset, b)[b]
+    return q_idx + offset if offset else q_idx
+
+
 @dataclass(frozen=True, eq=False)
 class Positioned(Mod):
     """A module's mod seen at positions: ``mod`` called with ``q_idx + offset`` (the
@@ -523,17 +531,12 @@ class Positioned(Mod):
     def kind(self) -> str:  # type: ignore[override]
         return getattr(self.mod, "kind", "")
 
-    def _shift(self, b: Any, q_idx: Any) -> Any:
-        if _is_array(self.offset):
-            return q_idx + _like(self.offset, b)[b]
-        return q_idx + self.offset if self.offset else q_idx
-
     def __call__(self, *args: Any) -> Any:
         if len(args) == 5:  # a score mod
             score, b, h, q_idx, kv_idx = args
-            return self.mod(score, b, h, self._shift(b, q_idx), kv_idx)
+            return self.mod(score, b, h, _shifted(q_idx, self.offset, b), kv_idx)
         b, h, q_idx, kv_idx = args
-        return self.mod(b, h, self._shift(b, q_idx), kv_idx)
+        return self.mod(b, h, _shifted(q_idx, self.offset, b), kv_idx)
 
     @property
     def arrays(self) -> tuple[Any, ...]:
@@ -579,7 +582,7 @@ class CallMask(Mod):
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         from attention_spec.geometry import visible, within_length
 
-        seen = visible(kv_idx - Positioned(causal, self.offset)._shift(b, q_idx), self.left, self.right)
+        seen = visible(kv_idx - _shifted(q_idx, self.offset, b), self.left, self.right)
         if self.lengths is not None:
             ok = within_length(kv_idx, _like(self.lengths, b)[b])
             seen = ok if seen is None else seen & ok
