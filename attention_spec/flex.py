@@ -14,6 +14,7 @@ descending argsort of the dense block mask).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -24,9 +25,11 @@ from attention_spec.arrays import FLOAT_DTYPES, as_shape, dtype_name
 from attention_spec.geometry import reach
 from attention_spec.mods import Mod
 from attention_spec.options import CallOptions, check_scale
-from attention_spec.routing import option_blockers
+from attention_spec.routing import Route, option_blockers
 
 __all__ = [
+    "DEFAULT_BLOCK",
+    "BlockMask",
     "KeyRun",
     "QueryBlock",
     "blocks_computed",
@@ -40,6 +43,7 @@ __all__ = [
     "check_flex_call",
     "check_flex_inputs",
     "flex_call_options",
+    "flex_route",
     "options_text",
     "check_mod",
     "dense_blocks",
@@ -49,6 +53,37 @@ __all__ = [
     "plan_blocks",
     "plan_without_mask",
 ]
+
+
+# Without a block mask: query blocks of this many rows (PyTorch's default BLOCK_SIZE).
+DEFAULT_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """A block-sparse mask in PyTorch's layout: int32 kv_num_blocks (B', H', n_q),
+    kv_indices (B', H', n_q, n_kv), and the same for full blocks (or None), B' and H' the
+    batch and heads it was made for (1: broadcast), as each twin's ``create_block_mask``
+    makes them (NumPy or JAX arrays, torch tensors); ``BLOCK_SIZE`` (query block, key
+    block); ``mask_mod``, applied on partial blocks; ``seq_lengths`` (Q_LEN, KV_LEN).  The
+    JAX twin registers it as a pytree (the tables its leaves, the rest static data); the
+    PyTorch twin also takes PyTorch's own ``BlockMask`` (the same attributes)."""
+
+    kv_num_blocks: Any
+    kv_indices: Any
+    full_kv_num_blocks: Any
+    full_kv_indices: Any
+    BLOCK_SIZE: tuple[int, int]  # noqa: N815 (PyTorch's name)
+    mask_mod: Callable[..., Any]
+    seq_lengths: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B', H', Q_LEN, KV_LEN)."""
+        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
+
+    def tables(self) -> tuple[Any, Any, Any, Any]:
+        return (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
 
 
 # --------------------------------------------------------------------------- checks
@@ -157,6 +192,16 @@ def options_text(options: dict[str, Any]) -> str:
     shown = ", ".join(f"{name}=<array>" if hasattr(value, "shape") else f"{name}={value!r}"
                       for name, value in options.items())
     return f"flex: the mods stand for {shown or 'no option'}"
+
+
+def flex_route(options: dict[str, Any] | None, why: str, route: Callable[..., Route]) -> Route:
+    """Each twin's ``flex_route`` from ``flex_call_options``'s answer: ``route(**options)``'s
+    route, its reasons led by the options (``options_text``), where the mods stand for
+    named options; else ``("flex", "flex-blocks", ("named options: <why not>",))``."""
+    if options is None:
+        return Route("flex", "flex-blocks", (f"named options: {why}",))
+    chosen = route(**options)
+    return Route(chosen.path, chosen.kernel, (options_text(options), *chosen.reasons), basis=chosen.basis)
 
 
 def named_options(score_mod: Any, mask_mod: Any, *, return_lse: bool) -> tuple[dict[str, Any] | None, str]:

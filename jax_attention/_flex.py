@@ -26,7 +26,6 @@ masked by the tables' block kinds and the mask mod (the same numbers).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -37,11 +36,10 @@ from jax import Array
 
 from attention_spec import flex as spec
 from attention_spec import mods as library
+from attention_spec.flex import DEFAULT_BLOCK, BlockMask
 from jax_attention._canonical import compute_dtype
 from jax_attention._reference import resolve_scale, softmax
 
-# Without a block mask: query blocks of this many rows (PyTorch's default BLOCK_SIZE).
-DEFAULT_BLOCK = 128
 # Up to this many query blocks are unrolled, each over exactly its own key blocks; beyond,
 # the blocks run in at most LOOPS loops (``_looped``), each over as many key blocks as the
 # most of its blocks need, so that a long sequence compiles in about the time of a short
@@ -49,32 +47,6 @@ DEFAULT_BLOCK = 128
 # under jit): compiling took 5.6 s at S=4096 (32 blocks) and 10.8 s at S=8192 (64).
 UNROLLED_BLOCKS = 16
 LOOPS = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockMask:
-    """A block-sparse mask in PyTorch's layout (``attention_spec.flex``): int32
-    kv_num_blocks (B', H', n_q), kv_indices (B', H', n_q, n_kv), and the same for full
-    blocks (or None), B' and H' the batch and heads it was made for (1: broadcast);
-    ``BLOCK_SIZE`` (query block, key block); ``mask_mod``, applied on partial blocks;
-    ``seq_lengths`` (Q_LEN, KV_LEN).  A pytree: the tables are its leaves, ``BLOCK_SIZE``,
-    ``mask_mod`` and ``seq_lengths`` static data."""
-
-    kv_num_blocks: Any
-    kv_indices: Any
-    full_kv_num_blocks: Any
-    full_kv_indices: Any
-    BLOCK_SIZE: tuple[int, int]  # noqa: N815 (PyTorch's name)
-    mask_mod: Callable[..., Any]
-    seq_lengths: tuple[int, int]
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """(B', H', Q_LEN, KV_LEN)."""
-        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
-
-    def tables(self) -> tuple[Any, Any, Any, Any]:
-        return (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
 
 
 jax.tree_util.register_dataclass(
@@ -398,14 +370,11 @@ def _plan(query: Array, key: Array, block_mask: BlockMask | None) -> tuple[
         plan = spec.plan_without_mask(q_len, kv_len, DEFAULT_BLOCK)
         return plan, None, [None] * len(plan)
     tables = block_mask.tables()
-    full_given = tables[2] is not None and tables[3] is not None
     bq, bkv = block_mask.BLOCK_SIZE
     if not any(_is_traced(t) for t in tables):
         plan = spec.plan_blocks(*_host(tables), (bq, bkv), (q_len, kv_len))
         return plan, block_mask.mask_mod, [None] * len(plan)
-    n_kv = -(-kv_len // bkv)
-    partial = _dense_traced(tables[0], tables[1], n_kv)  # (B', H', n_q, n_kv)
-    full = _dense_traced(tables[2], tables[3], n_kv) & ~partial if full_given else jnp.zeros_like(partial)
+    partial, full, _ = _dense_tables(q_len, kv_len, block_mask)  # (B', H', n_q, n_kv), traced
 
     def keys(kind: Array, i: int) -> Array:  # (B', H', 1, S): the kind of each key's block
         return jnp.repeat(kind[:, :, i], bkv, axis=-1)[:, :, None, :kv_len]

@@ -16,7 +16,6 @@ mask's tables on the host (they are small).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,33 +25,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attention_spec import flex as spec
+from attention_spec.flex import DEFAULT_BLOCK, BlockMask
 from torch_attention._reference import _compute_dtype, _softmax, resolve_scale
-
-# Without a block mask: query blocks of this many rows (PyTorch's default BLOCK_SIZE).
-DEFAULT_BLOCK = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockMask:
-    """A block-sparse mask in PyTorch's layout (``attention_spec.flex``): int32
-    kv_num_blocks (B', H', n_q), kv_indices (B', H', n_q, n_kv), and the same for full
-    blocks (or None), B' and H' the batch and heads it was made for (1: broadcast);
-    ``BLOCK_SIZE`` (query block, key block); ``mask_mod``, applied on partial blocks;
-    ``seq_lengths`` (Q_LEN, KV_LEN).  ``flex_attention`` also takes PyTorch's own
-    ``BlockMask`` (the same attributes)."""
-
-    kv_num_blocks: Tensor
-    kv_indices: Tensor
-    full_kv_num_blocks: Tensor | None
-    full_kv_indices: Tensor | None
-    BLOCK_SIZE: tuple[int, int]  # noqa: N815 (PyTorch's name)
-    mask_mod: Callable[..., Any]
-    seq_lengths: tuple[int, int]
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """(B', H', Q_LEN, KV_LEN)."""
-        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
 
 
 def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,  # noqa: N803

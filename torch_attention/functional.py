@@ -28,12 +28,14 @@ call once (``_plan``), takes the route that ``route`` reports, then runs that pa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
 from torch import Tensor
 
-from attention_spec.flex import flex_call_options, options_text
+from attention_spec.flex import flex_call_options
+from attention_spec.flex import flex_route as flex_route_of
 from attention_spec.mods import and_masks as and_masks
 from attention_spec.mods import or_masks as or_masks
 from attention_spec.options import KEYWORD_FIELDS, call_options
@@ -277,10 +279,7 @@ def flex_route(query: Tensor, key: Tensor, value: Tensor, score_mod: Callable[..
     "flex-blocks", (why not,))``, the flex path (query blocks over the key blocks the
     block mask keeps).  Raises what ``flex_attention`` raises for bad arguments."""
     options, why = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
-    if options is None:
-        return Route("flex", "flex-blocks", (f"named options: {why}",))
-    chosen = route(query, key, value, scale=scale, **options)
-    return Route(chosen.path, chosen.kernel, (options_text(options), *chosen.reasons), basis=chosen.basis)
+    return flex_route_of(options, why, functools.partial(route, query, key, value, scale=scale))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor | tuple[Tensor, Tensor]:

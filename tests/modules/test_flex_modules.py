@@ -216,8 +216,9 @@ def test_a_mod_that_is_not_callable_is_refused_by_name(framework):
         import jax_attention as lib
 
         extra = {"rngs": nnx.Rngs(0)}
-    with pytest.raises(TypeError, match=r"^mask_mod must be callable or None; got float$"):
-        lib.MultiHeadAttention(D_IN, D_IN, 64, 0.0, HEADS, mask_mod=math.pi, **extra)
+    for role in ("score_mod", "mask_mod"):
+        with pytest.raises(TypeError, match=rf"^{role} must be callable or None; got float$"):
+            lib.MultiHeadAttention(D_IN, D_IN, 64, 0.0, HEADS, **{role: math.pi}, **extra)
 
 
 def test_a_jitted_call_with_traced_lengths_still_skips_the_causal_blocks():
