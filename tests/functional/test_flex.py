@@ -459,6 +459,27 @@ def test_a_causal_block_mask_computes_about_half_the_blocks() -> None:
         assert seen == {"scores": 36 * BLOCK * BLOCK * slices, "masked": 8 * BLOCK * BLOCK}, (lib, seen)
 
 
+def test_captured_float_arrays_are_read_in_the_scores_dtype() -> None:
+    """ALiBi's slopes and a bias table given as float64 NumPy arrays are read in the
+    scores' float32 in both twins (as the JAX twin reads them without x64): the same
+    numbers as the mods over float32 copies, not float64 sums cast back."""
+    import jax.numpy as jnp
+    import torch
+
+    rng = np.random.default_rng(5)
+    scores = rng.standard_normal((1, H, 6, 7)).astype(np.float32) * 1e3
+    index = (np.arange(1).reshape(1, 1, 1, 1), np.arange(H).reshape(1, H, 1, 1), np.arange(6).reshape(1, 1, 6, 1),
+             np.arange(7).reshape(1, 1, 1, 7))
+    slopes = rng.standard_normal(H) * (1 + 1e-12)  # float64 digits that float32 drops
+    for wide, narrow in ((mods.alibi(slopes), mods.alibi(slopes.astype(np.float32))),
+                         (mods.bias_table(TABLE * (1 + 1e-12)), mods.bias_table(TABLE.astype(np.float32)))):
+        for lib, wrap in ((torch, torch.as_tensor), (jnp, jnp.asarray)):
+            got = wide(wrap(scores), *(wrap(i) for i in index))
+            want = narrow(wrap(scores), *(wrap(i) for i in index))
+            assert got.dtype == want.dtype == wrap(scores).dtype, lib.__name__
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 # --------------------------------------------------------------------------- JAX transforms
 
 

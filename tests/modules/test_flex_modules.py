@@ -125,6 +125,7 @@ def test_mods_that_stand_for_named_options_are_those_options_on_every_path(x, mo
 
 def test_folding_narrows_the_window_and_keeps_what_is_no_single_option():
     assert fold_named(False, (5, None), None, None, mods.sliding_window(3, 1)) == (False, (3, 1), None, None, None)
+    assert fold_named(False, (2, None), None, None, mods.sliding_window(3, 1))[1] == (2, 1)  # each side narrower
     assert fold_named(True, None, None, None, mods.sliding_window(2, 2))[:2] == (True, (2, 2))
     capped = mods.softcap(2.0)
     assert fold_named(False, None, 5.0, capped, None) == (False, None, 5.0, capped, None)  # two caps: no one option
