@@ -118,8 +118,8 @@ if HAS_JAX:
 # the end: JAX's persistent compilation cache, keyed by the program, XLA's flags and the
 # backend, so a hit is the executable the compile would have made (the same machine
 # code). Writes are atomic (a file appears whole, or not at all), so a worker never reads
-# the other's half-written entry. On a 2-core Zen 5 the default run took 624-692 s without
-# it and 598-613 s with it (three runs); about a fifth of all compiles hit.
+# the other's half-written entry. On a 2-core Zen 5 the default run took 624-705 s without
+# it and 597-613 s with it (four runs each); about a fifth of all compiles hit.
 # TWIN_ATTENTION_TEST_COMPILE_CACHE=0 turns it off; a path in that variable keeps the
 # programs there, for the next run (a hit needs the same program, flags and backend).
 _COMPILE_CACHE = "TWIN_ATTENTION_TEST_COMPILE_CACHE"
