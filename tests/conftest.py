@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests import time_report
 from tests.support import HAS_JAX
 from tests.tiers import QUICK_STAND_INS
 
@@ -175,6 +176,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--exhaustive", action="store_true", default=False,
                      help="also run the tests marked exhaustive: the full products of option axes "
                           "that the default run covers pairwise (tests/support.py, tiered)")
+    time_report.add_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--time-report"):  # where the run's time goes: tests/time_report.py
+        config.pluginmanager.register(time_report, "time_report")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
