@@ -118,7 +118,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         config.stash[_ROWS].update(rows)
 
 
-def pytest_testnodedown(node: Any, error: Any) -> None:  # xdist's controller: a worker's rows
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: its controller gets a worker's rows
+def pytest_testnodedown(node: Any, error: Any) -> None:
     rows = getattr(node, "workeroutput", {}).get(_KEY)
     if rows is not None:
         node.config.stash[_ROWS].update(json.loads(rows))
