@@ -90,23 +90,29 @@ def attention(
     sink_logits = None if sinks is None else np.asarray(sinks, np.float64)
     out = np.zeros((*lead, t_len, v.shape[-1]))
     weights = np.zeros((*lead, t_len, s_len))
+    mods = None if score_mod is None and mask_mod is None else (score_mod, mask_mod)
     for idx in np.ndindex(*lead):
         kv_idx = idx if groups == 1 else idx[:-1] + (idx[-1] // groups,)  # its key/value head
+        idx64 = tuple(np.int64(n) for n in idx)
         shift = int(offsets) if offsets.ndim == 0 else int(offsets[idx[0]])  # key position of query 0
         for i in range(t_len):  # each query
             p = i + shift  # its key position
+            masked = (~allowed[idx + (i,)]).tolist()  # the mask's verdict on each key
+            if all(masked):
+                continue  # the mask leaves it no key: zero weights, zero output (as a blocked row below)
             scores: list[float | None] = []
             for j in range(s_len):  # each key
                 blocked = (
-                    (right is not None and j - p > right)
+                    masked[j]
+                    or (right is not None and j - p > right)
                     or (left is not None and p - j > left)
                     or (seg_q is not None and seg_k is not None and seg_q[idx[0], i] != seg_k[idx[0], j])
                 )
                 # a -inf bias entry blocks its key as a mask does (the library's rule)
                 blocked = blocked or (bias_b is not None and bias_b[idx + (i, j)] == -math.inf)
-                at = (*(np.int64(n) for n in idx), np.int64(p), np.int64(j))  # a mod's (b, h, p, j)
+                at = () if mods is None else (*idx64, np.int64(p), np.int64(j))  # a mod's (b, h, p, j)
                 blocked = blocked or (mask_mod is not None and not bool(mask_mod(*at)))
-                if blocked or not allowed[idx + (i, j)]:
+                if blocked:
                     scores.append(None)  # blocked
                 else:
                     s = float(np.dot(q[idx + (i,)], k[kv_idx + (j,)])) * scale

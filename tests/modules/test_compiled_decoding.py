@@ -33,7 +33,8 @@ def _pair(d_in: int, heads: int, kv_heads: int, seed: int = 0) -> tuple[Any, Any
 
 def _oracle(module: Any, x: np.ndarray, rows: Any = None) -> np.ndarray:
     """The float64 oracle's output; of the query ``rows`` alone (indices) when given, the
-    others masked out (zeros): its loops cost a Python step per query and key of a head."""
+    others masked out (zeros): its loops cost a Python step per key of each query it
+    computes, and a query that its mask leaves no key costs none."""
     from parity_tests import reference
 
     params = {k: v.detach().double().numpy() for k, v in module.state_dict().items()}
@@ -132,7 +133,7 @@ def test_decoding_past_2048_runs_the_tiled_blockwise_kernel() -> None:
     got, _ = _decode(flax_m, x, 2100, 4200, "blockwise")
     # The oracle's Python loops over every row took 35 s: it checks the two decoded
     # tokens and the prompt's every 64th row, those about 2048 and its last (rows in
-    # every query tile and key tile of the loops), a few seconds; the twin every row.
+    # every query tile and key tile of the loops), under a second; the twin every row.
     rows = [*range(0, 2100, 64), 2047, 2048, 2099, 2100, 2101]
     _close(got[:, rows], _oracle(torch_m, x, rows)[:, rows], ORACLE["float32"])
     with torch.no_grad():
