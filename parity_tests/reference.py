@@ -90,7 +90,7 @@ def attention(
     sink_logits = None if sinks is None else np.asarray(sinks, np.float64)
     out = np.zeros((*lead, t_len, v.shape[-1]))
     weights = np.zeros((*lead, t_len, s_len))
-    mods = None if score_mod is None and mask_mod is None else (score_mod, mask_mod)
+    any_mod = score_mod is not None or mask_mod is not None
     for idx in np.ndindex(*lead):
         kv_idx = idx if groups == 1 else idx[:-1] + (idx[-1] // groups,)  # its key/value head
         idx64 = tuple(np.int64(n) for n in idx)
@@ -99,7 +99,7 @@ def attention(
             p = i + shift  # its key position
             masked = (~allowed[idx + (i,)]).tolist()  # the mask's verdict on each key
             if all(masked):
-                continue  # the mask leaves it no key: zero weights, zero output (as a blocked row below)
+                continue  # the mask leaves it no key: zero weights and output, as for a row blocked below
             scores: list[float | None] = []
             for j in range(s_len):  # each key
                 blocked = (
@@ -110,7 +110,7 @@ def attention(
                 )
                 # a -inf bias entry blocks its key as a mask does (the library's rule)
                 blocked = blocked or (bias_b is not None and bias_b[idx + (i, j)] == -math.inf)
-                at = () if mods is None else (*idx64, np.int64(p), np.int64(j))  # a mod's (b, h, p, j)
+                at = (*idx64, np.int64(p), np.int64(j)) if any_mod else ()  # a mod's (b, h, p, j)
                 blocked = blocked or (mask_mod is not None and not bool(mask_mod(*at)))
                 if blocked:
                     scores.append(None)  # blocked
