@@ -34,34 +34,29 @@ class _Clock:
         self.rows: dict[str, list[float]] = {}
         self.current: list[float] | None = None
         self._gc_started = 0.0
-        self._restore: list[Any] = []
         gc.callbacks.append(self._on_gc)
-        self._restore.append(lambda: gc.callbacks.remove(self._on_gc))
-        self._time_compiles()
-
-    def close(self) -> None:
-        """Stops measuring: the compiler and the collector as they were."""
-        while self._restore:
-            self._restore.pop()()
-
-    def _time_compiles(self) -> None:
         try:
             from jax._src import compiler
         except ImportError:  # no JAX: nothing compiles
-            return
-        compile_and_load = compiler.backend_compile_and_load
-        self._restore.append(lambda: setattr(compiler, "backend_compile_and_load", compile_and_load))
+            self._compiler = None
+        else:
+            self._compiler, self._compile = compiler, compiler.backend_compile_and_load
+            compiler.backend_compile_and_load = self._timed_compile
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return compile_and_load(*args, **kwargs)
-            finally:
-                if self.current is not None:
-                    self.current[1] += time.perf_counter() - start
-                    self.current[2] += 1
+    def close(self) -> None:
+        """Stops measuring: the compiler and the collector as they were."""
+        gc.callbacks.remove(self._on_gc)
+        if self._compiler is not None:
+            self._compiler.backend_compile_and_load = self._compile
 
-        compiler.backend_compile_and_load = timed
+    def _timed_compile(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._compile(*args, **kwargs)
+        finally:
+            if self.current is not None:
+                self.current[1] += time.perf_counter() - start
+                self.current[2] += 1
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -100,17 +95,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    clock = item.config.stash.get(_CLOCK, None)
-    if clock is None:
-        yield
-        return
-    yield from clock.measure(item.nodeid)
+    yield from item.config.stash[_CLOCK].measure(item.nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
-    if _CLOCK not in config.stash:
-        return
     rows = config.stash[_CLOCK].rows
     if hasattr(config, "workerinput"):  # an xdist worker: the controller writes the report
         config.workeroutput[_KEY] = json.dumps(rows)  # type: ignore[attr-defined]
@@ -126,12 +115,10 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _CLOCK in config.stash:
-        config.stash[_CLOCK].close()
-    path = config.getoption("--time-report", None)
-    if not path or hasattr(config, "workerinput") or _ROWS not in config.stash:
+    config.stash[_CLOCK].close()
+    if hasattr(config, "workerinput"):  # the controller writes the report
         return
-    rows = config.stash[_ROWS]
+    path, rows = config.getoption("--time-report"), config.stash[_ROWS]
     Path(path + ".json").write_text(json.dumps(rows))
     Path(path).write_text(render(rows, workers=getattr(config.option, "numprocesses", None)))
 
@@ -149,8 +136,8 @@ def render(rows: dict[str, list[float]], *, workers: int | None = None, slowest:
         "# Where the test run's time went",
         "",
         f"{len(rows)} tests, {wall:.0f} s of test time ({_processes(workers)}): XLA compiling "
-        f"{compiling:.0f} s ({compiles:.0f} programs; a hit of the shared compile cache is not one), the CPU time of the processes the tests started {children:.0f} s, "
-        f"garbage collection {collecting:.0f} s.",
+        f"{compiling:.0f} s ({compiles:.0f} programs; a hit of the shared compile cache is not one), "
+        f"the CPU time of the processes the tests started {children:.0f} s, garbage collection {collecting:.0f} s.",
         "",
         "| file | tests | time s | compiling s | programs | subprocesses' CPU s | gc s |",
         "|---|---:|---:|---:|---:|---:|---:|",
