@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests import time_report
+from tests import budgets, time_report
 from tests.support import HAS_JAX
 from tests.tiers import QUICK_STAND_INS
 
@@ -168,8 +168,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 #
 # quick (``-m "not slow"``): each test function once; default (plain ``pytest``, CI):
 # every feasible pair of option values; exhaustive (``--exhaustive``): the full products.
-# The budgets are for a 2-core CPU (docs/architecture.md, "The tiers, and adding a test").
-BUDGET_S = {"quick": 180, "default": 900}
+# The budgets are for a 2-core CPU, per kind of CPU (tests/budgets.py; docs/architecture.md,
+# "The tiers, and adding a test").
+_BUDGETS = budgets.budgets()
+BUDGET_S = {"quick": _BUDGETS.quick, "default": _BUDGETS.default}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -259,7 +261,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     budget = BUDGET_S.get(tier or "")
     line = f"suite time: {took:.0f} s"
     if budget is not None:
-        line += f" ({tier} tier; budget {budget} s on 2 cores{', OVER BUDGET' if took > budget else ''})"
+        line += (f" ({tier} tier; budget {budget} s on 2 cores of a CPU {_BUDGETS.kind}"
+                 f"{', OVER BUDGET' if took > budget else ''})")
     terminalreporter.write_line(line)
 
 

@@ -25,3 +25,29 @@ def test_a_stale_name_or_a_stand_in_that_is_not_quick_is_refused() -> None:
         _check_stand_ins({stand_in}, {stand_in}, table)  # the left-out function is gone
     with pytest.raises(pytest.UsageError, match="not in the quick tier"):
         _check_stand_ins({left, stand_in}, set(), table)  # the stand-in is slow itself
+
+
+def test_budgets_follow_the_cpus_kind_not_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX-512 CPU gets the fast kinds' budgets whatever build is timed on it (the AVX2
+    build under TWIN_ATTENTION_MARCH included); a CPU without AVX-512 the slowest kind's,
+    whose whole .ci/run is half CI's limit of 5,400 s."""
+    from tests import budgets
+
+    monkeypatch.setenv("TWIN_ATTENTION_MARCH", "x86-64-v3")
+    monkeypatch.setattr(budgets, "cpu_flags", lambda: {"sse2", "avx", "avx2", "avx512f"})
+    assert (budgets.budgets().quick, budgets.budgets().default, budgets.budgets().ci) == (180, 900, 1200)
+    monkeypatch.setattr(budgets, "cpu_flags", lambda: {"sse2", "avx", "avx2"})
+    assert budgets.budgets() is budgets.SLOWER and budgets.SLOWER.ci == 5400 // 2
+    assert budgets.cpu_description().endswith(", AVX2")
+    assert all(b.quick < b.default < b.ci for b in (budgets.AVX512, budgets.SLOWER))
+
+
+def test_the_shell_form_is_what_ci_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    from tests import budgets
+
+    budgets.main(["--shell"])
+    words = dict(w.split("=", 1) for w in shlex.split(capsys.readouterr().out.replace(";", " ")))
+    assert set(words) == {"cpu", "budget_quick", "budget_default", "budget_ci"}
+    assert int(words["budget_ci"]) == budgets.budgets().ci and words["cpu"] == budgets.cpu_description()
