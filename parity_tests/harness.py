@@ -155,12 +155,53 @@ def to_torch(flax_module: Any) -> Any:
 
 def portable_config(config: dict[str, Any]) -> dict[str, Any]:
     """A module's constructor keywords for its twin in the other framework: a library mod
-    (``score_mod``, ``mask_mod``) over NumPy copies of its arrays (``mods.portable``; a
-    function of the user's own raises ValueError, before anything is built)."""
+    (``score_mod``, ``mask_mod``) over NumPy copies of its arrays (``mods.portable``).  A
+    function of the user's own, given as the mod or as a part of a library combinator
+    (``and_masks``, ``or_masks``, ``chain``, at any depth), raises ValueError naming it and
+    where it sits, before anything is built: it is written in one framework's operations."""
     from attention_spec.mods import portable
 
+    for role in ("score_mod", "mask_mod"):
+        own = _own_functions(config.get(role), role)
+        if own and own[0][0] != role:  # one given directly: mods.portable's own text
+            shown = ", ".join(f"at {where} ({_function_name(fn)})" for where, fn in own)
+            raise ValueError(
+                f"{role} holds a function of its own {shown}, written in one framework's operations: it "
+                "cannot move to the other; build it from attention_spec.mods")
     return {name: portable(name, value) if name in ("score_mod", "mask_mod") else value
             for name, value in config.items()}
+
+
+def _function_name(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", type(fn).__name__))
+
+
+def _own_functions(mod: Any, where: str) -> list[tuple[str, Any]]:
+    """(where, function) for each callable inside ``mod`` that is not a library mod:
+    ``mod`` itself, or a part of a combinator (``parts``), or the mod a library mod wraps
+    (a dataclass field holding a callable), walked at any depth."""
+    import dataclasses
+
+    from attention_spec.mods import Mod
+
+    if mod is None:
+        return []
+    if not isinstance(mod, Mod):
+        return [(where, mod)] if callable(mod) else []
+    found: list[tuple[str, Any]] = []
+    for slot in dataclasses.fields(mod):
+        value = getattr(mod, slot.name)
+        if isinstance(value, (tuple, list)):
+            for i, part in enumerate(value):
+                if isinstance(part, Mod) or callable(part):
+                    found += _own_functions(part, f"{where}.{slot.name}[{i}]")
+        elif isinstance(value, Mod) or (callable(value) and not _is_array_like(value)):
+            found += _own_functions(value, f"{where}.{slot.name}")
+    return found
+
+
+def _is_array_like(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
 def _dtype_name(dtype: Any) -> str:
