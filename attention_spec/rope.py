@@ -396,18 +396,133 @@ def _hf_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
     return dict(params)
 
 
-def _hf_partial(config: Any, params: dict[str, Any]) -> tuple[int | None, float | None]:
-    factor = params.get("partial_rotary_factor")
-    for name in ("partial_rotary_factor", "rotary_pct"):
-        if factor is None:
-            factor = getattr(config, name, None)
-    if factor is not None:
-        return None, (None if float(factor) == 1.0 else float(factor))
-    dim = getattr(config, "rotary_dim", None)
-    return (None if dim is None else int(dim)), None
+# Whether a model type's layer honours ``partial_rotary_factor`` (transformers 5.24): its
+# ``<Family>RotaryEmbedding.compute_default_rope_parameters`` computes frequencies for
+# ``int(head_dim * partial_rotary_factor)`` features, and its ``apply_rotary_pos_emb`` turns
+# that many (``cos.shape[-1]``), the rest passing through (GPT-NeoX, Phi, Phi-3, StableLM,
+# GLM, Qwen3-Next, ...).  The model types of WHOLE_HEAD_MODEL_TYPES compute head_dim / 2
+# frequencies whatever the config says, and rotate the whole head (Llama, Mistral, Qwen2/3,
+# Gemma, DeepSeek, ...); their scaled rope types (linear, dynamic, llama3, yarn, longrope)
+# do read the fraction, and the layer then fails (its cos is narrower than the head).  Both
+# lists are every model type of transformers 5.24 with a rotary embedding, read off its
+# sources (tests/functional/test_rope.py checks them against the installed transformers).
+PARTIAL_MODEL_TYPES = frozenset({
+    "bamba", "deepseek_v4", "diffusion_gemma", "diffusion_gemma_text", "dots3_note",
+    "dots3_note_audio_encoder", "dots3_note_text", "dots3_note_vision_encoder", "efficientloftr",
+    "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm4v", "glm4v_moe", "glm4v_moe_text",
+    "glm4v_moe_vision", "glm4v_text", "glm4v_vision", "glm_image", "glm_image_text",
+    "glm_image_vision", "glm_image_vqmodel", "glm_ocr", "glm_ocr_text", "glm_ocr_vision", "glmasr",
+    "glmasr_encoder", "gpt_neox", "gpt_neox_japanese", "laguna", "mellum", "mimo_v2_flash",
+    "minimax_m2", "minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3_vl_vision", "moonshine",
+    "moonshine_streaming", "moonshine_streaming_encoder", "musicflamingo", "nemo_speechlm",
+    "nemotron", "nemotron3_5_transcribe_asr_audio", "nemotron3_5_transcribe_audio",
+    "nemotron3_5_transcribe_word_timestamp", "nemotron3_diarization", "nemotron3_diarization_audio",
+    "neomme", "persimmon", "phi", "phi3", "phi4_multimodal", "phi4_multimodal_audio",
+    "phi4_multimodal_vision", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe_vision",
+    "qwen3_5_text", "qwen3_5_vision", "qwen3_next", "qwen4_exp", "qwen4_exp_text",
+    "qwen4_exp_vision", "recurrent_gemma", "solar_open", "stablelm", "step3p5", "step3p5_vision",
+    "step3p7", "zaya"
+})
+WHOLE_HEAD_MODEL_TYPES = frozenset({
+    "afmoe", "apertus", "apertus1p5", "apertus1p5_text", "apertus1p5_vision_tokenizer", "arcee",
+    "aria", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "bitnet", "blt",
+    "blt_global_transformer", "blt_local_decoder", "blt_local_encoder", "blt_patcher", "chameleon",
+    "chameleon_vqgan", "cohere", "cohere2", "cohere2_moe", "cohere_compass", "cohere_compass_text",
+    "cohere_compass_vision", "cosmos3_edge", "cosmos3_edge_text", "cosmos3_edge_vision", "csm",
+    "csm_depth_decoder_model", "cwm", "dbrx", "deepseek_ocr2", "deepseek_ocr2_encoder",
+    "deepseek_ocr2_sam_vision_model", "deepseek_ocr2_text", "deepseek_ocr2_vision", "deepseek_v2",
+    "deepseek_v3", "deepseek_v32", "dia", "dia_decoder", "dia_encoder", "diffllama", "doge", "dory",
+    "dots1", "embedding_gemma2", "embedding_gemma2_text", "emu3", "emu3_text_model", "emu3_vqgan",
+    "eomt_dinov3", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text",
+    "ernie4_5_vl_moe_vision", "esm", "esmc", "eurobert", "evolla", "exaone4", "exaone_moe",
+    "falcon", "falcon_h1", "flex_olmo", "flint", "gemma", "gemma2", "gemma3", "gemma3_text",
+    "gemma3n", "gemma3n_audio", "gemma3n_text", "gemma3n_vision", "gemma4", "gemma4_audio",
+    "gemma4_text", "gemma4_unified", "gemma4_unified_audio", "gemma4_unified_text",
+    "gemma4_unified_vision", "gemma4_vision", "glm_moe_dsa", "gpt_oss", "gradium_phonon_tts",
+    "granite", "granite4_vision", "granite4_vision_text", "granite_docling", "granite_docling_text",
+    "granite_docling_vision", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+    "granitemoeshared", "gte", "helium", "higgs_audio_v2", "hrm_text", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "hunyuan_vl", "hunyuan_vl_text", "hunyuan_vl_vision", "hy_v3", "hy_v4",
+    "hy_v4_vl", "hy_v4_vl_text", "hy_v4_vl_vision", "hyperclovax", "idefics", "idefics_perciever",
+    "idefics_vision", "jais2", "jetmoe", "jina_embeddings_v3", "kolibri1", "kyutai_speech_to_text",
+    "lara_mini", "lasr_ctc", "lasr_encoder", "lfm2", "lfm2_moe", "lfm3", "llama", "llama4",
+    "llama4_text", "llama4_vision_model", "longcat_flash", "mimi", "mimi_decoder", "mimi_encoder",
+    "minicpm3", "minimax", "ministral", "ministral3", "mistral", "mistral4", "mistral_large4",
+    "mistral_large4_text", "mixtral", "mllama", "mllama_text_model", "mllama_vision_model",
+    "modernbert", "modernbert-decoder", "molmo2", "molmo2_adapter", "molmo2_text", "molmo2_vision",
+    "moshi", "moshi_depth", "muse_glimmer", "muse_glimmer_assistant", "muse_glimmer_text",
+    "muse_glimmer_vision", "muse_spark", "muse_spark_audio", "muse_spark_text", "muse_spark_vision",
+    "nanochat", "neucodec", "nomic_bert", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe",
+    "openai_privacy_filter", "paddleocr_vl", "paddleocr_vl_text", "paddleocr_vl_vision", "pe_audio",
+    "pe_audio_encoder", "pe_audio_video", "pe_audio_video_encoder", "pe_video", "pe_video_encoder",
+    "phimoe", "pocket_tts", "pocket_tts_audio_tokenizer", "pocket_tts_audio_tokenizer_decoder",
+    "pocket_tts_audio_tokenizer_encoder", "pp_doclayout_v2", "qwen2", "qwen2_5_omni",
+    "qwen2_5_omni_audio_encoder", "qwen2_5_omni_bigvgan", "qwen2_5_omni_dit", "qwen2_5_omni_talker",
+    "qwen2_5_omni_text", "qwen2_5_omni_thinker", "qwen2_5_omni_token2wav",
+    "qwen2_5_omni_vision_encoder", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_5_vl_vision",
+    "qwen2_moe", "qwen2_vl", "qwen2_vl_text", "qwen2_vl_vision", "qwen3", "qwen3_moe",
+    "qwen3_omni_moe", "qwen3_omni_moe_audio_encoder", "qwen3_omni_moe_talker_code_predictor",
+    "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text", "qwen3_omni_moe_thinker",
+    "qwen3_omni_moe_vision_encoder", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_text",
+    "qwen3_vl_moe_vision", "qwen3_vl_text", "qwen3_vl_vision", "seed_oss", "smollm3", "starcoder2",
+    "t5_gemma_module", "t5gemma", "t5gemma2", "t5gemma2_decoder", "t5gemma2_encoder",
+    "t5gemma2_text", "timesfm2_5", "ultrabert", "unlimited_ocr", "unlimited_ocr_sam_vision_model",
+    "unlimited_ocr_text", "unlimited_ocr_vision", "unlimited_ocr_vision_encoder", "vaultgemma",
+    "voxtral_realtime", "voxtral_realtime_encoder", "voxtral_realtime_text", "xcodec2", "youtu",
+    "zamba2"
+})
 
 
-def rope_from_hf(config: Any, layer_type: str | None = None) -> RopeConfig:
+def hf_honours_partial(config: Any) -> bool | None:
+    """Whether ``transformers``' layer of this config's ``model_type`` turns only
+    ``partial_rotary_factor`` of each head (True), the whole head whatever the factor
+    (False), or None where the model type is not known (``PARTIAL_MODEL_TYPES``,
+    ``WHOLE_HEAD_MODEL_TYPES``)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in PARTIAL_MODEL_TYPES:
+        return True
+    if model_type in WHOLE_HEAD_MODEL_TYPES:
+        return False
+    return None
+
+
+def _hf_partial(
+    config: Any, params: dict[str, Any], rope_type: str, honours_partial: bool | None
+) -> tuple[int | None, float | None]:
+    """(rotary_dim, partial_rotary_factor) of a config, as its model's layer turns the
+    head: GPT-NeoX's ``rotary_pct`` and GPT-J's ``rotary_dim`` always turn that part; a
+    ``partial_rotary_factor`` below 1 only where the model type honours it."""
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    pct = getattr(config, "rotary_pct", None)  # GPT-NeoX's older name: it turns that part
+    if factor is None and pct is not None:
+        return None, (None if float(pct) == 1.0 else float(pct))
+    if factor is None:
+        dim = getattr(config, "rotary_dim", None)
+        return (None if dim is None else int(dim)), None
+    if float(factor) != 1.0:
+        honours = hf_honours_partial(config) if honours_partial is None else honours_partial
+        model_type = getattr(config, "model_type", None)
+        if honours is None:
+            raise ValueError(
+                f"rope_from_hf: partial_rotary_factor={float(factor)!r}, but whether transformers' layer of "
+                f"model_type {model_type!r} turns that fraction of each head or the whole head (Llama's turns "
+                "the whole head whatever the config says) cannot be known from the config: port the layer "
+                "with torch_attention.interop.from_hf(layer), which reads its rotary embedding, or pass "
+                "honours_partial=True (the fraction turns) or False (the whole head turns)"
+            )
+        if honours:
+            return None, float(factor)
+        if rope_type != "default" and honours_partial is None:
+            raise ValueError(
+                f"rope_from_hf: partial_rotary_factor={float(factor)!r} with rope_type {rope_type!r}: the layer of "
+                f"model_type {model_type!r} rotates the whole head, but transformers computes this rope_type's "
+                "frequencies for that fraction of it, and the layer fails (its cos is narrower than the head); "
+                "drop partial_rotary_factor (the whole head turns) or set it to 1.0"
+            )
+    return None, None  # 1.0, or a layer that turns the whole head whatever the config says
+
+
+def rope_from_hf(config: Any, layer_type: str | None = None, *, honours_partial: bool | None = None) -> RopeConfig:
     """The ``RopeConfig`` of a ``transformers`` model config (read by attribute, without
     importing transformers): ``rope_theta``; ``partial_rotary_factor`` / ``rotary_pct``
     / ``rotary_dim``; the ``rope_parameters`` (or older ``rope_scaling``) dict and its
@@ -417,10 +532,16 @@ def rope_from_hf(config: Any, layer_type: str | None = None) -> RopeConfig:
     original_max_position_embeddings``, as transformers computes it; the dynamic NTK's
     original length is the config's ``max_position_embeddings``.
 
-    It reads the config, not a layer: a family whose rotary embedding ignores
-    ``partial_rotary_factor`` (Llama's turns the whole head whatever the config says)
-    gets the fraction here; ``torch_attention.interop.from_hf`` follows the layer's own
-    rotary embedding instead (as many features turn as it has frequencies for)."""
+    ``partial_rotary_factor`` turns as the model's layer does, which the config alone does
+    not say: the fraction of each head where transformers' layer of that ``model_type``
+    honours it (GPT-NeoX, Phi, Phi-3, StableLM, GLM, Qwen3-Next: ``PARTIAL_MODEL_TYPES``),
+    the whole head where its rotary embedding ignores it (Llama, Mistral, Qwen2/3, Gemma:
+    ``WHOLE_HEAD_MODEL_TYPES``; with a scaled ``rope_type`` such a layer fails, and so is
+    refused); ``honours_partial=`` True or False says it for a model type that is in
+    neither list, which is otherwise refused (ValueError naming
+    ``partial_rotary_factor``).  ``torch_attention.interop.from_hf(layer)`` reads the
+    layer's own rotary embedding instead (as many features turn as it has frequencies for).
+    GPT-NeoX's ``rotary_pct`` and GPT-J's ``rotary_dim`` always turn that part."""
     params = _hf_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _HF_TYPES:
@@ -432,7 +553,7 @@ def rope_from_hf(config: Any, layer_type: str | None = None) -> RopeConfig:
         theta = getattr(config, "default_theta", 10000.0)
     interleaved = bool(getattr(config, "rope_interleave", False))
     interleaved = interleaved or getattr(config, "model_type", None) in _INTERLEAVED_MODELS
-    dim, partial = _hf_partial(config, params)
+    dim, partial = _hf_partial(config, params, rope_type, honours_partial)
     max_positions = getattr(config, "max_position_embeddings", None)
     original = params.get("original_max_position_embeddings") or getattr(
         config, "original_max_position_embeddings", None

@@ -133,7 +133,8 @@ def _rope(layer: nn.Module, attention: Any) -> RopeConfig:
     layer_type = _layer_type(layer, attention)
     params = getattr(config, "rope_parameters", None) or {}
     nested = layer_type is not None and isinstance(params.get(layer_type), Mapping)
-    rope = rope_from_hf(config, layer_type if nested else None)
+    # the fraction as the config gives it: the layer's own rotary embedding decides below
+    rope = rope_from_hf(config, layer_type if nested else None, honours_partial=True)
     own = _hf_inv_freq(layer, config, layer_type if nested else None)
     # as many features turn as the layer's own rotary embedding has frequencies for: a
     # family whose embedding ignores the config's partial_rotary_factor (Llama's) turns

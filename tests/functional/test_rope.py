@@ -24,7 +24,9 @@ PyTorch).  The float32 oracle takes the angles as float32 computes them
 
 from __future__ import annotations
 
+import importlib
 import math
+import pathlib
 import re
 from typing import Any
 
@@ -352,6 +354,120 @@ def test_rope_from_hf_reads_old_style_attributes() -> None:
     assert rope_from_hf(Old()) == RopeConfig(
         theta=20000.0, partial_rotary_factor=0.5, scaling="linear", factor=2.0
     )
+
+
+@needs_both
+def test_a_module_built_from_a_llama_config_with_partial_rotary_factor_turns_as_llama_does() -> None:
+    """Issue 55, item 4: ``LlamaConfig(partial_rotary_factor=0.5)``'s layer turns the whole
+    head (its rotary embedding ignores the factor), but ``rope_from_hf`` of the config
+    turned half of it: a module built the documented way (``rope=rope_from_hf(config)``,
+    the layer's weights loaded) was 8.9e-2 off ``LlamaAttention`` at positions 400..407.
+    Now it follows the layer: the whole head turns, and the module and its Flax twin match
+    the layer within float32 parity (transformers' float32 frequencies are a few ulps from
+    ours: well inside it at these positions)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    import torch_attention
+    from parity_tests import to_flax
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         partial_rotary_factor=0.5, attention_bias=False, attention_dropout=0.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    llama = LlamaAttention(config, layer_idx=0).eval()
+    rotary = LlamaRotaryEmbedding(config)
+    assert 2 * rotary.inv_freq.numel() == 16  # the layer's rotary embedding: the whole head
+    rope = rope_from_hf(config)
+    assert rope == RopeConfig(theta=10000.0)
+    ours = torch_attention.MultiHeadAttention(64, 64, None, 0.0, 4, num_kv_heads=2, out_bias=False, rope=rope)
+    ours.load_state_dict({"W_query.weight": llama.q_proj.weight, "W_key.weight": llama.k_proj.weight,
+                          "W_value.weight": llama.v_proj.weight, "out_proj.weight": llama.o_proj.weight})
+    x = torch.randn(2, 8, 64)
+    positions = torch.arange(400, 408)[None]
+    causal = torch.full((8, 8), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        want = llama(x, position_embeddings=rotary(x, positions), attention_mask=causal)[0]
+        got = ours(x, positions=positions)
+    tol = PARITY["float32"]
+    torch.testing.assert_close(got, want, rtol=tol.rtol, atol=tol.atol)
+    got_flax = np.asarray(to_flax(ours)(x.numpy(), positions=positions.numpy()))
+    np.testing.assert_allclose(got_flax, want.numpy(), rtol=tol.rtol, atol=tol.atol)
+
+
+def test_rope_from_hf_follows_each_model_types_layer_on_partial_rotary_factor() -> None:
+    """Which model types honour ``partial_rotary_factor`` (Phi, StableLM, GLM, Qwen3-Next,
+    ...) and which turn the whole head whatever it says (Llama, Mistral, Qwen3, Gemma):
+    ``rope_from_hf`` turns as many features as each family's own rotary embedding has
+    frequencies for; a whole-head layer with a scaled rope type (which fails in
+    transformers: its cos is half the head) and a model type in neither list are
+    refused, naming ``partial_rotary_factor``; ``honours_partial=`` says it."""
+    torch = pytest.importorskip("torch")
+    tf = _transformers()
+
+    def rotary_features(config: Any) -> int:  # as many as the family's rotary embedding turns
+        module = importlib.import_module(type(config).__module__.replace("configuration_", "modeling_"))
+        rotary = getattr(module, type(config).__name__.removesuffix("Config") + "RotaryEmbedding")
+        return 2 * rotary(config).inv_freq.numel()
+
+    heads: dict[str, Any] = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
+    configs = [tf.LlamaConfig(**heads, partial_rotary_factor=0.5), tf.MistralConfig(**heads, partial_rotary_factor=0.5),
+               tf.Qwen3Config(**heads, head_dim=16, partial_rotary_factor=0.5),
+               tf.GemmaConfig(**heads, head_dim=16, partial_rotary_factor=0.5),
+               tf.PhiConfig(**heads, partial_rotary_factor=0.5), tf.StableLmConfig(**heads, partial_rotary_factor=0.5),
+               tf.GlmConfig(**heads, head_dim=16, partial_rotary_factor=0.5),
+               tf.Qwen3NextConfig(**heads, head_dim=16, partial_rotary_factor=0.5)]
+    with torch.device("cpu"):
+        for config in configs:
+            features = rotary_features(config)
+            rope = rope_from_hf(config)
+            assert rope.partial_rotary_factor == (0.5 if features == 8 else None), config.model_type
+            assert features in (8, 16), config.model_type
+
+    scaled = tf.LlamaConfig(partial_rotary_factor=0.5,
+                            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.5 with rope_type 'linear': the layer of "
+                                         r"model_type 'llama' rotates the whole head"):
+        rope_from_hf(scaled)
+    assert rope_from_hf(scaled, honours_partial=True).partial_rotary_factor == 0.5
+
+    class Unknown:  # a config of a family this library does not know
+        model_type = "my_model"
+        partial_rotary_factor = 0.5
+
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.5, but whether transformers' layer of "
+                                         r"model_type 'my_model' turns"):
+        rope_from_hf(Unknown())
+    assert rope_from_hf(Unknown(), honours_partial=True) == RopeConfig(partial_rotary_factor=0.5)
+    assert rope_from_hf(Unknown(), honours_partial=False) == RopeConfig()
+
+
+def test_the_model_type_lists_agree_with_the_installed_transformers() -> None:
+    """``PARTIAL_MODEL_TYPES`` / ``WHOLE_HEAD_MODEL_TYPES`` were read off transformers
+    5.24's sources: a model type's ``compute_default_rope_parameters`` reads
+    ``partial_rotary_factor`` or does not.  Each model type of either list whose sources
+    the installed transformers has must still say what its list says."""
+    tf = _transformers()
+    from attention_spec.rope import PARTIAL_MODEL_TYPES, WHOLE_HEAD_MODEL_TYPES
+
+    models = pathlib.Path(tf.__file__).parent / "models"
+    default = re.compile(r"def compute_default_rope_parameters\((.*?)\n    @", re.S)
+    model_type = re.compile(r'^    model_type\s*=\s*"([^"]+)"', re.M)
+    seen, wrong = 0, []
+    for folder in sorted(models.iterdir()):
+        bodies = [m.group(1) for f in folder.glob("modeling_*.py") for m in default.finditer(f.read_text())]
+        if not bodies:
+            continue
+        honours = {"partial_rotary_factor" in b for b in bodies}
+        for name in {t for f in folder.glob("configuration_*.py") for t in model_type.findall(f.read_text())}:
+            listed = True if name in PARTIAL_MODEL_TYPES else False if name in WHOLE_HEAD_MODEL_TYPES else None
+            if listed is not None:
+                seen += 1
+                if honours != {listed}:
+                    wrong.append(name)
+    assert not wrong, f"these model types honour partial_rotary_factor otherwise than listed: {wrong}"
+    assert seen >= 50  # the installed transformers has (most of) the listed families
 
 
 # ----------------------------------------------------------------------------------
