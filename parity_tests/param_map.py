@@ -84,6 +84,22 @@ def _own_rules(module: Any, torch_name: str, own: Mapping[str, tuple[int, ...]],
     return None
 
 
+def _renamed(rule: Rule, canonical: Mapping[str, str]) -> Rule:
+    """``rule`` with each PyTorch name as ``named_parameters()`` gives it (a tied
+    parameter's alias becomes the name it is known by)."""
+    names = [canonical.get(n, n) for n in rule.torch_names]
+    if names == list(rule.torch_names):
+        return rule
+    return Rule(names if len(names) > 1 else names[0], rule.flax_paths if len(rule.flax_paths) > 1 else
+                rule.flax_paths[0], rule.steps)
+
+
+def _other_name(alias: str, canonical: Mapping[str, str]) -> str:
+    """Another name of the tensor ``alias`` names (the one it is known by, else an alias)."""
+    name = canonical[alias]
+    return name if name != alias else next(a for a, n in canonical.items() if n == name and a != alias)
+
+
 def infer_param_map(torch_model: Any, flax_model: Any) -> list[Rule]:
     """The weight map between a PyTorch model and its Flax NNX port, from module types
     and names (see the module's docstring): a list of ``Rule``s that ``copy_params``,
@@ -103,9 +119,13 @@ def infer_param_map(torch_model: Any, flax_model: Any) -> list[Rule]:
     flax_params = flax_param_shapes(flax_model)
     flax_modules = {_dotted(tuple(p)): tuple(p) for p, _ in nnx.iter_modules(flax_model)}
     torch_params = dict(torch_model.named_parameters())
-    first_name = {id(p): name for name, p in torch_params.items()}  # a tied parameter's, once
-    tied = {alias: first_name[id(p)] for alias, p in torch_model.named_parameters(remove_duplicate=False)
-            if alias not in torch_params}
+    # A tied tensor is one parameter with several names: named_parameters() gives it the
+    # name of the module registered first (a head registered before its embedding names
+    # the embedding's weight "head.weight"), the rules name it so; every other name of it
+    # is an alias, and a module is mapped by all of its names.
+    first_name = {id(p): name for name, p in torch_params.items()}
+    canonical = {alias: first_name[id(p)] for alias, p in torch_model.named_parameters(remove_duplicate=False)}
+    shared = {name for name in canonical.values() if sum(v == name for v in canonical.values()) > 1}
     rules: list[Rule] = []
     problems: list[str] = []
     covered: set[str] = set()
@@ -118,7 +138,7 @@ def infer_param_map(torch_model: Any, flax_model: Any) -> list[Rule]:
             continue
         if _is_unit(module):
             try:
-                found = [_prefixed(r, name, path) for r in _unit_rules(module)]
+                found = [_renamed(_prefixed(r, name, path), canonical) for r in _unit_rules(module)]
             except ValueError as err:
                 problems.append(f"  {name}: {err}")
                 continue
@@ -127,22 +147,22 @@ def infer_param_map(torch_model: Any, flax_model: Any) -> list[Rule]:
             covered.update(n for r in found for n in r.torch_names)
             continue
         prefix = f"{name}." if name else ""
-        own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False) if prefix + n in torch_params}
+        own = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False, remove_duplicate=False)}
         flax_own = {p[-1]: s for p, s in flax_params.items() if p[:-1] == path and isinstance(p[-1], str)}
-        aliases = [prefix + n for n, _ in module.named_parameters(recurse=False, remove_duplicate=False)
-                   if prefix + n in tied]
-        if aliases and not own and flax_own:
-            problems += [f"  PyTorch ties {a!r} to {tied[a]!r}, but the Flax {path_text(path)} has parameters of its "
-                         f"own ({', '.join(sorted(flax_own))}): tie them in the port too (nnx.Embed.attend)"
-                         for a in aliases]
-            continue
-        if not own:  # nothing of its own, or a weight tied to one mapped elsewhere, as the port ties it
-            continue
+        if not own or (not flax_own and all(canonical[prefix + n] in shared for n in own)):
+            continue  # nothing of its own, or weights tied to ones mapped elsewhere, as the port ties them
         found = _own_rules(module, name, own, path, flax_own)
         if found is None:
             problems.append(f"  {name or '(root)'}: {type(module).__name__} with {sorted(own)} and the Flax "
                             f"{path_text(path) or '(root)'} with {sorted(flax_own)}: no rule pairs their parameters")
             continue
+        twice = [prefix + n for n in own if canonical[prefix + n] in covered]
+        if twice:  # a tied tensor that another module's Flax parameters already take
+            problems += [f"  PyTorch ties {a!r} to {_other_name(a, canonical)!r}, but the Flax {path_text(path)} has "
+                         f"parameters of its own ({', '.join(sorted(flax_own))}): tie them in the port too "
+                         "(nnx.Embed.attend)" for a in twice]
+            continue
+        found = [_renamed(r, canonical) for r in found]
         rules += found
         covered.update(n for r in found for n in r.torch_names)
     mapped = {p for r in rules for p in r.flax_paths}

@@ -142,7 +142,7 @@ def test_infer_param_map_takes_a_tied_head_registered_before_its_embedding() -> 
     theirs, port = _tied_pair()
     assert [n for n, _ in theirs.named_parameters()] == ["head.weight"]
     rules = infer_param_map(theirs, port)
-    assert [(r.torch_names, r.flax_paths) for r in rules] == [(["head.weight"], [("embed", "embedding")])]
+    assert [(tuple(r.torch_names), tuple(r.flax_paths)) for r in rules] == [(("head.weight",), (("embed", "embedding"),))]
     copy_params(theirs, port, rules)
     np.testing.assert_array_equal(np.asarray(port.embed.embedding[...]), theirs.embed.weight.detach().numpy())
     ids = torch.tensor([[1, 4, 9]])
