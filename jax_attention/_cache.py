@@ -102,8 +102,10 @@ def append_to_cache(cache: KVCache, k: Array, v: Array, lengths: Array) -> tuple
     ok = (fullest + seq <= max_len) & (record[1] == 0)
 
     def write(store: Array, new: Array, start: Array) -> Array:  # one example: (Hkv, L, D)
-        old = jax.lax.dynamic_slice(store, (0, start, 0), new.shape)  # the same clamped window
-        return jax.lax.dynamic_update_slice(store, jnp.where(ok, new.astype(store.dtype), old), (0, start, 0))
+        # (the indices in one dtype, the fill's: a Python 0 is int64 under jax_enable_x64)
+        where = (jnp.zeros((), start.dtype), start, jnp.zeros((), start.dtype))
+        old = jax.lax.dynamic_slice(store, where, new.shape)  # the same clamped window
+        return jax.lax.dynamic_update_slice(store, jnp.where(ok, new.astype(store.dtype), old), where)
 
     key = jax.vmap(write)(cache.key, k, cache.lengths)
     value = jax.vmap(write)(cache.value, v, cache.lengths)
