@@ -8,6 +8,8 @@ Twin of ``jax_attention/_cache.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -56,7 +58,8 @@ def append_to_cache(cache: KVCache, k: Tensor, v: Tensor, lengths: Tensor) -> KV
     the fill advanced, are returned.  The caller makes every check of the call first (a
     module's ``_prepare``: that T positions fit, ``check_cache_room``, and that the path
     can honour the call, asked of the table by ``attention_spec.planning.plan_call``), so a refused call leaves the
-    cache as it was.
+    cache as it was; a failure after the write (in the attention that reads it) is undone
+    by ``restored_on_failure``.
     Autograd records the writes: a reader that keeps what it read across the next write
     reads a copy (a module's cached step does, while autograd records)."""
     positions = cache.lengths[:, None] + torch.arange(k.shape[-2], device=k.device)  # (B, T)
@@ -83,6 +86,30 @@ def check_room(cache: KVCache, new: int, max_len: int) -> None:
     """A call's room check: whether ``new`` positions fit after the fullest example's fill
     (``check_cache_room``, the fill read from the device)."""
     check_cache_room(max(cache.lengths.tolist()), new, max_len)
+
+
+@contextmanager
+def restored_on_failure(cache: KVCache, seq: int, fills: list[int] | None = None) -> Iterator[None]:
+    """A cached call's write and the attention that reads it, undone if they raise: what
+    a write of ``seq`` positions at each example's fill will overwrite (the window from
+    the emptiest fill to the fullest fill + seq, a copy; ``fills``, the fills as read
+    before the write, else read here) and the fills are kept, and put back, every bit,
+    before the error propagates.  So a call that fails after its checks (in its attention:
+    a mod, a path, anything that raises) leaves the cache as it was, as a refused call
+    does.  The attention reads the keys where the write put them, so the write cannot
+    wait for it; the copy is of the written window only.  The restore is recorded as the
+    write was (an in-place copy), so autograd through earlier steps stays correct."""
+    fills = cache.lengths.tolist() if fills is None else fills
+    low, high = min(fills), max(fills) + seq
+    lengths = cache.lengths.clone()
+    kept = [store[:, :, low:high].clone() for store in (cache.key, cache.value)]
+    try:
+        yield
+    except BaseException:
+        for store, old in zip((cache.key, cache.value), kept, strict=True):
+            store[:, :, low:high] = old
+        cache.lengths.copy_(lengths)
+        raise
 
 
 # --------------------------------------------------------------------------- a module's decoding
@@ -114,7 +141,8 @@ def new_cache(module: Any, batch_size: int, max_len: int, dtype: torch.dtype | N
 def run_cached(module: Any, call: _Call, return_weights: bool) -> Any:
     """A module's decode step on a checked call: x's keys and values appended to the
     cache, then x attends to every filled position, query t of example b at key position
-    lengths[b] + t (``attend_cached``).  Returns ``(out, cache)`` or ``(out, weights,
+    lengths[b] + t (``attend_cached``); a failure after the write puts the cache back as
+    it was (``restored_on_failure``).  Returns ``(out, cache)`` or ``(out, weights,
     cache)``."""
     q, k, v = module._project(call.x, None, None, call.implementation)
     cache = call.cache
@@ -124,15 +152,17 @@ def run_cached(module: Any, call: _Call, return_weights: bool) -> Any:
         # One fill for every example and every token valid: one slice written, a static
         # offset, and no lengths (every key of the prefix is filled), so SDPA gets no mask.
         q, k = transform_heads(module, q, k, call.positions, cache.lengths)  # (read before the write)
-        cache = append_at(cache, k, v, fills[0])
-        return attend_cached(module, call, cache, q, fills[0] + seq, fills[0], None, return_weights)
+        with restored_on_failure(cache, seq, fills):
+            cache = append_at(cache, k, v, fills[0])
+            return attend_cached(module, call, cache, q, fills[0] + seq, fills[0], None, return_weights)
     lengths = call.kv_lengths if call.kv_lengths is not None else torch.full(
         (batch,), seq, dtype=torch.int64, device=q.device)
     start = cache.lengths.clone()
     q, k = transform_heads(module, q, k, call.positions, start)
-    cache = append_to_cache(cache, k, v, lengths.to(q.device))
-    kv_lengths = start + lengths.to(q.device)
-    return attend_cached(module, call, cache, q, int(cache.lengths.max()), start, kv_lengths, return_weights)
+    with restored_on_failure(cache, seq, fills):
+        cache = append_to_cache(cache, k, v, lengths.to(q.device))
+        kv_lengths = start + lengths.to(q.device)
+        return attend_cached(module, call, cache, q, int(cache.lengths.max()), start, kv_lengths, return_weights)
 
 
 def attend_cached(

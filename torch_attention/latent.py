@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from attention_spec.latent import cache_bytes_per_token, check_latent_call, softmax_scale
 from torch_attention import functional
 from torch_attention._base import AttentionModule, _Call, _unbatch
-from torch_attention._cache import new_cache, prefix
+from torch_attention._cache import new_cache, prefix, restored_on_failure
 from torch_attention._projections import split_heads
 from torch_attention._qk import normalise
 
@@ -200,20 +200,21 @@ class MultiHeadLatentAttention(AttentionModule):
             (batch,), seq, dtype=torch.int64, device=call.x.device)
         start = cache.lengths.clone()
         q, latent, k_rope = self._latent_inputs(call.x, call.implementation, call.positions, start)
-        cache = functional.append_to_cache(cache, latent, k_rope, lengths.to(q.device))
-        filled = int(cache.lengths.max())  # eager: attend over the filled prefix only
-        latents, rope_keys = cache.key[:, :, :filled].to(q.dtype), cache.value[:, :, :filled].to(q.dtype)
-        if latents.requires_grad or rope_keys.requires_grad:  # the next step writes in place: read a copy
-            latents, rope_keys = latents.clone(), rope_keys.clone()
-        call = call._replace(mask=prefix(call.mask, filled), bias=prefix(call.bias, filled),
-                             dropout_mask=prefix(call.dropout_mask, filled))
-        kv_lengths: Tensor | None = start + lengths.to(q.device)
-        q_offset: Tensor | int = start
-        if bool((start == start[0]).all()) and bool((lengths == seq).all()):
-            q_offset, kv_lengths = int(start[0]), None  # one fill for all: a static offset
-        result = self._mix(call, q, latents, rope_keys, return_weights, absorb, kv_lengths=kv_lengths,
-                           q_offset=q_offset, alignment="top_left")
-        if return_weights:  # zero weights on the unfilled positions: (B, H, T, max_len), as the twin's
-            out, weights = self._out(result, True, call.implementation)
-            return out, torch.nn.functional.pad(weights, (0, cache.key.shape[2] - filled)), cache
-        return self._out(result, False, call.implementation), cache
+        with restored_on_failure(cache, seq):  # (a failure after the write puts the cache back)
+            cache = functional.append_to_cache(cache, latent, k_rope, lengths.to(q.device))
+            filled = int(cache.lengths.max())  # eager: attend over the filled prefix only
+            latents, rope_keys = cache.key[:, :, :filled].to(q.dtype), cache.value[:, :, :filled].to(q.dtype)
+            if latents.requires_grad or rope_keys.requires_grad:  # the next step writes in place: read a copy
+                latents, rope_keys = latents.clone(), rope_keys.clone()
+            call = call._replace(mask=prefix(call.mask, filled), bias=prefix(call.bias, filled),
+                                 dropout_mask=prefix(call.dropout_mask, filled))
+            kv_lengths: Tensor | None = start + lengths.to(q.device)
+            q_offset: Tensor | int = start
+            if bool((start == start[0]).all()) and bool((lengths == seq).all()):
+                q_offset, kv_lengths = int(start[0]), None  # one fill for all: a static offset
+            result = self._mix(call, q, latents, rope_keys, return_weights, absorb, kv_lengths=kv_lengths,
+                               q_offset=q_offset, alignment="top_left")
+            if return_weights:  # zero weights on the unfilled positions: (B, H, T, max_len), as the twin's
+                out, weights = self._out(result, True, call.implementation)
+                return out, torch.nn.functional.pad(weights, (0, cache.key.shape[2] - filled)), cache
+            return self._out(result, False, call.implementation), cache
