@@ -1,5 +1,6 @@
-"""Timing one (system, config) case: the first call (compile) apart, warm-up calls, then
-the median of the timed runs; failures, out-of-memory above all, become an ``error``
+"""Timing one (system, config) case: the first call (compile) apart, warm-up calls, the
+output checked against the float64 oracle (``oracle``: ``benchmarks/oracle_check.py``),
+then the median of the timed runs; failures, out-of-memory above all, become an ``error``
 entry instead of ending the run."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import oracle_check
 from benchmarks.configs import Config, is_core
 from benchmarks.environment import cpu_ticks, host_share
 from benchmarks.systems import Case, build, framework_of
@@ -21,7 +23,8 @@ from benchmarks.systems import Case, build, framework_of
 def measure(system: str, config: Config, *, runs: int, warmup: int, backward: bool, warmup_s: float = 0.0,
             timed_s: float = 0.0) -> dict[str, Any]:
     """One measurement: ``fwd`` (and ``fwd_bwd`` when ``backward``) timings, the peak
-    device memory, and ``error`` (None, or the failure of a phase: ``"fwd+bwd: ..."``).
+    device memory, ``oracle`` (the float64 oracle's verdict on the forward's output,
+    ``oracle_check.verdict``: the runner fails the run where one of ours is wrong), and ``error`` (None, or the failure of a phase: ``"fwd+bwd: ..."``).
 
     Timings: the first call is timed alone as ``compile_s``, ``warmup`` more calls are
     not timed (more, until the warm-up has lasted ``warmup_s``), then ``runs`` samples (more,
@@ -88,6 +91,12 @@ class CaseTimer:
         except Exception as error:
             self._fail(self.PHASES[phase], error)
             return None
+        if phase == "fwd":  # compiled and warm: the output against the oracle, before it is timed
+            try:
+                self.result["oracle"] = oracle_check.timed(self._verdict)
+            except Exception as error:
+                self._fail("oracle check", error)
+                return None
         self.times[phase] = []
         gc.collect()
         return self.phases[phase].runs_for(runs, timed_s)
@@ -136,6 +145,12 @@ class CaseTimer:
         self.result["host_share"] = host_share(NO_TICKS, self.ticks, self.own_s)
         return self.result
 
+    def _verdict(self) -> dict[str, Any]:
+        assert self.case is not None
+        got, want, checked = self.case.oracle(self.case.output())
+        return oracle_check.verdict(self.system, got, want, self.config.dtype, checked=checked,
+                                    framework=framework_of(self.system))
+
     def _fail(self, phase: str, error: BaseException) -> None:
         if not self.failed:
             self.result["error"] = f"{phase}: {describe(error)}"
@@ -149,7 +164,7 @@ def empty_result(system: str, config: Config, error: str | None = None) -> dict[
     return {
         "system": system, "label": config.label, "config": config.to_json(),
         "fwd": None, "fwd_bwd": None, "peak_mem_bytes": None, "peak_mem_source": None,
-        "max_rss_growth_bytes": None, "host_share": None, "error": error,
+        "max_rss_growth_bytes": None, "host_share": None, "oracle": None, "error": error,
     }
 
 

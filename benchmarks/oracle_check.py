@@ -206,7 +206,8 @@ def wrong_text(wrong: list[dict[str, Any]]) -> str:
              "| system | max abs error | tolerance (rtol / atol) | dtype | checked | device | torch CPU capability | "
              "ISA |", "|---|---|---|---|---|---|---|---|"]
     for v in wrong:
-        lines.append(f"| {v['system']} | {v['max_abs_error']:.3g} | {v['tolerance']['rtol']:g} / "
+        system = v["system"] + (f" at {v['label']}" if v.get("label") else "")
+        lines.append(f"| {system} | {v['max_abs_error']:.3g} | {v['tolerance']['rtol']:g} / "
                      f"{v['tolerance']['atol']:g} | {v['dtype']} | {v['checked']} | {v['device']} | "
                      f"{v['torch_cpu_capability']} | {v['isa']} |")
     return "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks import oracle_check
 from benchmarks.configs import BACKWARD_FACTOR, RATIOS, SYSTEMS, Config, is_core
 
 PHASES = (("fwd", "forward"), ("fwd_bwd", "forward+backward"))
@@ -77,6 +78,7 @@ def markdown(results: dict[str, Any]) -> str:
         targets_text(results),
         table(results),
         ratios_text(results),
+        oracle_check.wrong_text(results.get("wrong", [])),
         notes_text(results),
     ]
     return "\n".join(part for part in parts if part)
@@ -113,19 +115,37 @@ def table(results: dict[str, Any]) -> str:
             row.append("-" if share is None else f"{share['others']:.0%} / {share['steal']:.0%}")
         compile_s = " / ".join(f"{m[p]['compile_s']:.2f}" for p, _ in PHASES if m[p])
         peak = "n/a" if m["peak_mem_bytes"] is None else f"{m['peak_mem_bytes'] / 2**20:,.0f}"
-        row += [peak, compile_s or "-", m["error"] or ""]
+        row += [peak, compile_s or "-", m["error"] or _wrong_cell(m)]
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
+def is_wrong(m: dict[str, Any] | None) -> bool:
+    """Whether measurement ``m`` is of an output the float64 oracle found wrong."""
+    return bool(m and m.get("oracle") and not m["oracle"]["ok"])
+
+
+def _wrong_cell(m: dict[str, Any]) -> str:
+    if not is_wrong(m):
+        return ""
+    v = m["oracle"]
+    return f"wrong: {v['max_abs_error']:.3g} off the float64 oracle (left out of the ratios)"
+
+
+def _right(by_key: dict[tuple[str, str], dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The measurements whose output the oracle did not find wrong: what ratios and targets use."""
+    return {key: m for key, m in by_key.items() if not is_wrong(m)}
+
+
 def ratios_text(results: dict[str, Any]) -> str:
     """``a / b`` of median times for each pair in ``configs.RATIOS`` measured in this run
     (below 1.0: a is faster); where the systems were timed in turns, also the median of
-    the rounds' own ratios (run i of a over run i of b, taken within one round)."""
+    the rounds' own ratios (run i of a over run i of b, taken within one round).  A
+    system that the oracle found wrong is in no ratio."""
     in_turns = results.get("settings", {}).get("in_turns", False)
-    by_key = {(m["system"], m["label"]): m for m in results["measurements"]}
+    by_key = _right({(m["system"], m["label"]): m for m in results["measurements"]})
     lines = []
     for label in dict.fromkeys(m["label"] for m in sorted_measurements(results)):
         for a, b in RATIOS:
@@ -167,8 +187,9 @@ def targets_text(results: dict[str, Any]) -> str:
     """Issue 12's targets, per config of bfloat16 at head_dim 128 and S >= 4096: the rate
     of ours-JAX's fused core forward and backward, its speed over the fastest SDPA
     backend on its own (core against core, above 1.0 = ours faster) and the speed of
-    ours-JAX's fused module over flax.nnx.MultiHeadAttention's (module against module)."""
-    by_key = {(m["system"], m["label"]): m for m in results["measurements"]}
+    ours-JAX's fused module over flax.nnx.MultiHeadAttention's (module against module).
+    A system that the oracle found wrong counts as not measured."""
+    by_key = _right({(m["system"], m["label"]): m for m in results["measurements"]})
     rows = []
     for label in dict.fromkeys(m["label"] for m in sorted_measurements(results)):
         ours = by_key.get(("core-jax-fused", label))
@@ -224,6 +245,8 @@ def progress_line(m: dict[str, Any]) -> str:
             parts.append(f"{name} {m[phase]['median_ms']:9.3f} ms {m[phase]['tflops']:8.3f} TFLOP/s")
     if m["error"]:
         parts.append(f"ERROR {m['error']}")
+    if is_wrong(m):
+        parts.append(f"WRONG {m['oracle']['max_abs_error']:.3g} off the float64 oracle ({m['oracle']['checked']})")
     return "  ".join(parts)
 
 

@@ -5,6 +5,12 @@ Why processes: JAX and PyTorch each keep an allocator (and on CPU a thread pool)
 life of a process, so in one process each would run in the other's leftovers; a worker
 per system starts clean, and a crash (a host out-of-memory kill, say) costs one case,
 not the run: the worker is restarted for the cases after it.
+
+Each worker checks its system's output against the float64 oracle before timing it
+(``measure``, ``benchmarks/oracle_check.py``); the runner reads the verdicts: one of ours
+that is wrong fails the run (AssertionError, naming it, once the JSON holds what was
+measured); an outside system that is wrong is listed in the results' ``wrong`` (its error,
+tolerance, device, PyTorch's CPU capability, the ISA) and left out of every ratio.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import oracle_check, report
 from benchmarks.configs import Config, Mode, is_core
 from benchmarks.environment import (
     MALLOCS,
@@ -96,7 +102,8 @@ def run(
             "systems": list(mode.systems),
             "measurements": measurements,
         }
-        return results if earlier_results is None else _merge(earlier_results, results)
+        results = results if earlier_results is None else _merge(earlier_results, results)
+        return {**results, "wrong": wrong_of(results["measurements"])}
 
     for system, configs in jobs:
         if configs:
@@ -105,6 +112,7 @@ def run(
                 env["runtime"].setdefault(framework_of(system), runtime)
             measurements += done
             report.write_json(results_so_far(), out_dir)
+            _judge(done, env)
     for config in mode.configs if mode.process_per_case else ():
         systems = [s for s in mode.systems if config.runs_system(s)]
         if deadline is not None and time.time() > deadline:
@@ -115,6 +123,7 @@ def run(
                 env["runtime"].setdefault(framework_of(system), runtime)
         measurements += done
         report.write_json(results_so_far(), out_dir)
+        _judge(done, env)
     env["load_average_at_end"] = load_average()  # this run's own work included
     env["cpu_busy_at_end"] = cpu_busy()
     results = results_so_far()
@@ -122,9 +131,27 @@ def run(
     echo("\n" + report.environment_text(env))
     echo(report.table(results))
     echo(report.ratios_text(results))
+    echo(oracle_check.wrong_text(results["wrong"]))
     echo(report.notes_text(results))
     echo("Written: " + ", ".join(str(p) for p in paths))
     return results
+
+
+def wrong_of(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The verdicts of the measurements that are wrong against the oracle, each with its config's label."""
+    return [{**m["oracle"], "label": m["label"]} for m in measurements if m.get("oracle") and not m["oracle"]["ok"]]
+
+
+def _judge(done: list[dict[str, Any]], env: dict[str, Any]) -> None:
+    """The verdicts of ``done`` (the machine's ISA added where a worker could not read it,
+    a PyTorch worker not importing the library's JAX kernel); AssertionError for one of
+    ours that is wrong."""
+    for m in done:
+        if m.get("oracle") is not None:
+            m["oracle"]["isa"] = m["oracle"].get("isa") or env["cpu"].get("isa")
+    for m in done:
+        if m.get("oracle") is not None:
+            oracle_check.fail_if_ours({**m["oracle"], "checked": f"{m['label']}, {m['oracle']['checked']}"})
 
 
 def notes(mode: Mode, env: dict[str, Any], malloc: str = "system") -> list[str]:

@@ -11,6 +11,11 @@ part of what is timed), dropout 0, eval mode, no gradient tracking for the forwa
 backward is the gradient of sum(out) (accumulated in float32) with respect to the input
 and every parameter.  Parameters are created in the benchmark dtype, so that bfloat16
 configs run bfloat16 throughout.
+
+Each case also gives its forward's output (``output()``: the first example's, as NumPy)
+and the float64 oracle's verdict on it (``oracle(out)``: the output rows and the oracle's
+at them, ``benchmarks/oracle_check.py``): a module's from its own weights and input, every
+head, the rows ``oracle_check.rows`` picks; a core's at its first and last head.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
+from benchmarks import oracle_check
 from benchmarks.configs import Config
 
 SEED = 0
@@ -36,6 +44,56 @@ class Case(Protocol):
     def memory(self) -> dict[str, Any]:
         """``peak_mem_bytes`` and ``peak_mem_source`` of the calls made so far (None on CPU)."""
         ...
+
+    def output(self) -> np.ndarray:
+        """One forward call's output for the first example (batch 0), as NumPy."""
+        ...
+
+    def oracle(self, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+        """(the rows of ``out`` checked, the float64 oracle's at them, what was checked)."""
+        ...
+
+
+Oracle = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, str]]
+
+
+def _float64(array: Any) -> np.ndarray:
+    """A framework's array (a parameter, bfloat16 included) as float64 NumPy."""
+    if hasattr(array, "detach"):  # torch
+        array = array.detach().cpu().float()
+    return np.asarray(np.asarray(array).astype(np.float32), np.float64)
+
+
+def module_oracle(config: Config, x0: Any, weights: dict[str, Any]) -> Oracle:
+    """The oracle of a multi-head self-attention case: ``x0`` its first example's input,
+    ``weights`` its projections as ``x @ w + b`` (``oracle_check.module_rows``)."""
+
+    def check(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+        at = oracle_check.rows(config.seq, config.seq, config.heads, config.causal)
+        want = oracle_check.module_rows(
+            _float64(x0), {name: None if w is None else _float64(w) for name, w in weights.items()},
+            heads=config.heads, kv_heads=config.heads, head_dim=config.head_dim, causal=config.causal, at=at)
+        return out[at], want, f"batch 0, every head, {len(at)} of {config.seq} rows"
+
+    return check
+
+
+def core_oracle(config: Config, q0: Any, k0: Any, v0: Any, *, bshd: bool) -> Oracle:
+    """The oracle of an attention core: q0, k0, v0 the first example's, (S, H, D) where
+    ``bshd`` else (H, S, D); its first and last head are checked (heads are independent)."""
+    heads = sorted({0, config.heads - 1})
+
+    def by_head(a: Any) -> np.ndarray:
+        a = _float64(a)
+        return (a.transpose(1, 0, 2) if bshd else a)[heads]  # (checked heads, S, D)
+
+    def check(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+        at = oracle_check.rows(config.seq, config.seq, len(heads), config.causal)
+        want = oracle_check.attention_rows(by_head(q0), by_head(k0), by_head(v0), at,
+                                           scale=1 / np.sqrt(config.head_dim), causal=config.causal)
+        return by_head(out)[:, at], want, f"batch 0, heads {heads}, {len(at)} of {config.seq} rows"
+
+    return check
 
 
 def framework_of(system: str) -> str:
@@ -70,7 +128,16 @@ def _ours_jax(config: Config, implementation: str) -> Case:
             causal=config.causal, implementation=implementation, param_dtype=dtype, rngs=rngs,
         )
 
-    return jax_module_case(config, make, lambda module, x: module(x))
+    def weights(m: Any) -> dict[str, Any]:
+        def get(layer: str, name: str) -> Any:
+            param = getattr(getattr(m, layer), name, None)
+            return None if param is None else param[...]
+
+        return {f"{w}{kind}": get(layer, name) for kind, layer in
+                (("q", "W_query"), ("k", "W_key"), ("v", "W_value"), ("o", "out_proj"))
+                for w, name in (("w", "kernel"), ("b", "bias"))}
+
+    return jax_module_case(config, make, lambda module, x: module(x), weights)
 
 
 def _flax_mha(config: Config) -> Case:
@@ -90,12 +157,22 @@ def _flax_mha(config: Config) -> Case:
         mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]), dtype=jnp.bool_)  # (B, 1, S, S)
         return module(x, mask=mask)
 
-    return jax_module_case(config, make, call)
+    def weights(m: Any) -> dict[str, Any]:
+        width = config.heads * config.head_dim  # kernels (E, H, D) and out (H, D, E): heads flattened
+        found = {f"w{k}": getattr(m, layer).kernel[...].reshape(config.d_model, width)
+                 for k, layer in (("q", "query"), ("k", "key"), ("v", "value"))}
+        found |= {f"b{k}": getattr(m, layer).bias[...].reshape(width) for k, layer in
+                  (("q", "query"), ("k", "key"), ("v", "value"))}
+        return {**found, "wo": m.out.kernel[...].reshape(width, config.d_model), "bo": m.out.bias[...]}
+
+    return jax_module_case(config, make, call, weights)
 
 
-def jax_module_case(config: Config, make: Callable[[Any, Any], Any], call: Callable[[Any, Any], Any]) -> Case:
+def jax_module_case(config: Config, make: Callable[[Any, Any], Any], call: Callable[[Any, Any], Any],
+                    weights: Callable[[Any], dict[str, Any]]) -> Case:
     """A Flax NNX module as pure jitted functions of (params, rest, x): the forward, and
-    the gradient of sum(out) with respect to params and x."""
+    the gradient of sum(out) with respect to params and x; ``weights(module)`` its
+    projections for the oracle (``module_oracle``)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -109,7 +186,7 @@ def jax_module_case(config: Config, make: Callable[[Any, Any], Any], call: Calla
         return call(nnx.merge(graphdef, params, rest), x)
 
     x = jax.random.normal(jax.random.key(SEED), (config.batch, config.seq, config.d_model), dtype)
-    return CompiledPair(apply, (params, rest, x), argnums=(0, 2))
+    return CompiledPair(apply, (params, rest, x), argnums=(0, 2), oracle=module_oracle(config, x[0], weights(module)))
 
 
 def _jax_core(config: Config, system: str) -> Case:
@@ -145,7 +222,7 @@ def _jax_core(config: Config, system: str) -> Case:
         shape = (config.batch, config.seq, config.heads, config.head_dim)
     keys = jax.random.split(jax.random.key(SEED), 3)
     q, k, v = (jax.random.normal(key, shape, jnp.dtype(config.dtype)) for key in keys)
-    return CompiledPair(attend, (q, k, v), argnums=(0, 1, 2))
+    return CompiledPair(attend, (q, k, v), argnums=(0, 1, 2), oracle=core_oracle(config, q[0], k[0], v[0], bshd=True))
 
 
 class CompiledPair:
@@ -153,7 +230,7 @@ class CompiledPair:
     (accumulated in float32) with respect to ``argnums``.  Each is compiled ahead of time
     on its first call (which the caller times as the compile time)."""
 
-    def __init__(self, apply: Callable[..., Any], args: tuple[Any, ...], argnums: tuple[int, ...]):
+    def __init__(self, apply: Callable[..., Any], args: tuple[Any, ...], argnums: tuple[int, ...], oracle: Oracle):
         import jax
         import jax.numpy as jnp
 
@@ -163,6 +240,11 @@ class CompiledPair:
         self._functions = {"forward": jax.jit(apply), "forward_backward": jax.jit(jax.grad(loss, argnums=argnums))}
         self._compiled: dict[str, Any] = {}
         self._args = args
+        self.oracle = oracle
+
+    def output(self) -> np.ndarray:
+        self._run("forward", 0)  # compiled (where it is not yet)
+        return np.asarray(self._compiled["forward"](*self._args)[0])
 
     def forward(self, repeat: int = 1) -> None:
         self._run("forward", repeat)
@@ -175,6 +257,7 @@ class CompiledPair:
 
         if name not in self._compiled:
             self._compiled[name] = self._functions[name].lower(*self._args).compile()
+        out = None
         for _ in range(repeat):
             out = self._compiled[name](*self._args)
         jax.block_until_ready(out)
@@ -228,13 +311,19 @@ def _ours_torch(config: Config, implementation: str, *, compiled: bool = False) 
             causal=config.causal, implementation=implementation, dtype=dtype, device=device,
         )
 
+    def weights(m: Any) -> dict[str, Any]:
+        return {f"{w}{kind}": None if getattr(getattr(m, layer), name) is None else
+                (getattr(m, layer).weight.T if w == "w" else getattr(m, layer).bias)
+                for kind, layer in (("q", "W_query"), ("k", "W_key"), ("v", "W_value"), ("o", "out_proj"))
+                for w, name in (("w", "weight"), ("b", "bias"))}
+
     if not compiled:
-        return TorchCase(config, make, lambda module, x: module(x))
+        return TorchCase(config, make, lambda module, x: module(x), weights)
     # A fresh Dynamo state per case: otherwise each new shape counts against the
     # recompile limit of the one forward() code object, and after a second shape Dynamo
     # switches to dynamic shapes.  dynamic=False keeps every graph static.
     torch._dynamo.reset()
-    return TorchCase(config, make, lambda module, x: module(x), wrap=lambda m: torch.compile(m, dynamic=False))
+    return TorchCase(config, make, lambda module, x: module(x), weights, wrap=lambda m: torch.compile(m, dynamic=False))
 
 
 def _torch_mha(config: Config) -> Case:
@@ -253,7 +342,13 @@ def _torch_mha(config: Config) -> Case:
         out, _ = module(x, x, x, attn_mask=blocked, is_causal=config.causal, need_weights=False)
         return out
 
-    return TorchCase(config, make, call)
+    def weights(m: Any) -> dict[str, Any]:
+        wq, wk, wv = m.in_proj_weight.chunk(3)  # (3E, E): the query's rows, then the key's and value's
+        bq, bk, bv = m.in_proj_bias.chunk(3)
+        return {"wq": wq.T, "wk": wk.T, "wv": wv.T, "bq": bq, "bk": bk, "bv": bv, "wo": m.out_proj.weight.T,
+                "bo": m.out_proj.bias}
+
+    return TorchCase(config, make, call, weights)
 
 
 class TorchCase:
@@ -264,6 +359,7 @@ class TorchCase:
         config: Config,
         make: Callable[[Any, str], Any],
         call: Callable[[Any, Any], Any],
+        weights: Callable[[Any], dict[str, Any]],
         *,
         wrap: Callable[[Any], Any] | None = None,
     ):
@@ -278,9 +374,16 @@ class TorchCase:
         shape = (config.batch, config.seq, config.d_model)
         self._x = torch.randn(shape, dtype=dtype, device=self._device)
         self._x_grad = self._x.detach().requires_grad_(True)  # the same storage
+        self.oracle = module_oracle(config, self._x[0], weights(self._module))
         if self._device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+
+    def output(self) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            return _float64(self._call(self._run_module, self._x)[0])
 
     def _sync(self) -> None:
         _sync(self._device)
@@ -352,6 +455,7 @@ class TorchCoreCase:
         self._qkv = [torch.randn(shape, dtype=dtype, device=self._device, generator=generator) for _ in range(3)]
         self._qkv_grad = [t.detach().requires_grad_(True) for t in self._qkv]
         self._attend, self._backend = attend, backend
+        self.oracle = core_oracle(config, *(t[0] for t in self._qkv), bshd=False)
         if self._device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -363,6 +467,12 @@ class TorchCoreCase:
             for _ in range(repeat):
                 self._attend(*self._qkv)
         _sync(self._device)
+
+    def output(self) -> np.ndarray:
+        import torch
+
+        with torch.no_grad(), self._backend():
+            return _float64(self._attend(*self._qkv)[0])
 
     def forward_backward(self, repeat: int = 1) -> None:
         with self._backend():
