@@ -133,6 +133,21 @@ def rope_from_mapping(fields: Mapping[str, Any]) -> RopeConfig:
     return RopeConfig(**fields)
 
 
+def rope_to_mapping(config: RopeConfig) -> dict[str, Any]:
+    """The JSON form of a ``RopeConfig``: its fields that differ from the defaults, tuples
+    as lists (``{"theta": 500000.0, "scaling": "llama3", ...}``); ``rope_from_mapping``
+    of it (or of ``json.loads(json.dumps(it))``: Python's JSON keeps every float) is
+    ``config`` again.  Raises TypeError for anything but a ``RopeConfig``."""
+    if not isinstance(config, RopeConfig):
+        raise TypeError(f"rope_to_mapping takes a RopeConfig; got {type(config).__name__}")
+    fields: dict[str, Any] = {}
+    for field in dataclasses.fields(RopeConfig):
+        value = getattr(config, field.name)
+        if value != field.default:
+            fields[field.name] = list(value) if isinstance(value, tuple) else value
+    return fields
+
+
 def _positive_real(name: str, value: Any) -> None:
     if not _is_real(value):
         raise TypeError(f"rope {name} must be a real number; got {type(value).__name__} {value!r}")
