@@ -203,14 +203,38 @@ def test_convert_keeps_the_inputs_metadata(tmp_path: Path) -> None:
     assert _metadata(back) == {**mine, "format": "pt"}
 
 
-def test_convert_says_what_it_chose_for_a_clashing_format_key(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """The input's ``format`` (Hugging Face writes ``{"format": "pt"}``) names the layout
-    of the input: the output's names the layout written, and the input's value is kept
-    under ``converted_from_format``; the command says so."""
-    source = _source(tmp_path, {"format": "pt", "author": "someone"})
+@pytest.mark.parametrize(("theirs", "want"), [
+    ("pt", {"format": "flax", "author": "someone"}),  # the input's layout: now the one written
+    ("mlx", {"format": "flax", "converted_from_format": "mlx", "author": "someone"}),  # a value of their own
+])
+def test_convert_says_what_it_chose_for_a_clashing_format_key(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              theirs: str, want: dict[str, str]) -> None:
+    """The input's ``format`` (Hugging Face writes ``{"format": "pt"}``): the output's
+    names the layout written; a value that is no layout's name is kept under
+    ``converted_from_format``; the command says which."""
+    source = _source(tmp_path, {"format": theirs, "author": "someone"})
     out = tmp_path / "out.safetensors"
     assert _convert(source, out, "--to", "flax", "--variant", "MultiHeadAttention", "--config", json.dumps(CONFIG)) == 0
-    assert _metadata(out) == {"format": "flax", "converted_from_format": "pt", "author": "someone"}
+    assert _metadata(out) == want
     said = capsys.readouterr().out
-    assert "__metadata__" in said and "'format': 'pt'" in said and "converted_from_format" in said
+    assert "__metadata__" in said and f"{{'format': {theirs!r}}}" in said
+    assert ("converted_from_format" in said) == ("converted_from_format" in want)
+
+
+def test_convert_to_a_format_without_metadata_says_it_is_not_kept(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    source = _source(tmp_path, {"author": "someone"})
+    assert _convert(source, tmp_path / "out.msgpack", "--to", "flax", "--variant", "MultiHeadAttention",
+                    "--config", json.dumps(CONFIG)) == 0
+    assert "the input's __metadata__ (1 key) is not kept: a msgpack checkpoint has no place for it" in (
+        capsys.readouterr().out)
+
+
+def test_convert_keeping_metadata_refuses_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A refusal (here a config whose shapes the file does not fit) leaves no OUT."""
+    source = _source(tmp_path, {"author": "someone"})
+    out = tmp_path / "out.safetensors"
+    assert _convert(source, out, "--to", "flax", "--variant", "MultiHeadAttention",
+                    "--config", json.dumps({**CONFIG, "d_in": 5})) == 2
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
+    assert capsys.readouterr().err.startswith("convert: error: ")
