@@ -8,7 +8,11 @@ attention core, ``dot_product_attention(causal=True)`` under jit, on ``auto``,
 beside them (``torch``: with ``$ATEN_CPU_CAPABILITY=avx2`` its AVX2 kernels), forward
 and forward + backward, float32, at B4 H8 S1024 and B32 H4 S128 (head_dim 64), with the
 kernel built for ``--march`` (a cache of its own per target, under
-``$TWIN_ATTENTION_CACHE``).  ``--march native`` times this CPU's own build.  One process, the paths alternating run by run in a rotating order; run it on
+``$TWIN_ATTENTION_CACHE``).  ``--march native`` times this CPU's own build.  Each path's
+forward output is checked against the float64 loop oracle first (``benchmarks/oracle_check.py``:
+the first example, its first and last head, the rows ``oracle_check.rows`` picks): a JAX path
+(ours) that is wrong fails the run; PyTorch's, where it is wrong, has ``wrong`` for its times
+and is named, with its error and PyTorch's CPU capability, under the table.  One process, the paths alternating run by run in a rotating order; run it on
 a quiet machine (``uptime``'s load well under 1), it prints the load it started at.
 """
 
@@ -22,6 +26,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
+from benchmarks import oracle_check
 
 SHAPES = ((4, 8, 1024, 64), (32, 4, 128, 64))  # (B, H, S, D)
 PATHS = ("auto", "blockwise", "fused", "torch")
@@ -51,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| B H S D | phase | " + " | ".join(PATHS) + " |")
     print("|---|---|" + "---|" * len(PATHS))
     rng = np.random.default_rng(0)
+    checks = oracle_check.Checks()
     for batch, heads, seq, width in SHAPES:
         q, k, v = (jnp.asarray(rng.standard_normal((batch, heads, seq, width)), jnp.float32) for _ in range(3))
         calls: dict[str, dict[str, Callable[..., object]]] = {"forward": {}, "forward+backward": {}}
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             calls["forward"][path] = jax.jit(attend)
             calls["forward+backward"][path] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         calls["forward"]["torch"], calls["forward+backward"]["torch"] = _torch_calls(q, k, v)
+        wrong = check_paths(checks, calls["forward"], q, k, v)
         for phase, by_path in calls.items():
             times: dict[str, list[float]] = {path: [] for path in PATHS}
             for fn in by_path.values():  # compile and warm up
@@ -81,10 +89,35 @@ def main(argv: list[str] | None = None) -> int:
                 for path in jax_paths[run % len(jax_paths):] + jax_paths[:run % len(jax_paths)]:
                     times[path].append(_seconds(by_path[path], q, k, v))
             times["torch"] = [_seconds(by_path["torch"], q, k, v) for _ in range(args.runs)]
-            cells = " | ".join(f"{statistics.median(times[path]) * 1e3:.1f}" for path in PATHS)
+            cells = " | ".join("wrong" if path in wrong else f"{statistics.median(times[path]) * 1e3:.1f}"
+                               for path in PATHS)
             print(f"| {batch} {heads} {seq} {width} | {phase} | {cells} |")
+    text = oracle_check.wrong_text(checks.wrong)
+    if text:
+        print("\n" + text, end="")
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def check_paths(checks: oracle_check.Checks, forward: dict[str, Callable[..., object]], q: object, k: object,
+                v: object) -> set[str]:
+    """Each path's forward output against the float64 oracle (the first example, its first
+    and last head, ``oracle_check.rows``' rows); the paths that are wrong (only PyTorch's
+    can be: one of ours that is wrong raises AssertionError, naming it)."""
+    q0, k0, v0 = (np.asarray(a, np.float64)[0] for a in (q, k, v))  # (H, S, D)
+    heads, seq, width = q0.shape
+    checked = sorted({0, heads - 1})
+    at = oracle_check.rows(seq, seq, len(checked), causal=True)
+    want = oracle_check.attention_rows(q0[checked], k0[checked], v0[checked], at, scale=1 / np.sqrt(width), causal=True)
+    wrong = set()
+    for path, fn in forward.items():
+        got = np.asarray(fn(q, k, v), np.float64)[0][checked][:, at]
+        system = "torch-sdpa" if path == "torch" else f"ours-jax-{path}"
+        if not checks.check(system, got, want, "float32", framework="torch" if path == "torch" else "jax",
+                            checked=f"B{np.shape(q)[0]} H{heads} S{seq} D{width}: batch 0, heads "
+                                    f"{checked}, {len(at)} of {seq} rows"):
+            wrong.add(path)
+    return wrong
 
 
 def _seconds(fn: Callable[..., object], *args: object) -> float:
