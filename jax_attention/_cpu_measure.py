@@ -127,33 +127,86 @@ def _versions() -> dict[str, Any]:
     return {"jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", None), "cpus": _cpus()}
 
 
-def _valid(record: Any, library: str) -> bool:
-    """Whether a parsed record is a whole one for this library (and, if measured, for this
-    JAX and these CPUs)."""
-    if not isinstance(record, dict) or record.get("version") != VERSION or record.get("library") != library:
-        return False
+def _problem(record: Any, library: str) -> str | None:
+    """What keeps a parsed record from being a whole one for this library (and, if
+    measured, for this JAX and these CPUs), as the end of a sentence about the file ("is
+    ...", "was ..."), or None where it can be used."""
+    if not isinstance(record, dict):
+        return "is unreadable: not a JSON object"
+    if record.get("version") != VERSION:
+        return f"is a record of another version ({record.get('version')!r}; this library reads {VERSION})"
+    if record.get("library") != library:
+        return f"is for another build of the CPU kernel ({record.get('library')})"
+    source = record.get("source")
+    if source not in ("measured", "set"):
+        return f"is of an unknown source ({source!r}: neither measured nor set)"
     for race, (rival, _) in _RIVALS.items():
         entry = record.get(race)
-        if not isinstance(entry, dict) or entry.get("decision") not in ("kernel", rival):
-            return False
-        if record.get("source") == "measured" and (entry.get("call") != CALLS[race] or not all(
+        if not isinstance(entry, dict):
+            return f"is incomplete: no decision for {race}"
+        if entry.get("decision") not in ("kernel", rival):
+            return f"is malformed: the decision for {race} is {entry.get('decision')!r}, not kernel or {rival}"
+        if source == "measured":
+            if entry.get("call") != CALLS[race]:
+                return f"timed another race for {race} ({entry.get('call')!r})"
+            bad = [f"{side}_ms" for side in ("kernel", rival) if not (
                 isinstance(entry.get(f"{side}_ms"), (int, float)) and math.isfinite(entry[f"{side}_ms"])
-                and entry[f"{side}_ms"] > 0 for side in ("kernel", rival))):
-            return False
-    if record.get("source") == "measured":
-        return all(record.get(key) == value for key, value in _versions().items())
-    return record.get("source") == "set" and isinstance(record.get("set_by"), str)
+                and entry[f"{side}_ms"] > 0)]
+            if bad:
+                return f"is malformed: {race} has no positive median {bad[0]} ({entry.get(bad[0])!r})"
+    if source == "set":
+        return None if isinstance(record.get("set_by"), str) else "is malformed: a set decision without set_by"
+    ours = _versions()
+    for key in ("jax", "jaxlib"):
+        if record.get(key) != ours[key]:
+            return (f"was measured under another JAX version ({key} {record.get(key)}; this process runs "
+                    f"{key} {ours[key]})")
+    if record.get("cpus") != ours["cpus"]:
+        return f"was measured on other CPUs ({record.get('cpus')} CPUs; this process may use {ours['cpus']})"
+    return None
+
+
+def _valid(record: Any, library: str) -> bool:
+    """Whether a parsed record is a whole one for this library (``_problem``: nothing)."""
+    return _problem(record, library) is None
+
+
+def _parsed(path: Path) -> tuple[Any, str | None]:
+    """(the parsed record, None), or (None, what keeps the file at ``path`` from being
+    read, as the end of a sentence about it: "is absent", "is unreadable: ...")."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, "is absent"
+    except UnicodeDecodeError:
+        return None, "is unreadable: not text"
+    except OSError as error:
+        return None, f"is unreadable: {error.strerror or error}"
+    if not text.strip():
+        return None, "is unreadable: empty"
+    try:
+        return json.loads(text), None
+    except ValueError as error:
+        if isinstance(error, json.JSONDecodeError) and error.pos >= len(text.rstrip()):
+            return None, "is unreadable: cut short (its JSON ends early)"
+        return None, "is unreadable: not JSON"
 
 
 def read(path: Path, library: str) -> dict[str, Any] | None:
     """The record at ``path`` for ``library``, or None: absent, unreadable, not JSON, cut
     short, for another library, or measured otherwise (other races, another JAX, other
-    CPUs)."""
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return record if _valid(record, library) else None
+    CPUs); ``unusable`` says which."""
+    record, _ = _parsed(path)
+    return record if record is not None and _valid(record, library) else None
+
+
+def unusable(path: Path, library: str) -> str | None:
+    """Why there is no record for ``library`` at ``path`` to use, as the end of a sentence
+    about the file: "is absent", "is unreadable: not JSON", "was measured under another
+    JAX version (...)", "was measured on other CPUs (...)", "is for another build of the
+    CPU kernel (...)", ...; None where ``read`` finds a record."""
+    record, why = _parsed(path)
+    return why if why is not None else _problem(record, library)
 
 
 def write(path: Path, record: dict[str, Any]) -> str | None:
@@ -300,6 +353,11 @@ def basis(record: dict[str, Any] | None, few_rows: bool, path: Path) -> str:
     why = unsaved(path)
     where = f"cached in {path}" if why is None else f"not cached: {why}"
     if record is None:
+        problem = unusable(path, path.name[:-len(SUFFIX)] if path.name.endswith(SUFFIX) else path.name)
+        if problem is not None and problem != "is absent":
+            return (f"the cached measurement cannot be used ({path} {problem}): auto takes the CPU kernel, and its "
+                    "first call builds the kernel if need be, measures it again against the blockwise path and "
+                    "replaces the record")
         return (f"not measured yet for this build ({path} is absent): auto takes the CPU kernel, and its first "
                 "call builds the kernel if need be and measures it against the blockwise path")
     if record.get("source") == "set":

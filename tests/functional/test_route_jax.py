@@ -293,3 +293,60 @@ def test_route_says_what_decided_auto_on_cpu(monkeypatch):
         assert got.explain().endswith(f"  decided by: forced by $TWIN_ATTENTION_CPU_AUTO={forced}")
     assert route(q, k, v, mask=np.ones((20, 20), bool)).basis == ""  # no measurement decides: a dense mask
     assert route(q, k, v, causal=True, implementation="fused").basis == ""
+
+
+# A cached measurement that exists but cannot be used (issue 55 c), from a valid record
+# (a str: the file's text), and what route's basis says is wrong with it.
+_UNUSABLE = {
+    "empty": (lambda r: "", "is unreadable: empty"),
+    "cut-short": (lambda r: json.dumps(r)[:-20], "is unreadable: cut short (its JSON ends early)"),
+    "not-json": (lambda r: "auto: kernel\n", "is unreadable: not JSON"),
+    "a-list": (lambda r: json.dumps([r]), "is unreadable: not a JSON object"),
+    "another-jax": (lambda r: {**r, "jax": "0.0.1"}, "was measured under another JAX version (jax 0.0.1; this "
+                    "process runs jax {jax})"),
+    "another-jaxlib": (lambda r: {**r, "jaxlib": "0.0.1"}, "was measured under another JAX version (jaxlib 0.0.1; "
+                       "this process runs jaxlib {jaxlib})"),
+    "another-cpu": (lambda r: {**r, "cpus": r["cpus"] + 1}, "was measured on other CPUs ({more} CPUs; this process "
+                    "may use {cpus})"),
+    "another-build": (lambda r: {**r, "library": "flash_attention_cpu-0.so"}, "is for another build of the CPU "
+                      "kernel (flash_attention_cpu-0.so)"),
+    "another-version": (lambda r: {**r, "version": 0}, "is a record of another version (0; this library reads 1)"),
+    "no-few-rows": (lambda r: {k: v for k, v in r.items() if k != "few_rows"},
+                    "is incomplete: no decision for few_rows"),
+    "other-races": (lambda r: {**r, "full": {**r["full"], "call": "another race"}},
+                    "timed another race for full ('another race')"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_UNUSABLE))
+def test_route_says_why_a_cached_measurement_cannot_be_used(tmp_path, monkeypatch, damage):
+    """A record of ``auto``'s CPU measurement that exists but cannot be used is not
+    "absent": ``route``'s basis says what is wrong with it (the next ``auto`` call measures
+    again, ``tests/kernels/test_cpu_auto.py``)."""
+    import jax
+
+    from jax_attention import _cpu_kernel, _cpu_measure
+    from jax_attention.functional import route
+
+    if jax.default_backend() != "cpu" or _cpu_kernel.known_unavailable() is not None:
+        pytest.skip("the CPU kernel on XLA's CPU backend")
+    monkeypatch.setenv("TWIN_ATTENTION_CACHE", str(tmp_path))
+    monkeypatch.delenv("TWIN_ATTENTION_CPU_AUTO", raising=False)
+    monkeypatch.setattr(_cpu_measure, "_decided", {})
+    monkeypatch.setattr(_cpu_measure, "_unsaved", {})
+    path = _cpu_kernel.auto_record()
+    if path is None:
+        pytest.skip("no C++ compiler: no record is looked for")
+    timings = {"full": {"decision": "blockwise", "kernel_ms": 2.0, "blockwise_ms": 1.0, "call": _cpu_measure.CALLS["full"]},
+               "few_rows": {"decision": "kernel", "kernel_ms": 0.1, "reference_ms": 0.2,
+                            "call": _cpu_measure.CALLS["few_rows"]}, "repetitions": 7, "seconds": 0.5}
+    record = _cpu_measure.measured_record(path.name[:-len(_cpu_measure.SUFFIX)], timings)
+    make, said = _UNUSABLE[damage]
+    damaged = make(record)
+    path.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+    said = said.format(jax=record["jax"], jaxlib=record["jaxlib"], cpus=record["cpus"], more=record["cpus"] + 1)
+    basis = route(*_qkv(), causal=True).basis
+    assert basis.startswith(f"the cached measurement cannot be used ({path} {said}): "), basis
+    assert "absent" not in basis
+    assert _cpu_measure.basis(None, False, tmp_path / "none.auto.json").startswith(
+        f"not measured yet for this build ({tmp_path / 'none.auto.json'} is absent)")
