@@ -207,7 +207,8 @@ class AttentionModule(nn.Module):
         ``positions``: integers (B, T) (or (1, T); (T,) for an unbatched x), the positions
         at which a module built with ``rope=`` rotates q and k; None: 0..T-1, with a cache
         each example's fill onward.
-        Raises ValueError/TypeError before any work (and before the cache is written).
+        Raises ValueError/TypeError before any work (and before the cache is written); a
+        call that fails after its write (in its attention) puts the cache back as it was.
         """
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
