@@ -35,20 +35,23 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from attention_spec.options import check_softcap, check_window
 
 __all__ = [
+    "Indexed",
     "Mod",
     "alibi",
     "and_masks",
     "bias_table",
     "causal",
     "chain",
+    "check_sizes",
     "documents",
+    "noop_mask",
     "or_masks",
     "prefix_lm",
     "sliding_window",
@@ -129,6 +132,69 @@ def _is_array(value: Any) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, np.generic)
 
 
+# --------------------------------------------------------------------------- sizes
+# What a mod's captured arrays are indexed by, so that a call checks them against its
+# sizes before any work (an array too short is an IndexError in PyTorch and NumPy, and a
+# clamped index, silently another head's or example's entry, in JAX).
+
+# index -> (what it is, the size's name)
+_INDEXES = {"b": ("example", "B"), "h": ("query head", "H"), "q": ("query position", "Q_LEN"),
+            "kv": ("key position", "KV_LEN")}
+
+
+class Indexed(NamedTuple):
+    """One captured array of a mod and what indexes it: ``axes`` one entry per axis,
+    ``"b"``, ``"h"``, ``"q"``, ``"kv"`` (the example, the query head, the query and the key
+    position) or None (an axis no index reads).  An axis of an index must have the call's
+    size; ``broadcast``: or 1 (read at 0 for every index).  ``shift``: the query positions
+    are ``q_idx + shift`` (a module's mod sees key positions), so a ``"q"`` axis must
+    have at least ``Q_LEN + shift`` entries; None: a shift unknown here (traced), that
+    axis unchecked.  ``hint``: what to do, added to the error."""
+
+    label: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    broadcast: bool = False
+    shift: int | None = 0
+    hint: str = ""
+
+
+def check_sizes(mod: Any, batch: int, heads: int, q_len: int, kv_len: int, *, where: str) -> None:
+    """A mod's captured arrays (``mod.indexed()``; none for a function of the user's own,
+    which this cannot see into) against a call's sizes B, H (query heads), Q_LEN, KV_LEN.
+    Raises ValueError naming ``where`` (``"flex_attention: score_mod"``), the mod, the
+    array, its shape and the size it needs: one text for both twins and the oracle."""
+    if not isinstance(mod, Mod):
+        return
+    sizes = {"b": batch, "h": heads, "q": q_len, "kv": kv_len}
+    for entry in mod.indexed():
+        for axis, (index, n) in enumerate(zip(entry.axes, entry.shape, strict=False)):
+            if index is None or (index == "q" and entry.shift is None):
+                continue
+            size = sizes[index]
+            what, name = _INDEXES[index]
+            if index == "q" and entry.shift:
+                if n >= size + entry.shift or (entry.broadcast and n == 1):
+                    continue
+                want = f"at least {size + entry.shift} entries ({name}={size}, at key positions from {entry.shift})"
+            else:
+                if n == size or (entry.broadcast and n == 1):
+                    continue
+                want = f"{'1 or ' if entry.broadcast else ''}{size} entries ({name}={size})"
+            raise ValueError(f"{where} {entry.label} has shape {entry.shape}: its axis {axis} is indexed by the "
+                             f"{what}, so it must have {want}{entry.hint}")
+
+
+def per_index(mod: Any, index: str) -> tuple[Indexed, ...]:
+    """The captured arrays of a library mod that hold more than one entry along ``index``
+    (``"b"``: the mod reads each example's; ``"h"``: each head's); none for a function of
+    the user's own."""
+    if not isinstance(mod, Mod):
+        return ()
+    return tuple(e for e in mod.indexed() if any(i == index and n > 1 for i, n in zip(e.axes, e.shape,
+                                                                                      strict=False)))
+
+
 # --------------------------------------------------------------------------- the base
 
 
@@ -141,8 +207,26 @@ class Mod:
     of a compiled function (the JAX twin's ``BlockMask`` keeps its ``mask_mod`` so)."""
 
     kind: ClassVar[str] = ""  # "mask" or "score"
+    # The name the errors give it (its maker's).
+    maker: ClassVar[str] = ""
     # The fields that may hold captured arrays (a field holding a Python int is a setting).
     _array_fields: ClassVar[tuple[str, ...]] = ()
+    # What indexes each axis of each such field (``Indexed.axes``; a field not named here
+    # is not checked).
+    _axes: ClassVar[dict[str, tuple[str | None, ...]]] = {}
+    # The fields whose arrays broadcast (an axis of 1 read at 0 for every index).
+    _broadcast: ClassVar[tuple[str, ...]] = ()
+
+    def indexed(self) -> tuple[Indexed, ...]:
+        """Each captured array and what indexes its axes (``Indexed``), its parts' too:
+        what ``check_sizes`` checks against a call's sizes."""
+        return tuple(Indexed(f"{self.maker}: {f}", tuple(int(n) for n in v.shape), self._axes[f], f in self._broadcast)
+                     for f in self._array_fields if f in self._axes and _is_array(v := getattr(self, f)))
+
+    def check_sizes(self, batch: int, heads: int, q_len: int, kv_len: int, *, where: str) -> None:
+        """This mod's captured arrays against a call's B, H, Q_LEN, KV_LEN
+        (``check_sizes``).  Raises ValueError."""
+        check_sizes(self, batch, heads, q_len, kv_len, where=where)
 
     @property
     def options(self) -> dict[str, Any] | None:
@@ -193,6 +277,7 @@ class Causal(Mod):
     """Key at or before the query: ``q_idx >= kv_idx`` (top-left aligned)."""
 
     kind: ClassVar[str] = "mask"
+    maker: ClassVar[str] = "causal"
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return q_idx >= kv_idx
@@ -206,10 +291,28 @@ causal = Causal()
 
 
 @dataclass(frozen=True, eq=False)
+class Noop(Mod):
+    """Every key: the mask mod of a block mask whose tables alone are the mask."""
+
+    kind: ClassVar[str] = "mask"
+    maker: ClassVar[str] = "noop_mask"
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx == q_idx) & (kv_idx == kv_idx)  # True, (1, 1, T, S) as a mod's answer broadcasts
+
+
+# PyTorch's ``noop_mask``: what a ``BlockMask`` made without a mask mod applies (its partial
+# blocks are then wholly visible).  It stands for no named option (``options`` None): with
+# a block mask the tables are the mask, so such a call stays on the flex path, which reads them.
+noop_mask = Noop()
+
+
+@dataclass(frozen=True, eq=False)
 class SlidingWindow(Mod):
     """Keys ``q_idx - left .. q_idx + right`` (inclusive)."""
 
     kind: ClassVar[str] = "mask"
+    maker: ClassVar[str] = "sliding_window"
     left: int
     right: int = 0
 
@@ -236,7 +339,9 @@ class PrefixLM(Mod):
     """Bidirectional within the prefix, causal after it."""
 
     kind: ClassVar[str] = "mask"
+    maker: ClassVar[str] = "prefix_lm"
     _array_fields: ClassVar[tuple[str, ...]] = ("prefix_length",)
+    _axes: ClassVar[dict[str, tuple[str | None, ...]]] = {"prefix_length": ("b",)}
     prefix_length: Any
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -265,9 +370,19 @@ class Documents(Mod):
     """Packed documents: a query sees only keys of its own document id."""
 
     kind: ClassVar[str] = "mask"
+    maker: ClassVar[str] = "documents"
     _array_fields: ClassVar[tuple[str, ...]] = ("doc_ids", "kv_doc_ids")
+    _axes: ClassVar[dict[str, tuple[str | None, ...]]] = {"doc_ids": ("b", "q"), "kv_doc_ids": ("b", "kv")}
     doc_ids: Any
     kv_doc_ids: Any = None
+
+    def indexed(self) -> tuple[Indexed, ...]:
+        found = super().indexed()
+        if self.kv_doc_ids is None and _is_array(self.doc_ids):  # the keys' ids too
+            found += (Indexed(f"{self.maker}: doc_ids", tuple(int(n) for n in self.doc_ids.shape), ("b", "kv"),
+                              hint="; without kv_doc_ids the keys read doc_ids too: give kv_doc_ids (B, KV_LEN) "
+                                   "for keys of another length than the queries"),)
+        return found
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         ids = _like(self.doc_ids, b)
@@ -299,6 +414,11 @@ class _Combined(Mod):
     """Mods combined (their arrays: each part's in turn)."""
 
     parts: tuple[Callable[..., Any], ...] = ()
+
+    def indexed(self) -> tuple[Indexed, ...]:
+        """Each part's, named by its place (``and_masks part 2, documents: doc_ids``)."""
+        return tuple(e._replace(label=f"{self.maker} part {i}, {e.label}")
+                     for i, p in enumerate(self.parts, 1) if isinstance(p, Mod) for e in p.indexed())
 
     @property
     def arrays(self) -> tuple[Any, ...]:
@@ -349,6 +469,7 @@ class AndMasks(_Combined):
     """Keys that every part lets through."""
 
     kind: ClassVar[str] = "mask"
+    maker: ClassVar[str] = "and_masks"
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         result = b == b  # every key (no parts)
@@ -366,6 +487,7 @@ class OrMasks(_Combined):
     """Keys that some part lets through."""
 
     kind: ClassVar[str] = "mask"
+    maker: ClassVar[str] = "or_masks"
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         result = b != b  # no key (no parts)
@@ -406,7 +528,9 @@ class Alibi(Mod):
     """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)``."""
 
     kind: ClassVar[str] = "score"
+    maker: ClassVar[str] = "alibi"
     _array_fields: ClassVar[tuple[str, ...]] = ("slopes",)
+    _axes: ClassVar[dict[str, tuple[str | None, ...]]] = {"slopes": ("h",)}
     slopes: Any
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -428,6 +552,7 @@ class Softcap(Mod):
     """``cap * tanh(score / cap)``."""
 
     kind: ClassVar[str] = "score"
+    maker: ClassVar[str] = "softcap"
     cap: float
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -451,7 +576,9 @@ class BiasTable(Mod):
     """A learned relative-position bias: ``score + table[h, m + clip(q_idx - kv_idx, -m, m)]``."""
 
     kind: ClassVar[str] = "score"
+    maker: ClassVar[str] = "bias_table"
     _array_fields: ClassVar[tuple[str, ...]] = ("table",)
+    _axes: ClassVar[dict[str, tuple[str | None, ...]]] = {"table": ("h", None)}
     table: Any
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -479,6 +606,7 @@ class Chain(_Combined):
     """Score mods applied in turn."""
 
     kind: ClassVar[str] = "score"
+    maker: ClassVar[str] = "chain"
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         for part in self.parts:
@@ -510,6 +638,18 @@ def _at(array: Any, index: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return array[tuple(i if n > 1 else 0 for i, n in zip((b, h, q_idx, kv_idx), array.shape, strict=True))]
 
 
+def _concrete_max(array: Any) -> int | None:
+    """The largest entry of an integer array, or None where it is traced (JAX) and
+    unknown here."""
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(array, jax.core.Tracer):
+        return None
+    if hasattr(array, "detach"):  # a torch tensor
+        array = array.detach().cpu()
+    values = np.asarray(array)
+    return int(values.max()) if values.size else 0
+
+
 def _shifted(q_idx: Any, offset: Any, b: Any) -> Any:
     """The key positions of queries ``q_idx``: ``q_idx + offset`` (an int, or one per
     example, read at ``b``)."""
@@ -524,12 +664,26 @@ class Positioned(Mod):
     query's key position: ``offset`` an int, or integers (B,) per example, a decode step's
     fill), so that ``causal`` means causal whatever the alignment."""
 
+    maker: ClassVar[str] = "positioned"
     mod: Callable[..., Any] = causal
     offset: Any = 0
 
     @property
     def kind(self) -> str:  # type: ignore[override]
         return getattr(self.mod, "kind", "")
+
+    def indexed(self) -> tuple[Indexed, ...]:
+        """The offset (B,) where per example, and the mod's arrays at query positions
+        shifted by the offset (its largest where it is concrete; unknown, unchecked,
+        where traced)."""
+        own: tuple[Indexed, ...] = ()
+        shift: int | None = None if _is_array(self.offset) else int(self.offset)
+        if _is_array(self.offset):
+            own = (Indexed(f"{self.maker}: offset", tuple(int(n) for n in self.offset.shape), ("b",)),)
+            shift = _concrete_max(self.offset)
+        inner = self.mod.indexed() if isinstance(self.mod, Mod) else ()
+        return own + tuple(e._replace(shift=None if shift is None or e.shift is None else e.shift + shift)
+                           for e in inner)
 
     def __call__(self, *args: Any) -> Any:
         if len(args) == 5:  # a score mod
@@ -571,7 +725,12 @@ class CallMask(Mod):
     the same-segment mask ``segments`` (B, 1, T, S), each where the call has it."""
 
     kind: ClassVar[str] = "mask"
+    maker: ClassVar[str] = "the call's mask"
     _array_fields: ClassVar[tuple[str, ...]] = ("offset", "lengths", "mask", "segments")
+    _axes: ClassVar[dict[str, tuple[str | None, ...]]] = {"offset": ("b",), "lengths": ("b",),
+                                                         "mask": ("b", "h", "q", "kv"),
+                                                         "segments": ("b", "h", "q", "kv")}
+    _broadcast: ClassVar[tuple[str, ...]] = ("mask", "segments")
     offset: Any = 0
     left: int | None = None
     right: int | None = None
@@ -599,7 +758,10 @@ class CallScore(Mod):
     ``cap * tanh(score / cap)``, then ``+ bias`` (B', H', T', S')."""
 
     kind: ClassVar[str] = "score"
+    maker: ClassVar[str] = "the call's scores"
     _array_fields: ClassVar[tuple[str, ...]] = ("bias",)
+    _axes: ClassVar[dict[str, tuple[str | None, ...]]] = {"bias": ("b", "h", "q", "kv")}
+    _broadcast: ClassVar[tuple[str, ...]] = ("bias",)
     cap: float | None = None
     bias: Any = None
 
@@ -631,5 +793,5 @@ def _numpy(array: Any) -> np.ndarray:
 
 
 # Every class of library mod (the JAX twin registers each one as a pytree).
-MOD_CLASSES: tuple[type[Mod], ...] = (Causal, SlidingWindow, PrefixLM, Documents, AndMasks, OrMasks, Alibi,
+MOD_CLASSES: tuple[type[Mod], ...] = (Causal, Noop, SlidingWindow, PrefixLM, Documents, AndMasks, OrMasks, Alibi,
                                       Softcap, BiasTable, Chain, Positioned, CallMask, CallScore)
