@@ -41,6 +41,8 @@ __all__ = [
     "check_block_mask",
     "check_block_mask_args",
     "check_flex_call",
+    "check_full_pair",
+    "check_one_table",
     "check_flex_inputs",
     "flex_call_options",
     "flex_route",
@@ -65,17 +67,28 @@ class BlockMask:
     kv_indices (B', H', n_q, n_kv), and the same for full blocks (or None), B' and H' the
     batch and heads it was made for (1: broadcast), as each twin's ``create_block_mask``
     makes them (NumPy or JAX arrays, torch tensors); ``BLOCK_SIZE`` (query block, key
-    block); ``mask_mod``, applied on partial blocks; ``seq_lengths`` (Q_LEN, KV_LEN).  The
+    block); ``mask_mod``, applied on partial blocks (None: ``mods.noop_mask``, the listed
+    blocks wholly visible, as PyTorch's); ``seq_lengths`` (Q_LEN, KV_LEN).  The
     JAX twin registers it as a pytree (the tables its leaves, the rest static data); the
-    PyTorch twin also takes PyTorch's own ``BlockMask`` (the same attributes)."""
+    PyTorch twin also takes PyTorch's own ``BlockMask`` (the same attributes).
+
+    Raises ValueError for full-block counts without full-block indices, or the reverse
+    (``check_full_pair``), as PyTorch's does when it is made."""
 
     kv_num_blocks: Any
     kv_indices: Any
     full_kv_num_blocks: Any
     full_kv_indices: Any
     BLOCK_SIZE: tuple[int, int]  # noqa: N815 (PyTorch's name)
-    mask_mod: Callable[..., Any]
+    mask_mod: Callable[..., Any] | None
     seq_lengths: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        # Only what is None is read here: the JAX twin rebuilds a BlockMask from leaves that
+        # are tracers, or placeholders without shapes (jax.vmap's in_axes).
+        check_full_pair(self.full_kv_num_blocks, self.full_kv_indices)
+        if self.mask_mod is None:
+            object.__setattr__(self, "mask_mod", library.noop_mask)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -158,23 +171,55 @@ def check_block_mask(shapes: Sequence[Any], block_size: Any, seq_lengths: Any, q
                              f"BLOCK_SIZE {tuple(block_size)}; got {shape}")
 
 
+def check_full_pair(full_kv_num_blocks: Any, full_kv_indices: Any) -> None:
+    """A block mask's full blocks: their counts and their indices both given or both None.
+    Raises ValueError."""
+    if (full_kv_num_blocks is None) != (full_kv_indices is None):
+        given, missing = (("full_kv_num_blocks", "full_kv_indices") if full_kv_indices is None
+                          else ("full_kv_indices", "full_kv_num_blocks"))
+        raise ValueError(f"BlockMask: full_kv_num_blocks and full_kv_indices must be both given or both None; "
+                         f"got {given} without {missing}")
+
+
+def check_one_table(where: str, role: str, mod: Any, batch: int, heads: int) -> None:
+    """A block mask made for ``batch`` (B') examples and ``heads`` (H') heads, each 1 (one
+    table for every example / head, broadcast) or the call's, for ``mod``: a library mod
+    whose captured arrays differ by example (or head) needs a table for each, since the
+    blocks that one example skips, or takes as full, may be another's partial blocks (with
+    one table, a flex call would follow example 0's blocks for every example, and a call
+    standing for named options would follow the mod: two answers).  Raises ValueError."""
+    for index, made, name, what in (("b", batch, "B", "example"), ("h", heads, "H", "head")):
+        found = library.per_index(mod, index) if made == 1 else ()
+        if found:
+            entry = found[0]
+            n = next(n for i, n in zip(entry.axes, entry.shape, strict=False) if i == index and n > 1)
+            raise ValueError(f"{where}: a block mask made for {name}=1 or None (one table for every {what}) cannot "
+                             f"serve {role} {entry.label} of shape {entry.shape}, which holds {n} {what}s' own "
+                             f"entries (each {what} its own blocks): make it with {name}={n}")
+
+
 def check_flex_call(query: Any, key: Any, value: Any, score_mod: Any, block_mask: Any, scale: Any,
                     enable_gqa: bool) -> tuple[int, float | None]:
     """Every check of a flex call in either twin, before any work, whichever path then runs
-    it: q, k and v (read for their shapes and dtypes), the scale, the mods and the block
-    mask (either twin's ``BlockMask``, or PyTorch's: the same attributes).  Returns (query
-    heads per key/value head, the scale checked)."""
+    it: q, k and v (read for their shapes and dtypes), the scale, the mods (a library
+    mod's captured arrays against the call's B, query heads, L and S:
+    ``mods.check_sizes``) and the block mask (either twin's ``BlockMask``, or PyTorch's:
+    the same attributes).  Returns (query heads per key/value head, the scale checked)."""
     groups, scale = check_flex_inputs(query.shape, key.shape, value.shape,
                                       (dtype_name(query.dtype), dtype_name(key.dtype), dtype_name(value.dtype)),
                                       enable_gqa=enable_gqa, scale=scale)
     check_mod("score_mod", score_mod)
+    sizes = (int(query.shape[0]), int(query.shape[1]), int(query.shape[2]), int(key.shape[2]))
+    library.check_sizes(score_mod, *sizes, where="flex_attention: score_mod")
     if block_mask is not None:
         tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                   block_mask.full_kv_indices)
+        check_full_pair(tables[2], tables[3])
         full_given = tables[2] is not None and tables[3] is not None
         check_block_mask([t.shape for t in tables if t is not None], tuple(int(n) for n in block_mask.BLOCK_SIZE),
                          block_mask.seq_lengths, query.shape, full_given=full_given, kv_len=key.shape[2])
         check_mod("block_mask.mask_mod", block_mask.mask_mod)
+        library.check_sizes(block_mask.mask_mod, *sizes, where="flex_attention: block_mask.mask_mod")
     return groups, scale
 
 
@@ -182,8 +227,15 @@ def flex_call_options(query: Any, key: Any, value: Any, score_mod: Any, block_ma
                       enable_gqa: bool, return_lse: bool) -> tuple[dict[str, Any] | None, str]:
     """A flex call checked (``check_flex_call``), then the named options its mods stand
     for (``named_options``), or None and why not: what each twin's ``flex_attention`` and
-    ``flex_route`` decide by."""
+    ``flex_route`` decide by.  A block mask made for one example (or head) whose library
+    mask mod differs by example (or head) is refused (``check_one_table``).  (A module's
+    call on the flex path makes its own block masks, for the examples and heads its mod
+    reads, and is not checked so: under ``jax.jit`` it may list, for every example, the
+    blocks that its mod's untraced part leaves, all partial.)"""
     check_flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if block_mask is not None:
+        lead = block_mask.kv_num_blocks.shape
+        check_one_table("flex_attention", "block_mask.mask_mod", block_mask.mask_mod, int(lead[0]), int(lead[1]))
     return named_options(score_mod, None if block_mask is None else block_mask.mask_mod, return_lse=return_lse)
 
 
@@ -232,7 +284,9 @@ def check_block_mask_args(mask_mod: Any, batch: Any, heads: Any, q_len: Any, kv_
                           block_size: Any) -> tuple[int, int, int, int, tuple[int, int]]:
     """``create_block_mask``'s arguments: a callable ``mask_mod``; B and H None (1) or
     ints >= 1; Q_LEN, KV_LEN ints >= 1; BLOCK_SIZE an int >= 1 or a pair (query block,
-    key block).  Returns (B, H, Q_LEN, KV_LEN, (q block, key block)).
+    key block); a library mask mod's captured arrays fit B, H, Q_LEN and KV_LEN
+    (``mods.check_sizes``; B or H None: its arrays must not differ by example or head,
+    ``check_one_table``).  Returns (B, H, Q_LEN, KV_LEN, (q block, key block)).
     Raises TypeError / ValueError."""
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask: mask_mod must be callable; got {type(mask_mod).__name__}")
@@ -244,6 +298,8 @@ def check_block_mask_args(mask_mod: Any, batch: Any, heads: Any, q_len: Any, kv_
     if len(pair) != 2:
         raise ValueError(f"create_block_mask: BLOCK_SIZE must be an int or a pair of ints; got {block_size!r}")
     bq, bkv = (_positive("create_block_mask", "BLOCK_SIZE", s) for s in pair)
+    check_one_table("create_block_mask", "mask_mod", mask_mod, sizes[0], sizes[1])
+    library.check_sizes(mask_mod, *sizes, where="create_block_mask: mask_mod")
     return sizes[0], sizes[1], sizes[2], sizes[3], (bq, bkv)
 
 

@@ -164,11 +164,16 @@ def flex_attention(
     ``np.int64``; key j is visible where ``mask_mod(b, h, i, j)`` holds and the modded
     score is not -inf.  A row's weights are the softmax of its visible scores and its
     lse the natural log of their sum of exp; a row that sees no key is zeros, lse -inf.
-    Mods that capture arrays should capture NumPy (float64) ones here."""
+    Mods that capture arrays should capture NumPy (float64) ones here; a library mod's
+    arrays that do not fit the sizes raise the twins' ValueError (``mods.check_sizes``)."""
+    from attention_spec.mods import check_sizes
+
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     batch, heads, t_len, _ = q.shape
     groups = heads // k.shape[1]  # query heads per key/value head
     s_len = k.shape[2]
+    for role, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        check_sizes(mod, batch, heads, t_len, s_len, where=f"flex_attention: {role}")
     out = np.zeros((batch, heads, t_len, v.shape[-1]))
     lse = np.full((batch, heads, t_len), -math.inf)
     for b in range(batch):
