@@ -225,8 +225,7 @@ def _native_carries(default_fn: Any) -> dict[str | tuple[str, ...], Check]:
     return {
         "normalize_qk": _native_qk_norm,  # our qk_norm="layer", per head, zero biases
         "decode": lambda m: "decode=True (an autoregressive cache)" if m.decode else None,
-        "num_kv_heads": lambda m: None if m.num_kv_heads in (None, m.num_heads) else (
-            f"num_kv_heads={m.num_kv_heads} != num_heads={m.num_heads} (grouped-query attention)"),
+        "num_kv_heads": ANY,  # nnx's grouped-query heads: our num_kv_heads (Linen's module has none)
         "in_features": lambda m: None if isinstance(m.in_features, int) else (
             f"in_features={m.in_features!r} (a tuple of input axes)"),
         "attention_fn": lambda m: None if m.attention_fn is default_fn else (
@@ -261,12 +260,48 @@ def _rngs_for(dropout: float, rngs: nnx.Rngs | None, what: str) -> nnx.Rngs:
     return nnx.Rngs(0)
 
 
-def _native_state(tree: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+def _grouped_kv_heads(core: Mapping[str, Any]) -> int | None:
+    """The key/value heads of a grouped-query tree (nnx's ``num_kv_heads``: key and value
+    kernels (in_kv, kv_heads, head_dim), kv_heads a divisor of the query's heads other
+    than all of them), or None for any other tree (``state_dict_from_native_flax``
+    checks it, naming what is wrong)."""
+    try:
+        query, key, value = (np.shape(core[role]["kernel"]) for role in ("query", "key", "value"))
+    except (KeyError, TypeError):
+        return None
+    if len(query) != 3 or len(key) != 3 or key[1:] != value[1:] or key[2] != query[2] or key[1] == query[1]:
+        return None
+    return int(key[1]) if key[1] > 0 and query[1] % key[1] == 0 else None
+
+
+def _native_state(tree: Mapping[str, Any], *, grouped: bool = False
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int, int]:
     """Flax's attention param tree -> (our projections' PyTorch-named arrays, our
-    q_norm/k_norm weights from query_ln/key_ln (empty without normalize_qk), num_heads),
-    after every check of the tree."""
+    q_norm/k_norm weights from query_ln/key_ln (empty without normalize_qk), num_heads,
+    num_kv_heads), after every check of the tree.  ``grouped``: key/value kernels of
+    fewer heads (nnx's ``num_kv_heads``) are taken; Linen's attention has none."""
     core = {role: node for role, node in tree.items() if role not in _NATIVE_NORMS}
-    state = state_dict_from_native_flax(core)  # every shape check of the projections
+    kv_heads = _grouped_kv_heads(core) if grouped else None
+    if kv_heads is None:
+        state = state_dict_from_native_flax(core)  # every shape check of the projections
+    else:
+        # The checks on every head: the grouped key/value heads repeated to the query's;
+        # then their weights as they are (the same (in, heads, head_dim) -> (heads *
+        # head_dim, in) as every projection's).
+        repeat = np.shape(core["query"]["kernel"])[1] // kv_heads
+        wide = {role: dict(node) for role, node in core.items()}
+        for role in ("key", "value"):
+            node = wide[role]
+            kernel = as_numpy(node["kernel"])
+            node["kernel"] = np.repeat(kernel, repeat, axis=1)
+            if "bias" in node and np.shape(node["bias"]) == kernel.shape[1:]:
+                node["bias"] = np.repeat(as_numpy(node["bias"]), repeat, axis=0)
+        state = state_dict_from_native_flax(wide)
+        for role, name in (("key", "W_key"), ("value", "W_value")):
+            kernel = as_numpy(core[role]["kernel"])
+            state[f"{name}.weight"] = np.array(kernel.reshape(kernel.shape[0], -1).T)
+            if "bias" in core[role]:
+                state[f"{name}.bias"] = np.array(as_numpy(core[role]["bias"]).reshape(-1))
     heads, head_dim = np.shape(core["query"]["kernel"])[1:]
     found = [role for role in _NATIVE_NORMS if role in tree]
     if found and len(found) != len(_NATIVE_NORMS):
@@ -283,7 +318,7 @@ def _native_state(tree: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[
             raise ValueError(f"params[{role!r}]['scale'] {scale.shape} does not fit heads of {head_dim}: "
                              f"expected ({head_dim},)")
         norms[f"{_NATIVE_NORMS[role]}.weight"] = scale
-    return state, norms, int(heads)
+    return state, norms, int(heads), int(heads) if kv_heads is None else kv_heads
 
 
 def _our_module_from_native(
@@ -295,12 +330,14 @@ def _our_module_from_native(
     precision: Any,
     rngs: nnx.Rngs,
     qk_norm_eps: float,
+    grouped: bool = False,
 ) -> nnx.Module:
     """Our MultiHeadAttention from Flax's attention param tree: q/k/v kernels (d_in,
     heads, head_dim) give d_in, num_heads and head_dim; the output kernel (heads,
     head_dim, out) gives d_out = out (``head_dim=`` when heads * head_dim is another
-    width); query_ln/key_ln give qk_norm="layer" with ``qk_norm_eps`` and zero biases."""
-    state, norms, heads = _native_state(tree)  # every shape check, before anything is built
+    width); query_ln/key_ln give qk_norm="layer" with ``qk_norm_eps`` and zero biases;
+    ``grouped``: key/value kernels of fewer heads give ``num_kv_heads`` (nnx's)."""
+    state, norms, heads, kv_heads = _native_state(tree, grouped=grouped)  # every check, before anything is built
     width, d_in = state["W_query.weight"].shape
     d_out = state["out_proj.weight"].shape[0]
     if heads != num_heads:
@@ -325,6 +362,7 @@ def _our_module_from_native(
     norm: dict[str, Any] = {"qk_norm": "layer", "qk_norm_eps": qk_norm_eps} if norms else {}
     module = MultiHeadAttention(
         d_in, d_out, None, dropout, num_heads, use_bias, causal=False, kdim=kv_width, vdim=kv_width,
+        num_kv_heads=None if kv_heads == heads else kv_heads,
         # heads of d_out // num_heads need no head_dim: one form for one module, so a round trip
         # gives back the config it started from
         head_dim=None if width == d_out else width // heads, **norm,
@@ -338,7 +376,8 @@ def from_nnx_multihead(m: nnx.MultiHeadAttention, *, rngs: nnx.Rngs | None = Non
     ``nnx.MultiHeadAttention``: ``d_in=in_features``, ``kdim=vdim=in_kv_features`` when it
     differs (cross-attention: ``m(x, context)`` is ``ours(x, context=context)``),
     ``d_out=out_features``, ``head_dim=qkv_features // num_heads`` when ``qkv_features !=
-    out_features`` (else None, the same heads), ``num_heads``, ``qkv_bias=use_bias``,
+    out_features`` (else None, the same heads), ``num_heads``, ``num_kv_heads`` (grouped-query
+    heads: the key/value kernels' heads, copied exactly), ``qkv_bias=use_bias``,
     ``dropout=dropout_rate``, ``dtype``, ``param_dtype`` (the kernels' dtype),
     ``precision``, ``causal=False``, ``context_length=None``; ``deterministic`` when set.
     ``use_bias=False`` gives a zero ``out_proj`` bias (ours always has one).
@@ -358,7 +397,7 @@ def from_nnx_multihead(m: nnx.MultiHeadAttention, *, rngs: nnx.Rngs | None = Non
     (``_native_carries``): any other option not at its default is refused by name.
     ``rngs``: for the dropout stream, needed when ``dropout_rate > 0``.  Raises
     ValueError, naming each, for what our module cannot express (``decode``/a cache,
-    grouped-query heads, a custom ``attention_fn``, matmul or dtype promotion, query and
+    a custom ``attention_fn``, matmul or dtype promotion, query and
     key norms of two epsilons, a tuple ``in_features``), before building anything;
     TypeError for another module type.
     """
@@ -376,7 +415,7 @@ def from_nnx_multihead(m: nnx.MultiHeadAttention, *, rngs: nnx.Rngs | None = Non
             for role in roles}
     eps = m.query_ln.epsilon if m.query_ln is not None else _layer_norm_epsilon(linen=False)
     module: Any = _our_module_from_native(tree, num_heads=m.num_heads, dropout=m.dropout_rate, dtype=m.dtype,
-                                          precision=m.precision, rngs=rngs, qk_norm_eps=float(eps))
+                                          precision=m.precision, rngs=rngs, qk_norm_eps=float(eps), grouped=True)
     if m.deterministic is not None and m.dropout_rate > 0.0:
         module.dropout.deterministic = bool(m.deterministic)
     return module
@@ -389,7 +428,7 @@ def _flax_scale(spec: AttentionConfig) -> str | None:
     return f"scale={spec.scale} (Flax's attention scales by 1/sqrt(head_dim) = {1 / math.sqrt(head_dim)})"
 
 
-def _flax_carries(what: str, allow_causal: bool, eps: float) -> dict[str | tuple[str, ...], Check]:
+def _flax_carries(what: str, allow_causal: bool, eps: float, linen: bool) -> dict[str | tuple[str, ...], Check]:
     """What Flax's own attention (``what``: nnx's or Linen's) reproduces of our
     MultiHeadAttention, option by option (the allow-list of ``attention_spec.interop.native``):
     any other option of ours that is not at its default (``softcap``, ``window``,
@@ -403,9 +442,10 @@ def _flax_carries(what: str, allow_causal: bool, eps: float) -> dict[str | tuple
             "is_causal=True or a causal mask)"),
         ("kdim", "vdim"): lambda s: None if s.kdim == s.vdim else (
             f"kdim={s.kdim} != vdim={s.vdim} (Flax's attention has one in_kv_features)"),
-        "num_kv_heads": lambda s: None if s.kv_heads == s.num_heads else (
-            f"num_kv_heads={s.num_kv_heads} (grouped-query heads; Flax's MultiHeadAttention has one key/value "
-            "head per query head)"),
+        # grouped-query heads: nnx's num_kv_heads; Linen's module has none
+        "num_kv_heads": lambda s: None if not linen or s.kv_heads == s.num_heads else (
+            f"num_kv_heads={s.num_kv_heads} (grouped-query heads; {what} has one key/value head per query "
+            "head)"),
         # normalize_qk: a LayerNorm without bias of each head (zero biases: checked on the weights)
         "qk_norm": lambda s: None if s.qk_norm in (None, "layer") else (
             f"qk_norm={s.qk_norm!r} ({what}'s normalize_qk is a LayerNorm without bias of each head: only "
@@ -433,7 +473,7 @@ def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: s
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(f"{what} takes our MultiHeadAttention; got {type(module).__name__}")
     spec = module.spec
-    problems = spec_refusals(spec, _flax_carries(what, allow_causal, _layer_norm_epsilon(linen)), what)
+    problems = spec_refusals(spec, _flax_carries(what, allow_causal, _layer_norm_epsilon(linen), linen), what)
     if use_bias is not None and not isinstance(use_bias, bool):
         raise TypeError(f"use_bias must be None or a bool; got {use_bias!r}")
     bias = spec.qkv_bias if use_bias is None else use_bias
@@ -456,7 +496,24 @@ def _native_tree(module: Any, use_bias: bool | None, allow_causal: bool, what: s
     if bias and not spec.out_bias:  # out_bias=False: likewise a zero output bias
         state["out_proj.bias"] = np.zeros(cast(int, spec.fan_out("out")), state["out_proj.weight"].dtype)
     projections = {name: a for name, a in state.items() if name.split(".")[0] in _PROJECTIONS}
-    tree = native_flax_params(projections, spec.num_heads, use_bias=bias)
+    heads, kv_heads = spec.num_heads, spec.kv_heads
+    if kv_heads == heads:
+        tree = native_flax_params(projections, heads, use_bias=bias)
+    else:  # nnx's num_kv_heads: the checks on key/value heads repeated to the query's, then the weights as they are
+        wide = dict(projections)
+        for name in ("W_key", "W_value"):
+            weight = projections[f"{name}.weight"]
+            wide[f"{name}.weight"] = np.repeat(weight.reshape(kv_heads, -1, weight.shape[1]), heads // kv_heads,
+                                               axis=0).reshape(-1, weight.shape[1])
+            if bias:
+                wide[f"{name}.bias"] = np.repeat(projections[f"{name}.bias"].reshape(kv_heads, -1),
+                                                 heads // kv_heads, axis=0).reshape(-1)
+        tree = native_flax_params(wide, heads, use_bias=bias)
+        for role, name in (("key", "W_key"), ("value", "W_value")):
+            weight = projections[f"{name}.weight"]
+            tree[role]["kernel"] = np.array(weight.T.reshape(weight.shape[1], kv_heads, -1))
+            if bias:
+                tree[role]["bias"] = np.array(projections[f"{name}.bias"].reshape(kv_heads, -1))
     tree.update({role: {"scale": np.array(state[name])} for role, name in norms.items()})
     return tree, bias
 
@@ -471,6 +528,7 @@ def to_nnx_multihead(
     """An ``nnx.MultiHeadAttention`` (``decode=False``) with our ``MultiHeadAttention``'s
     weights: ``in_features=d_in``, ``qkv_features=out_features=d_out`` (free widths:
     ``qkv_features=num_heads * head_dim``, ``out_features`` ours), ``num_heads``,
+    ``num_kv_heads`` (grouped-query heads),
     ``dropout_rate``, ``dtype``, ``param_dtype``, ``precision``, ``deterministic`` (from
     the module's mode); ``qk_norm="layer"`` (per head, epsilon 1e-6, zero biases) as
     ``normalize_qk=True`` with ``query_ln``/``key_ln`` scales = our ``q_norm``/``k_norm``
@@ -489,8 +547,7 @@ def to_nnx_multihead(
     that is not at its default (``softcap``, ``window``, ``rope``, ``sinks``, ..., and any
     option added later) is refused by name.  Raises ValueError, naming each, for what the
     native module cannot express (``out_proj=False``, a scale other than
-    1/sqrt(head_dim), ``causal`` without ``allow_causal``, grouped-query heads, two kv
-    widths, a qk-norm other than normalize_qk's, dropped nonzero biases, any option
+    1/sqrt(head_dim), ``causal`` without ``allow_causal``, two kv widths, a qk-norm other than normalize_qk's, dropped nonzero biases, any option
     outside the allow-list not at its default) before building anything.
     """
     tree, bias = _native_tree(module, use_bias, allow_causal, "nnx.MultiHeadAttention")
@@ -499,7 +556,7 @@ def to_nnx_multihead(
     dropout = getattr(module, "dropout", None)
     m = nnx.MultiHeadAttention(
         num_heads=spec.num_heads, in_features=spec.d_in, qkv_features=spec.width, out_features=spec.fan_out("out"),
-        in_kv_features=spec.kdim,
+        in_kv_features=spec.kdim, num_kv_heads=spec.kv_heads,
         dtype=module.dtype, param_dtype=module.param_dtype, dropout_rate=spec.dropout,
         deterministic=None if dropout is None else dropout.deterministic,
         precision=module.precision, use_bias=bias, decode=False, normalize_qk="query_ln" in tree, rngs=rngs,
@@ -551,7 +608,7 @@ def from_linen_multihead_params(
     without the other, mixed dtypes) before building anything.
     """
     tree = _linen_tree(params)
-    _, _, heads = _native_state(tree)  # the tree's own checks, with their messages
+    _, _, heads, _ = _native_state(tree)  # the tree's own checks, with their messages
     rngs = _rngs_for(dropout, rngs, "the Linen attention")
     return _our_module_from_native(tree, num_heads=heads if num_heads is None else num_heads,
                                    dropout=dropout, dtype=dtype, precision=precision, rngs=rngs,
@@ -563,7 +620,8 @@ def to_linen_multihead_params(module: nnx.Module, *, use_bias: bool | None = Non
     """Our ``MultiHeadAttention``'s weights as a Linen ``MultiHeadDotProductAttention``'s
     params ({"query": {"kernel", "bias"}, "key", "value", "out"}, JAX arrays; apply with
     ``{"params": ...}``); the module to apply them with is ``to_linen_multihead``'s.
-    ``use_bias``, ``allow_causal`` and the refusals as ``to_nnx_multihead``."""
+    ``use_bias``, ``allow_causal`` and the refusals as ``to_nnx_multihead``, and grouped-query
+    heads (``num_kv_heads``), which Linen's module has not."""
     tree, _ = _native_tree(module, use_bias, allow_causal, "Linen MultiHeadDotProductAttention", linen=True)
     return {role: {name: jnp.array(a) for name, a in node.items()} for role, node in tree.items()}
 

@@ -209,7 +209,6 @@ def test_dropout_rate_and_mode_carry_over() -> None:
     ("kwargs", "match"),
     [
         ({"decode": True}, "decode=True"),
-        ({"num_kv_heads": 1}, "num_kv_heads=1 != num_heads=2"),
         ({"attention_fn": lambda *a, **k: None}, "attention_fn="),
     ],
 )
@@ -237,18 +236,65 @@ def test_from_nnx_cross_attention(implementation: str) -> None:
                                       np.asarray(getattr(native, role).kernel[...]))
 
 
-def test_to_nnx_refuses_grouped_heads_and_two_kv_widths() -> None:
-    for kwargs, match in (({"num_kv_heads": 1}, "num_kv_heads=1 (grouped-query heads"),
-                          ({"kdim": 3, "vdim": 4}, "kdim=3 != vdim=4")):
-        ours = ja.MultiHeadAttention(D_IN, D_OUT, None, 0.0, HEADS, causal=False, rngs=nnx.Rngs(0), **kwargs)
-        with pytest.raises(ValueError, match=re.escape(match)):
-            interop.to_nnx_multihead(ours)
+def test_to_nnx_refuses_two_kv_widths_and_linen_grouped_heads() -> None:
+    ours = ja.MultiHeadAttention(D_IN, D_OUT, None, 0.0, HEADS, causal=False, rngs=nnx.Rngs(0), kdim=3, vdim=4)
+    with pytest.raises(ValueError, match=re.escape("kdim=3 != vdim=4")):
+        interop.to_nnx_multihead(ours)
+    grouped = ja.MultiHeadAttention(D_IN, D_OUT, None, 0.0, HEADS, causal=False, rngs=nnx.Rngs(0), num_kv_heads=1)
+    for export in (interop.to_linen_multihead_params, interop.to_linen_multihead):
+        with pytest.raises(ValueError, match=re.escape("num_kv_heads=1 (grouped-query heads; Linen "
+                                                       "MultiHeadDotProductAttention has one key/value head")):
+            export(grouped)
+
+
+GROUPED_HEADS, KV_HEADS = 4, 2
+
+
+def _native_grouped(use_bias: bool = True, seed: int = 1) -> Any:
+    m = nnx.MultiHeadAttention(num_heads=GROUPED_HEADS, in_features=D_IN, qkv_features=D_OUT, out_features=D_OUT,
+                               num_kv_heads=KV_HEADS, use_bias=use_bias, decode=False, rngs=nnx.Rngs(seed))
+    if use_bias:
+        for i, role in enumerate(ROLES):
+            bias = getattr(m, role).bias
+            bias[...] = 0.1 * jax.random.normal(jax.random.key(200 + i), bias.shape, bias.dtype)
+    return m
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_from_nnx_grouped_heads(use_bias: bool) -> None:
+    """Flax's ``num_kv_heads`` (grouped-query: query head h reads key/value head
+    h // (heads // kv_heads), as ours): the weights map exactly, the outputs equal the
+    native module's, and ``to_nnx_multihead`` gives the native module back bit for bit."""
+    native = _native_grouped(use_bias)
+    ours = interop.from_nnx_multihead(native)
+    assert (ours.config["num_heads"], ours.config["num_kv_heads"]) == (GROUPED_HEADS, KV_HEADS)
+    state = interop.torch_state_dict(ours)
+    for role, name in (("query", "W_query"), ("key", "W_key"), ("value", "W_value")):
+        kernel = np.asarray(getattr(native, role).kernel[...])
+        np.testing.assert_array_equal(state[f"{name}.weight"], kernel.reshape(D_IN, -1).T)
+        if use_bias:
+            np.testing.assert_array_equal(state[f"{name}.bias"], np.asarray(getattr(native, role).bias[...]).ravel())
+    m = _masks()["shared"]
+    x = _x(11)
+    with full_precision():
+        want, got = native(x, mask=m), ours(x, m)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    back = interop.to_nnx_multihead(ours)
+    assert (back.num_heads, back.num_kv_heads) == (GROUPED_HEADS, KV_HEADS)
+    for role in ROLES:
+        for name in ("kernel", "bias"):
+            a, b = getattr(getattr(native, role), name), getattr(getattr(back, role), name)
+            assert (a is None) == (b is None), (role, name)
+            if a is not None:
+                assert np.array_equal(np.asarray(a[...]), np.asarray(b[...])), (role, name)
+    with full_precision():
+        np.testing.assert_array_equal(np.asarray(back(x, mask=m)), np.asarray(want))
 
 
 def test_from_nnx_refusals_are_listed_together() -> None:
     native = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D_IN, qkv_features=D_OUT, num_kv_heads=1,
-                                    decode=True, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"(?s)decode=True.*num_kv_heads=1 != num_heads=2"):
+                                    decode=True, attention_fn=lambda *a, **k: None, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"(?s)decode=True.*attention_fn="):
         interop.from_nnx_multihead(native)
     cached = _native_nnx()
     cached.init_cache((B, T, D_IN))
