@@ -97,8 +97,11 @@ def test_tiny_run_writes_json_table_and_plot(tiny_run) -> None:
     assert set(env["runtime"]) == {"jax", "torch"}
 
     assert sorted(m["system"] for m in saved["measurements"]) == sorted(SYSTEMS)
+    assert saved["wrong"] == []
     for m in saved["measurements"]:
         assert m["error"] is None, m
+        # checked against the float64 oracle in its worker, every row at this size
+        assert m["oracle"]["ok"] and m["oracle"]["checked"] == "batch 0, every head, 32 of 32 rows", m["oracle"]
         for phase in ("fwd", "fwd_bwd"):
             timing = m[phase]
             assert len(timing["times_ms"]) == 2
