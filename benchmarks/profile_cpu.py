@@ -4,6 +4,10 @@ Times the pieces of MultiHeadAttention's forward at the CPU target's shape (B=4,
 S=1024, head_dim 64, causal, float32) in both frameworks (a process each): the three q/k/v projections, the attention core of every
 path, and the matrix products of the JAX blockwise path alone (its floor: the same
 GEMMs with no softmax), batched over (batch x heads) and one slice at a time.  Writes ``cpu-profile.md`` next to the other CPU results.
+Each attention core's output is checked against the float64 oracle first
+(``benchmarks/oracle_check.py``: the first example, its first and last head, the rows
+``oracle_check.rows`` picks): one of ours that is wrong fails the run, PyTorch's SDPA, where
+it is wrong, is marked so in the table and named under it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks import oracle_check
 
 B, H, S, D = 4, 8, 1024, 64
 E = H * D
@@ -41,7 +47,19 @@ def inputs() -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
     return x, ws, qkv
 
 
-def torch_rows() -> list[tuple[str, str, float]]:
+def core_verdict(system: str, out: object, qkv: list[np.ndarray]) -> dict[str, object]:
+    """An attention core's output (B, H, S, D) against the float64 oracle on ``inputs()``' q, k, v."""
+    heads = [0, H - 1]
+    q0, k0, v0 = (np.asarray(a, np.float64)[0][heads] for a in qkv)
+    at = oracle_check.rows(S, S, len(heads), causal=True)
+    want = oracle_check.attention_rows(q0, k0, v0, at, scale=1 / np.sqrt(D), causal=True)
+    got = np.asarray(out, np.float64)[0][heads][:, at]
+    return oracle_check.verdict(system, got, want, "float32", framework="torch" if system.startswith("torch") else "jax",
+                                ours=not system.startswith("torch"),
+                                checked=f"batch 0, heads {heads}, {len(at)} of {S} rows")
+
+
+def torch_rows() -> tuple[list[tuple[str, str, float]], list[dict[str, object]]]:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -49,14 +67,15 @@ def torch_rows() -> list[tuple[str, str, float]]:
     xt, wt = torch.from_numpy(x), [torch.from_numpy(w) for w in ws]
     qt, kt, vt = (torch.from_numpy(a) for a in qkv)
     with torch.no_grad():
+        sdpa = (lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True))  # noqa: E731
+        verdicts = [core_verdict("torch SDPA (is_causal)", sdpa().numpy(), qkv)]
         return [
             ("projections q, k, v", "torch", median_ms(lambda: [xt @ w for w in wt])),
-            ("attention core", "torch SDPA (is_causal)", median_ms(
-                lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True))),
-        ]
+            ("attention core", "torch SDPA (is_causal)", median_ms(sdpa)),
+        ], verdicts
 
 
-def jax_rows() -> list[tuple[str, str, float]]:
+def jax_rows() -> tuple[list[tuple[str, str, float]], list[dict[str, object]]]:
     import jax
     import jax.numpy as jnp
 
@@ -67,11 +86,13 @@ def jax_rows() -> list[tuple[str, str, float]]:
     xj, wj = jnp.asarray(x), [jnp.asarray(w) for w in ws]
     qj, kj, vj = (jnp.asarray(a) for a in qkv)
     rows = []
+    verdicts = []
     projections = jax.jit(lambda x, a, b, c: (x @ a, x @ b, x @ c))
     rows.append(("projections q, k, v", "jax", median_ms(lambda: jax.block_until_ready(projections(xj, *wj)))))
     for path in ("blockwise", "reference", "fused"):
         core = jax.jit(lambda q, k, v, path=path: jf.dot_product_attention(
             q, k, v, causal=True, implementation=path))
+        verdicts.append(core_verdict(f"jax {path}", core(qj, kj, vj), qkv))
         rows.append(("attention core", f"jax {path}", median_ms(lambda core=core: core(qj, kj, vj).block_until_ready())))
     block = jf.default_block_size(S)
     def batched_gemms(q, k, v):  # the blockwise products, batched over (batch x heads)
@@ -94,7 +115,7 @@ def jax_rows() -> list[tuple[str, str, float]]:
     for name, fn in (("batched over (batch x heads)", batched_gemms), ("lax.map over slices", sliced_gemms)):
         gemms = jax.jit(fn)
         rows.append(("blockwise GEMMs only", name, median_ms(lambda gemms=gemms: gemms(qj, kj, vj).block_until_ready())))
-    return rows
+    return rows, verdicts
 
 
 def main() -> int:
@@ -112,11 +133,15 @@ def main() -> int:
     # process's timings can sit in a slow mode (a few pieces 1.6x slower for the process's
     # whole life), so the table shows every process's median.
     rows: dict[tuple[str, str], list[float]] = {}
+    checks = oracle_check.Checks()  # one of ours that is wrong raises
     context = multiprocessing.get_context("spawn")
     for part in (torch_rows, jax_rows):
         for _ in range(PROCESSES):
             with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-                for piece, system, ms in pool.submit(part).result():
+                measured, verdicts = pool.submit(part).result()
+                for v in verdicts:
+                    checks.add(v)
+                for piece, system, ms in measured:
                     rows.setdefault((piece, system), []).append(ms)
 
     env = host_environment()
@@ -134,10 +159,13 @@ def main() -> int:
     ]
     for (piece, system), times in rows.items():
         flops = 3 * 2 * B * S * E * E if piece.startswith("projections") else core_flops
-        cells = " / ".join(f"{ms:.1f}" for ms in times)
+        cells = " / ".join(f"{ms:.1f}" for ms in times) + (" (wrong)" if checks.is_wrong(system) else "")
         lines.append(f"| {piece} | {system} | {cells} | {flops / min(times) / 1e6:.0f} |")
     lines.append("")
     lines.append("GFLOP/s count the useful work: 3 projections, or the causal core 2·B·H·S²·D.")
+    wrong = oracle_check.wrong_text(list({v["system"]: v for v in checks.wrong}.values()))  # one per system
+    if wrong:
+        lines += ["", wrong]
     text = "\n".join(lines) + "\n"
     out = Path(__file__).parent / "results" / device_slug(env) / "cpu-profile.md"
     out.parent.mkdir(parents=True, exist_ok=True)
