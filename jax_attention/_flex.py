@@ -36,7 +36,9 @@ from jax import Array
 
 from attention_spec import flex as spec
 from attention_spec import mods as library
+from attention_spec.arrays import dtype_name
 from attention_spec.flex import DEFAULT_BLOCK, BlockMask
+from attention_spec.flex_answers import check_mask_answer
 from jax_attention._canonical import compute_dtype
 from jax_attention._reference import resolve_scale, softmax
 
@@ -103,9 +105,9 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     sums = []
     for start in range(0, q_len, bq):
         rows = np.arange(start, min(start + bq, q_len)).reshape(1, 1, -1, 1)
-        m = mask_mod(b, h, rows, kv)
+        m = _answer("create_block_mask", mask_mod(b, h, rows, kv), (b_, h_, rows.shape[2], kv_len))
         xp = jnp if _is_traced(m) else np
-        m = xp.broadcast_to(xp.asarray(m if xp is jnp else np.asarray(m)), (b_, h_, rows.shape[2], kv_len))
+        m = xp.broadcast_to(m if xp is jnp else np.asarray(m), (b_, h_, rows.shape[2], kv_len))
         # padded to whole blocks with False, as PyTorch pads: a ragged block is never full
         m = xp.pad(m, ((0, 0), (0, 0), (0, bq - m.shape[2]), (0, n_kv * bkv - kv_len)))
         sums.append(m.reshape(b_, h_, bq, n_kv, bkv).sum(axis=(2, 4)))
@@ -117,6 +119,15 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     (num, indices), (full_num, full_indices) = order(partial), order(full)
     return BlockMask(num, indices, full_num, full_indices, BLOCK_SIZE=(bq, bkv), mask_mod=mask_mod,
                      seq_lengths=(q_len, kv_len))
+
+
+def _answer(where: str, answer: Any, want: tuple[int, ...]) -> Any:
+    """A mask mod's answer, checked (``attention_spec.flex_answers``: a bool array that
+    broadcasts to ``want``, the text the PyTorch twin gives): a JAX array as it is,
+    any other that is no JAX array as a NumPy array (``True`` too)."""
+    answer = answer if isinstance(answer, jax.Array) else np.asarray(answer)
+    check_mask_answer(where, dtype_name(answer.dtype), answer.shape, want)
+    return answer
 
 
 def _ordered_traced(dense: Array) -> tuple[Array, Array]:
@@ -337,7 +348,7 @@ def _looped(query: Array, key: Array, block_mask: BlockMask | None, score_mod: C
             is_partial = jnp.repeat(part_rows[i][kept] & live, bkv).reshape(1, 1, 1, n)
             visible = is_full
             if mask_mod is not None:
-                visible = visible | (is_partial & mask_mod(b, h, q_idx, kv_idx))
+                visible = visible | (is_partial & _asked(mask_mod, b, h, q_idx, kv_idx, (bq, n)))
             visible = visible & valid.reshape(1, 1, 1, n) & (q_idx < q_len)  # whole blocks: the extra rows see none
             mask = jnp.broadcast_to(visible, (1, 1, bq, n)).reshape(bq, n)
             if score_mod is not None:
@@ -434,19 +445,25 @@ def _mask(qb: spec.QueryBlock, mask_mod: Callable[..., Any] | None, flags: tuple
             continue
         kv_idx = jnp.arange(run.start, run.stop, dtype=jnp.int32).reshape(1, 1, 1, -1)
         if run.kind == "traced":  # every key block, masked by the traced tables' kinds
-            assert flags is not None and mask_mod is not None
-            piece = of_slice(flags[0]) | (of_slice(flags[1]) & mask_mod(b, h, q_idx, kv_idx))
+            assert flags is not None
+            piece = of_slice(flags[0]) | (of_slice(flags[1]) & _asked(mask_mod, b, h, q_idx, kv_idx, width))
         elif run.kind == "partial":
-            assert mask_mod is not None
-            piece = mask_mod(b, h, q_idx, kv_idx)
+            piece = _asked(mask_mod, b, h, q_idx, kv_idx, width)
         else:  # mixed: the kinds differ by (b, h)
             assert run.full is not None
             piece = of_slice(run.full)
             if run.partial is not None:
-                assert mask_mod is not None
-                piece = piece | (of_slice(run.partial) & mask_mod(b, h, q_idx, kv_idx))
+                piece = piece | (of_slice(run.partial) & _asked(mask_mod, b, h, q_idx, kv_idx, width))
         pieces.append(jnp.broadcast_to(piece, (1, 1, *width)).reshape(width))  # a mod's rank-4 answer
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
+
+
+def _asked(mask_mod: Callable[..., Any] | None, b: Array, h: Array, q_idx: Array, kv_idx: Array,
+           width: tuple[int, int]) -> Array:
+    """The mask mod's answer for one slice's (rows, keys) ``width``, checked (``_answer``):
+    bool, broadcasting to (1, 1, rows, keys)."""
+    assert mask_mod is not None
+    return _answer("flex_attention", mask_mod(b, h, q_idx, kv_idx), (1, 1, *width))
 
 
 def _lse(scores: Array, mask: Array | None) -> Array:

@@ -7,7 +7,8 @@ PyTorch's own ``flex_attention`` has no backward on CPU and, eager, makes the wh
 (L, S) scores.  Here, per query block of ``BLOCK_SIZE`` rows, only the key blocks that the
 block mask marks non-empty are computed: their scores in the compute dtype (float32 for
 half precision; float64 stays), ``score_mod`` applied with index tensors, the mask mod on
-partial blocks only, the library's stable softmax (``_reference._softmax``), then
+partial blocks only (its bool answer broadcast to the block's keys:
+``attention_spec.flex_answers``), the library's stable softmax (``_reference._softmax``), then
 weights @ v.  Each query block runs under ``torch.utils.checkpoint`` (non-reentrant):
 the backward recomputes its scores, so no (L, S) tensor is kept for it, and gradients
 reach q, k, v and the tensors the mods capture.  The block plan is read from the block
@@ -25,7 +26,9 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attention_spec import flex as spec
+from attention_spec.arrays import dtype_name
 from attention_spec.flex import DEFAULT_BLOCK, BlockMask
+from attention_spec.flex_answers import check_mask_answer
 from torch_attention._reference import _compute_dtype, _softmax, resolve_scale
 
 
@@ -51,8 +54,8 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     with torch.no_grad():
         for start in range(0, q_len, bq):
             rows = torch.arange(start, min(start + bq, q_len), device=device).reshape(1, 1, -1, 1)
-            m = torch.as_tensor(mask_mod(b, h, rows, kv), device=device)
-            m = m.expand(b_, h_, rows.shape[2], kv_len)
+            want = (b_, h_, rows.shape[2], kv_len)
+            m = _answer("create_block_mask", mask_mod(b, h, rows, kv), want, device).expand(want)
             # padded to whole blocks with False, as PyTorch pads: a ragged block is never full
             m = torch.nn.functional.pad(m, (0, n_kv * bkv - kv_len, 0, bq - m.shape[2]))
             sums.append(m.reshape(b_, h_, bq, n_kv, bkv).sum(dim=(2, 4)))
@@ -209,29 +212,43 @@ def _mask(qb: spec.QueryBlock, mask_mod: Callable[..., Any] | None, b: Tensor, h
     """The block's mask (True = may attend), broadcastable to ``shape`` (B, Hq, rows, n):
     None where every key computed is in a full block.  Its first two sizes are those the
     mask mod's answers need (a causal mod's: (1, 1, rows, n), not a copy per example and
-    head: the softmax broadcasts it)."""
+    head: the softmax broadcasts it); an answer of lower rank or smaller sizes (PyTorch's
+    ``noop_mask``: 0-d; ``q_idx < 30``: (1, 1, rows, 1)) is broadcast to its run's keys."""
     if all(r.kind == "full" for r in qb.runs):
         return None
     device = b.device
+    rows = shape[2]
     pieces = []
     for run in qb.runs:
+        width = run.stop - run.start
         if run.kind == "full":
-            pieces.append(torch.ones((1, 1, shape[2], run.stop - run.start), dtype=torch.bool, device=device))
+            pieces.append(torch.ones((1, 1, rows, width), dtype=torch.bool, device=device))
             continue
         kv_idx = torch.arange(run.start, run.stop, device=device).reshape(1, 1, 1, -1)
+        want = (*shape[:2], rows, width)
         if run.kind == "partial":
             assert mask_mod is not None
-            piece = torch.as_tensor(mask_mod(b, h, q_idx, kv_idx), device=device)
+            piece = _answer("flex_attention", mask_mod(b, h, q_idx, kv_idx), want, device)
         else:  # mixed: the kinds differ by (b, h)
             assert run.full is not None
             piece = torch.as_tensor(run.full, device=device)
             if run.partial is not None:
                 assert mask_mod is not None
-                piece = piece | (torch.as_tensor(run.partial, device=device) & mask_mod(b, h, q_idx, kv_idx))
-        pieces.append(piece)
+                answer = _answer("flex_attention", mask_mod(b, h, q_idx, kv_idx), want, device)
+                piece = piece | (torch.as_tensor(run.partial, device=device) & answer)
+        pieces.append(piece.reshape((1,) * (4 - piece.dim()) + tuple(piece.shape)))  # rank 4
     lead = torch.broadcast_shapes(*(tuple(p.shape[:2]) + (1, 1) for p in pieces))[:2]
-    pieces = [p.expand(*lead, shape[2], p.shape[-1]) for p in pieces]
+    pieces = [p.expand(*lead, rows, run.stop - run.start) for p, run in zip(pieces, qb.runs, strict=True)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
+def _answer(where: str, answer: Any, want: tuple[int, ...], device: Any) -> Tensor:
+    """A mask mod's answer as a tensor on ``device``, checked
+    (``attention_spec.flex_answers``: bool, broadcasting to ``want`` (B', H', rows, keys);
+    the text the JAX twin gives).  ``True`` (a Python bool) is a 0-d bool tensor."""
+    answer = torch.as_tensor(answer, device=device)
+    check_mask_answer(where, dtype_name(answer.dtype), answer.shape, want)
+    return answer
 
 
 def _lse(scores: Tensor, mask: Tensor | None) -> Tensor:
