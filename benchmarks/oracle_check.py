@@ -149,18 +149,20 @@ def verdict(system: str, got: Any, want: np.ndarray, dtype: str, *, checked: str
             tolerance: Tolerance | None = None, ours: bool | None = None, isa: str | None = None) -> dict[str, Any]:
     """``got`` against the oracle's ``want``: elementwise ``|got - want| <= atol + rtol |want|``
     at ``tolerance`` (default: ``ORACLE[dtype]``) and finite.  A dict that JSON holds:
-    ``system``, ``ours``, ``ok``, ``max_abs_error``, ``dtype``, ``tolerance`` (rtol, atol),
-    ``checked`` (what was compared) and ``machine``'s keys."""
+    ``system``, ``ours``, ``ok``, ``max_abs_error`` (inf where ``got`` has NaN or inf:
+    ``non_finite`` counts them), ``dtype``, ``tolerance`` (rtol, atol), ``checked`` (what
+    was compared) and ``machine``'s keys."""
     tol = ORACLE[dtype] if tolerance is None else tolerance
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     if got.shape != want.shape:
         raise ValueError(f"{system}: output rows of shape {got.shape} against the oracle's {want.shape}")
     diff = np.abs(got - want)
-    finite = bool(np.isfinite(got).all())
+    non_finite = int((~np.isfinite(got)).sum())
+    finite = non_finite == 0
     ok = finite and bool((diff <= tol.atol + tol.rtol * np.abs(want)).all())
     return {"system": system, "ours": is_ours(system) if ours is None else ours, "ok": ok,
-            "max_abs_error": float(diff.max()) if finite else float("inf"), "dtype": dtype,
+            "max_abs_error": float(diff.max()) if finite else float("inf"), "non_finite": non_finite, "dtype": dtype,
             "tolerance": {"rtol": tol.rtol, "atol": tol.atol}, "checked": checked, **machine(framework, isa)}
 
 
@@ -207,7 +209,8 @@ def wrong_text(wrong: list[dict[str, Any]]) -> str:
              "ISA |", "|---|---|---|---|---|---|---|---|"]
     for v in wrong:
         system = v["system"] + (f" at {v['label']}" if v.get("label") else "")
-        lines.append(f"| {system} | {v['max_abs_error']:.3g} | {v['tolerance']['rtol']:g} / "
+        error = f"{v['max_abs_error']:.3g}" + (f" ({v['non_finite']} NaN or inf)" if v.get("non_finite") else "")
+        lines.append(f"| {system} | {error} | {v['tolerance']['rtol']:g} / "
                      f"{v['tolerance']['atol']:g} | {v['dtype']} | {v['checked']} | {v['device']} | "
                      f"{v['torch_cpu_capability']} | {v['isa']} |")
     return "\n".join(lines) + "\n"

@@ -42,9 +42,11 @@ def test_a_verdict_holds_the_error_the_tolerance_and_the_machine() -> None:
     assert not checks.check("torch-sdpa", want + 1.0, want, "float32")
     assert not checks.check("torch-sdpa-nan", np.full_like(want, np.nan), want, "float32")
     assert [v["system"] for v in checks.wrong] == ["torch-sdpa", "torch-sdpa-nan"] and checks.is_wrong("torch-sdpa")
+    assert (checks.wrong[1]["max_abs_error"], checks.wrong[1]["non_finite"]) == (float("inf"), 12)
     with pytest.raises(AssertionError, match=r"ours-torch-sdpa \(ours\) is wrong against the float64 oracle"):
         checks.check("ours-torch-sdpa", want + 1.0, want, "float32")
-    assert "| torch-sdpa | 1 | 1e-05 / 1e-05 | float32 |" in oracle_check.wrong_text(checks.wrong)
+    text = oracle_check.wrong_text(checks.wrong)
+    assert "| torch-sdpa | 1 | 1e-05 / 1e-05 | float32 |" in text and "| torch-sdpa-nan | inf (12 NaN or inf) |" in text
 
 
 def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
