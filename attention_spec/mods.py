@@ -417,8 +417,11 @@ class _Combined(Mod):
 
     def indexed(self) -> tuple[Indexed, ...]:
         """Each part's, named by its place (``and_masks part 2, documents: doc_ids``)."""
-        return tuple(e._replace(label=f"{self.maker} part {i}, {e.label}")
-                     for i, p in enumerate(self.parts, 1) if isinstance(p, Mod) for e in p.indexed())
+        found: list[Indexed] = []
+        for i, part in enumerate(self.parts, 1):
+            if isinstance(part, Mod):
+                found += [e._replace(label=f"{self.maker} part {i}, {e.label}") for e in part.indexed()]
+        return tuple(found)
 
     @property
     def arrays(self) -> tuple[Any, ...]:
@@ -681,7 +684,7 @@ class Positioned(Mod):
         if _is_array(self.offset):
             own = (Indexed(f"{self.maker}: offset", tuple(int(n) for n in self.offset.shape), ("b",)),)
             shift = _concrete_max(self.offset)
-        inner = self.mod.indexed() if isinstance(self.mod, Mod) else ()
+        inner: tuple[Indexed, ...] = self.mod.indexed() if isinstance(self.mod, Mod) else ()
         return own + tuple(e._replace(shift=None if shift is None or e.shift is None else e.shift + shift)
                            for e in inner)
 
