@@ -1,18 +1,28 @@
 """``flex_attention`` for PyTorch, on CPU with a backward: PyTorch's flex_attention (score
 and mask mods, block-sparse block masks) on the library's math.  ``jax_attention/_flex.py``
 is its twin; the mods are ``attention_spec.mods``'s, the checks and the block plan
-``attention_spec.flex``'s.
+``attention_spec.flex``'s, what a mask mod may answer ``attention_spec.flex_answers``'s.
 
 PyTorch's own ``flex_attention`` has no backward on CPU and, eager, makes the whole
 (L, S) scores.  Here, per query block of ``BLOCK_SIZE`` rows, only the key blocks that the
-block mask marks non-empty are computed: their scores in the compute dtype (float32 for
-half precision; float64 stays), ``score_mod`` applied with index tensors, the mask mod on
-partial blocks only (its bool answer broadcast to the block's keys:
-``attention_spec.flex_answers``), the library's stable softmax (``_reference._softmax``), then
-weights @ v.  Each query block runs under ``torch.utils.checkpoint`` (non-reentrant):
-the backward recomputes its scores, so no (L, S) tensor is kept for it, and gradients
-reach q, k, v and the tensors the mods capture.  The block plan is read from the block
-mask's tables on the host (they are small).
+block mask marks non-empty are computed, ``KEY_CHUNK`` keys at a time: their scores in
+the compute dtype (float32 for half precision; float64 stays), ``score_mod`` applied with
+index tensors, the mask mod on partial blocks only (its bool answer broadcast to the
+block's keys), then FlashAttention's recurrences (``_Run``): an online softmax forward
+that keeps each row's log-sum-exp, and a backward (``_Flex``, one autograd node) that
+recomputes each chunk's weights from it, the score mod's derivative taken by autograd on
+the chunk alone.  Only q, k, v, the output and the log-sum-exp are kept for the backward,
+and nothing made for one block outlives it.
+
+Why not a ``torch.utils.checkpoint`` per query block (as before): it kept no (L, S) tensor,
+but it kept every block's autograd nodes, small allocations that glibc places in the
+freed scores of the block before, so that each wider block (a causal mask: block i has
+i + 1 key blocks) took new heap; the peak resident memory grew with the square of the
+sequence (B1 H2 D32, causal, ALiBi, forward + backward: 0.55 / 1.3 / 4.2 GB at S = 4096 /
+8192 / 16384, where the live tensors stayed near 0.1 GB).  The checkpointed blocks
+remain for a score mod that reaches tensors needing gradients of their own (a learnt
+bias it captures; ``_NeedsCheckpoint``), which ``_Flex`` cannot reach.  The block plan is
+read from the block mask's tables on the host (they are small).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from attention_spec import flex as spec
@@ -30,6 +41,10 @@ from attention_spec.arrays import dtype_name
 from attention_spec.flex import DEFAULT_BLOCK, BlockMask
 from attention_spec.flex_answers import check_mask_answer
 from torch_attention._reference import _compute_dtype, _softmax, resolve_scale
+
+# A query block's keys are computed this many at a time (the last chunk fewer): the widest
+# scores a call makes are (B, Hq, BLOCK_SIZE, KEY_CHUNK), whatever the sequence.
+KEY_CHUNK = 1024
 
 
 def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,  # noqa: N803
@@ -90,8 +105,9 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
       enable_gqa: k and v may have Hkv heads dividing Hq; query head h reads kv head
         h // (Hq // Hkv).  Without it Hq must equal Hkv.
 
-    Differentiable in q, k, v and the tensors the mods capture, one query block
-    recomputed at a time.
+    Differentiable in q, k, v (once: FlashAttention's backward, a chunk of keys
+    recomputed at a time) and the tensors the mods capture (then each query block is a
+    ``torch.utils.checkpoint``).
 
     Raises:
       ValueError / TypeError: shapes, dtypes, scale, mods or a block mask that do not fit
@@ -105,7 +121,18 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
     qg = query.reshape(batch, kv_heads, groups, q_len, dim)  # (B, Hkv, G, L, E): query head h = kvh * G + g
     kg, vg = key[:, :, None], value[:, :, None]  # (B, Hkv, 1, S, E|Ev)
     ct = _compute_dtype(query.dtype)
+    run = _Run(plan, score_mod, mask_mod, scale, ct, groups)
     recompute = torch.is_grad_enabled()
+    try:
+        if recompute and any(t.requires_grad for t in (query, key, value)):
+            out, lse = _Flex.apply(query, key, value, run)
+        else:
+            out, lse = run.forward(query, key, value, check=recompute)
+            out = out.to(value.dtype)
+        return (out, lse) if return_lse else out
+    except _NeedsCheckpoint:
+        pass
+    # a score mod over tensors that need gradients: each query block under a checkpoint
     outs, lses = [], []
     for qb in plan:
         rows = qb.stop - qb.start
@@ -122,6 +149,184 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
     if not return_lse:
         return out
     return out, lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
+
+
+class _NeedsCheckpoint(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by ``_Run.forward`` where the score mod reaches tensors that need gradients
+    (a learnt bias it captures), which ``_Flex`` cannot reach: ``flex_attention`` then runs
+    each query block under ``torch.utils.checkpoint``, which does."""
+
+
+class _Run:
+    """One call's plan and mods, and its forward and backward, a query block at a time
+    and, within it, ``KEY_CHUNK`` keys at a time (``_chunks``): FlashAttention's
+    recurrences (an online softmax forward; a backward recomputing each chunk's weights
+    from the row's log-sum-exp), in the compute dtype, written into tensors made once.
+    Nothing is allocated per block that outlives it, so that the allocator reuses one
+    block's freed memory for the next (module docstring)."""
+
+    def __init__(self, plan: tuple[spec.QueryBlock, ...], score_mod: Callable[..., Any] | None,
+                 mask_mod: Callable[..., Any] | None, scale: float, ct: torch.dtype, groups: int) -> None:
+        self.plan, self.score_mod, self.mask_mod = plan, score_mod, mask_mod
+        self.scale, self.ct, self.groups = scale, ct, groups
+
+    def _scores(self, chunk: spec.QueryBlock, q: Tensor, k: Tensor, heads: int, grad: bool,
+                check: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Any]:
+        """One chunk's (raw scaled scores, modded scores (B, Hq, rows, n), mask (True =
+        visible, broadcastable; None: all), its keys k (B, Hkv, 1, n, E), its key index:
+        a (start, stop) span or positions).  ``grad``: the modded scores are a function of
+        the raw ones for autograd.  ``check``: raises ``_NeedsCheckpoint`` where the mod's
+        answer needs gradients of its own (with raw scores that need none)."""
+        batch, kv_heads, groups, rows, _ = q.shape
+        device = q.device
+        span = chunk.span
+        index: Any = span if span is not None else torch.as_tensor(chunk.key_positions, device=device)
+        k_c = k[..., span[0]:span[1], :] if span is not None else k.index_select(-2, index)
+        n = k_c.shape[-2]
+        raw = torch.matmul(q, k_c.to(self.ct).transpose(-2, -1)).reshape(batch, heads, rows, n) * self.scale
+        b = torch.arange(batch, device=device).reshape(batch, 1, 1, 1)
+        h = torch.arange(heads, device=device).reshape(1, heads, 1, 1)
+        q_idx = torch.arange(chunk.start, chunk.stop, device=device).reshape(1, 1, rows, 1)
+        mask = _mask(chunk, self.mask_mod, b, h, q_idx, tuple(raw.shape))
+        scores = raw
+        if self.score_mod is not None:
+            kv_idx = torch.as_tensor(chunk.key_positions, device=device).reshape(1, 1, 1, n)
+            if grad:
+                raw.requires_grad_(True)
+            with torch.set_grad_enabled(grad or check):
+                scores = torch.as_tensor(self.score_mod(raw, b, h, q_idx, kv_idx)).expand(raw.shape).to(self.ct)
+            if check and not grad and scores.requires_grad:
+                raise _NeedsCheckpoint
+            finite = scores.detach() != -math.inf  # a score the mod makes -inf blocks its key
+            mask = finite if mask is None else mask & finite
+        return raw, scores, mask, k_c, index
+
+    def _keys(self, v: Tensor, index: Any) -> Tensor:
+        return v[..., index[0]:index[1], :] if isinstance(index, tuple) else v.index_select(-2, index)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, check: bool) -> tuple[Tensor, Tensor]:
+        """(out (B, Hq, L, Ev), lse (B, Hq, L)), both in the compute dtype.  ``check``
+        (gradients are being recorded): the first chunk's score mod is asked with autograd
+        on whether it needs gradients of its own (``_NeedsCheckpoint``)."""
+        batch, heads, q_len, dim = query.shape
+        kv_heads, v_dim = key.shape[1], value.shape[3]
+        ct = self.ct
+        out = query.new_zeros((batch, heads, q_len, v_dim), dtype=ct)
+        lse = query.new_full((batch, heads, q_len), -math.inf, dtype=ct)
+        with torch.no_grad():
+            qg = query.to(ct).reshape(batch, kv_heads, self.groups, q_len, dim)
+            kg, vg = key[:, :, None], value[:, :, None]  # (B, Hkv, 1, S, E|Ev)
+            for qb in self.plan:
+                if not qb.runs:  # every key blocked: zeros, lse -inf
+                    continue
+                rows = qb.stop - qb.start
+                q = qg[:, :, :, qb.start:qb.stop]
+                top = out.new_full((batch, heads, rows, 1), -math.inf)
+                total = out.new_zeros((batch, heads, rows, 1))
+                acc = out.new_zeros((batch, heads, rows, v_dim))
+                for chunk in _chunks(qb, KEY_CHUNK):
+                    _, scores, mask, _, index = self._scores(chunk, q, kg, heads, grad=False, check=check)
+                    check = False
+                    if mask is not None:
+                        scores = scores.masked_fill(~mask, -math.inf)
+                    new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
+                    shift = torch.where(new_top == -math.inf, torch.zeros_like(new_top), new_top)
+                    weights = torch.exp(scores - shift)  # (B, Hq, rows, n); a blocked key's 0
+                    decay = torch.exp(top - shift)
+                    total = total * decay + weights.sum(dim=-1, keepdim=True)
+                    part = torch.matmul(weights.reshape(batch, kv_heads, self.groups, rows, -1),
+                                        self._keys(vg, index).to(ct))
+                    acc = acc * decay + part.reshape(batch, heads, rows, v_dim)
+                    top = new_top
+                live = total > 0
+                out[:, :, qb.start:qb.stop] = acc / torch.where(live, total, torch.ones_like(total))
+                shift = torch.where(live, top, torch.zeros_like(top))
+                lse[:, :, qb.start:qb.stop] = torch.where(live, shift + torch.log(torch.where(
+                    live, total, torch.ones_like(total))), torch.full_like(total, -math.inf))[..., 0]
+        return out, lse
+
+    def backward(self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+                 d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv) in the inputs' dtypes, from the forward's out and lse (compute
+        dtype) and the gradients of the outputs: per chunk, the weights
+        p = exp(s - lse), dv += p^T dO, ds = p (dO v^T - rowsum(dO out) + dlse), through
+        the score mod by autograd, then dq += ds k, dk += ds^T q (times the scale)."""
+        batch, heads, q_len, dim = query.shape
+        kv_heads, v_dim = key.shape[1], value.shape[3]
+        ct, groups = self.ct, self.groups
+        with torch.no_grad():
+            qg = query.to(ct).reshape(batch, kv_heads, groups, q_len, dim)
+            kg, vg = key[:, :, None], value[:, :, None]
+            d_out = d_out.to(ct)
+            delta = (d_out * out).sum(dim=-1, keepdim=True)  # (B, Hq, L, 1)
+            if d_lse is not None:
+                delta = delta - d_lse.to(ct)[..., None]
+            dq = torch.zeros_like(qg)
+            dk = key.new_zeros((batch, kv_heads, key.shape[2], dim), dtype=ct)
+            dv = value.new_zeros((batch, kv_heads, value.shape[2], v_dim), dtype=ct)
+            for qb in self.plan:
+                if not qb.runs:
+                    continue
+                rows, rs = qb.stop - qb.start, slice(qb.start, qb.stop)
+                q = qg[:, :, :, rs]
+                row_lse = lse[:, :, rs, None]
+                row_lse = torch.where(row_lse == -math.inf, torch.zeros_like(row_lse), row_lse)
+                grad_rows = d_out[:, :, rs].reshape(batch, kv_heads, groups, rows, v_dim)
+                row_delta = delta[:, :, rs]
+                for chunk in _chunks(qb, KEY_CHUNK):
+                    raw, scores, mask, k_c, index = self._scores(chunk, q, kg, heads,
+                                                                 grad=self.score_mod is not None)
+                    weights = torch.exp(scores.detach() - row_lse)
+                    if mask is not None:
+                        weights = weights.masked_fill(~mask, 0.0)
+                    n = weights.shape[-1]
+                    w5 = weights.reshape(batch, kv_heads, groups, rows, n)
+                    dv_c = torch.matmul(w5.transpose(-2, -1), grad_rows).sum(dim=2)  # (B, Hkv, n, Ev)
+                    dp = torch.matmul(grad_rows, self._keys(vg, index).to(ct).transpose(-2, -1))
+                    ds = weights * (dp.reshape(batch, heads, rows, n) - row_delta)
+                    if self.score_mod is not None:
+                        ds = _through(scores, raw, ds, mask)
+                    d5 = ds.reshape(batch, kv_heads, groups, rows, n) * self.scale
+                    dq[:, :, :, rs] += torch.matmul(d5, k_c.to(ct))
+                    dk_c = torch.matmul(d5.transpose(-2, -1), q).sum(dim=2)  # (B, Hkv, n, E)
+                    if isinstance(index, tuple):
+                        dk[:, :, index[0]:index[1]] += dk_c
+                        dv[:, :, index[0]:index[1]] += dv_c
+                    else:
+                        dk.index_add_(2, index, dk_c)
+                        dv.index_add_(2, index, dv_c)
+        return (dq.reshape(batch, heads, q_len, dim).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype))
+
+
+def _through(scores: Tensor, raw: Tensor, grad: Tensor, mask: Tensor | None) -> Tensor:
+    """``grad`` (of the modded scores) taken back through the score mod to the raw
+    scores, 0 at blocked keys (a mod's derivative there may be inf or NaN)."""
+    if not scores.requires_grad:  # the mod's answer does not depend on the score
+        return torch.zeros_like(grad)
+    with torch.enable_grad():
+        (got,) = torch.autograd.grad(scores, raw, grad, allow_unused=True)
+    if got is None:
+        return torch.zeros_like(grad)
+    return got if mask is None else got.masked_fill(~mask, 0.0)
+
+
+class _Flex(torch.autograd.Function):
+    """``_Run``'s forward and backward as one autograd node: (q, k, v) -> (out in v's
+    dtype, lse), saving q, k, v, out and lse (O(L + S)), never a block's scores."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, run: _Run) -> tuple[Tensor, Tensor]:
+        out, lse = run.forward(query, key, value, check=True)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.run = run
+        return out.to(value.dtype), lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        query, key, value, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.run.backward(query, key, value, out, lse, d_out, d_lse)
+        return dq, dk, dv, None
 
 
 def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Tensor:
@@ -249,6 +454,30 @@ def _answer(where: str, answer: Any, want: tuple[int, ...], device: Any) -> Tens
     answer = torch.as_tensor(answer, device=device)
     check_mask_answer(where, dtype_name(answer.dtype), answer.shape, want)
     return answer
+
+
+def _chunks(qb: spec.QueryBlock, size: int) -> list[spec.QueryBlock]:
+    """A query block's key runs cut into chunks of at most ``size`` keys, each a query block
+    of the same rows (a mixed run's flags cut with its keys)."""
+    chunks: list[spec.QueryBlock] = []
+    runs: list[spec.KeyRun] = []
+    room = size
+    for run in qb.runs:
+        start = run.start
+        while start < run.stop:
+            stop = min(run.stop, start + room)
+            a, z = start - run.start, stop - run.start
+            runs.append(run._replace(start=start, stop=stop,
+                                     full=None if run.full is None else run.full[..., a:z],
+                                     partial=None if run.partial is None else run.partial[..., a:z]))
+            room -= stop - start
+            start = stop
+            if room == 0:
+                chunks.append(qb._replace(runs=tuple(runs)))
+                runs, room = [], size
+    if runs:
+        chunks.append(qb._replace(runs=tuple(runs)))
+    return chunks
 
 
 def _lse(scores: Tensor, mask: Tensor | None) -> Tensor:
