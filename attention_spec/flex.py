@@ -68,7 +68,9 @@ class BlockMask:
     batch and heads it was made for (1: broadcast), as each twin's ``create_block_mask``
     makes them (NumPy or JAX arrays, torch tensors); ``BLOCK_SIZE`` (query block, key
     block); ``mask_mod``, applied on partial blocks (None: ``mods.noop_mask``, the listed
-    blocks wholly visible, as PyTorch's); ``seq_lengths`` (Q_LEN, KV_LEN).  The
+    blocks wholly visible, as PyTorch's); ``seq_lengths`` (Q_LEN, KV_LEN); ``made_for``,
+    the mask mod whose tables these are (``create_block_mask`` sets it; None: made by
+    hand, its tables may list fewer blocks than its mod allows).  The
     JAX twin registers it as a pytree (the tables its leaves, the rest static data); the
     PyTorch twin also takes PyTorch's own ``BlockMask`` (the same attributes).
 
@@ -82,6 +84,7 @@ class BlockMask:
     BLOCK_SIZE: tuple[int, int]  # noqa: N815 (PyTorch's name)
     mask_mod: Callable[..., Any] | None
     seq_lengths: tuple[int, int]
+    made_for: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         # Only what is None is read here: the JAX twin rebuilds a BlockMask from leaves that
@@ -236,7 +239,14 @@ def flex_call_options(query: Any, key: Any, value: Any, score_mod: Any, block_ma
     if block_mask is not None:
         lead = block_mask.kv_num_blocks.shape
         check_one_table("flex_attention", "block_mask.mask_mod", block_mask.mask_mod, int(lead[0]), int(lead[1]))
-    return named_options(score_mod, None if block_mask is None else block_mask.mask_mod, return_lse=return_lse)
+    options, why = named_options(score_mod, None if block_mask is None else block_mask.mask_mod,
+                                 return_lse=return_lse)
+    if options is not None and block_mask is not None and getattr(block_mask, "made_for", None) is not (
+            block_mask.mask_mod):
+        # Its tables may skip blocks that its mod allows: run as the named options, the call
+        # would follow the mod alone, and on the flex path (return_lse=True) the tables too.
+        return None, "block_mask was not made by create_block_mask for its mask_mod (its blocks are read)"
+    return options, why
 
 
 def options_text(options: dict[str, Any]) -> str:

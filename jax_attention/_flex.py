@@ -53,7 +53,7 @@ LOOPS = 8
 
 jax.tree_util.register_dataclass(
     BlockMask, data_fields=["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"],
-    meta_fields=["BLOCK_SIZE", "mask_mod", "seq_lengths"])
+    meta_fields=["BLOCK_SIZE", "mask_mod", "seq_lengths", "made_for"])
 
 
 class _Structure:
@@ -118,7 +118,7 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     order = spec.ordered_blocks if xp is np else _ordered_traced
     (num, indices), (full_num, full_indices) = order(partial), order(full)
     return BlockMask(num, indices, full_num, full_indices, BLOCK_SIZE=(bq, bkv), mask_mod=mask_mod,
-                     seq_lengths=(q_len, kv_len))
+                     seq_lengths=(q_len, kv_len), made_for=mask_mod)
 
 
 def _answer(where: str, answer: Any, want: tuple[int, ...]) -> Any:

@@ -81,7 +81,7 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     num_t, indices_t, full_num_t, full_indices_t = (torch.as_tensor(t, device=device)
                                                     for t in (num, indices, full_num, full_indices))
     return BlockMask(num_t, indices_t, full_num_t, full_indices_t, BLOCK_SIZE=(bq, bkv), mask_mod=mask_mod,
-                     seq_lengths=(q_len, kv_len))
+                     seq_lengths=(q_len, kv_len), made_for=mask_mod)
 
 
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callable[..., Any] | None = None,

@@ -222,11 +222,13 @@ def test_create_block_mask_matches_torchs_tables(case: str) -> None:
         for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
             got, want = np.asarray(getattr(ours, name)), getattr(theirs, name).numpy()
             assert got.dtype == np.int32 and np.array_equal(got, want), name
-    # and the PyTorch twin takes PyTorch's own block mask
+    # and the PyTorch twin takes PyTorch's own block mask: on the flex path (whether its
+    # tables are its mod's cannot be known, so they are read), the bits of ours there
     q = torch.tensor(np.random.default_rng(1).standard_normal((B, H, q_len, E)), dtype=torch.float32)
     kv = torch.tensor(np.random.default_rng(2).standard_normal((B, H, kv_len, E)), dtype=torch.float32)
-    ours_out = tf.flex_attention(q, kv, kv, block_mask=tf.create_block_mask(mask_mod, batch, H, q_len, kv_len,
-                                                                           BLOCK_SIZE=size))
+    ours_out, _ = tf.flex_attention(q, kv, kv, block_mask=tf.create_block_mask(mask_mod, batch, H, q_len, kv_len,
+                                                                              BLOCK_SIZE=size), return_lse=True)
+    assert tf.flex_route(q, kv, kv, block_mask=theirs).path == "flex"
     assert torch.equal(tf.flex_attention(q, kv, kv, block_mask=theirs), ours_out)
 
 

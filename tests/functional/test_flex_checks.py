@@ -207,3 +207,24 @@ def test_documents_with_a_table_per_example_agree_with_and_without_lse(twins: An
                     f.flex_attention(mk(Q), mk(k), mk(k), block_mask=bm, return_lse=True)[0]):
             np.testing.assert_allclose(np.asarray(got), want_out, rtol=FLEX_ORACLE["float32"].rtol,
                                        atol=FLEX_ORACLE["float32"].atol)
+
+
+def test_a_hand_made_block_mask_is_read_even_where_its_mod_stands_for_an_option(twins: Any) -> None:
+    """One call, one answer: a block mask made by hand whose mask mod is ``mods.causal``
+    and whose tables skip a block the mod allows (query block 1 without key block 0). The
+    call follows the tables and the mod with and without ``return_lse`` (before: without
+    it, the call ran as ``dot_product_attention(causal=True)``, every causal key)."""
+    k = RNG.standard_normal((B, H, L, E)).astype(np.float32)
+    want_out, _ = reference.flex_attention(Q, k, k, mask_mod=lambda b, h, i, j: (j <= i) & ~((i >= BLOCK) & (j < BLOCK)),
+                                           scale=1 / math.sqrt(E))
+    for f, mk in twins:
+        made = _made(f, mods.causal, None)
+        none = np.zeros((1, 1, 2), np.int32)
+        skipping = BlockMask(made.kv_num_blocks, made.kv_indices, mk(none), mk(np.zeros((1, 1, 2, 2), np.int32)),
+                             BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mods.causal, seq_lengths=(L, L))
+        for got in (f.flex_attention(mk(Q), mk(k), mk(k), block_mask=skipping),
+                    f.flex_attention(mk(Q), mk(k), mk(k), block_mask=skipping, return_lse=True)[0]):
+            np.testing.assert_allclose(np.asarray(got), want_out, rtol=FLEX_ORACLE["float32"].rtol,
+                                       atol=FLEX_ORACLE["float32"].atol)
+        assert f.flex_route(mk(Q), mk(k), mk(k), block_mask=skipping).path == "flex"
+        assert f.flex_route(mk(Q), mk(k), mk(k), block_mask=made).path != "flex"  # made for its mod: folds
