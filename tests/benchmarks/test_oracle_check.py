@@ -94,7 +94,11 @@ def test_an_outside_system_that_is_wrong_is_recorded_and_left_out_of_the_ratios(
     (wrong,) = saved["wrong"]
     assert (wrong["system"], wrong["label"], wrong["ours"]) == ("flax-nnx-mha", TINY.label, False)
     assert wrong["max_abs_error"] == pytest.approx(1.0, abs=1e-4) and wrong["tolerance"] == {"rtol": 1e-5, "atol": 1e-5}
-    assert wrong["torch_cpu_capability"] is None and wrong["isa"] == saved["env"]["cpu"]["isa"]  # a JAX worker
+    # a JAX worker reports PyTorch's capability only where PyTorch is loaded (in process: by an earlier test)
+    import sys
+    loaded = sys.modules.get("torch")
+    assert wrong["torch_cpu_capability"] in (None, loaded and loaded.backends.cpu.get_cpu_capability())
+    assert wrong["isa"] == saved["env"]["cpu"]["isa"]
     text = (tmp_path / "tiny.md").read_text()
     assert f"{TINY.label}: ours-jax-fused / ours-torch-sdpa" in text
     assert "/ flax-nnx-mha" not in text  # in no ratio
