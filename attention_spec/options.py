@@ -1,5 +1,5 @@
 """Checks of a module's configuration and of the options a call is given: positive sizes,
-heads and their widths (``head_dim``, ``out_features``), the dropout rate, ``scale``, ``mask_strategy``, ``normalization``,
+heads and their widths (``head_dim``, ``out_features``), the dropout rate, ``scale``, ``clip_qkv``, ``mask_strategy``, ``normalization``,
 ``implementation``, ``window``, ``alignment``, ``softcap``, ``num_kv_heads``, the
 functional ``layout`` of q, k and v (``check_attention_layout``, ``check_qkv_in_layout``), and the
 constructor arguments together (``check_config``).
@@ -125,6 +125,20 @@ def check_qk_norm_offset(qk_norm: str | None, offset: Any) -> float:
     if offset != 0 and qk_norm is None:
         raise ValueError(f"qk_norm_offset={offset!r} needs qk_norm ('rms' or 'layer')")
     return float(offset)
+
+
+def check_clip_qkv(clip_qkv: Any) -> float | None:
+    """``clip_qkv`` (OLMo's): None (off) or a positive finite number c; the query, key
+    and value projections' outputs (after their biases, before qk-norm and rope) are
+    clamped to [-c, c].  Returns a Python float.  Raises TypeError (not a number, or a
+    bool) or ValueError (not positive, not finite)."""
+    if clip_qkv is None:
+        return None
+    if not _is_real(clip_qkv):
+        raise TypeError(f"clip_qkv must be None or a float; got {type(clip_qkv).__name__} {clip_qkv!r}")
+    if not (math.isfinite(clip_qkv) and clip_qkv > 0):
+        raise ValueError(f"clip_qkv must be None or a positive finite number; got {clip_qkv!r}")
+    return float(clip_qkv)
 
 
 def check_kv_heads(num_heads: Any, num_kv_heads: Any) -> int:

@@ -33,6 +33,7 @@ from attention_spec.flex import check_module_mods
 from attention_spec.latent import check_latent_widths, check_norm_eps
 from attention_spec.options import (
     check_alignment,
+    check_clip_qkv,
     check_dropout_rate,
     check_head_dim,
     check_implementation,
@@ -283,6 +284,9 @@ REGISTRY: dict[str, Variant] = {
              Option("num_kv_heads", None, True), Option("kdim", None, True), Option("vdim", None, True),
              # free widths: Gemma's heads x head_dim != hidden, Llama's bias-free o_proj
              Option("head_dim", None, True), Option("out_features", None, True), Option("out_bias", True, True),
+             # OLMo's clip_qkv (q, k, v clamped to [-c, c]); Qwen3-Next's output gate (W_query also
+             # gives a gate per head, interleaved as q_proj's; the merged heads times its sigmoid)
+             Option("clip_qkv", None, True), Option("output_gate", False, True),
              # qk-norm: Qwen3's / Phi's per-head q_norm and k_norm, OLMo 2's across heads
              Option("qk_norm", None, True), Option("qk_norm_scope", "head", True), Option("qk_norm_eps", 1e-6, True),
              Option("qk_norm_offset", 0.0, True),  # Gemma 3: scale by 1 + weight
@@ -349,6 +353,9 @@ class Layers:
     out_proj: bool = False
     out_bias: bool = False
     attention_bias: bool = False  # latent attention's projections
+    # W_query gives queries and a gate per head (2 * head_dim rows a head: the head's
+    # queries, then its gate, as Qwen3-Next's q_proj); the merged heads times sigmoid(gate)
+    output_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -376,9 +383,11 @@ class Scoring:
 
 @dataclass(frozen=True)
 class QKTransforms:
-    """What is done to queries and keys before the scores: qk-norm (its kind, scope,
-    epsilon and offset) and the rotary embedding (an ``attention_spec.rope.RopeConfig``)."""
+    """What is done to queries and keys before the scores: the clamp of the projections
+    (``clip_qkv``, values too), qk-norm (its kind, scope, epsilon and offset) and the
+    rotary embedding (an ``attention_spec.rope.RopeConfig``)."""
 
+    clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip_qkv, clip_qkv]
     qk_norm: str | None = None
     qk_norm_scope: str = "head"
     qk_norm_eps: float = 1e-6
@@ -449,6 +458,8 @@ class AttentionConfig:
         out_proj: bool
         out_bias: bool
         attention_bias: bool
+        output_gate: bool
+        clip_qkv: float | None
         scale: float | None
         causal: bool
         mask_strategy: str
@@ -528,7 +539,7 @@ class AttentionConfig:
             set_(self, "dropout", check_dropout_rate(self.dropout))
         if "scale" in exposed:
             set_(self, "scale", check_scale(self.scale))
-        for name in ("causal", "qkv_bias", "out_proj", "out_bias", "sinks", "attention_bias"):
+        for name in ("causal", "qkv_bias", "out_proj", "out_bias", "sinks", "attention_bias", "output_gate"):
             value = getattr(self, name)
             if name in exposed and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
@@ -546,6 +557,8 @@ class AttentionConfig:
             check_kv_heads(self.num_heads, self.num_kv_heads)
         for name in ("kdim", "vdim"):
             check_optional_width(name, getattr(self, name))
+        if "clip_qkv" in exposed:
+            set_(self, "clip_qkv", check_clip_qkv(self.clip_qkv))
         if "qk_norm" in exposed:
             _, _, eps = check_qk_norm(self.qk_norm, self.qk_norm_scope, self.qk_norm_eps)
             set_(self, "qk_norm_eps", eps)
@@ -618,11 +631,13 @@ class AttentionConfig:
     def fan_out(self, role: str) -> int | None:
         """Output width of the projection of ``role``: key/value projections are sized for
         ``kv_heads`` heads of ``head_dim``; ``out`` maps to ``out_features`` (None:
-        ``d_out``); query to the merged heads' width.  Latent attention: see
-        ``latent_fan_out``."""
+        ``d_out``); query to the merged heads' width, twice that with ``output_gate``
+        (each head's queries and its gate).  Latent attention: see ``latent_fan_out``."""
         if self.declaration.heads == "latent":
             return self.latent_fan_out(role)
         width = self.width
+        if role == "query" and self.output_gate and width is not None:
+            return 2 * width
         if role == "out":
             return self.d_out if self.out_features is None else self.out_features
         if role in ("key", "value") and width is not None and self.kv_heads != self.num_heads:
@@ -664,11 +679,13 @@ class AttentionConfig:
     def qk_norms(self) -> tuple[tuple[str, str, int], ...]:
         """The query/key norms this config creates, ``(name, role, width)``: none without
         ``qk_norm``; ``q_norm`` and ``k_norm`` (Hugging Face's names), each ``head_dim``
-        wide (``qk_norm_scope="head"``) or as wide as its projection (``"all"``)."""
+        wide (``qk_norm_scope="head"``) or as wide as its role's heads (``"all"``: the
+        projection's width; the queries' without an output gate's half)."""
         if self.qk_norm is None:
             return ()
         return tuple(
-            (name, role, cast(int, self.head_dim if self.qk_norm_scope == "head" else self.fan_out(role)))
+            (name, role, cast(int, self.head_dim if self.qk_norm_scope == "head"
+                              else self.width if role == "query" else self.fan_out(role)))
             for name, role in (("q_norm", "query"), ("k_norm", "key"))
         )
 

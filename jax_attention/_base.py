@@ -23,7 +23,7 @@ from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_option
 from attention_spec.registry import AttentionConfig, make_config
 from jax_attention import functional
 from jax_attention._cache import check_room, new_cache, run_cached
-from jax_attention._projections import linear, merge, new_projection, project
+from jax_attention._projections import gate_scope, linear, merge, new_projection, project
 from jax_attention._qk import check_positions, norm_of, normalise_qk, qk_norm_layers, rotate, transform_heads
 
 
@@ -238,9 +238,10 @@ class AttentionModule(nnx.Module):
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                              cache=cache, return_weights=return_weights, positions=positions)
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
-        if call.cache is not None:
-            return self._run_cached(call, return_weights, key)
-        return _unbatch(self._run(call, return_weights, key), call.batched)
+        with gate_scope():  # (an output gate: split by the projections, taken by the merge)
+            if call.cache is not None:
+                return self._run_cached(call, return_weights, key)
+            return _unbatch(self._run(call, return_weights, key), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``

@@ -238,7 +238,10 @@ def forward(
     ones that mixed the values.  Widths come from the parameters' shapes (``head_dim``,
     when given, is checked against them); ``out_bias=False``: ``out_proj`` has no bias.
     ``config["rope"]`` (a ``RopeConfig``) turns q and k at ``positions`` (integers (B, T)
-    or (1, T); None: 0..T-1), in float64 (``rope``).
+    or (1, T); None: 0..T-1), in float64 (``rope``).  ``clip_qkv`` clamps the three
+    projections' outputs (biases added) to [-c, c] before anything else; ``output_gate``
+    reads W_query's output as each head's queries then its gate (2 * head_dim a head) and
+    multiplies the merged heads by sigmoid(gate) before ``out_proj``.
     """
     from attention_spec.registry import variant as declaration
 
@@ -280,6 +283,15 @@ def forward(
             by_role[p.role] = x @ np.asarray(params[p.name], np.float64)
         else:
             by_role[p.role] = _linear(params, p.name, x)
+    clip = options.get("clip_qkv")
+    if clip is not None:  # OLMo: each projection's output clamped to [-clip, clip], biases added
+        by_role = {role: np.clip(y, -float(clip), float(clip)) for role, y in by_role.items()}
+    gate = None
+    if options.get("output_gate"):  # Qwen3-Next: each head's 2D outputs of W_query, queries then gate
+        q_and_gate = _heads(by_role["query"], int(options["num_heads"]))  # (B, H, T, 2D)
+        half = q_and_gate.shape[-1] // 2
+        by_role["query"], gate = (np.ascontiguousarray(part.transpose(0, 2, 1, 3)).reshape(*x.shape[:2], -1)
+                                  for part in (q_and_gate[..., :half], q_and_gate[..., half:]))
     for name, role in (("q_norm", "query"), ("k_norm", "key")):
         if options.get("qk_norm") is not None:  # qk-norm: before the heads attend
             by_role[role] = _qk_norm(params, name, by_role[role], options["qk_norm"], options["qk_norm_eps"],
@@ -299,6 +311,8 @@ def forward(
     out, weights = attention(q, k, v, scale=scale, **common)
     b, h, n, d = out.shape
     out = out.transpose(0, 2, 1, 3).reshape(b, n, h * d)
+    if gate is not None:  # the merged heads times sigmoid(gate), before out_proj
+        out = out / (1.0 + np.exp(-gate))
     for p in projections:
         if p.role == "out":  # out_features / out_bias: out_proj's (out, in) weight and bias, if any
             if p.has_bias(options) != (f"{p.name}.bias" in params):

@@ -21,7 +21,7 @@ from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_option
 from attention_spec.registry import AttentionConfig, make_config
 from torch_attention import functional
 from torch_attention._cache import check_room, new_cache, run_cached
-from torch_attention._projections import linear, merge, new_projection, project
+from torch_attention._projections import gate_scope, linear, merge, new_projection, project
 from torch_attention._qk import (
     check_positions,
     norm_of,
@@ -213,9 +213,10 @@ class AttentionModule(nn.Module):
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                              cache=cache, return_weights=return_weights, positions=positions)
-        if call.cache is not None:
-            return self._run_cached(call, return_weights)
-        return _unbatch(self._run(call, return_weights), call.batched)
+        with gate_scope():  # (an output gate: split by the projections, taken by the merge)
+            if call.cache is not None:
+                return self._run_cached(call, return_weights)
+            return _unbatch(self._run(call, return_weights), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``

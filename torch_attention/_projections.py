@@ -1,13 +1,17 @@
 """A module's projections: built as the registry declares them (``new_projection``); q, k
-and v from the inputs (``project``, q and k through the ``"projected"`` transforms of
-``_qk`` before the head split); the heads merged and mixed by ``out_proj`` (``merge``);
-each product through ``functional.project`` (``linear``).
+and v from the inputs (``project``: clamped by ``clip_qkv``, the output gate split from
+the queries, q and k through the ``"projected"`` transforms of ``_qk`` before the head
+split); the heads merged, gated and mixed by ``out_proj`` (``merge``); each product
+through ``functional.project`` (``linear``).
 
 Twin of ``jax_attention/_projections.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, cast
 
 import torch
@@ -46,8 +50,11 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
             implementation: str) -> tuple[Tensor, Tensor, Tensor]:
     """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
     (cross-attention) or x, by the module's declared projections (its ``_linear``), on
-    ``implementation``'s path; q and k through its ``"projected"`` transforms
-    (``_qk.transform_projected``: qk-norm) before the head split."""
+    ``implementation``'s path: each clamped to [-clip_qkv, clip_qkv] (``clip``), after
+    its bias; with ``output_gate``, W_query's gate split from its queries (``split_gate``)
+    and held for this call's ``merge`` (``gate_scope``); q and k through its
+    ``"projected"`` transforms (``_qk.transform_projected``: qk-norm) before the head
+    split."""
     spec = module.spec
     keys = x if keys is None else keys
     values = x if values is None else values
@@ -57,7 +64,10 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
         return x.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1)
 
     def one(role: str, inputs: Tensor, heads: int) -> Tensor:
-        t = module._linear(getattr(module, names[role]), inputs, implementation)
+        t = clip(module._linear(getattr(module, names[role]), inputs, implementation), spec.clip_qkv)
+        if role == "query" and spec.output_gate:  # (B, T, H * 2D) -> queries, gate (B, T, H * D)
+            t, gate = split_gate(t, heads)
+            _GATE.set(gate)
         if role != "value":
             t = transform_projected(module, role, t)
         # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
@@ -74,10 +84,56 @@ def split_heads(t: Tensor, heads: int) -> Tensor:
 
 
 def merge(module: Any, out: Tensor, implementation: str) -> Tensor:
-    """Heads (B, H, T, Dv) -> (B, T, H * Dv), mixed by the module's ``out_proj`` (its
-    ``_linear``) where it has one."""
+    """Heads (B, H, T, Dv) -> (B, T, H * Dv), times sigmoid(gate) with ``output_gate``
+    (the gate ``project`` split from this call's queries), mixed by the module's
+    ``out_proj`` (its ``_linear``) where it has one."""
     b, h, num_tokens, head_dim = out.shape
     # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
     out = out.transpose(1, 2).reshape(b, num_tokens, h * head_dim)
+    if module.spec.output_gate:
+        out = out * torch.sigmoid(_take_gate())
     out_proj = getattr(module, "out_proj", None)
     return out if out_proj is None else module._linear(out_proj, out, implementation)  # heads mixed
+
+
+# --------------------------------------------------------------------------- clip_qkv, the output gate
+
+
+def clip(t: Tensor, clip_qkv: float | None) -> Tensor:
+    """t clamped to [-clip_qkv, clip_qkv] (OLMo's ``clip_qkv``; ``torch.clamp``: the
+    gradient passes where -c <= t <= c, zero outside); unchanged for None."""
+    return t if clip_qkv is None else t.clamp(-clip_qkv, clip_qkv)
+
+
+def split_gate(t: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """W_query's output (B, T, heads * 2D) of a gated module -> queries and gate, each
+    (B, T, heads * D): each head's 2D features are its D queries, then its D gate
+    features (Qwen3-Next's ``q_proj(x).view(B, T, H, 2D).chunk(2, -1)``)."""
+    b, num_tokens, width = t.shape
+    pairs = t.view(b, num_tokens, heads, 2, width // (2 * heads))  # (B, T, H, 2, D)
+    return pairs[..., 0, :].reshape(b, num_tokens, -1), pairs[..., 1, :].reshape(b, num_tokens, -1)
+
+
+# The output gate of the call in flight (B, T, H * D): ``project`` splits it from the
+# queries, ``merge`` (which a call reaches after it, in the module's run and in cached
+# decoding, ``_cache``) takes it.  A module's call holds it in ``gate_scope``.
+_GATE: ContextVar[Tensor | None] = ContextVar("output_gate", default=None)
+
+
+@contextmanager
+def gate_scope() -> Iterator[None]:
+    """One module call: the gate its ``project`` splits is its ``merge``'s, and gone after
+    the call (a failed call leaves none behind)."""
+    token = _GATE.set(None)
+    try:
+        yield
+    finally:
+        _GATE.reset(token)
+
+
+def _take_gate() -> Tensor:
+    gate = _GATE.get()
+    if gate is None:
+        raise RuntimeError("merge of a module with output_gate before its project split the gate")
+    _GATE.set(None)
+    return gate

@@ -99,6 +99,14 @@ class MultiHeadAttention(AttentionModule):
     ``out_proj``'s bias (Llama's ``o_proj``).  Without ``out_proj`` the output is the
     merged heads, so ``num_heads * head_dim`` must equal d_out.
 
+    ``clip_qkv=c`` (OLMo): the q, k and v projections' outputs, biases added, are clamped
+    to [-c, c] before qk-norm and rope (the gradient passes inside, bounds included, as
+    ``torch.clamp``'s).  ``output_gate=True`` (Qwen3-Next, Qwen3.5): ``W_query`` has
+    ``2 * num_heads * head_dim`` outputs, each head's ``head_dim`` queries then its
+    ``head_dim`` gate features (Hugging Face's ``q_proj`` as it is); the merged heads
+    are multiplied by ``sigmoid(gate)`` before ``out_proj``.  With both, the gate is
+    clamped too (it is W_query's output).
+
     qk-norm: ``qk_norm="rms"`` or ``"layer"`` normalises the projected queries and keys
     (``q_norm``, ``k_norm``: a learnable weight, and a bias for ``"layer"``; ``eps`` =
     ``qk_norm_eps``) before attention, per head over head_dim (``qk_norm_scope="head"``:
@@ -146,6 +154,8 @@ class MultiHeadAttention(AttentionModule):
         head_dim: int | None = None,
         out_features: int | None = None,
         out_bias: bool = True,
+        clip_qkv: float | None = None,
+        output_gate: bool = False,
         qk_norm: str | None = None,
         qk_norm_scope: str = "head",
         qk_norm_eps: float = 1e-6,
