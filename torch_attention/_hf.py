@@ -36,7 +36,7 @@ from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf, rotary_
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
 
-__all__ = ["from_hf", "hf_children", "hf_rules", "supported_hf_classes", "to_hf"]
+__all__ = ["from_hf", "hf_children", "hf_rules", "recognises_hf_layer", "supported_hf_classes", "to_hf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,46 +62,292 @@ class _Family:
     not_ours: str | None = None  # a sub-module of the layer that ours does not cover (BERT's LayerNorm)
 
 
-_FAMILIES: dict[str, _Family] = {
-    "GPT2Attention": _Family("GPT-2", packed="c_attn", o="c_proj", layout="in_out", rope=False),
-    "LlamaAttention": _Family("Llama"),
-    "MistralAttention": _Family("Mistral"),
-    "Qwen2Attention": _Family("Qwen2"),
-    "Qwen3Attention": _Family("Qwen3", norms=("q_norm", "k_norm")),
-    "GemmaAttention": _Family("Gemma"),
-    "Gemma2Attention": _Family("Gemma 2"),
-    "Gemma3Attention": _Family("Gemma 3", norms=("q_norm", "k_norm"), norm_offset=True),
-    "GPTNeoXAttention": _Family("GPT-NeoX", packed="query_key_value", packing="per_head", o="dense"),
-    "PhiAttention": _Family("Phi", o="dense", norms=("q_layernorm", "k_layernorm"), norm="layer"),
-    "Phi3Attention": _Family("Phi-3", packed="qkv_proj", packing="grouped"),
-    "Olmo2Attention": _Family("OLMo 2", norms=("q_norm", "k_norm"), norm_scope="all"),
-    "BertAttention": _Family("BERT", q="self.query", k="self.key", v="self.value", o="output.dense", rope=False,
-                             attention="self", not_ours="output.LayerNorm"),
-    "ViTAttention": _Family("ViT", rope=False),
-    "GptOssAttention": _Family("gpt-oss", sinks=True),
-}
+# The families proven in tests/interop/test_from_hf.py (and, model by model, in
+# tests/interop/test_hf_families.py).  ``from_hf`` does not look a layer up here: it reads what
+# the layer holds (``_recognise``); these are the names ``supported_hf_classes`` gives.
+_PROVEN = ("GPT2Attention", "LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
+           "GemmaAttention", "Gemma2Attention", "Gemma3Attention", "GPTNeoXAttention", "PhiAttention",
+           "Phi3Attention", "Olmo2Attention", "BertAttention", "ViTAttention", "GptOssAttention")
 
 
 # DeepSeek's latent attention: ours is MultiHeadLatentAttention (``_hf_latent``).
 LATENT_CLASSES = ("DeepseekV2Attention", "DeepseekV3Attention")
+_LATENT_HOLDS = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 def supported_hf_classes() -> tuple[str, ...]:
-    """The ``transformers`` attention classes ``from_hf`` and ``to_hf`` take, by name."""
-    return (*_FAMILIES, *LATENT_CLASSES)
+    """The ``transformers`` attention classes proven against ``from_hf`` one layer at a time
+    (``tests/interop/test_from_hf.py``).  ``from_hf`` takes any layer whose mechanisms it
+    knows, whatever its class (``recognises_hf_layer``; ``hf_families_table`` lists the
+    families of the installed ``transformers`` it ports)."""
+    return (*_PROVEN, *LATENT_CLASSES)
+
+
+# The separate projections (q, k, v, o) under the names the families use.
+_SEPARATE = (("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "k_proj", "v_proj", "dense"),
+             ("q_proj", "k_proj", "v_proj", "out_proj"), ("query", "key", "value", "dense"))
+# One packed q/k/v weight: (name, its output projection, the packing, the layout, the config's
+# model types it is known for (empty: any)).  A name packs differently in other families
+# (Bloom's and Falcon's query_key_value): those are refused, naming the packing.
+_PACKED = (("c_attn", "c_proj", "thirds", "in_out", ()), ("query_key_value", "dense", "per_head", "out_in",
+                                                        ("gpt_neox",)),
+           ("qkv_proj", "o_proj", "grouped", "out_in", ()))
+_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+# Sub-modules no mechanism of ours covers yet, by what they are.
+_KNOWN_EXTRAS = {
+    "indexer": "sparse attention (an indexer that chooses the keys: DeepSeek-V3.2 / GLM-5)",
+    "compressor": "compressed attention (DeepSeek-V4's compressor)",
+    "v_norm": "a value norm",
+    "gate_proj": "an output gate (gate_proj)", "g_proj": "an output gate (g_proj)",
+    "q_gate_proj": "an output gate (q_gate_proj)",
+    "attn_sub_norm": "a norm of the attention output before its projection (attn_sub_norm)",
+    "o_norm": "a norm of the attention output before its projection (o_norm)",
+    "qk_norm": "a weightless qk-norm (qk_norm: L2)",
+    "experts": "a mixture of attention experts",
+}
+# Layer kinds that are not softmax attention, by the parameters and sub-modules they hold.
+_NOT_SOFTMAX: tuple[tuple[set[str], set[str], str], ...] = (
+    ({"A_log", "dt_bias"}, {"in_proj_qkv", "in_proj_qkvz", "b_proj", "in_proj_b", "in_proj_a", "f_a_proj"},
+     "a linear-attention layer (gated delta rule), not softmax attention"),
+    ({"A_log", "D"}, set(), "a state-space layer (Mamba), not softmax attention"),
+)
+# The config switches of mechanisms ours cannot express yet (config attribute, the mechanism).
+_CONFIG_REFUSALS = (
+    ("clip_qkv", "clip_qkv (OLMo's qkv clipping)"),
+    ("attn_output_gate", "an output gate (q_proj gives queries and a gate)"),
+    ("attention_chunk_size", "attention_chunk_size (chunked local attention)"),
+    ("attn_temperature_tuning", "attn_temperature_tuning (queries scaled by position)"),
+    ("attention_k_eq_v", "attention_k_eq_v (keys used as values)"),
+    ("num_kv_shared_layers", "KV shared across layers (num_kv_shared_layers)"),
+    ("use_alibi", "ALiBi position biases"), ("alibi", "ALiBi position biases"),
+)
+# Call conventions that say the layer takes what ours does not compute.
+_FORWARD_REFUSALS = {"alibi": "ALiBi position biases (its forward takes alibi)",
+                     "position_bias": "a position bias added to the scores"}
+
+
+def _nope(layer: Any) -> bool:
+    """Whether this layer turns no q and k although its family has rope (NoPE layers), as
+    the family's forward decides: SmolLM3 and Llama 4 by ``use_rope``
+    (``config.no_rope_layers[layer_idx]``); Cohere 2 (and Cohere 2 MoE unless
+    ``force_rope``) only on its sliding layers; Exaone 4, Exaone-MoE and Kolibri when the
+    config has a window, only on the sliding layers."""
+    if getattr(layer, "use_rope", True) is False or getattr(layer, "use_rope", 1) == 0:
+        return True
+    model_type = str(getattr(getattr(layer, "config", None), "model_type", ""))
+    if model_type in ("cohere2", "cohere2_moe"):
+        return getattr(layer, "sliding_window", None) is None and not getattr(layer, "force_rope", False)
+    if model_type in ("exaone4", "exaone4_5", "exaone_moe", "kolibri1"):
+        return getattr(layer, "sliding_window", None) is not None and not getattr(layer, "is_sliding", True)
+    return False
+
+
+def _forward_takes(layer: Any) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(layer.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _child(layer: Any, name: str) -> Any:
+    child = getattr(layer, name, None) if name else layer
+    return child if isinstance(child, nn.Module) else None
+
+
+def _is_linear(module: Any) -> bool:
+    """A plain ``nn.Linear`` (a subclass may change its weight in forward: BitNet's), or
+    GPT-2's ``Conv1D`` (x @ W + b)."""
+    return type(module) is nn.Linear or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def _refused(layer: Any, problems: list[str]) -> ValueError:
+    return ValueError(f"this {type(layer).__name__} cannot be expressed as MultiHeadAttention: " + "; ".join(problems))
+
+
+def _norm_kind(norm: nn.Module) -> tuple[str, bool] | str:
+    """(``"rms"`` or ``"layer"``, whether it scales by ``1 + w``), found by what a copy
+    of the norm computes with its weight set to 0 and 1 (its own weights are not read);
+    or the reason it is none of ours."""
+    import copy
+
+    params = dict(norm.named_parameters())
+    if "weight" not in params:
+        if any(isinstance(c, nn.ModuleList) for c in norm.children()):
+            return "a LayerNorm per head with its own weights (StableLM's q_layernorm)"
+        return f"a qk-norm without a weight ({type(norm).__name__})"
+    if set(params) - {"weight", "bias"}:
+        return f"a qk-norm with parameters {sorted(set(params) - {'weight', 'bias'})}"
+    probe = torch.linspace(-1.0, 2.0, 2 * int(params["weight"].shape[-1]), dtype=torch.float32)
+    probe = probe.reshape(2, -1) + torch.tensor([[0.5], [-0.25]])
+    twin: Any = copy.deepcopy(norm).float()
+    eps = _norm_eps(norm)
+    rms = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps)
+    centred = probe - probe.mean(-1, keepdim=True)
+    layer_norm = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    with torch.no_grad():
+        if "bias" in params:
+            twin.bias.zero_()
+        found = []
+        for w in (0.0, 1.0):
+            twin.weight.fill_(w)
+            found.append(twin(probe).float())
+    for kind, want in (("rms", rms), ("layer", layer_norm)):
+        if kind == "layer" and "bias" not in params:
+            continue  # ours has a bias: Cohere's LayerNorm without one is not ours
+        if torch.allclose(found[1], want, atol=1e-5) and torch.allclose(found[0], torch.zeros_like(want), atol=1e-6):
+            return kind, False
+        if torch.allclose(found[0], want, atol=1e-5) and torch.allclose(found[1], 2 * want, atol=1e-5):
+            return kind, True
+    return f"a qk-norm that is neither RMSNorm nor LayerNorm with a bias ({type(norm).__name__})"
+
+
+def _recognise(layer: Any, what: str) -> _Family:
+    """What ``layer`` holds, as a ``_Family``, from its sub-modules, its config and its
+    call convention (not its class); raises TypeError for what is no attention layer of a
+    ``transformers`` model, ValueError naming each mechanism ours cannot express, before
+    any weight is read."""
+    if not isinstance(layer, nn.Module) or not hasattr(_attention_of(layer), "config"):
+        raise TypeError(f"{what} takes the attention layer of a transformers model (an nn.Module with a config "
+                        f"and q/k/v/o projections, e.g. {', '.join(_PROVEN[:3])}, ...); got {type(layer).__name__}")
+    attention = _attention_of(layer)
+    name = type(layer).__name__
+    params = {n for n, _ in layer.named_parameters()}
+    own = {n for n, _ in layer.named_parameters(recurse=False)}
+    children = dict(layer.named_children())
+    for needs, also, mechanism in _NOT_SOFTMAX:
+        if needs <= own and (not also or also & set(children)):
+            raise ValueError(f"{name}: {mechanism}")
+    problems = _mechanism_refusals(layer, attention)
+    family = _projections(layer, attention)
+    if family is None:
+        if problems:
+            raise _refused(layer, problems)
+        raise TypeError(f"{what} takes the attention layer of a transformers model, with q/k/v/o projections "
+                        f"under names it knows ({', '.join('/'.join(s) for s in _SEPARATE)}, or packed: "
+                        f"{', '.join(p[0] for p in _PACKED)}); got {name}, holding "
+                        f"{', '.join(sorted(children)) or 'no sub-modules'}")
+    norms = next((pair for pair in _NORMS if all(_child(layer, n) is not None for n in pair)), None)
+    norm_kind: tuple[str, bool] | None = None
+    if norms is not None:
+        kinds = [_norm_kind(_child(layer, n)) for n in norms]
+        bad = [k for k in kinds if isinstance(k, str)]
+        if bad:
+            problems.append(bad[0])
+        elif kinds[0] != kinds[1]:
+            problems.append("q and k norms of different kinds")
+        else:
+            norm_kind = kinds[0]  # type: ignore[assignment]
+    covered = {family.o, *((family.packed,) if family.packed else (family.q, family.k, family.v)), *(norms or ())}
+    if family.not_ours:
+        covered.add(family.not_ours.split(".")[0])
+    if getattr(layer, "is_cross_attention", False):
+        covered.add("q_attn")  # GPT-2's cross-attention query: refused above, named once
+    for child_name, child in _named_children(layer, family):
+        if child_name in covered or child_name == family.attention or isinstance(child, nn.Dropout | nn.Identity):
+            continue
+        problems.append(f"{_KNOWN_EXTRAS.get(child_name.split('.')[-1], 'a sub-module no mechanism accounts for')}: "
+                        f"`{child_name}` ({type(child).__name__})")
+    for p in sorted(own - {"sinks"}):
+        problems.append(f"a parameter no mechanism accounts for: `{p}`")
+    for proj in (family.o, family.packed) if family.packed else (family.q, family.k, family.v, family.o):
+        module = _get(layer, proj)
+        if not _is_linear(module):
+            problems.append(f"`{proj}` is a {type(module).__name__}, not nn.Linear (its forward may change the weight)")
+        elif set(dict(module.named_parameters())) - {"weight", "bias"}:
+            problems.append(f"`{proj}` holds parameters other than a weight and a bias")
+    if problems:
+        raise _refused(layer, problems)
+    del params
+    label = name.removesuffix("Attention")
+    rope = not family.attention and "position_embeddings" in _forward_takes(attention) and not _nope(attention)
+    family = dataclasses.replace(family, rope=rope, sinks="sinks" in own)
+    if norms is None or norm_kind is None:
+        return dataclasses.replace(family, label=label)
+    q_norm = _child(layer, norms[0])
+    width = int(q_norm.weight.shape[-1])
+    head_dim = int(getattr(attention, "head_dim", 0) or 0) or width
+    return dataclasses.replace(family, label=label, norms=norms, norm=norm_kind[0], norm_offset=norm_kind[1],
+                               norm_scope="head" if width == head_dim else "all")
+
+
+def _attention_of(layer: Any) -> Any:
+    """The sub-module with the config, ``is_causal`` and ``scaling`` (BERT's ``self``)."""
+    inner = getattr(layer, "self", None)
+    if isinstance(inner, nn.Module) and all(_child(inner, n) is not None for n in ("query", "key", "value")):
+        return inner
+    return layer
+
+
+def _named_children(layer: nn.Module, family: _Family) -> list[tuple[str, nn.Module]]:
+    found = list(layer.named_children())
+    if family.attention:  # BERT: the self-attention's own children
+        inner = _get(layer, family.attention)
+        found += [(f"{family.attention}.{n}", c) for n, c in inner.named_children()]
+    return found
+
+
+def _projections(layer: nn.Module, attention: Any) -> _Family | None:
+    """Where the q/k/v/o weights live (None: nowhere this library knows)."""
+    prefix = "self." if attention is not layer else ""
+    for q, k, v, o in _SEPARATE:
+        qkv = [_child(attention, n) for n in (q, k, v)]
+        out = _child(attention, o) if not prefix else _get(layer, "output.dense")
+        if all(m is not None for m in qkv) and isinstance(out, nn.Module):
+            if prefix:
+                return _Family("", q=prefix + q, k=prefix + k, v=prefix + v, o="output.dense", rope=False,
+                               attention="self", not_ours="output.LayerNorm")
+            return _Family("", q=q, k=k, v=v, o=o)
+    if prefix:
+        return None
+    model_type = str(getattr(attention.config, "model_type", ""))
+    for packed, o, packing, layout, types in _PACKED:
+        if _child(layer, packed) is not None and _child(layer, o) is not None:
+            if types and model_type not in types:
+                raise _refused(layer, [f"a packed q/k/v `{packed}` in a packing from_hf does not know for "
+                                       f"model type {model_type!r} (known for {', '.join(types)})"])
+            return _Family("", packed=packed, o=o, packing=packing, layout=layout)
+    return None
+
+
+def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
+    """What the config and the call convention say that ours cannot express yet."""
+    config = attention.config
+    problems = _refusals(layer, attention)
+    for attr, mechanism in _CONFIG_REFUSALS:
+        value = getattr(config, attr, None)
+        if value is not None and value is not False and value != 0:
+            problems.append(mechanism)
+    takes = _forward_takes(attention)
+    problems += [m for arg, m in _FORWARD_REFUSALS.items() if arg in takes and m not in problems]
+    return problems
 
 
 def _family(layer: Any, what: str) -> _Family:
-    family = _FAMILIES.get(type(layer).__name__)
-    if family is None or not isinstance(layer, nn.Module):
-        raise TypeError(f"{what} takes the attention layer of a transformers model, one of "
-                        f"{', '.join(supported_hf_classes())}; got {type(layer).__name__}")
-    return family
+    return _recognise(layer, what)
 
 
 def _latent(layer: Any) -> bool:
-    """Whether ``layer`` is DeepSeek's latent attention (``_hf_latent``'s)."""
-    return isinstance(layer, nn.Module) and type(layer).__name__ in LATENT_CLASSES
+    """Whether ``layer`` is latent attention (DeepSeek's: ``_hf_latent``'s), by what it
+    holds: a compressed key/value projection with its rope part (``kv_a_proj_with_mqa``),
+    its up-projection (``kv_b_proj``) and ``o_proj``."""
+    return isinstance(layer, nn.Module) and all(_child(layer, n) is not None for n in _LATENT_HOLDS)
+
+
+def recognises_hf_layer(module: Any) -> bool:
+    """Whether ``from_hf`` takes ``module`` (an attention layer whose mechanisms it knows),
+    without reading a weight."""
+    try:
+        if _latent(module):
+            from torch_attention import _hf_latent
+
+            _hf_latent.refusals(module, raise_=True)
+        else:
+            _recognise(module, "from_hf")
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _get(layer: nn.Module, path: str) -> Any:
@@ -149,29 +395,48 @@ def _rope(layer: nn.Module, attention: Any) -> RopeConfig:
     return dataclasses.replace(rope, inv_freq=tuple(float(f) for f in own.tolist()))
 
 
-def _hf_inv_freq(layer: nn.Module, config: Any, layer_type: str | None) -> torch.Tensor:
-    """The ``inv_freq`` buffer of the family's ``<Family>RotaryEmbedding`` built from the
-    layer's config (Gemma 3 keeps one per layer type, ``<layer_type>_inv_freq``)."""
+def _rotary_class(layer: nn.Module) -> Any:
+    """The family's rotary embedding class: ``<Family>RotaryEmbedding`` beside the layer's
+    class, else the one class named ``*RotaryEmbedding`` its module defines or imports."""
     module = sys.modules[type(layer).__module__]
     name = type(layer).__name__.removesuffix("Attention") + "RotaryEmbedding"
-    rotary_class = getattr(module, name, None)
-    if rotary_class is None:
-        raise ValueError(f"from_hf: {type(layer).__module__} has no {name} to read the rotary frequencies from")
+    found = getattr(module, name, None)
+    if isinstance(found, type) and issubclass(found, nn.Module):
+        return found
+    candidates = {v for k, v in vars(module).items()
+                  if k.endswith("RotaryEmbedding") and isinstance(v, type) and issubclass(v, nn.Module)}
+    if len(candidates) == 1:
+        return candidates.pop()
+    raise ValueError(f"from_hf: {type(layer).__module__} has no {name} (nor one other *RotaryEmbedding) to read "
+                     "the rotary frequencies from")
+
+
+def _hf_inv_freq(layer: nn.Module, config: Any, layer_type: str | None) -> torch.Tensor:
+    """The ``inv_freq`` buffer of the family's rotary embedding (``_rotary_class``) built
+    from the layer's config (Gemma 3 keeps one per layer type, ``<layer_type>_inv_freq``)."""
+    rotary_class = _rotary_class(layer)
     with torch.device("cpu"):
         rotary = rotary_class(config)
-    buffer = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+    buffer = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq", None)
+    if buffer is None:
+        buffer = rotary.inv_freq
     return buffer.detach().float()
 
 
 def _window(layer: nn.Module, attention: Any) -> tuple[int, int] | None:
     """The band of keys each query sees: the layer's own ``sliding_window`` where it has
-    one (per layer type: Qwen2, Qwen3, Gemma 2/3), else the config's (Mistral, Phi-3);
-    families whose forward passes no window (Llama, Gemma 1, ...) have none."""
+    one (per layer type: Qwen2, Qwen3, Gemma 2/3; none where ``is_sliding`` is False:
+    Exaone 4's global layers), else the config's ``sliding_window`` (Mistral, Phi-3,
+    Mixtral, StarCoder2 pass it), unless ``use_sliding_window`` is False or the layer's
+    type is full attention."""
+    if getattr(attention, "is_sliding", True) is False:
+        return None
     if hasattr(attention, "sliding_window"):
         return window_from_hf(attention.sliding_window)
-    if type(layer).__name__ in ("MistralAttention", "Phi3Attention"):
-        return window_from_hf(getattr(attention.config, "sliding_window", None))
-    return None
+    config = attention.config
+    if getattr(config, "use_sliding_window", True) is False or _layer_type(layer, attention) == "full_attention":
+        return None
+    return window_from_hf(getattr(config, "sliding_window", None))
 
 
 def _norm_eps(norm: nn.Module) -> float:

@@ -31,11 +31,34 @@ _BEHAVIOUR = ("d_in", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_
               "q_lora_rank", "attention_bias", "norm_eps", "causal", "softcap", "window")
 
 
+# What a latent layer holds that ours computes (the same names as ours).
+_HOLDS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+          "o_proj")
+_EXTRAS = {"indexer": "sparse attention (an indexer that chooses the keys: DeepSeek-V3.2 / GLM-5)",
+           "compressor": "compressed attention (DeepSeek-V4's compressor)",
+           "q_gate_proj": "an output gate (q_gate_proj)"}
+
+
+def refusals(layer: Any, raise_: bool = False) -> list[str]:
+    """What a latent layer holds that ours does not compute, named, before any weight is
+    read (sub-modules and parameters outside ``_HOLDS``); raises ValueError with them
+    where ``raise_``."""
+    problems = [f"{_EXTRAS.get(name, 'a sub-module no mechanism accounts for')}: `{name}` ({type(child).__name__})"
+                for name, child in layer.named_children()
+                if name not in _HOLDS and not isinstance(child, nn.Dropout | nn.Identity)]
+    problems += [f"a parameter no mechanism accounts for: `{n}`" for n, _ in layer.named_parameters(recurse=False)]
+    if problems and raise_:
+        raise ValueError(f"this {type(layer).__name__} cannot be expressed as MultiHeadLatentAttention: "
+                         + "; ".join(problems))
+    return problems
+
+
 def _rope(layer: Any) -> RopeConfig:
-    """The layer's rope: its config's, in DeepSeek-V2's interleaved pairs, with the
-    frequencies of its own rotary embedding where they do not follow the sequence length."""
+    """The layer's rope: its config's, in DeepSeek-V2's interleaved pairs (a config
+    without ``rope_interleave`` turns complex pairs), with the frequencies of its own
+    rotary embedding where they do not follow the sequence length."""
     rope = rope_from_hf(layer.config)
-    if type(layer).__name__ == "DeepseekV2Attention":
+    if not hasattr(layer.config, "rope_interleave"):
         rope = dataclasses.replace(rope, layout="interleaved")  # complex pairs (2i, 2i + 1)
     if needs_seq_len(rope):
         return rope
@@ -59,7 +82,9 @@ def options(layer: Any) -> dict[str, Any]:
 
 def from_hf(layer: Any) -> MultiHeadLatentAttention:
     """A DeepSeek-V2/V3 attention layer -> our ``MultiHeadLatentAttention``, its weights
-    copied exactly, in its dtype, device and train/eval mode."""
+    copied exactly, in its dtype, device and train/eval mode; ValueError naming what it
+    holds that ours does not compute (DeepSeek-V3.2's indexer ...)."""
+    refusals(layer, raise_=True)
     like = layer.kv_b_proj.weight
     module = MultiHeadLatentAttention(**options(layer), dtype=like.dtype, device="meta").to_empty(device=like.device)
     from torch_attention.interop import load_torch_state_dict
@@ -84,6 +109,7 @@ def to_hf(ours: Any, layer: nn.Module) -> nn.Module:
     if not isinstance(ours, MultiHeadLatentAttention):
         raise TypeError(f"to_hf takes torch_attention.MultiHeadLatentAttention for a {type(layer).__name__}; "
                         f"got {type(ours).__name__}")
+    refusals(layer, raise_=True)
     want = MultiHeadLatentAttention(**options(layer), device="meta")
     problems = _mismatches(ours, want)
     if problems:

@@ -494,22 +494,25 @@ def test_a_module_of_ours_round_trips_through_a_layer() -> None:
 
 
 @needs_torch
-def test_an_unsupported_class_is_a_type_error_naming_it_and_the_supported() -> None:
+def test_a_module_that_is_no_attention_layer_is_a_type_error_naming_what_it_holds() -> None:
+    """from_hf recognises a layer by what it holds, not by its class: an MLP holds no
+    q/k/v/o projections, and the error names the projections it knows and what it found."""
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     from torch_attention import MultiHeadAttention
-    from torch_attention.interop import from_hf, supported_hf_classes, to_hf
+    from torch_attention.interop import from_hf, to_hf
 
     mlp = LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=8))
-    text = "takes the attention layer of a transformers model, one of GPT2Attention, LlamaAttention"
+    text = "takes the attention layer of a transformers model, with q/k/v/o projections under names it knows"
     with pytest.raises(TypeError, match=re.escape(f"from_hf {text}")) as err:
         from_hf(mlp)
-    assert str(err.value).endswith("; got LlamaMLP")
-    assert all(name in str(err.value) for name in supported_hf_classes())
+    assert str(err.value).endswith("; got LlamaMLP, holding act_fn, down_proj, gate_proj, up_proj")
     with pytest.raises(TypeError, match=re.escape(f"to_hf {text}")):
         to_hf(MultiHeadAttention(HIDDEN, HIDDEN, None, 0.0, HEADS), mlp)
+    with pytest.raises(TypeError, match=re.escape("takes the attention layer of a transformers model (an nn.Module")):
+        from_hf(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="to_hf takes torch_attention.MultiHeadAttention; got MultiheadAttention"):
         to_hf(torch.nn.MultiheadAttention(HIDDEN, HEADS), _layer("llama").layer)  # type: ignore[arg-type]
 
