@@ -328,6 +328,34 @@ CASES = [
         re.escape("scale must be None or a positive finite number; got inf"),
         lambda fw: fw.module("SelfAttention_v1", 8, 4, scale=float("inf")),
     ),
+    # OLMo's clip_qkv and Qwen3-Next's output gate (tests/modules/test_gate_and_clip.py)
+    ErrorCase(
+        "clip_qkv-zero", ValueError,
+        re.escape("clip_qkv must be None or a positive finite number; got 0"),
+        lambda fw: mha(fw, clip_qkv=0),
+    ),
+    ErrorCase(
+        "clip_qkv-negative", ValueError,
+        re.escape("clip_qkv must be None or a positive finite number; got -1.5"),
+        lambda fw: mha(fw, clip_qkv=-1.5),
+    ),
+    ErrorCase(
+        "clip_qkv-nan", ValueError,
+        re.escape("clip_qkv must be None or a positive finite number; got nan"),
+        lambda fw: mha(fw, clip_qkv=float("nan")),
+    ),
+    ErrorCase(
+        "clip_qkv-string", TypeError, re.escape("clip_qkv must be None or a float; got str '8'"),
+        lambda fw: mha(fw, clip_qkv="8"),
+    ),
+    ErrorCase(
+        "clip_qkv-bool", TypeError, re.escape("clip_qkv must be None or a float; got bool True"),
+        lambda fw: mha(fw, clip_qkv=True),
+    ),
+    ErrorCase(
+        "output_gate-not-bool", TypeError, re.escape("output_gate must be a bool; got int 1"),
+        lambda fw: mha(fw, output_gate=1),
+    ),
     # ---- masks
     ErrorCase(
         "mask-does-not-broadcast-heads", ValueError,
