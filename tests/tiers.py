@@ -168,4 +168,11 @@ QUICK_STAND_INS: dict[str, str] = {
         F + "test_rope.py::test_inv_freq_default_matches_transformers_default",
     M + "test_sinks_modules.py::test_the_sinks_gradient_is_the_oracles_finite_difference":
         F + "test_sinks_jax.py::test_the_sink_gradient_against_finite_differences_of_the_oracle",
+    # every causal-LM family of transformers (one 40-50 s sweep): the recogniser's own refusal stays quick
+    I + "test_hf_families.py::test_every_family_ports_within_1e_5_or_is_refused_naming_its_mechanism":
+        I + "test_from_hf.py::test_a_module_that_is_no_attention_layer_is_a_type_error_naming_what_it_holds",
+    I + "test_hf_families.py::test_the_named_families_port_and_the_others_name_their_mechanism":
+        I + "test_from_hf.py::test_a_module_that_is_no_attention_layer_is_a_type_error_naming_what_it_holds",
+    I + "test_hf_families.py::test_docs_list_the_families_from_hf_ports":
+        I + "test_from_hf.py::test_a_module_that_is_no_attention_layer_is_a_type_error_naming_what_it_holds",
 }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -36,7 +37,7 @@ from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf, rotary_
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
 
-__all__ = ["from_hf", "hf_children", "hf_rules", "recognises_hf_layer", "supported_hf_classes", "to_hf"]
+__all__ = ["from_hf", "hf_children", "hf_rules", "hf_families_table", "recognises_hf_layer", "supported_hf_classes", "to_hf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +107,9 @@ _KNOWN_EXTRAS = {
     "experts": "a mixture of attention experts",
 }
 # Layer kinds that are not softmax attention, by the parameters and sub-modules they hold.
-_NOT_SOFTMAX: tuple[tuple[set[str], set[str], str], ...] = (
-    ({"A_log", "dt_bias"}, {"in_proj_qkv", "in_proj_qkvz", "b_proj", "in_proj_b", "in_proj_a", "f_a_proj"},
-     "a linear-attention layer (gated delta rule), not softmax attention"),
-    ({"A_log", "D"}, set(), "a state-space layer (Mamba), not softmax attention"),
+_NOT_SOFTMAX: tuple[tuple[set[str], str], ...] = (
+    ({"A_log", "D"}, "a state-space layer (Mamba), not softmax attention"),
+    ({"A_log", "dt_bias"}, "a linear-attention layer (gated delta rule), not softmax attention"),
 )
 # The config switches of mechanisms ours cannot express yet (config attribute, the mechanism).
 _CONFIG_REFUSALS = (
@@ -208,6 +208,11 @@ def _recognise(layer: Any, what: str) -> _Family:
     call convention (not its class); raises TypeError for what is no attention layer of a
     ``transformers`` model, ValueError naming each mechanism ours cannot express, before
     any weight is read."""
+    if isinstance(layer, nn.Module):
+        own_params = {n for n, _ in layer.named_parameters(recurse=False)}
+        for needs, mechanism in _NOT_SOFTMAX:
+            if needs <= own_params:
+                raise ValueError(f"{type(layer).__name__}: {mechanism}")
     if not isinstance(layer, nn.Module) or not hasattr(_attention_of(layer), "config"):
         raise TypeError(f"{what} takes the attention layer of a transformers model (an nn.Module with a config "
                         f"and q/k/v/o projections, e.g. {', '.join(_PROVEN[:3])}, ...); got {type(layer).__name__}")
@@ -216,9 +221,6 @@ def _recognise(layer: Any, what: str) -> _Family:
     params = {n for n, _ in layer.named_parameters()}
     own = {n for n, _ in layer.named_parameters(recurse=False)}
     children = dict(layer.named_children())
-    for needs, also, mechanism in _NOT_SOFTMAX:
-        if needs <= own and (not also or also & set(children)):
-            raise ValueError(f"{name}: {mechanism}")
     problems = _mechanism_refusals(layer, attention)
     family = _projections(layer, attention)
     if family is None:
@@ -262,6 +264,8 @@ def _recognise(layer: Any, what: str) -> _Family:
     del params
     label = name.removesuffix("Attention")
     rope = not family.attention and "position_embeddings" in _forward_takes(attention) and not _nope(attention)
+    if rope and not _rotates_halves(layer):
+        raise _refused(layer, ["a rotary layout other than halves (its rotate_half turns interleaved pairs)"])
     family = dataclasses.replace(family, rope=rope, sinks="sinks" in own)
     if norms is None or norm_kind is None:
         return dataclasses.replace(family, label=label)
@@ -270,6 +274,16 @@ def _recognise(layer: Any, what: str) -> _Family:
     head_dim = int(getattr(attention, "head_dim", 0) or 0) or width
     return dataclasses.replace(family, label=label, norms=norms, norm=norm_kind[0], norm_offset=norm_kind[1],
                                norm_scope="head" if width == head_dim else "all")
+
+
+def _rotates_halves(layer: nn.Module) -> bool:
+    """Whether the family's ``rotate_half`` (where its module has one) turns the two
+    halves of a head, as ours does with ``layout="half"``: by what it computes on a probe."""
+    turn = getattr(sys.modules[type(layer).__module__], "rotate_half", None)
+    if not callable(turn):
+        return True
+    probe = torch.arange(8.0)[None]
+    return bool(torch.equal(turn(probe), torch.cat((-probe[..., 4:], probe[..., :4]), dim=-1)))
 
 
 def _attention_of(layer: Any) -> Any:
@@ -322,6 +336,22 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
     takes = _forward_takes(attention)
     problems += [m for arg, m in _FORWARD_REFUSALS.items() if arg in takes and m not in problems]
     return problems
+
+
+def hf_families_table(verdicts: Mapping[str, tuple[str, str, float | None]]) -> str:
+    """The Markdown table of which ``transformers`` causal-LM families ``from_hf`` ports:
+    ``verdicts`` is {model type: (``"ports"`` / ``"refused"`` / ``"not built"``, the
+    layer classes or the reason, the logits' largest relative error)}, as
+    ``tests/interop/test_hf_families.py`` finds them on the installed ``transformers``
+    (``docs/porting.md`` keeps its output, and the test keeps it true)."""
+    order = {"ports": 0, "refused": 1, "not built": 2, "error": 3}
+    rows = ["| model type | from_hf | attention layers, or what refuses it | logits error |", "|---|---|---|---|"]
+    for model_type, (verdict, detail, error) in sorted(verdicts.items(), key=lambda kv: (order[kv[1][0]], kv[0])):
+        text = re.sub(r"0x[0-9a-f]+", "0x...", detail).replace("|", "/").replace("\n", " ")
+        rows.append(f"| `{model_type}` | {verdict} | {text} | {'' if error is None else f'{error:.1e}'} |")
+    counts = {v: sum(1 for x in verdicts.values() if x[0] == v) for v in order}
+    return "\n".join(rows) + (f"\n\n{counts['ports']} families port, {counts['refused']} are refused naming their "
+                               f"mechanism, {counts['not built']} cannot be built tiny here.")
 
 
 def _family(layer: Any, what: str) -> _Family:
@@ -419,7 +449,9 @@ def _hf_inv_freq(layer: nn.Module, config: Any, layer_type: str | None) -> torch
         rotary = rotary_class(config)
     buffer = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq", None)
     if buffer is None:
-        buffer = rotary.inv_freq
+        buffer = getattr(rotary, "inv_freq", None)
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(f"from_hf: {type(rotary).__name__} keeps no inv_freq (a rotary embedding of another kind)")
     return buffer.detach().float()
 
 
