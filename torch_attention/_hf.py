@@ -264,6 +264,8 @@ def _recognise(layer: Any, what: str) -> _Family:
     del params
     label = name.removesuffix("Attention")
     rope = not family.attention and "position_embeddings" in _forward_takes(attention) and not _nope(attention)
+    if rope and not _probe_rotates(layer, _d_in(layer, family)):
+        rope = False  # a NoPE layer by what it computes (Flint's full-attention layers)
     if rope and not _rotates_halves(layer):
         raise _refused(layer, ["a rotary layout other than halves (its rotate_half turns interleaved pairs)"])
     family = dataclasses.replace(family, rope=rope, sinks="sinks" in own)
@@ -274,6 +276,89 @@ def _recognise(layer: Any, what: str) -> _Family:
     head_dim = int(getattr(attention, "head_dim", 0) or 0) or width
     return dataclasses.replace(family, label=label, norms=norms, norm=norm_kind[0], norm_offset=norm_kind[1],
                                norm_scope="head" if width == head_dim else "all")
+
+
+_PROBE_TOKENS = 4
+_PROBE_OFFSET = 5  # positions 5..8: no rotation is the identity there
+
+
+def _probe_input(layer: nn.Module, d_in: int) -> torch.Tensor:
+    """A tiny deterministic input (batch 1, a few tokens) in the layer's dtype and device."""
+    weight = next(layer.parameters())
+    steps = torch.arange(_PROBE_TOKENS * d_in, dtype=torch.float32).reshape(1, _PROBE_TOKENS, d_in)
+    return torch.sin(0.37 * steps + 0.1).to(dtype=weight.dtype, device=weight.device)
+
+
+def _probe_mask(x: torch.Tensor, window: tuple[int | None, int | None] | None, causal: bool) -> torch.Tensor | None:
+    """Hugging Face's additive (1, 1, T, T) mask for a causal (and windowed) layer."""
+    if not causal:
+        return None
+    t = x.shape[1]
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None]
+    allowed = j <= i
+    if window is not None and window[0] is not None:
+        allowed &= i - j <= window[0]
+    mask = torch.zeros(t, t, dtype=x.dtype).masked_fill(~allowed, torch.finfo(x.dtype).min)
+    return mask[None, None].to(x.device)
+
+
+def _probe_rotary(layer: nn.Module, attention: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's (cos, sin) at the probe's positions, from the family's own rotary
+    embedding built from the layer's config (per layer type where its forward takes one)."""
+    with torch.device("cpu"):
+        rotary = _rotary_class(layer)(attention.config)
+    rotary = rotary.to(x.device)
+    positions = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + x.shape[1], device=x.device)[None]
+    kwargs = {}
+    if "layer_type" in _forward_takes(rotary):
+        kwargs["layer_type"] = _layer_type(layer, attention)
+    cos, sin = rotary(x, positions, **kwargs)
+    return cos, sin
+
+
+def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The layer called as its decoder layer calls it, in eval mode without gradients."""
+    kwargs: dict[str, Any] = {"attention_mask": mask}
+    if position_embeddings is not None:
+        kwargs["position_embeddings"] = position_embeddings
+    if "position_ids" in _forward_takes(layer):  # Ministral 3 scales its queries by position
+        kwargs["position_ids"] = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + x.shape[1], device=x.device)[None]
+    training = layer.training
+    layer.eval()
+    try:
+        with torch.no_grad():
+            out = layer(x, **kwargs)
+    finally:
+        layer.train(training)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _d_in(layer: nn.Module, family: _Family) -> int:
+    """The layer's input width, from its q (or packed q/k/v) projection."""
+    weight = _get(layer, family.packed or family.q).weight
+    return int(weight.shape[0] if family.layout == "in_out" else weight.shape[1])
+
+
+def _probe_rotates(layer: nn.Module, d_in: int) -> bool:
+    """Whether the layer turns q and k by the ``position_embeddings`` it is given, by what
+    it computes: its output on a tiny probe with the real (cos, sin) and with the identity
+    rotation (cos = 1, sin = 0).  Equal outputs: the layer ignores them (a NoPE layer by a
+    rule of its forward no family rule knows, Flint's full-attention layers).  A layer the
+    probe cannot call (or on the meta device) keeps the family's rule (True)."""
+    attention = _attention_of(layer)
+    weight = next(layer.parameters(), None)
+    if weight is None or weight.is_meta:
+        return True
+    try:
+        x = _probe_input(layer, d_in)
+        cos, sin = _probe_rotary(layer, attention, x)
+        mask = _probe_mask(x, None, bool(getattr(attention, "is_causal", True)))
+        turned = _hf_forward(layer, x, mask, (cos, sin))
+        plain = _hf_forward(layer, x, mask, (torch.ones_like(cos), torch.zeros_like(sin)))
+    except Exception:  # noqa: BLE001 - a call convention the probe does not know: the rules decide
+        return True
+    return not torch.equal(turned, plain)
 
 
 def _rotates_halves(layer: nn.Module) -> bool:
@@ -685,7 +770,50 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     from torch_attention.interop import load_torch_state_dict
 
     load_torch_state_dict(module, state)
-    return module.train(layer.training)
+    module.train(layer.training)
+    _self_check(layer, family, module)
+    return module
+
+
+def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention) -> None:
+    """Ours and the layer on one tiny probe input (eval, no gradients) must agree to the
+    dtype's tolerance (float32: 1e-5 of the layer's largest output), else ValueError: a
+    mechanism the rules missed is refused, never ported wrong.  Skipped where the layer
+    cannot be called as its decoder layer calls it (BERT's ``BertAttention``, which adds
+    its residual and LayerNorm; the meta device; a call convention the probe does not know)."""
+    weight = next(layer.parameters(), None)
+    if family.attention or family.not_ours or weight is None or weight.is_meta:
+        return
+    attention = _attention_of(layer)
+    spec = ours.spec
+    x = _probe_input(layer, _d_in(layer, family))
+    mask = _probe_mask(x, spec.window, bool(spec.causal))
+    try:
+        embeddings = None
+        if "position_embeddings" in _forward_takes(attention):
+            try:  # the real ones even where ours has no rope: a layer that turns by them differs
+                embeddings = _probe_rotary(layer, attention, x)
+            except ValueError:  # no rotary embedding to build: the identity rotation
+                width = int(getattr(attention, "head_dim", 0) or 0) or int(spec.head_dim or 0)
+                ones = torch.ones(1, x.shape[1], width, dtype=x.dtype, device=x.device)
+                embeddings = (ones, torch.zeros_like(ones))
+        theirs = _hf_forward(layer, x, mask, embeddings)
+    except Exception:  # noqa: BLE001 - a call convention the check does not know: not checked
+        return
+    positions = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + x.shape[1], device=x.device)[None]
+    training = ours.training
+    ours.eval()
+    try:
+        with torch.no_grad():
+            mine = ours(x, positions=positions) if spec.rope is not None else ours(x)
+    finally:
+        ours.train(training)
+    theirs, mine = theirs.float(), mine.float()
+    difference = float((mine - theirs).abs().max())
+    eps = 1e-5 if x.dtype == torch.float32 else 64 * torch.finfo(x.dtype).eps
+    if not difference <= eps * max(float(theirs.abs().max()), 1e-6):
+        raise ValueError(f"from_hf: the port does not compute what the {type(layer).__name__} computes "
+                         f"(max difference {difference:.3g} on a probe input)")
 
 
 def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> list[str]:

@@ -601,3 +601,40 @@ def test_dropout_rate_mode_and_sinks_are_the_layer_s() -> None:
     ours = from_hf(oss)
     assert ours.spec.sinks and ours.spec.window == (7, 0)
     assert torch.equal(ours.state_dict()["sinks"], oss.sinks)
+
+
+def _flint_layers() -> list[Any]:
+    import transformers as tf
+    from transformers.models.flint.modeling_flint import FlintAttention
+
+    config = tf.FlintConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=8,
+                            num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    config._attn_implementation = "eager"
+    return [FlintAttention(config, i).eval() for i in range(2)]
+
+
+@needs_torch
+def test_a_layer_that_ignores_its_rotation_is_found_by_what_it_computes() -> None:
+    """Flint's full-attention layers take ``position_embeddings`` and turn nothing by them
+    (no family rule says so): the probe, the real (cos, sin) against the identity, finds it."""
+    from torch_attention._hf import _probe_rotates
+    from torch_attention.interop import from_hf
+
+    sliding, full = _flint_layers()
+    assert _probe_rotates(sliding, HIDDEN) and not _probe_rotates(full, HIDDEN)
+    assert from_hf(sliding).spec.rope is not None and from_hf(full).spec.rope is None
+    assert from_hf(sliding).spec.window == (7, 0) and from_hf(full).spec.window is None
+
+
+@needs_torch
+def test_a_port_the_rules_get_wrong_is_refused_by_the_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ours and the layer on one probe input must agree: a rule that misses a mechanism
+    (here, the rotation probe made to say "no rope" on a Llama layer) is refused, not ported."""
+    import torch_attention._hf as hf
+
+    layer = _layer("llama").layer
+    hf.from_hf(layer)
+    monkeypatch.setattr(hf, "_probe_rotates", lambda *args: False)
+    with pytest.raises(ValueError, match=r"the port does not compute what the LlamaAttention computes "
+                                         r"\(max difference [0-9.e+-]+"):
+        hf.from_hf(layer)
