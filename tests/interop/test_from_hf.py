@@ -557,6 +557,28 @@ def test_to_hf_refuses_other_geometry_and_writes_nothing() -> None:
 
 
 @needs_torch
+@pytest.mark.parametrize(("option", "text"), [({"clip_qkv": 8.0}, "clip_qkv=8.0 where the layer has None"),
+                                              ({"output_gate": True}, "output_gate=True where the layer has False")])
+def test_to_hf_refuses_clip_qkv_and_an_output_gate_the_layer_has_not(option: dict[str, Any], text: str) -> None:
+    """Ours with qkv clipping or an output gate onto a Llama layer (which has neither): the
+    option is named before any weight is compared, nothing written."""
+    import torch
+
+    from torch_attention import MultiHeadAttention
+    from torch_attention.interop import from_hf, to_hf
+
+    layer = _layer("llama").layer
+    options = {k: getattr(from_hf(layer).spec, k) for k in ("num_heads", "head_dim", "qkv_bias", "out_bias", "rope")}
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(HIDDEN, HIDDEN, None, 0.0, options["num_heads"], num_kv_heads=KV_HEADS,
+                              head_dim=options["head_dim"], qkv_bias=options["qkv_bias"],
+                              out_bias=options["out_bias"], rope=options["rope"], **option)
+    before = _state(layer)
+    with pytest.raises(ValueError, match=re.escape(text)):
+        to_hf(ours, layer)
+    _bit_equal(_state(layer), before)
+
+@needs_torch
 def test_ours_with_other_frequencies_is_refused() -> None:
     import dataclasses as dc
 
