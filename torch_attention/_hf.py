@@ -113,8 +113,6 @@ _NOT_SOFTMAX: tuple[tuple[set[str], str], ...] = (
 )
 # The config switches of mechanisms ours cannot express yet (config attribute, the mechanism).
 _CONFIG_REFUSALS = (
-    ("clip_qkv", "clip_qkv (OLMo's qkv clipping)"),
-    ("attn_output_gate", "an output gate (q_proj gives queries and a gate)"),
     ("attention_chunk_size", "attention_chunk_size (chunked local attention)"),
     ("attn_temperature_tuning", "attn_temperature_tuning (queries scaled by position)"),
     ("attention_k_eq_v", "attention_k_eq_v (keys used as values)"),
@@ -520,6 +518,8 @@ def _rotary_class(layer: nn.Module) -> Any:
         return found
     candidates = {v for k, v in vars(module).items()
                   if k.endswith("RotaryEmbedding") and isinstance(v, type) and issubclass(v, nn.Module)}
+    if len(candidates) > 1:  # Qwen3.5's module defines its vision tower's too: the text model's
+        candidates = {c for c in candidates if "Vision" not in c.__name__}
     if len(candidates) == 1:
         return candidates.pop()
     raise ValueError(f"from_hf: {type(layer).__module__} has no {name} (nor one other *RotaryEmbedding) to read "
@@ -565,6 +565,7 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
     """d_in, heads, head_dim and biases, from the weights' shapes (HF's own attributes
     for the heads: ``num_attention_heads`` / ``num_key_value_heads``)."""
     config = _get(layer, family.attention).config
+    gate = False
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     out = _get(layer, family.o)
@@ -575,6 +576,9 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         if len(biases) != 1:
             raise ValueError(f"{type(layer).__name__}: q, k and v must all have biases or none; ours has one switch")
         width, qkv_bias = int(q.weight.shape[0]), biases.pop()
+        kv_width = int(k.weight.shape[0]) // kv_heads
+        if width == 2 * heads * kv_width:  # Qwen3-Next / Qwen3.5: each head's queries, then its gate
+            gate, width = True, width // 2
     else:
         packed = _get(layer, family.packed)
         rows = int(packed.weight.shape[1] if family.layout == "in_out" else packed.weight.shape[0])
@@ -584,7 +588,7 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         "d_in": d_model, "d_out": d_model, "num_heads": heads,
         "num_kv_heads": None if kv_heads == heads else kv_heads,
         "head_dim": None if head_dim * heads == d_model else head_dim,
-        "qkv_bias": qkv_bias, "out_bias": out.bias is not None,
+        "qkv_bias": qkv_bias, "out_bias": out.bias is not None, **({"output_gate": True} if gate else {}),
     }
 
 
@@ -616,6 +620,9 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
     )
     if options["softcap"] is not None:
         options["softcap"] = float(options["softcap"])
+    clip = getattr(attention.config, "clip_qkv", None)  # OLMo's: q, k, v clamped to [-c, c]
+    if clip is not None:
+        options["clip_qkv"] = float(clip)
     norms = None if family.norms is None else [_get(layer, n) for n in family.norms]
     if norms is not None and all(n is not None for n in norms):  # Phi: only with qk_layernorm
         options.update(qk_norm=family.norm, qk_norm_scope=family.norm_scope, qk_norm_eps=_norm_eps(norms[0]),
@@ -742,8 +749,12 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     ``out_bias``), ``scale`` = the layer's ``scaling``, ``causal`` = its ``is_causal``,
     ``softcap`` (``attn_logit_softcapping``), ``window`` (HF's ``sliding_window=W`` is
     ``(W - 1, 0)``, of the layer's own type where windows are per layer type), ``rope``
-    (``rope_from_hf``, per layer type for Gemma 3), qk-norm, ``dropout`` (the attention
-    weights' rate), ``context_length=None``.  Call ours as ``ours(x, mask,
+    (``rope_from_hf``, per layer type for Gemma 3; None where the layer ignores the
+    rotation it is given, by a probe), qk-norm, ``clip_qkv`` (OLMo's ``config.clip_qkv``),
+    ``output_gate`` (a ``q_proj`` twice as wide as the keys' heads: Qwen3-Next's and
+    Qwen3.5's full-attention layers, ``W_query`` = ``q_proj`` as it is), ``dropout`` (the
+    attention weights' rate), ``context_length=None``.  Ours and the layer are then run on
+    one tiny probe input and must agree (else ValueError).  Call ours as ``ours(x, mask,
     positions=positions)`` where HF's takes ``position_embeddings=rotary(x, positions)``
     and an additive mask (``torch_attention.from_additive_mask`` converts one).
 
@@ -772,10 +783,12 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     load_torch_state_dict(module, state)
     module.train(layer.training)
     _self_check(layer, family, module)
+    if module.spec.clip_qkv is not None:  # again where the clamp bites: a layer that ignores its config's
+        _self_check(layer, family, module, clip=module.spec.clip_qkv)
     return module
 
 
-def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention) -> None:
+def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention, clip: float | None = None) -> None:
     """Ours and the layer on one tiny probe input (eval, no gradients) must agree to the
     dtype's tolerance (float32: 1e-5 of the layer's largest output), else ValueError: a
     mechanism the rules missed is refused, never ported wrong.  Skipped where the layer
@@ -787,6 +800,9 @@ def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention) -> 
     attention = _attention_of(layer)
     spec = ours.spec
     x = _probe_input(layer, _d_in(layer, family))
+    if clip is not None:  # the probe scaled so that q_proj's largest output is 4 c: some are clamped
+        with torch.no_grad():
+            x = x * (4.0 * clip / max(float(_get(layer, family.packed or family.q)(x).abs().max()), 1e-6))
     mask = _probe_mask(x, spec.window, bool(spec.causal))
     try:
         embeddings = None
@@ -812,8 +828,11 @@ def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention) -> 
     difference = float((mine - theirs).abs().max())
     eps = 1e-5 if x.dtype == torch.float32 else 64 * torch.finfo(x.dtype).eps
     if not difference <= eps * max(float(theirs.abs().max()), 1e-6):
+        where = "" if spec.clip_qkv is None else (
+            f"; with clip_qkv={spec.clip_qkv} from its config: ours clamps q, k and v as they leave their projections, "
+            "before any qk-norm (OLMoE clamps after its qk-norm)")
         raise ValueError(f"from_hf: the port does not compute what the {type(layer).__name__} computes "
-                         f"(max difference {difference:.3g} on a probe input)")
+                         f"(max difference {difference:.3g} on a probe input{where})")
 
 
 def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> list[str]:

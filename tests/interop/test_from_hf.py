@@ -660,3 +660,75 @@ def test_a_port_the_rules_get_wrong_is_refused_by_the_self_check(monkeypatch: py
     with pytest.raises(ValueError, match=r"the port does not compute what the LlamaAttention computes "
                                          r"\(max difference [0-9.e+-]+"):
         hf.from_hf(layer)
+
+
+def _hf_layer(module: str, cls: str, config: Any, layer_idx: int = 0, seed: int = 0) -> Any:
+    """``cls`` of ``transformers.models.<module>`` for ``config`` (eager), every weight drawn
+    (std 0.4; norm weights 1 + that)."""
+    import importlib
+
+    import torch
+
+    config._attn_implementation = "eager"
+    layer = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)(config, layer_idx)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.4 * torch.randn(p.shape, generator=gen))
+    return layer.eval()
+
+
+def _against_layer(layer: Any, ours: Any, rotary: Any) -> None:
+    """Ours against the layer at positions 401..406, causal."""
+    import torch
+
+    x = torch.sin(0.7 * torch.arange(2 * 6 * HIDDEN, dtype=torch.float32)).reshape(2, 6, HIDDEN)
+    positions = torch.arange(401, 407)[None].repeat(2, 1)
+    causal = torch.full((6, 6), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        want = layer(x, position_embeddings=rotary(x, positions), attention_mask=causal)[0]
+        got = ours(x, positions=positions)
+    tol = PARITY["float32"]
+    torch.testing.assert_close(got, want, rtol=tol.rtol, atol=tol.atol)
+
+
+@needs_torch
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_a_full_attention_layer_with_an_output_gate_ports(family: str) -> None:
+    """Qwen3-Next's and Qwen3.5's full-attention layers: q_proj twice as wide (each head's
+    queries, then its gate) is our output gate, W_query = q_proj as it is."""
+    import transformers as tf
+
+    from torch_attention.interop import from_hf
+
+    names = {"qwen3_next": ("Qwen3NextConfig", "Qwen3NextAttention", "Qwen3NextRotaryEmbedding"),
+             "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5Attention", "Qwen3_5TextRotaryEmbedding")}[family]
+    config = getattr(tf, names[0])(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                   head_dim=8, num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    layer = _hf_layer(family, names[1], config)
+    ours = from_hf(layer)
+    assert ours.spec.output_gate and ours.spec.qk_norm == "rms" and ours.spec.head_dim == 8
+    w_query: Any = ours.W_query
+    assert w_query.weight.shape == (2 * HEADS * 8, HIDDEN)
+    _bit_equal({"w": w_query.weight.detach()}, {"w": layer.q_proj.weight.detach()})
+    rotary = getattr(sys.modules[type(layer).__module__], names[2])(config)
+    _against_layer(layer, ours, rotary)
+
+
+@needs_torch
+def test_olmo_s_clip_qkv_ports_and_a_clamp_after_the_qk_norm_is_refused() -> None:
+    """OLMo clamps q, k and v as they leave their projections (ours: ``clip_qkv``);
+    OLMoE clamps after its qk-norm: the self-check refuses it, naming clip_qkv."""
+    import transformers as tf
+
+    from torch_attention.interop import from_hf
+
+    gqa: dict[str, Any] = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+                           "num_hidden_layers": 2, "clip_qkv": 0.5}
+    layer = _hf_layer("olmo", "OlmoAttention", tf.OlmoConfig(**gqa, attention_bias=True))
+    ours = from_hf(layer)
+    assert ours.spec.clip_qkv == 0.5
+    rotary = sys.modules[type(layer).__module__].OlmoRotaryEmbedding(layer.config)
+    _against_layer(layer, ours, rotary)
+    with pytest.raises(ValueError, match=r"does not compute what the OlmoeAttention computes .*clip_qkv=0.5"):
+        from_hf(_hf_layer("olmoe", "OlmoeAttention", tf.OlmoeConfig(**gqa)))
