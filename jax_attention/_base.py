@@ -23,7 +23,7 @@ from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_option
 from attention_spec.registry import AttentionConfig, make_config
 from jax_attention import functional
 from jax_attention._cache import check_room, new_cache, run_cached
-from jax_attention._projections import gate_scope, linear, merge, new_projection, project
+from jax_attention._projections import linear, merge, new_projection, project
 from jax_attention._qk import check_positions, norm_of, normalise_qk, qk_norm_layers, rotate, transform_heads
 
 
@@ -238,10 +238,9 @@ class AttentionModule(nnx.Module):
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                              cache=cache, return_weights=return_weights, positions=positions)
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
-        with gate_scope():  # (an output gate: split by the projections, taken by the merge)
-            if call.cache is not None:
-                return self._run_cached(call, return_weights, key)
-            return _unbatch(self._run(call, return_weights, key), call.batched)
+        if call.cache is not None:
+            return self._run_cached(call, return_weights, key)
+        return _unbatch(self._run(call, return_weights, key), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
@@ -306,13 +305,13 @@ class AttentionModule(nnx.Module):
         """The work, on checked input: project, transform q and k, attend, merge.  Batched
         in and out."""
         # q (B, H, T, D), k and v (B, Hkv, S, D)
-        q, k, v = self._project(call.x, call.keys, call.values, call.implementation)
+        q, k, v, gate = self._project(call.x, call.keys, call.values, call.implementation)
         q, k = transform_heads(self, q, k, call.positions)
         result = self._attend(call, q, k, v, return_weights, key)
         if return_weights:
             out, weights = cast(tuple[Array, Array], result)
-            return merge(self, out, call.implementation), weights  # (B, H, T, Dv) -> (B, T, d_out)
-        return merge(self, cast(Array, result), call.implementation)
+            return merge(self, out, call.implementation, gate), weights  # (B, H, T, Dv) -> (B, T, d_out)
+        return merge(self, cast(Array, result), call.implementation, gate)
 
     def _run_cached(self, call: _Call, return_weights: bool, key: Array | None) -> Any:
         """A decode step (``_cache.run_cached``)."""
@@ -327,7 +326,7 @@ class AttentionModule(nnx.Module):
         return linear(layer, inputs, implementation, self.precision)
 
     def _project(self, x: Array, keys: Array | None, values: Array | None,
-                 implementation: str) -> tuple[Array, Array, Array]:
+                 implementation: str) -> tuple[Array, Array, Array, Array | None]:
         return project(self, x, keys, values, implementation)
 
     def _normalise_qk(self, role: str, t: Array) -> Array:

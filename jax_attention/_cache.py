@@ -182,7 +182,7 @@ def run_cached(module: Any, call: _Call, return_weights: bool, key: Array | None
     jit) writes nothing and returns NaN outputs and the cache with its overflow record
     (``append_to_cache``).  Returns ``(out, cache)`` or ``(out, weights, cache)``."""
     folded = folds(module, call, return_weights)
-    q, k, v = module._project(call.x, None, None, call.implementation)
+    q, k, v, gate = module._project(call.x, None, None, call.implementation)
     start = call.cache.lengths
     q, k = transform_heads(module, q, k, call.positions, start)
     cache, ok = append_to_cache(call.cache, k, v, new_lengths(call))
@@ -213,8 +213,8 @@ def run_cached(module: Any, call: _Call, return_weights: bool, key: Array | None
         result = result.reshape(*shape[:3], -1)
     if return_weights:
         out, weights = cast(tuple[Array, Array], result)
-        return unless(ok, merge(module, out, call.implementation)), unless(ok, weights), cache
-    return unless(ok, merge(module, cast(Array, result), call.implementation)), cache
+        return unless(ok, merge(module, out, call.implementation, gate)), unless(ok, weights), cache
+    return unless(ok, merge(module, cast(Array, result), call.implementation, gate)), cache
 
 
 def folds(module: Any, call: _Call, return_weights: bool) -> bool:

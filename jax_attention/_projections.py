@@ -11,9 +11,6 @@ Twin of ``torch_attention/_projections.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any, cast
 
 import jax
@@ -118,33 +115,35 @@ def linear(layer: nnx.Module | nnx.Param, inputs: Array, implementation: str, pr
 
 
 def project(module: Any, x: Array, keys: Array | None, values: Array | None,
-            implementation: str) -> tuple[Array, Array, Array]:
+            implementation: str) -> tuple[Array, Array, Array, Array | None]:
     """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
     (cross-attention) or x, by the module's declared projections (its ``_linear``), on
     ``implementation``'s path: each clamped to [-clip_qkv, clip_qkv] (``clip``), after
-    its bias; with ``output_gate``, W_query's gate split from its queries (``split_gate``)
-    and held for this call's ``merge`` (``gate_scope``); q and k through its
-    ``"projected"`` transforms (``_qk.transform_projected``: qk-norm) before the head
+    its bias; with ``output_gate``, W_query's gate split from its queries (``split_gate``:
+    the fourth of the four, (B, T, H * D), for ``merge``; None without); q and k through
+    its ``"projected"`` transforms (``_qk.transform_projected``: qk-norm) before the head
     split."""
     spec = module.spec
     keys = x if keys is None else keys
     values = x if values is None else values
     if not spec.projections():
         # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
-        return x[:, None], keys[:, None], values[:, None]
+        return x[:, None], keys[:, None], values[:, None], None
+    gate = None
 
     def one(role: str, inputs: Array, heads: int) -> Array:
+        nonlocal gate
         y = module._linear(getattr(module, cast(Projection, spec.projection(role)).name), inputs, implementation)
         y = clip(y, spec.clip_qkv)
         if role == "query" and spec.output_gate:  # (B, T, H * 2D) -> queries, gate (B, T, H * D)
             y, gate = split_gate(y, heads)
-            _GATE.set(gate)
         if role != "value":
             y = transform_projected(module, role, y)
         return split_heads(y, heads)  # (B, T, heads * D) -> (B, heads, T, D)
 
     kv_heads = spec.kv_heads
-    return one("query", x, spec.num_heads), one("key", keys, kv_heads), one("value", values, kv_heads)
+    q, k, v = one("query", x, spec.num_heads), one("key", keys, kv_heads), one("value", values, kv_heads)
+    return q, k, v, gate
 
 
 def split_heads(t: Array, heads: int) -> Array:
@@ -153,15 +152,16 @@ def split_heads(t: Array, heads: int) -> Array:
     return t.reshape(b, num_tokens, heads, width // heads).transpose(0, 2, 1, 3)
 
 
-def merge(module: Any, out: Array, implementation: str) -> Array:
+def merge(module: Any, out: Array, implementation: str, gate: Array | None = None) -> Array:
     """Heads (B, H, T, Dv) -> (B, T, H * Dv), times sigmoid(gate) with ``output_gate``
-    (the gate ``project`` split from this call's queries), mixed by the module's
+    (the gate ``project`` split from this call's queries, (B, T, H * D)), mixed by the module's
     ``out_proj`` (its ``_linear``) where it has one."""
     b, h, num_tokens, head_dim = out.shape
     # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
     out = out.transpose(0, 2, 1, 3).reshape(b, num_tokens, h * head_dim)
     if module.spec.output_gate:
-        out = out * jax.nn.sigmoid(_take_gate()).astype(out.dtype)
+        assert gate is not None, "a module with output_gate merges with the gate its project split"
+        out = out * jax.nn.sigmoid(gate).astype(out.dtype)
     out_proj = getattr(module, "out_proj", None)
     return out if out_proj is None else module._linear(out_proj, out, implementation)  # heads mixed
 
@@ -187,27 +187,3 @@ def split_gate(t: Array, heads: int) -> tuple[Array, Array]:
     return pairs[..., 0, :].reshape(b, num_tokens, -1), pairs[..., 1, :].reshape(b, num_tokens, -1)
 
 
-# The output gate of the call in flight (B, T, H * D): ``project`` splits it from the
-# queries, ``merge`` (which a call reaches after it, in the module's run and in cached
-# decoding, ``_cache``; under jit, in the same trace) takes it.  A module's call holds it
-# in ``gate_scope``.
-_GATE: ContextVar[Array | None] = ContextVar("output_gate", default=None)
-
-
-@contextmanager
-def gate_scope() -> Iterator[None]:
-    """One module call: the gate its ``project`` splits is its ``merge``'s, and gone after
-    the call (a failed call, or a finished trace, leaves none behind)."""
-    token = _GATE.set(None)
-    try:
-        yield
-    finally:
-        _GATE.reset(token)
-
-
-def _take_gate() -> Array:
-    gate = _GATE.get()
-    if gate is None:
-        raise RuntimeError("merge of a module with output_gate before its project split the gate")
-    _GATE.set(None)
-    return gate

@@ -210,10 +210,10 @@ VARIANTS: dict[str, Variant] = {
         # before a qk-norm that the clamp changes
         Variant("mha-clip-qknorm", "MultiHeadAttention", (("clip_qkv", 0.75), ("qk_norm", "rms"))),
         # Qwen3-Next's full-attention layer: W_query gives each head's queries and its output
-        # gate, grouped heads, 1 + w qk-norm per head, a quarter of each head turning
+        # gate, grouped heads, 1 + w qk-norm per head, half of each head turning
         Variant("mha-gate-gqa", "MultiHeadAttention",
                 (("output_gate", True), ("qk_norm", "rms"), ("qk_norm_offset", 1.0),
-                 ("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.25))), kv_group=2, first_position=480),
+                 ("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.5))), kv_group=2, first_position=480),
         # gpt-oss's attention sinks (one logit per head in every softmax) with grouped heads
         Variant("mha-sinks-gqa", "MultiHeadAttention", (("sinks", True),), kv_group=2),
         # flex attention's mods: a window written as a mask mod (it stands for window=(3, 1):

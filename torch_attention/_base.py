@@ -21,7 +21,7 @@ from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_option
 from attention_spec.registry import AttentionConfig, make_config
 from torch_attention import functional
 from torch_attention._cache import check_room, new_cache, run_cached
-from torch_attention._projections import gate_scope, linear, merge, new_projection, project
+from torch_attention._projections import linear, merge, new_projection, project
 from torch_attention._qk import (
     check_positions,
     norm_of,
@@ -213,10 +213,9 @@ class AttentionModule(nn.Module):
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                              cache=cache, return_weights=return_weights, positions=positions)
-        with gate_scope():  # (an output gate: split by the projections, taken by the merge)
-            if call.cache is not None:
-                return self._run_cached(call, return_weights)
-            return _unbatch(self._run(call, return_weights), call.batched)
+        if call.cache is not None:
+            return self._run_cached(call, return_weights)
+        return _unbatch(self._run(call, return_weights), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> functional.KVCache:
         """An empty KV cache for decoding up to ``max_len`` positions of ``batch_size``
@@ -303,13 +302,13 @@ class AttentionModule(nn.Module):
         """The work, on checked input: project, transform q and k, attend, merge.  Batched
         in and out."""
         # q (B, H, T, D), k and v (B, Hkv, S, D)
-        q, k, v = self._project(call.x, call.keys, call.values, call.implementation)
+        q, k, v, gate = self._project(call.x, call.keys, call.values, call.implementation)
         q, k = transform_heads(self, q, k, call.positions)
         result = self._attend(call, q, k, v, return_weights)
         if return_weights:
             out, weights = cast(tuple[Tensor, Tensor], result)
-            return merge(self, out, call.implementation), weights  # (B, H, T, Dv) -> (B, T, d_out)
-        return merge(self, cast(Tensor, result), call.implementation)
+            return merge(self, out, call.implementation, gate), weights  # (B, H, T, Dv) -> (B, T, d_out)
+        return merge(self, cast(Tensor, result), call.implementation, gate)
 
     def _run_cached(self, call: _Call, return_weights: bool) -> Any:
         """A decode step (``_cache.run_cached``)."""
@@ -324,7 +323,7 @@ class AttentionModule(nn.Module):
         return linear(layer, inputs, implementation)
 
     def _project(self, x: Tensor, keys: Tensor | None, values: Tensor | None,
-                 implementation: str) -> tuple[Tensor, Tensor, Tensor]:
+                 implementation: str) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         return project(self, x, keys, values, implementation)
 
     def _normalise_qk(self, role: str, t: Tensor) -> Tensor:

@@ -144,7 +144,7 @@ def run_cached(module: Any, call: _Call, return_weights: bool) -> Any:
     lengths[b] + t (``attend_cached``); a failure after the write puts the cache back as
     it was (``restored_on_failure``).  Returns ``(out, cache)`` or ``(out, weights,
     cache)``."""
-    q, k, v = module._project(call.x, None, None, call.implementation)
+    q, k, v, gate = module._project(call.x, None, None, call.implementation)
     cache = call.cache
     batch, seq = call.x.shape[0], call.x.shape[1]
     fills = cache.lengths.tolist()  # each example's fill before this call (one read)
@@ -154,7 +154,7 @@ def run_cached(module: Any, call: _Call, return_weights: bool) -> Any:
         q, k = transform_heads(module, q, k, call.positions, cache.lengths)  # (read before the write)
         with restored_on_failure(cache, seq, fills):
             cache = append_at(cache, k, v, fills[0])
-            return attend_cached(module, call, cache, q, fills[0] + seq, fills[0], None, return_weights)
+            return attend_cached(module, call, cache, q, fills[0] + seq, fills[0], None, return_weights, gate)
     lengths = call.kv_lengths if call.kv_lengths is not None else torch.full(
         (batch,), seq, dtype=torch.int64, device=q.device)
     start = cache.lengths.clone()
@@ -162,12 +162,13 @@ def run_cached(module: Any, call: _Call, return_weights: bool) -> Any:
     with restored_on_failure(cache, seq, fills):
         cache = append_to_cache(cache, k, v, lengths.to(q.device))
         kv_lengths = start + lengths.to(q.device)
-        return attend_cached(module, call, cache, q, int(cache.lengths.max()), start, kv_lengths, return_weights)
+        return attend_cached(module, call, cache, q, int(cache.lengths.max()), start, kv_lengths, return_weights,
+                             gate)
 
 
 def attend_cached(
     module: Any, call: _Call, cache: KVCache, q: Tensor, filled: int, q_offset: Tensor | int,
-    kv_lengths: Tensor | None, return_weights: bool,
+    kv_lengths: Tensor | None, return_weights: bool, gate: Tensor | None = None,
 ) -> Any:
     """q attends to the cache's keys [0, filled) (its fullest example's fill), query 0
     of each example at key position ``q_offset``: eager shapes may change per step, so
@@ -199,8 +200,8 @@ def attend_cached(
     if return_weights:  # zero weights on the unfilled positions: (B, H, T, max_len), as the twin's
         out, weights = cast(tuple[Tensor, Tensor], result)
         weights = torch.nn.functional.pad(weights, (0, cache.key.shape[2] - filled))
-        return merge(module, out, call.implementation), weights, cache
-    return merge(module, cast(Tensor, result), call.implementation), cache
+        return merge(module, out, call.implementation, gate), weights, cache
+    return merge(module, cast(Tensor, result), call.implementation, gate), cache
 
 
 def attend_all(module: Any, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool) -> Any:

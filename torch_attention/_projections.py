@@ -9,9 +9,6 @@ Twin of ``jax_attention/_projections.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any, cast
 
 import torch
@@ -47,13 +44,13 @@ def linear(layer: nn.Module | nn.Parameter, inputs: Tensor, implementation: str)
 
 
 def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
-            implementation: str) -> tuple[Tensor, Tensor, Tensor]:
+            implementation: str) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(B, T, d_in) -> q (B, H, T, D); k, v (B, Hkv, S, D) from ``keys`` / ``values``
     (cross-attention) or x, by the module's declared projections (its ``_linear``), on
     ``implementation``'s path: each clamped to [-clip_qkv, clip_qkv] (``clip``), after
-    its bias; with ``output_gate``, W_query's gate split from its queries (``split_gate``)
-    and held for this call's ``merge`` (``gate_scope``); q and k through its
-    ``"projected"`` transforms (``_qk.transform_projected``: qk-norm) before the head
+    its bias; with ``output_gate``, W_query's gate split from its queries (``split_gate``:
+    the fourth of the four, (B, T, H * D), for ``merge``; None without); q and k through
+    its ``"projected"`` transforms (``_qk.transform_projected``: qk-norm) before the head
     split."""
     spec = module.spec
     keys = x if keys is None else keys
@@ -61,20 +58,22 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
     names = {p.role: p.name for p in spec.projections()}  # (one pass over the registry's list)
     if not names:
         # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
-        return x.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1)
+        return x.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1), None
+    gate = None
 
     def one(role: str, inputs: Tensor, heads: int) -> Tensor:
+        nonlocal gate
         t = clip(module._linear(getattr(module, names[role]), inputs, implementation), spec.clip_qkv)
         if role == "query" and spec.output_gate:  # (B, T, H * 2D) -> queries, gate (B, T, H * D)
             t, gate = split_gate(t, heads)
-            _GATE.set(gate)
         if role != "value":
             t = transform_projected(module, role, t)
         # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
         return split_heads(t, heads)
 
     kv_heads = spec.kv_heads
-    return one("query", x, spec.num_heads), one("key", keys, kv_heads), one("value", values, kv_heads)
+    q, k, v = one("query", x, spec.num_heads), one("key", keys, kv_heads), one("value", values, kv_heads)
+    return q, k, v, gate
 
 
 def split_heads(t: Tensor, heads: int) -> Tensor:
@@ -83,15 +82,16 @@ def split_heads(t: Tensor, heads: int) -> Tensor:
     return t.view(b, num_tokens, heads, width // heads).transpose(1, 2)
 
 
-def merge(module: Any, out: Tensor, implementation: str) -> Tensor:
+def merge(module: Any, out: Tensor, implementation: str, gate: Tensor | None = None) -> Tensor:
     """Heads (B, H, T, Dv) -> (B, T, H * Dv), times sigmoid(gate) with ``output_gate``
-    (the gate ``project`` split from this call's queries), mixed by the module's
+    (the gate ``project`` split from this call's queries, (B, T, H * D)), mixed by the module's
     ``out_proj`` (its ``_linear``) where it has one."""
     b, h, num_tokens, head_dim = out.shape
     # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
     out = out.transpose(1, 2).reshape(b, num_tokens, h * head_dim)
     if module.spec.output_gate:
-        out = out * torch.sigmoid(_take_gate())
+        assert gate is not None, "a module with output_gate merges with the gate its project split"
+        out = out * torch.sigmoid(gate)
     out_proj = getattr(module, "out_proj", None)
     return out if out_proj is None else module._linear(out_proj, out, implementation)  # heads mixed
 
@@ -114,26 +114,3 @@ def split_gate(t: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     return pairs[..., 0, :].reshape(b, num_tokens, -1), pairs[..., 1, :].reshape(b, num_tokens, -1)
 
 
-# The output gate of the call in flight (B, T, H * D): ``project`` splits it from the
-# queries, ``merge`` (which a call reaches after it, in the module's run and in cached
-# decoding, ``_cache``) takes it.  A module's call holds it in ``gate_scope``.
-_GATE: ContextVar[Tensor | None] = ContextVar("output_gate", default=None)
-
-
-@contextmanager
-def gate_scope() -> Iterator[None]:
-    """One module call: the gate its ``project`` splits is its ``merge``'s, and gone after
-    the call (a failed call leaves none behind)."""
-    token = _GATE.set(None)
-    try:
-        yield
-    finally:
-        _GATE.reset(token)
-
-
-def _take_gate() -> Tensor:
-    gate = _GATE.get()
-    if gate is None:
-        raise RuntimeError("merge of a module with output_gate before its project split the gate")
-    _GATE.set(None)
-    return gate
