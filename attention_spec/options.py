@@ -1,6 +1,6 @@
 """Checks of a module's configuration and of the options a call is given: positive sizes,
 heads and their widths (``head_dim``, ``out_features``), the dropout rate, ``scale``, ``clip_qkv``, ``mask_strategy``, ``normalization``,
-``implementation``, ``window``, ``alignment``, ``softcap``, ``num_kv_heads``, the
+``implementation``, ``window``, ``chunk``, ``alignment``, ``softcap``, ``num_kv_heads``, the
 functional ``layout`` of q, k and v (``check_attention_layout``, ``check_qkv_in_layout``), and the
 constructor arguments together (``check_config``).
 
@@ -141,6 +141,80 @@ def check_clip_qkv(clip_qkv: Any) -> float | None:
     return float(clip_qkv)
 
 
+def check_qk_norm_weight(qk_norm: str | None, weight: Any, offset: float) -> bool:
+    """``qk_norm_weight``: True, the qk-norms have a learnable weight; False, a weightless
+    RMS norm ``x * rsqrt(mean(x^2) + eps)`` (nanochat's, Llama 4's ``L2Norm``: no
+    parameter), so it needs ``qk_norm="rms"`` and no ``qk_norm_offset``."""
+    if not isinstance(weight, bool):
+        raise TypeError(f"qk_norm_weight must be a bool; got {type(weight).__name__} {weight!r}")
+    if not weight and qk_norm != "rms":
+        raise ValueError(f"qk_norm_weight=False (a weightless RMS norm) needs qk_norm='rms'; got qk_norm={qk_norm!r}")
+    if not weight and offset:
+        raise ValueError(f"qk_norm_offset={offset!r} scales by offset + weight: it needs qk_norm_weight=True")
+    return weight
+
+
+V_NORMS = ("rms",)
+
+
+def check_v_norm(v_norm: Any) -> str | None:
+    """``v_norm`` (Gemma 4): None (off) or ``"rms"``, a weightless RMS norm of each value
+    head over its head_dim (epsilon ``qk_norm_eps``), after the value projection."""
+    return None if v_norm is None else _one_of("v_norm", v_norm, V_NORMS)
+
+
+def check_values_from_keys(values_from_keys: Any, vdim: Any) -> bool:
+    """``values_from_keys`` (Gemma 4's ``attention_k_eq_v``): True, no ``W_value``; the
+    values are ``W_key``'s output before k-norm and rope, so there is no value input
+    width (``vdim`` must be None)."""
+    if not isinstance(values_from_keys, bool):
+        raise TypeError(f"values_from_keys must be a bool; got {type(values_from_keys).__name__} {values_from_keys!r}")
+    if values_from_keys and vdim is not None:
+        raise ValueError(f"values_from_keys=True takes the values from W_key's output: vdim must be None; got vdim={vdim!r}")
+    return values_from_keys
+
+
+class QueryScale(NamedTuple):
+    """Queries scaled by their absolute position p (after rope and qk-norm):
+    ``q * (1 + beta * log1p(floor((p + offset) / floor)))``, exactly 1 while p + offset <
+    floor.  Llama 4's attention temperature tuning is ``QueryScale(attn_scale,
+    floor_scale, 1)``; Ministral 3 / Mistral 4's ``llama_4_scaling_beta`` is
+    ``QueryScale(beta, original_max_position_embeddings, 0)``."""
+
+    beta: float
+    floor: int
+    offset: int = 0
+
+
+def check_query_scale(query_scale: Any) -> QueryScale | None:
+    """``query_scale``: None (off), a ``QueryScale`` or a tuple ``(beta, floor[, offset])``:
+    beta a finite number, floor a positive int, offset an int; returns a ``QueryScale``
+    of Python numbers."""
+    if query_scale is None:
+        return None
+    if not isinstance(query_scale, tuple) or len(query_scale) not in (2, 3):
+        raise TypeError(f"query_scale must be None or a QueryScale(beta, floor, offset); got "
+                        f"{type(query_scale).__name__} {query_scale!r}")
+    beta, floor, offset = (*query_scale, 0)[:3]
+    if not _is_real(beta) or not math.isfinite(beta):
+        raise ValueError(f"query_scale's beta must be a finite number; got {beta!r}")
+    if not _is_int(floor) or floor.__index__() < 1:
+        raise ValueError(f"query_scale's floor must be an int >= 1; got {floor!r}")
+    if not _is_int(offset):
+        raise ValueError(f"query_scale's offset must be an int; got {offset!r}")
+    return QueryScale(float(beta), floor.__index__(), offset.__index__())
+
+
+VALUES_FROM_KEYS_PAIR = (
+    "values_from_keys=True takes the values from the keys: context must be one array, not a "
+    "(key_input, value_input) pair"
+)
+QUERY_SCALE_WITH_CONTEXT = (
+    "query_scale= scales the queries of self-attention by their positions: a call with context= "
+    "(cross-attention) is not taken"
+)
+
+
 def check_kv_heads(num_heads: Any, num_kv_heads: Any) -> int:
     """``num_kv_heads`` (grouped-query attention): a positive int dividing ``num_heads``;
     returns it (None -> ``num_heads``)."""
@@ -219,6 +293,23 @@ def check_window(window: Any) -> tuple[int | None, int | None] | None:
         pair.append(None if value is None else value.__index__())
     left, right = pair
     return None if left is None and right is None else (left, right)
+
+
+def check_chunk(chunk: Any) -> int | None:
+    """``chunk`` (chunked local attention, Llama 4's ``attention_chunk_size``): None (off)
+    or a positive int C; the query at key position p sees key j only where
+    ``j // C == p // C`` (the chunks of key positions 0 .. C - 1, C .. 2C - 1, ...), on top
+    of ``causal``, ``window``, lengths, masks and segments (all of them hold together).
+    Chunks are counted in key positions: ``alignment`` and ``q_offset`` place the queries
+    among them, a cache's slots are its positions.  Returns a Python int.  Raises
+    TypeError (not an int, or a bool) or ValueError (below 1)."""
+    if chunk is None:
+        return None
+    if not _is_int(chunk):
+        raise TypeError(f"chunk must be None or an int >= 1; got {type(chunk).__name__} {chunk!r}")
+    if chunk.__index__() < 1:
+        raise ValueError(f"chunk must be None or an int >= 1; got {chunk!r}")
+    return chunk.__index__()
 
 
 # Order on every path and in the oracle: s = scale * q.k; s = softcap * tanh(s / softcap)
@@ -332,6 +423,8 @@ class CallOptions(NamedTuple):
     return_weights: bool = False
     implementation: str = "auto"
     layout: str = "bhsd"
+    # Chunked local attention (``check_chunk``): None, or the chunk's width in key positions.
+    chunk: int | None = None
     # A module's score and mask mods that stand for no named option (``flex.fold_named``):
     # the flex path and the reference math apply them, every other path refuses them.
     score_mod: Any = None
@@ -353,6 +446,7 @@ def call_options(
     *, causal: Any = False, scale: Any = None, mask_strategy: Any = "fill", normalization: Any = "softmax",
     softcap: Any = None, window: Any = None, alignment: Any = "top_left", dropout_rate: Any = 0.0,
     training: bool = False, return_weights: bool = False, implementation: Any = "auto", layout: Any = "bhsd",
+    chunk: Any = None,
 ) -> CallOptions:
     """The checked ``CallOptions`` of the public functions' keywords (the same names),
     each check raising its one text; the value in canonical form (Python ints and
@@ -365,6 +459,7 @@ def call_options(
         mask_strategy=check_mask_strategy(mask_strategy),
         normalization=check_normalization(normalization),
         window=check_window(window),
+        chunk=check_chunk(chunk),
         alignment=check_alignment(alignment),
         implementation=check_implementation(implementation),
         causal=bool(causal),

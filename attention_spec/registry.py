@@ -33,6 +33,7 @@ from attention_spec.flex import check_module_mods
 from attention_spec.latent import check_latent_widths, check_norm_eps
 from attention_spec.options import (
     check_alignment,
+    check_chunk,
     check_clip_qkv,
     check_dropout_rate,
     check_head_dim,
@@ -45,8 +46,12 @@ from attention_spec.options import (
     check_positive_int,
     check_qk_norm,
     check_qk_norm_offset,
+    check_qk_norm_weight,
+    check_query_scale,
     check_scale,
     check_softcap,
+    check_v_norm,
+    check_values_from_keys,
     check_window,
 )
 from attention_spec.rope import check_rope, check_rope_widths
@@ -290,12 +295,19 @@ REGISTRY: dict[str, Variant] = {
              # qk-norm: Qwen3's / Phi's per-head q_norm and k_norm, OLMo 2's across heads
              Option("qk_norm", None, True), Option("qk_norm_scope", "head", True), Option("qk_norm_eps", 1e-6, True),
              Option("qk_norm_offset", 0.0, True),  # Gemma 3: scale by 1 + weight
+             # nanochat's / Llama 4's weightless qk-norm; Gemma 4's value norm and keys as values;
+             # Llama 4's / Ministral 3's queries scaled by position (an options.QueryScale)
+             Option("qk_norm_weight", True, True), Option("v_norm", None, True),
+             Option("values_from_keys", False, True), Option("query_scale", None, True),
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              Option("sinks", False, True),  # gpt-oss's attention sinks: one learned logit per head
              # flex attention's mods (attention_spec.mods), applied to this module's scores
              Option("score_mod", None, True), Option("mask_mod", None, True),
+             Option("chunk", None, True),  # Llama 4's chunked local attention (attention_chunk_size)
              *_common(causal=True)),
-            projections=(*_qkv(*_QKV), Projection("out_proj", "out", "linear", "out_bias", when="out_proj")),
+            projections=(*_qkv("W_query", "W_key"),
+                         Projection("W_value", "value", "linear", "qkv_bias", unless="values_from_keys"),
+                         Projection("out_proj", "out", "linear", "out_bias", when="out_proj")),
             has_dropout=True,
             heads="split",
         ),
@@ -356,6 +368,8 @@ class Layers:
     # W_query gives queries and a gate per head (2 * head_dim rows a head: the head's
     # queries, then its gate, as Qwen3-Next's q_proj); the merged heads times sigmoid(gate)
     output_gate: bool = False
+    # no W_value: the values are W_key's output before k-norm and rope (Gemma 4's attention_k_eq_v)
+    values_from_keys: bool = False
 
 
 @dataclass(frozen=True)
@@ -372,6 +386,7 @@ class Scoring:
     softcap: float | None = None
     window: tuple[int | None, int | None] | None = None
     alignment: str = "top_left"
+    chunk: int | None = None  # chunked local attention: a chunk's width in key positions
     sinks: bool = False  # a parameter ``sinks`` (num_heads,): each head's logit in every softmax
     dropout: float = 0.0
     # flex attention's mods (``attention_spec.mods``, or functions of the user's own):
@@ -384,15 +399,19 @@ class Scoring:
 @dataclass(frozen=True)
 class QKTransforms:
     """What is done to queries and keys before the scores: the clamp of the projections
-    (``clip_qkv``, values too), qk-norm (its kind, scope, epsilon and offset) and the
-    rotary embedding (an ``attention_spec.rope.RopeConfig``)."""
+    (``clip_qkv``, values too), qk-norm (its kind, scope, epsilon, offset and whether it
+    has a weight), the value norm, the rotary embedding (an ``attention_spec.rope.RopeConfig``)
+    and the queries' scale by position (an ``attention_spec.options.QueryScale``)."""
 
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip_qkv, clip_qkv]
     qk_norm: str | None = None
     qk_norm_scope: str = "head"
     qk_norm_eps: float = 1e-6
     qk_norm_offset: float = 0.0
+    qk_norm_weight: bool = True  # False: a weightless RMS norm (nanochat, Llama 4), no q_norm / k_norm
+    v_norm: str | None = None  # Gemma 4: "rms", a weightless RMS norm of each value head (qk_norm_eps)
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
+    query_scale: Any = None  # an options.QueryScale: queries times 1 + beta log1p(floor((p + offset) / floor))
 
 
 @dataclass(frozen=True)
@@ -459,6 +478,7 @@ class AttentionConfig:
         out_bias: bool
         attention_bias: bool
         output_gate: bool
+        values_from_keys: bool
         clip_qkv: float | None
         scale: float | None
         causal: bool
@@ -468,6 +488,7 @@ class AttentionConfig:
         softcap: float | None
         window: tuple[int | None, int | None] | None
         alignment: str
+        chunk: int | None
         sinks: bool
         dropout: float
         score_mod: Any
@@ -476,7 +497,10 @@ class AttentionConfig:
         qk_norm_scope: str
         qk_norm_eps: float
         qk_norm_offset: float
+        qk_norm_weight: bool
+        v_norm: str | None
         rope: Any
+        query_scale: Any
         q_lora_rank: int | None
         kv_lora_rank: int | None
         qk_nope_head_dim: int | None
@@ -551,6 +575,7 @@ class AttentionConfig:
         check_implementation(self.implementation)
         set_(self, "softcap", check_softcap(self.softcap))
         set_(self, "window", check_window(self.window))  # a tuple (hashable), or None
+        set_(self, "chunk", check_chunk(self.chunk))  # a Python int, or None
         check_alignment(self.alignment)
         check_module_mods(self.score_mod, self.mask_mod)
         if self.num_kv_heads is not None:
@@ -563,6 +588,11 @@ class AttentionConfig:
             _, _, eps = check_qk_norm(self.qk_norm, self.qk_norm_scope, self.qk_norm_eps)
             set_(self, "qk_norm_eps", eps)
             set_(self, "qk_norm_offset", check_qk_norm_offset(self.qk_norm, self.qk_norm_offset))
+        if "qk_norm_weight" in exposed:
+            check_qk_norm_weight(self.qk_norm, self.qk_norm_weight, self.qk_norm_offset)
+            check_v_norm(self.v_norm)
+            check_values_from_keys(self.values_from_keys, self.vdim)
+            set_(self, "query_scale", check_query_scale(self.query_scale))
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)
             check_rope_widths(self.d_in, self.kdim, self.vdim)  # self-attention only: keys from x
@@ -678,10 +708,10 @@ class AttentionConfig:
 
     def qk_norms(self) -> tuple[tuple[str, str, int], ...]:
         """The query/key norms this config creates, ``(name, role, width)``: none without
-        ``qk_norm``; ``q_norm`` and ``k_norm`` (Hugging Face's names), each ``head_dim``
+        ``qk_norm`` or with ``qk_norm_weight=False`` (a weightless norm, no module); ``q_norm`` and ``k_norm`` (Hugging Face's names), each ``head_dim``
         wide (``qk_norm_scope="head"``) or as wide as its role's heads (``"all"``: the
         projection's width; the queries' without an output gate's half)."""
-        if self.qk_norm is None:
+        if self.qk_norm is None or not self.qk_norm_weight:  # (a weightless norm has no module)
             return ()
         return tuple(
             (name, role, cast(int, self.head_dim if self.qk_norm_scope == "head"

@@ -19,12 +19,21 @@ from flax import nnx
 from jax import Array
 
 from attention_spec import dtype_name
+from attention_spec.options import VALUES_FROM_KEYS_PAIR
 from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_options, plan_call
 from attention_spec.registry import AttentionConfig, make_config
 from jax_attention import functional
 from jax_attention._cache import check_room, new_cache, run_cached
 from jax_attention._projections import linear, merge, new_projection, project
-from jax_attention._qk import check_positions, norm_of, normalise_qk, qk_norm_layers, rotate, transform_heads
+from jax_attention._qk import (
+    check_positions,
+    norm_of,
+    normalise_qk,
+    qk_norm_layers,
+    rotate,
+    scale_queries,
+    transform_heads,
+)
 
 
 class _Call(NamedTuple):
@@ -262,7 +271,9 @@ class AttentionModule(nnx.Module):
             kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
             return_weights=return_weights,
         )
-        positions = check_positions(self.spec.rope, positions, x, context)
+        if self.spec.values_from_keys and isinstance(context, (tuple, list)):
+            raise ValueError(VALUES_FROM_KEYS_PAIR)
+        positions = check_positions(self.spec, positions, x, context)
         keys, values, mask, bias = plan.keys, plan.values, plan.mask, plan.bias
         if not plan.batched:  # (T, C) -> (1, T, C); masks broadcast from the right
             x = x[None]
@@ -334,6 +345,10 @@ class AttentionModule(nnx.Module):
 
     def _rotate(self, q: Array, k: Array, positions: Array | None, start: Array | None = None) -> tuple[Array, Array]:
         return rotate(self.spec.rope, q, k, positions, start)
+
+    def _scale_queries(self, q: Array, k: Array, positions: Array | None,
+                       start: Array | None = None) -> tuple[Array, Array]:
+        return scale_queries(self.spec.query_scale, q, k, positions, start)
 
 
 # The options read back, one read-only property each: ``m.d_in`` is ``m.spec.d_in``.

@@ -20,7 +20,7 @@ from jax import Array
 
 from attention_spec.registry import AttentionConfig, Projection
 from jax_attention._linear import project as project_linear
-from jax_attention._qk import transform_projected
+from jax_attention._qk import rms, transform_projected
 
 # --------------------------------------------------------------------------- construction
 
@@ -122,23 +122,31 @@ def project(module: Any, x: Array, keys: Array | None, values: Array | None,
     its bias; with ``output_gate``, W_query's gate split from its queries (``split_gate``:
     the fourth of the four, (B, T, H * D), for ``merge``; None without); q and k through
     its ``"projected"`` transforms (``_qk.transform_projected``: qk-norm) before the head
-    split."""
+    split.  ``values_from_keys``: v is W_key's output (clamped) before those transforms;
+    ``v_norm``: v through a weightless RMS norm per head (``_qk.rms``, ``qk_norm_eps``)."""
     spec = module.spec
     keys = x if keys is None else keys
     values = x if values is None else values
     if not spec.projections():
         # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
         return x[:, None], keys[:, None], values[:, None], None
-    gate = None
+    gate = projected_keys = None
 
     def one(role: str, inputs: Array, heads: int) -> Array:
-        nonlocal gate
-        y = module._linear(getattr(module, cast(Projection, spec.projection(role)).name), inputs, implementation)
-        y = clip(y, spec.clip_qkv)
+        nonlocal gate, projected_keys
+        if role == "value" and spec.values_from_keys:  # Gemma 4's attention_k_eq_v: no W_value
+            y = cast(Array, projected_keys)
+        else:
+            y = module._linear(getattr(module, cast(Projection, spec.projection(role)).name), inputs, implementation)
+            y = clip(y, spec.clip_qkv)
         if role == "query" and spec.output_gate:  # (B, T, H * 2D) -> queries, gate (B, T, H * D)
             y, gate = split_gate(y, heads)
+        if role == "key":
+            projected_keys = y
         if role != "value":
             y = transform_projected(module, role, y)
+        elif spec.v_norm is not None:  # Gemma 4's v_norm: each value head, no weight
+            y = rms(y, cast(int, spec.head_dim), spec.qk_norm_eps)
         return split_heads(y, heads)  # (B, T, heads * D) -> (B, heads, T, D)
 
     kv_heads = spec.kv_heads

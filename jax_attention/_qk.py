@@ -21,6 +21,7 @@ from jax import Array
 
 from attention_spec import dtype_name
 from attention_spec.arrays import host_array
+from attention_spec.options import QUERY_SCALE_WITH_CONTEXT, QueryScale
 from attention_spec.registry import AttentionConfig
 from attention_spec.rope import RopeConfig, check_module_positions
 from jax_attention._rope import apply_rope
@@ -41,6 +42,7 @@ class Transform(NamedTuple):
 TRANSFORMS = (
     Transform("projected", lambda spec: spec.qk_norm is not None, "_normalise_qk"),
     Transform("heads", lambda spec: spec.rope is not None, "_rotate"),
+    Transform("heads", lambda spec: spec.query_scale is not None, "_scale_queries"),
 )
 
 
@@ -92,8 +94,11 @@ def normalise_qk(spec: AttentionConfig, norm: Any, t: Array) -> Array:
     for float64), cast back, then times the scale (LayerNorm: plus the bias).  With
     ``qk_norm_offset`` (Gemma 3) the scale is ``offset + scale`` in that precision and
     the product is cast back once, as Gemma's RMSNorm.  ``norm`` (the role's
-    ``nnx.RMSNorm`` / ``nnx.LayerNorm``) None: t passes through."""
+    ``nnx.RMSNorm`` / ``nnx.LayerNorm``) None: t passes through, unless the norm is
+    weightless (``qk_norm_weight=False``: ``rms``, no module)."""
     if norm is None:
+        if spec.qk_norm is not None and not spec.qk_norm_weight:
+            return rms(t, cast(int, spec.head_dim) if spec.qk_norm_scope == "head" else t.shape[-1], spec.qk_norm_eps)
         return t
     layer = spec.qk_norm == "layer"
     return normalise(t, norm.scale[...], spec.qk_norm_eps, centre=layer, offset=spec.qk_norm_offset,
@@ -121,17 +126,30 @@ def normalise(t: Array, scale: Array, eps: float, *, centre: bool = False, offse
     return x.reshape(t.shape)
 
 
+def rms(t: Array, width: int, eps: float) -> Array:
+    """The weightless RMS norm of t (..., W) over each group of ``width`` features:
+    ``x * rsqrt(mean(x^2) + eps)`` in float32 at least (float64 stays), cast back (the
+    qk-norm of nanochat and Llama 4, Gemma 4's value norm)."""
+    x = t.reshape(*t.shape[:-1], -1, width)
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps)).astype(t.dtype).reshape(t.shape)
+
+
 # --------------------------------------------------------------------------- rotary positions
 
 
-def check_positions(rope: RopeConfig | None, positions: Any, x: Array, context: Any) -> Array | None:
-    """A call's ``positions=`` checked (``check_module_positions``; a list or NumPy
-    array as given, before JAX's conversion changes its dtype), as an array."""
+def check_positions(spec: AttentionConfig, positions: Any, x: Array, context: Any) -> Array | None:
+    """A call's ``positions=`` checked (``check_module_positions``: a module with rope or
+    a query scale takes them; a list or NumPy array as given, before JAX's conversion
+    changes its dtype), as an array.  A query scale without rope refuses ``context``."""
+    if spec.query_scale is not None and spec.rope is None and context is not None:
+        raise ValueError(QUERY_SCALE_WITH_CONTEXT)
     if positions is not None and not isinstance(positions, jax.Array):
         positions = host_array("rope positions", positions)
     shape = None if positions is None else tuple(positions.shape)
     dtype = None if positions is None else dtype_name(positions.dtype)
-    check_module_positions(rope is not None, shape, dtype, tuple(x.shape), context=context is not None)
+    check_module_positions(spec.rope is not None or spec.query_scale is not None, shape, dtype, tuple(x.shape),
+                           context=context is not None)
     return None if positions is None else jnp.asarray(positions)
 
 
@@ -146,3 +164,26 @@ def rotate(rope: RopeConfig | None, q: Array, k: Array, positions: Array | None,
         steps = np.arange(q.shape[2])[None]
         at = steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
     return apply_rope(q, at, rope), apply_rope(k, at, rope)
+
+
+# --------------------------------------------------------------------------- queries scaled by position
+
+
+def scale_queries(query_scale: QueryScale | None, q: Array, k: Array, positions: Array | None,
+                  start: Array | None = None) -> tuple[Array, Array]:
+    """q (B, H, T, D) times ``1 + beta * log1p(floor((p + offset) / floor))`` at each
+    query's position p (``positions``; None: ``start`` + 0..T-1, rope's positions),
+    the floor in integers, the scale in float32 at least, the product cast back to q's
+    dtype (Llama 4's order); k unchanged.  Unchanged without a query scale."""
+    if query_scale is None:
+        return q, k
+    at: Any = positions
+    if at is None:
+        steps = np.arange(q.shape[2])[None]
+        at = steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    at = jnp.asarray(at)
+    floors = jnp.floor_divide(at.astype(jnp.promote_types(at.dtype, jnp.int32)) + query_scale.offset,
+                              query_scale.floor)
+    factor = 1.0 + query_scale.beta * jnp.log1p(floors.astype(dtype))  # (B or 1, T)
+    return (q.astype(dtype) * factor[:, None, :, None]).astype(q.dtype), k

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from attention_spec.options import QueryScale
 from attention_spec.registry import variant as declaration
 from attention_spec.rope import RopeConfig
 
@@ -185,8 +186,9 @@ VARIANTS: dict[str, Variant] = {
         Variant("mha", "MultiHeadAttention"),
         Variant("mha-noproj", "MultiHeadAttention", (("out_proj", False),)),
         # training-stack options (issue 9) that self-attention modules take: one key/value
-        # head for all query heads (MQA, any head count), a causal window, a two-sided one
-        Variant("mqa", "MultiHeadAttention", (("num_kv_heads", 1),)),
+        # head for all query heads (MQA, any head count) in Llama 4's chunks of 4 key
+        # positions (chunked local attention), a causal window, a two-sided one
+        Variant("mqa-chunk", "MultiHeadAttention", (("num_kv_heads", 1), ("chunk", 4))),
         Variant("mha-window", "MultiHeadAttention", (("window", (3, None)),)),
         Variant("sa2-window", "SelfAttention_v2", (("window", (2, 1)),)),
         # free widths: heads of 2 * HEAD_DIM (q/k/v 2x as wide as d_out) in groups of 2
@@ -214,6 +216,14 @@ VARIANTS: dict[str, Variant] = {
         Variant("mha-gate-gqa", "MultiHeadAttention",
                 (("output_gate", True), ("qk_norm", "rms"), ("qk_norm_offset", 1.0),
                  ("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.5))), kv_group=2, first_position=480),
+        # 2026's projection mechanisms together: Gemma 4's global layer (no W_value: the values
+        # are W_key's output before its norm and rope; a weightless value norm), nanochat's /
+        # Llama 4's weightless qk-norm, queries scaled by position (Llama 4's temperature
+        # tuning, Ministral 3's beta; past every 4th position here, so at 480.. it bites)
+        Variant("mha-k-eq-v-qscale", "MultiHeadAttention",
+                (("values_from_keys", True), ("v_norm", "rms"), ("qk_norm", "rms"), ("qk_norm_weight", False),
+                 ("query_scale", QueryScale(0.5, 4, 1)), ("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.5))),
+                kv_group=2, first_position=480),
         # gpt-oss's attention sinks (one logit per head in every softmax) with grouped heads
         Variant("mha-sinks-gqa", "MultiHeadAttention", (("sinks", True),), kv_group=2),
         # flex attention's mods: a window written as a mask mod (it stands for window=(3, 1):

@@ -37,6 +37,7 @@ def attention(
     sinks: np.ndarray | None = None,
     score_mod: Any = None,
     mask_mod: Any = None,
+    chunk: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """q (..., T, D), k (..., S, D), v (..., S, Dv) -> out (..., T, Dv), weights (..., T, S).
 
@@ -50,7 +51,8 @@ def attention(
     Structure (issue 9): query i sits at key position ``p = i + offset`` (``offset`` an
     int, or one int per example, shape (B,)); ``causal`` blocks keys j > p and
     ``window=(left, right)`` (inclusive, None = unbounded on that side) blocks keys
-    outside p - left .. p + right.  ``segment_ids`` (B, T) and ``kv_segment_ids`` (B, S)
+    outside p - left .. p + right; ``chunk`` C (chunked local attention) blocks keys of
+    another chunk of C key positions (j // C != p // C).  ``segment_ids`` (B, T) and ``kv_segment_ids`` (B, S)
     (default: ``segment_ids``) block keys of another segment.  Grouped-query attention:
     k and v (..., Hkv, S, D) with Hkv dividing q's H; query head h reads kv head
     h // (H // Hkv).  Per-example options index the first axis (B).
@@ -106,6 +108,7 @@ def attention(
                     masked[j]
                     or (right is not None and j - p > right)
                     or (left is not None and p - j > left)
+                    or (chunk is not None and j // chunk != p // chunk)
                     or (seg_q is not None and seg_k is not None and seg_q[idx[0], i] != seg_k[idx[0], j])
                 )
                 # a -inf bias entry blocks its key as a mask does (the library's rule)
@@ -155,9 +158,18 @@ def flex_attention(
     score_mod: Any = None,
     mask_mod: Any = None,
     scale: float,
+    sinks: np.ndarray | None = None,
+    keep: np.ndarray | None = None,
+    rate: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """PyTorch's flex_attention as loops: q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev)
     -> out (B, Hq, L, Ev), lse (B, Hq, L), float64.
+
+    What ours adds: ``sinks`` (Hq,), one logit per query head that joins each row's sum of
+    exp as a key with no value: weights exp(s_j - lse), lse = log(sum_j exp(s_j) +
+    exp(sink)), and a row that sees no key has zeros and lse = its sink.  ``keep`` (bool,
+    broadcastable to (B, Hq, L, S)): dropout, a kept weight scaled by 1/(1 - rate), the
+    others 0 (the lse is the softmax's, before dropout).
 
     For each (b, h, i, j): query head h reads kv head h // (Hq // Hkv); the score
     ``s = q.k * scale`` (float64) becomes ``score_mod(s, b, h, i, j)``, each index an
@@ -176,9 +188,11 @@ def flex_attention(
         check_sizes(mod, batch, heads, t_len, s_len, where=f"flex_attention: {role}")
     out = np.zeros((batch, heads, t_len, v.shape[-1]))
     lse = np.full((batch, heads, t_len), -math.inf)
+    keep_b = None if keep is None else np.broadcast_to(np.asarray(keep, bool), (batch, heads, t_len, s_len))
     for b in range(batch):
         for h in range(heads):
             kvh = h // groups
+            sink = None if sinks is None else float(np.asarray(sinks, np.float64)[h])
             for i in range(t_len):
                 scores: list[float | None] = []
                 for j in range(s_len):
@@ -192,14 +206,19 @@ def flex_attention(
                     scores.append(None if s == -math.inf else float(s))
                 live = [s for s in scores if s is not None]
                 if not live:
+                    if sink is not None:
+                        lse[b, h, i] = sink  # the whole weight on the sink
                     continue  # nothing to attend to: zeros, lse -inf
-                top = max(live)
+                top = max(live) if sink is None else max(*live, sink)
                 exps = [0.0 if s is None else math.exp(s - top) for s in scores]
-                total = math.fsum(exps)
+                total = math.fsum(exps + ([] if sink is None else [math.exp(sink - top)]))
                 lse[b, h, i] = top + math.log(total)
                 acc = np.zeros(v.shape[-1])
                 for j, e in enumerate(exps):  # each value, weighted
-                    acc += (e / total) * v[b, kvh, j]
+                    w = e / total
+                    if keep_b is not None:
+                        w = w / (1.0 - rate) if keep_b[b, h, i, j] else 0.0
+                    acc += w * v[b, kvh, j]
                 out[b, h, i] = acc
     return out, lse
 
@@ -241,7 +260,12 @@ def forward(
     or (1, T); None: 0..T-1), in float64 (``rope``).  ``clip_qkv`` clamps the three
     projections' outputs (biases added) to [-c, c] before anything else; ``output_gate``
     reads W_query's output as each head's queries then its gate (2 * head_dim a head) and
-    multiplies the merged heads by sigmoid(gate) before ``out_proj``.
+    multiplies the merged heads by sigmoid(gate) before ``out_proj``.  ``values_from_keys``:
+    the values are W_key's output (clamped) before k-norm and rope; ``v_norm="rms"``: each
+    value head RMS-normed, no weight; ``qk_norm_weight=False``: q and k RMS-normed without
+    weight after rope, where the families norm them (the twins norm before: a rotation
+    keeps the norm); ``query_scale``: q times 1 + beta log1p(floor((p + offset) / floor))
+    at its position p, after rope and qk-norm.
     """
     from attention_spec.registry import variant as declaration
 
@@ -269,7 +293,7 @@ def forward(
     rate = float(options.get("dropout", 0.0))
     common = {"mask": mask, "causal": bool(options.get("causal", False)), "keep": keep, "rate": rate,
               "normalization": options.get("normalization", "softmax"), "bias": bias,
-              "softcap": options.get("softcap"), "window": options.get("window"),
+              "softcap": options.get("softcap"), "window": options.get("window"), "chunk": options.get("chunk"),
               "sinks": params.get("sinks") if options.get("sinks") else None,
               "score_mod": options.get("score_mod"), "mask_mod": options.get("mask_mod")}
     if decl.heads == "latent":  # multi-head latent attention: its own projections
@@ -286,14 +310,17 @@ def forward(
     clip = options.get("clip_qkv")
     if clip is not None:  # OLMo: each projection's output clamped to [-clip, clip], biases added
         by_role = {role: np.clip(y, -float(clip), float(clip)) for role, y in by_role.items()}
+    if options.get("values_from_keys"):  # Gemma 4's attention_k_eq_v: W_key's output is the values
+        by_role["value"] = by_role["key"]
     gate = None
     if options.get("output_gate"):  # Qwen3-Next: each head's 2D outputs of W_query, queries then gate
         q_and_gate = _heads(by_role["query"], int(options["num_heads"]))  # (B, H, T, 2D)
         half = q_and_gate.shape[-1] // 2
         by_role["query"], gate = (np.ascontiguousarray(part.transpose(0, 2, 1, 3)).reshape(*x.shape[:2], -1)
                                   for part in (q_and_gate[..., :half], q_and_gate[..., half:]))
+    weightless = options.get("qk_norm") is not None and options.get("qk_norm_weight") is False
     for name, role in (("q_norm", "query"), ("k_norm", "key")):
-        if options.get("qk_norm") is not None:  # qk-norm: before the heads attend
+        if options.get("qk_norm") is not None and not weightless:  # qk-norm: before the heads attend
             by_role[role] = _qk_norm(params, name, by_role[role], options["qk_norm"], options["qk_norm_eps"],
                                      float(options.get("qk_norm_offset", 0.0)))
     if not by_role:  # no projections: queries, keys and values are x itself
@@ -303,9 +330,19 @@ def forward(
     head_dim = options.get("head_dim")  # free widths: None = the projections' width / heads
     q = _heads(by_role["query"], num_heads, head_dim)  # (B, H, T, D)
     k, v = (_heads(by_role[r], kv_heads, head_dim) for r in ("key", "value"))  # (B, Hkv, T, D)
+    if options.get("v_norm") == "rms":  # Gemma 4: each value head over its head_dim, no weight
+        v = _rms(v, float(options["qk_norm_eps"]))
+    pos = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
     if options.get("rope") is not None:
-        pos = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
         q, k = rope(q, pos, options["rope"]), rope(k, pos, options["rope"])
+    if weightless:  # nanochat / Llama 4: after rope, over each head (or all heads together)
+        eps, whole = float(options["qk_norm_eps"]), options.get("qk_norm_scope") == "all"
+        q, k = ((_heads(_rms(_merged(t), eps), n, head_dim) if whole else _rms(t, eps))
+                for t, n in ((q, num_heads), (k, kv_heads)))
+    if options.get("query_scale") is not None:  # Llama 4's temperature tuning, Ministral 3's beta
+        beta, floor, offset = options["query_scale"]
+        steps = np.floor_divide(np.broadcast_to(pos, (x.shape[0], x.shape[1])).astype(np.int64) + offset, floor)
+        q = q * (1.0 + beta * np.log1p(steps.astype(np.float64)))[:, None, :, None]
     scale = options.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, weights = attention(q, k, v, scale=scale, **common)
@@ -354,6 +391,18 @@ def _latent(options: Mapping[str, Any], params: Mapping[str, np.ndarray], x: np.
     out, weights = attention(q, k, kv[..., nope:], scale=float(scale), **common)
     b, h, n, d = out.shape
     return _linear(params, "o_proj", out.transpose(0, 2, 1, 3).reshape(b, n, h * d)), weights
+
+
+def _rms(t: np.ndarray, eps: float) -> np.ndarray:
+    """The weightless RMS norm of t over its last axis, in float64."""
+    t = np.asarray(t, np.float64)
+    return t / np.sqrt((t * t).mean(-1, keepdims=True) + eps)
+
+
+def _merged(t: np.ndarray) -> np.ndarray:
+    """Heads (B, H, T, D) -> (B, T, H * D)."""
+    b, h, n, d = t.shape
+    return t.transpose(0, 2, 1, 3).reshape(b, n, h * d)
 
 
 def _qk_norm(params: Mapping[str, np.ndarray], name: str, y: np.ndarray, kind: str, eps: float,

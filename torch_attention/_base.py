@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attention_spec import dtype_name
+from attention_spec.options import VALUES_FROM_KEYS_PAIR
 from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_options, plan_call
 from attention_spec.registry import AttentionConfig, make_config
 from torch_attention import functional
@@ -28,6 +29,7 @@ from torch_attention._qk import (
     normalise_qk,
     qk_norm_layers,
     rotate,
+    scale_queries,
     transform_heads,
 )
 
@@ -252,7 +254,9 @@ class AttentionModule(nn.Module):
             kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
             return_weights=return_weights,
         )
-        positions = check_positions(self.spec.rope, positions, x, context)
+        if self.spec.values_from_keys and isinstance(context, (tuple, list)):
+            raise ValueError(VALUES_FROM_KEYS_PAIR)
+        positions = check_positions(self.spec, positions, x, context)
         keys, values, mask, bias = plan.keys, plan.values, plan.mask, plan.bias
         if not plan.batched:  # (T, C) -> (1, T, C); masks broadcast from the right
             x = x.unsqueeze(0)
@@ -331,6 +335,10 @@ class AttentionModule(nn.Module):
 
     def _rotate(self, q: Tensor, k: Tensor, positions: Tensor | None, start: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return rotate(self.spec.rope, q, k, positions, start)
+
+    def _scale_queries(self, q: Tensor, k: Tensor, positions: Tensor | None,
+                       start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return scale_queries(self.spec.query_scale, q, k, positions, start)
 
 
 # The options read back, one read-only property each: ``m.d_in`` is ``m.spec.d_in``.

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from attention_spec.registry import AttentionConfig, Projection
 from torch_attention._linear import project as project_linear
-from torch_attention._qk import transform_projected
+from torch_attention._qk import rms, transform_projected
 
 # --------------------------------------------------------------------------- construction
 
@@ -51,7 +51,8 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
     its bias; with ``output_gate``, W_query's gate split from its queries (``split_gate``:
     the fourth of the four, (B, T, H * D), for ``merge``; None without); q and k through
     its ``"projected"`` transforms (``_qk.transform_projected``: qk-norm) before the head
-    split."""
+    split.  ``values_from_keys``: v is W_key's output (clamped) before those transforms;
+    ``v_norm``: v through a weightless RMS norm per head (``_qk.rms``, ``qk_norm_eps``)."""
     spec = module.spec
     keys = x if keys is None else keys
     values = x if values is None else values
@@ -59,15 +60,22 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
     if not names:
         # (B, T, C) -> (B, 1, T, C): one head, the inputs themselves
         return x.unsqueeze(1), keys.unsqueeze(1), values.unsqueeze(1), None
-    gate = None
+    gate = projected_keys = None
 
     def one(role: str, inputs: Tensor, heads: int) -> Tensor:
-        nonlocal gate
-        t = clip(module._linear(getattr(module, names[role]), inputs, implementation), spec.clip_qkv)
+        nonlocal gate, projected_keys
+        if role == "value" and spec.values_from_keys:  # Gemma 4's attention_k_eq_v: no W_value
+            t = cast(Tensor, projected_keys)
+        else:
+            t = clip(module._linear(getattr(module, names[role]), inputs, implementation), spec.clip_qkv)
         if role == "query" and spec.output_gate:  # (B, T, H * 2D) -> queries, gate (B, T, H * D)
             t, gate = split_gate(t, heads)
+        if role == "key":
+            projected_keys = t
         if role != "value":
             t = transform_projected(module, role, t)
+        elif spec.v_norm is not None:  # Gemma 4's v_norm: each value head, no weight
+            t = rms(t, cast(int, spec.head_dim), spec.qk_norm_eps)
         # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
         return split_heads(t, heads)
 

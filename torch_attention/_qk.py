@@ -11,13 +11,14 @@ Twin of ``jax_attention/_qk.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
 
 from attention_spec import dtype_name
 from attention_spec.arrays import host_array
+from attention_spec.options import QUERY_SCALE_WITH_CONTEXT, QueryScale
 from attention_spec.registry import AttentionConfig
 from attention_spec.rope import RopeConfig, check_module_positions
 from torch_attention._rope import apply_rope
@@ -38,6 +39,7 @@ class Transform(NamedTuple):
 TRANSFORMS = (
     Transform("projected", lambda spec: spec.qk_norm is not None, "_normalise_qk"),
     Transform("heads", lambda spec: spec.rope is not None, "_rotate"),
+    Transform("heads", lambda spec: spec.query_scale is not None, "_scale_queries"),
 )
 
 
@@ -88,8 +90,11 @@ def normalise_qk(spec: AttentionConfig, norm: Any, t: Tensor) -> Tensor:
     for float64), cast back, then times the weight (LayerNorm: plus the bias).  With
     ``qk_norm_offset`` (Gemma 3) the scale is ``offset + weight`` in that precision and
     the product is cast back once, as Gemma's RMSNorm.  ``norm`` (the role's
-    ``nn.RMSNorm`` / ``nn.LayerNorm``) None: t passes through."""
+    ``nn.RMSNorm`` / ``nn.LayerNorm``) None: t passes through, unless the norm is
+    weightless (``qk_norm_weight=False``: ``rms``, no module)."""
     if norm is None:
+        if spec.qk_norm is not None and not spec.qk_norm_weight:
+            return rms(t, cast(int, spec.head_dim) if spec.qk_norm_scope == "head" else t.shape[-1], spec.qk_norm_eps)
         return t
     layer = spec.qk_norm == "layer"
     return normalise(t, norm.weight, spec.qk_norm_eps, centre=layer, offset=spec.qk_norm_offset,
@@ -116,17 +121,30 @@ def normalise(t: Tensor, weight: Tensor, eps: float, *, centre: bool = False, of
     return x.flatten(-2)
 
 
+def rms(t: Tensor, width: int, eps: float) -> Tensor:
+    """The weightless RMS norm of t (..., W) over each group of ``width`` features:
+    ``x * rsqrt(mean(x^2) + eps)`` in float32 at least (float64 stays), cast back (the
+    qk-norm of nanochat and Llama 4, Gemma 4's value norm)."""
+    x = t.unflatten(-1, (-1, width))
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype).flatten(-2)
+
+
 # --------------------------------------------------------------------------- rotary positions
 
 
-def check_positions(rope: RopeConfig | None, positions: Any, x: Tensor, context: Any) -> Tensor | None:
-    """A call's ``positions=`` checked (``check_module_positions``; a list or NumPy
-    array as given, as the JAX twin checks it), as a tensor on x's device."""
+def check_positions(spec: AttentionConfig, positions: Any, x: Tensor, context: Any) -> Tensor | None:
+    """A call's ``positions=`` checked (``check_module_positions``: a module with rope or
+    a query scale takes them; a list or NumPy array as given, as the JAX twin checks it),
+    as a tensor on x's device.  A query scale without rope refuses ``context``."""
+    if spec.query_scale is not None and spec.rope is None and context is not None:
+        raise ValueError(QUERY_SCALE_WITH_CONTEXT)
     if positions is not None and not isinstance(positions, Tensor):
         positions = host_array("rope positions", positions)
     shape = None if positions is None else tuple(positions.shape)
     dtype = None if positions is None else dtype_name(positions.dtype)
-    check_module_positions(rope is not None, shape, dtype, tuple(x.shape), context=context is not None)
+    check_module_positions(spec.rope is not None or spec.query_scale is not None, shape, dtype, tuple(x.shape),
+                           context=context is not None)
     return None if positions is None else torch.as_tensor(positions, device=x.device)
 
 
@@ -140,3 +158,23 @@ def rotate(rope: RopeConfig | None, q: Tensor, k: Tensor, positions: Tensor | No
         steps = torch.arange(q.shape[2], device=q.device)[None]
         positions = steps if start is None else start.to(q.device)[:, None] + steps
     return apply_rope(q, positions, rope), apply_rope(k, positions, rope)
+
+
+# --------------------------------------------------------------------------- queries scaled by position
+
+
+def scale_queries(query_scale: QueryScale | None, q: Tensor, k: Tensor, positions: Tensor | None,
+                  start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """q (B, H, T, D) times ``1 + beta * log1p(floor((p + offset) / floor))`` at each
+    query's position p (``positions``; None: ``start`` + 0..T-1, rope's positions),
+    the floor in integers, the scale in float32 at least, the product cast back to q's
+    dtype (Llama 4's order); k unchanged.  Unchanged without a query scale."""
+    if query_scale is None:
+        return q, k
+    if positions is None:
+        steps = torch.arange(q.shape[2], device=q.device)[None]
+        positions = steps if start is None else start.to(q.device)[:, None] + steps
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    floors = torch.div(positions.to(torch.int64) + query_scale.offset, query_scale.floor, rounding_mode="floor")
+    factor = 1.0 + query_scale.beta * torch.log1p(floors.to(dtype))  # (B or 1, T)
+    return (q.to(dtype) * factor[:, None, :, None]).to(q.dtype), k

@@ -113,11 +113,26 @@ class MultiHeadAttention(AttentionModule):
     Qwen3, Phi's ``qk_layernorm``) or over all heads together (``"all"``: OLMo 2).
     ``qk_norm_offset=1.0``: the norms scale by ``1 + weight`` (Gemma 3's RMSNorm; the
     weights then start at zeros).
+    ``qk_norm_weight=False`` (nanochat, Llama 4's ``L2Norm``): a weightless RMS norm
+    ``x * rsqrt(mean(x^2) + eps)``, no ``q_norm`` / ``k_norm`` parameter (``qk_norm="rms"``
+    only; the families norm after rope, which a rotation does not change: the same to
+    rounding).  ``v_norm="rms"`` (Gemma 4): each value head through a weightless RMS
+    norm (``qk_norm_eps``), so a cache holds normed values.  ``values_from_keys=True``
+    (Gemma 4's ``attention_k_eq_v``): no ``W_value``; the values are ``W_key``'s output
+    before k-norm and rope (then ``v_norm``).  ``query_scale=QueryScale(beta, floor,
+    offset)`` (``attention_spec.options``; Llama 4's attention temperature tuning,
+    Ministral 3's ``llama_4_scaling_beta``): after rope and qk-norm the queries at
+    position p are multiplied by ``1 + beta * log1p(floor((p + offset) / floor))``, at
+    the call's ``positions=`` (rope's positions; taken without rope too) or, with a cache,
+    each example's fill onward; self-attention only.
     Rotary position embeddings: ``rope=`` (an ``attention_spec.rope.RopeConfig``) turns q and k
     after the head split, before attention, at the call's ``positions=`` (integers
     (B, T); None: 0..T-1, or, with a cache, each example's fill onward); the frequencies
     are computed from the config, or are a port's own (``RopeConfig(inv_freq=...)``); no
     parameter.  Self-attention only (no ``context=``).
+    Chunked local attention (Llama 4's ``attention_chunk_size``): ``chunk=C`` lets the query
+    at key position p see only keys j with ``j // C == p // C``, with ``causal`` and
+    ``window`` too; in cached decoding the cache's slots are those positions.
     Attention sinks (gpt-oss): ``sinks=True`` adds a parameter ``sinks`` of shape
     (num_heads,), zeros at first: each head's learned logit joins every softmax's
     denominator as a key without a value, so a query's weights sum to less than 1.
@@ -160,10 +175,15 @@ class MultiHeadAttention(AttentionModule):
         qk_norm_scope: str = "head",
         qk_norm_eps: float = 1e-6,
         qk_norm_offset: float = 0.0,
+        qk_norm_weight: bool = True,
+        v_norm: str | None = None,
+        values_from_keys: bool = False,
+        query_scale: Any = None,
         rope: Any = None,
         sinks: bool = False,
         score_mod: Any = None,
         mask_mod: Any = None,
+        chunk: int | None = None,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",

@@ -356,6 +356,65 @@ CASES = [
         "output_gate-not-bool", TypeError, re.escape("output_gate must be a bool; got int 1"),
         lambda fw: mha(fw, output_gate=1),
     ),
+    # ---- 2026's projection mechanisms (tests/modules/test_projection_mechanisms.py)
+    ErrorCase(
+        "qk_norm_weight-not-bool", TypeError, re.escape("qk_norm_weight must be a bool; got int 0"),
+        lambda fw: mha(fw, qk_norm="rms", qk_norm_weight=0),
+    ),
+    ErrorCase(
+        "qk_norm_weight-false-layer", ValueError,
+        re.escape("qk_norm_weight=False (a weightless RMS norm) needs qk_norm='rms'; got qk_norm='layer'"),
+        lambda fw: mha(fw, qk_norm="layer", qk_norm_weight=False),
+    ),
+    ErrorCase(
+        "qk_norm_weight-false-offset", ValueError,
+        re.escape("qk_norm_offset=1.0 scales by offset + weight: it needs qk_norm_weight=True"),
+        lambda fw: mha(fw, qk_norm="rms", qk_norm_weight=False, qk_norm_offset=1.0),
+    ),
+    ErrorCase(
+        "v_norm-unknown", ValueError, re.escape("v_norm must be one of 'rms'; got 'layer'"),
+        lambda fw: mha(fw, v_norm="layer"),
+    ),
+    ErrorCase(
+        "values_from_keys-not-bool", TypeError, re.escape("values_from_keys must be a bool; got str 'yes'"),
+        lambda fw: mha(fw, values_from_keys="yes"),
+    ),
+    ErrorCase(
+        "values_from_keys-vdim", ValueError,
+        re.escape("values_from_keys=True takes the values from W_key's output: vdim must be None; got vdim=6"),
+        lambda fw: mha(fw, values_from_keys=True, vdim=6),
+    ),
+    ErrorCase(
+        "values_from_keys-context-pair", ValueError,
+        re.escape("values_from_keys=True takes the values from the keys: context must be one array, not a "
+                  "(key_input, value_input) pair"),
+        lambda fw: mha(fw, values_from_keys=True),
+        lambda fw, m: m(fw.randn(2, 5, 8), context=(fw.randn(2, 4, 8), fw.randn(2, 4, 8))),
+    ),
+    ErrorCase(
+        "query_scale-not-a-record", TypeError,
+        re.escape("query_scale must be None or a QueryScale(beta, floor, offset); got float 0.5"),
+        lambda fw: mha(fw, query_scale=0.5),
+    ),
+    ErrorCase(
+        "query_scale-floor-zero", ValueError, re.escape("query_scale's floor must be an int >= 1; got 0"),
+        lambda fw: mha(fw, query_scale=(0.1, 0, 1)),
+    ),
+    ErrorCase(
+        "query_scale-beta-inf", ValueError, re.escape("query_scale's beta must be a finite number; got inf"),
+        lambda fw: mha(fw, query_scale=(float("inf"), 8192)),
+    ),
+    ErrorCase(
+        "query_scale-offset-float", ValueError, re.escape("query_scale's offset must be an int; got 0.5"),
+        lambda fw: mha(fw, query_scale=(0.1, 8192, 0.5)),
+    ),
+    ErrorCase(
+        "query_scale-context", ValueError,
+        re.escape("query_scale= scales the queries of self-attention by their positions: a call with context= "
+                  "(cross-attention) is not taken"),
+        lambda fw: mha(fw, query_scale=(0.1, 4, 1)),
+        lambda fw, m: m(fw.randn(2, 5, 8), context=fw.randn(2, 4, 8)),
+    ),
     # ---- masks
     ErrorCase(
         "mask-does-not-broadcast-heads", ValueError,
