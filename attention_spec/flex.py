@@ -21,15 +21,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attention_spec import mods as library
-from attention_spec.arrays import FLOAT_DTYPES, as_shape, dtype_name
+from attention_spec.arrays import FLOAT_DTYPES, as_shape, check_sinks, dtype_name
 from attention_spec.geometry import reach
+from attention_spec.masks import check_dropout_mask
 from attention_spec.mods import Mod
-from attention_spec.options import CallOptions, check_scale
+from attention_spec.options import CallOptions, check_dropout_rate, check_scale
 from attention_spec.routing import Route, option_blockers
 
 __all__ = [
     "DEFAULT_BLOCK",
     "BlockMask",
+    "FlexExtras",
     "KeyRun",
     "QueryBlock",
     "blocks_computed",
@@ -41,6 +43,7 @@ __all__ = [
     "check_block_mask",
     "check_block_mask_args",
     "check_flex_call",
+    "check_flex_extras",
     "check_full_pair",
     "check_one_table",
     "check_flex_inputs",
@@ -226,16 +229,86 @@ def check_flex_call(query: Any, key: Any, value: Any, score_mod: Any, block_mask
     return groups, scale
 
 
+class FlexExtras(NamedTuple):
+    """What a flex call has beyond PyTorch's flex_attention, checked
+    (``check_flex_extras``): ``sinks`` (Hq,) or None; dropout on the weights at ``rate``
+    (0.0: off, eval mode included), with the explicit keep-mask ``keep`` (bool, True =
+    keep, broadcastable to (B, Hq, L, S)) or, ``drawn``, a keep-mask the flex path draws
+    block by block."""
+
+    sinks: Any = None
+    rate: float = 0.0
+    keep: Any = None
+    drawn: bool = False
+
+    @property
+    def dropout(self) -> bool:
+        return self.rate > 0.0
+
+
+def _prefixed(check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """``check`` (a check ``dot_product_attention`` shares), its error text led by
+    ``flex_attention: ``, as every flex text is."""
+    try:
+        check(*args, **kwargs)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"flex_attention: {error}") from None
+
+
+def check_flex_extras(query: Any, key: Any, *, sinks: Any, dropout_rate: Any, mode: tuple[str, Any],
+                      dropout_mask: Any, rng: tuple[str, bool]) -> FlexExtras:
+    """A flex call's sinks and dropout, before any work (one text in both twins, each
+    ``dot_product_attention``'s check led by ``flex_attention: ``): ``sinks`` a floating
+    array (Hq,), one logit per query head (``check_sinks``); ``dropout_rate`` in [0, 1);
+    ``mode`` (the twin's flag, its value): ``("training", bool)`` (PyTorch) or
+    ``("deterministic", bool)`` (JAX); ``dropout_mask`` bool, broadcastable to the
+    weights (B, Hq, L, S), only with dropout on (``check_dropout_mask``); ``rng`` (the
+    twin's name for its random stream, whether the call has one): dropout drawn in
+    training mode without one is refused (the PyTorch twin always has one, its global
+    generator, as ``nn.Dropout``).  Returns the extras checked, arrays as given.
+
+    Raises:
+      TypeError: a flag that is not a bool, a rate that is not a float, sinks or a
+        keep-mask of the wrong dtype.
+      ValueError: a rate out of range, sinks or a keep-mask of the wrong shape, a keep-mask
+        with dropout off, dropout without an rng."""
+    name, flag = mode
+    if not isinstance(flag, bool):
+        raise TypeError(f"flex_attention: {name} must be a bool; got {type(flag).__name__} {flag!r}")
+    training = flag if name == "training" else not flag
+    _prefixed(check_dropout_rate, dropout_rate)
+    rate = float(dropout_rate)
+    q, k = as_shape(query.shape), as_shape(key.shape)
+    if sinks is not None:
+        _prefixed(check_sinks, as_shape(sinks.shape), dtype_name(sinks.dtype), q, "softmax")
+    if dropout_mask is not None:
+        _prefixed(check_dropout_mask, as_shape(dropout_mask.shape), dtype_name(dropout_mask.dtype),
+                  (q[0], q[1], q[2], k[2]), training=training, rate=rate)
+    active = training and rate > 0.0
+    drawn = active and dropout_mask is None
+    if drawn and not rng[1]:
+        raise ValueError(f"flex_attention: dropout in training mode needs {rng[0]} (or a dropout_mask)")
+    return FlexExtras(sinks, rate if active else 0.0, dropout_mask, drawn)
+
+
 def flex_call_options(query: Any, key: Any, value: Any, score_mod: Any, block_mask: Any, scale: Any,
-                      enable_gqa: bool, return_lse: bool) -> tuple[dict[str, Any] | None, str]:
-    """A flex call checked (``check_flex_call``), then the named options its mods stand
-    for (``named_options``), or None and why not: what each twin's ``flex_attention`` and
-    ``flex_route`` decide by.  A block mask made for one example (or head) whose library
-    mask mod differs by example (or head) is refused (``check_one_table``).  (A module's
-    call on the flex path makes its own block masks, for the examples and heads its mod
-    reads, and is not checked so: under ``jax.jit`` it may list, for every example, the
-    blocks that its mod's untraced part leaves, all partial.)"""
+                      enable_gqa: bool, return_lse: bool,
+                      extras: FlexExtras | Callable[[], FlexExtras] | None = None
+                      ) -> tuple[dict[str, Any] | None, str]:
+    """A flex call checked (``check_flex_call``, then ``extras``: the call's sinks and
+    dropout, or the twin's ``check_flex_extras`` of them, called after), then the named
+    options its mods stand for (``named_options``), with the sinks and an explicit
+    keep-mask that ``dot_product_attention`` takes as they are, or None and why not
+    (dropout drawn: the flex path draws its own keep-mask): what each twin's
+    ``flex_attention`` and ``flex_route`` decide by.  A block mask made for one example
+    (or head) whose library mask mod differs by example (or head) is refused
+    (``check_one_table``).  (A module's call on the flex path makes its own block masks,
+    for the examples and heads its mod reads, and is not checked so: under ``jax.jit`` it
+    may list, for every example, the blocks that its mod's untraced part leaves, all
+    partial.)  The options carry ``training=True`` with an explicit keep-mask (the JAX
+    twin passes it on as ``deterministic=False``)."""
     check_flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    extras = FlexExtras() if extras is None else extras() if callable(extras) else extras
     if block_mask is not None:
         lead = block_mask.kv_num_blocks.shape
         check_one_table("flex_attention", "block_mask.mask_mod", block_mask.mask_mod, int(lead[0]), int(lead[1]))
@@ -246,6 +319,12 @@ def flex_call_options(query: Any, key: Any, value: Any, score_mod: Any, block_ma
         # Its tables may skip blocks that its mod allows: run as the named options, the call
         # would follow the mod alone, and on the flex path (return_lse=True) the tables too.
         return None, "block_mask was not made by create_block_mask for its mask_mod (its blocks are read)"
+    if options is not None and extras.drawn:
+        return None, "dropout drawn in training mode (the flex path draws its keep-mask block by block)"
+    if options is not None and extras.sinks is not None:
+        options["sinks"] = extras.sinks
+    if options is not None and extras.keep is not None:
+        options.update(dropout_rate=extras.rate, dropout_mask=extras.keep, training=True)
     return options, why
 
 
@@ -361,11 +440,13 @@ def fold_named(causal: bool, window: tuple[int | None, int | None] | None, softc
 
 def mod_blockers(options: CallOptions, *, rank: int, sinks_given: bool, dropout_mask_given: bool) -> list[str]:
     """What the flex path cannot honour of a module call with mods: the weights returned,
-    another normalisation than the softmax, dropout, an explicit dropout mask, sinks, and
-    q, k and v of another rank than 4."""
-    found = option_blockers(options, dropout_mask_given=dropout_mask_given, honours_mods=True)
-    if sinks_given:
-        found.append("sinks (the flex path has none)")
+    another normalisation than the softmax, dropout drawn in training mode without an
+    explicit dropout mask (the JAX twin's row gets no rng key: both twins leave such a
+    call to the reference math, which draws it), and q, k and v of another rank than 4.
+    Sinks and an explicit dropout mask it honours (``run_call`` passes them to
+    ``flex_attention``); ``sinks_given`` is kept for the rows' one signature."""
+    del sinks_given
+    found = option_blockers(options, dropout_mask_given=False, draws_dropout=dropout_mask_given, honours_mods=True)
     if rank != 4:
         found.append(f"q of rank {rank} (the flex path takes (B, H, T, D))")
     return found
@@ -407,9 +488,9 @@ def untraced_part(mod: Any, traced: Callable[[Any], bool]) -> Any:
     if isinstance(mod, library.CallMask):
         if not any(traced(a) for a in mod.arrays):
             return mod
-        if traced(mod.offset) or (mod.left is None and mod.right is None):
+        if traced(mod.offset) or (mod.left is None and mod.right is None and mod.chunk is None):
             return None
-        return library.CallMask(mod.offset, mod.left, mod.right)
+        return library.CallMask(mod.offset, mod.left, mod.right, chunk=mod.chunk)
     if isinstance(mod, Mod):
         return None if any(traced(a) for a in mod.arrays) else mod
     return mod
@@ -426,8 +507,9 @@ def call_mods(options: CallOptions, *, offset: Any, mask: Any, bias: Any, length
     key is hidden."""
     left, right = reach(options)
     own_mask = None
-    if left is not None or right is not None or any(a is not None for a in (lengths, mask, segments)):
-        own_mask = library.CallMask(offset, left, right, lengths, mask, segments)
+    if (left is not None or right is not None or options.chunk is not None
+            or any(a is not None for a in (lengths, mask, segments))):
+        own_mask = library.CallMask(offset, left, right, lengths, mask, segments, options.chunk)
     user_mask = library.positioned(options.mask_mod, offset)
     mask_mod = user_mask if own_mask is None else own_mask if user_mask is None else library.and_masks(
         own_mask, user_mask)

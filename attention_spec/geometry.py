@@ -2,8 +2,14 @@
 
 A query at key position ``p`` (query ``i`` sits at ``p = i + offset``) sees key ``j`` when
 
-    - left <= j - p <= right     (``reach``: ``window`` and ``causal``; None is unbounded), and
+    - left <= j - p <= right     (``reach``: ``window`` and ``causal``; None is unbounded),
+    - j // C == p // C           (``chunk`` C: chunked local attention, Llama 4's
+                                  ``attention_chunk_size``; key positions 0 .. C - 1 are one
+                                  chunk, C .. 2C - 1 the next; None: no chunks), and
     - j < length                 (``kv_lengths``: the example's number of valid keys).
+
+The band depends on the lag ``j - p`` alone; a chunk on both absolute positions, so
+``visible`` takes the two positions, not their difference.
 
 Everything else a call may block (a dense mask, segment ids, a ``-inf`` bias) is a mask
 on top.  The functions here are index arithmetic, written once for three kinds of number:
@@ -13,7 +19,8 @@ on top.  The functions here are index arithmetic, written once for three kinds o
     - traced integers (``key_range_traced``: JAX's tiled loops, whose block start is
       a loop variable), with the framework's ``clip`` passed in;
     - arrays of positions (``visible``: the band of a mask, an edge tile, a ring's
-      chunks), with the comparisons that every array library overloads.
+      shards), with the comparisons and the floor division that every array library
+      overloads (``//`` floors in Python, NumPy, JAX and PyTorch alike).
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from typing import Any, NamedTuple, Protocol
 
 
 class Band(Protocol):
-    """What bounds the keys a query sees, read by every function here: ``causal`` and
-    ``window`` (a call's ``CallOptions``, a path's static structure, or ``Reach``)."""
+    """What bounds the keys a query sees, read by every function here: ``causal``,
+    ``window`` and ``chunk`` (a call's ``CallOptions``, a path's static structure, or
+    ``Reach``)."""
 
     @property
     def causal(self) -> bool: ...
@@ -32,12 +40,16 @@ class Band(Protocol):
     @property
     def window(self) -> tuple[int | None, int | None] | None: ...
 
+    @property
+    def chunk(self) -> int | None: ...
+
 
 class Reach(NamedTuple):
-    """A ``Band`` from its two values."""
+    """A ``Band`` from its values."""
 
     causal: bool = False
     window: tuple[int | None, int | None] | None = None
+    chunk: int | None = None
 
 
 def reach(band: Band) -> tuple[int | None, int | None]:
@@ -62,6 +74,23 @@ def band_reach(q_len: int, kv_len: int, offset: int | None, band: Band) -> tuple
     return left, right
 
 
+def band_chunk(q_len: int, kv_len: int, offset: int | None, band: Band, start: int = 0) -> int | None:
+    """``band.chunk``, or None where it hides no key of this (q_len x kv_len) block: its
+    keys (at key positions start .. start + kv_len - 1) and its queries (at offset ..
+    offset + q_len - 1) all in one chunk.  ``offset`` None (it differs per example)
+    keeps it."""
+    c = band.chunk
+    if c is not None and offset is not None and (
+            start // c == (start + kv_len - 1) // c == offset // c == (offset + q_len - 1) // c):
+        return None
+    return c
+
+
+def bounded(band: Band) -> bool:
+    """Whether ``band`` bounds the keys at all (causal, a window or chunks)."""
+    return band.causal or band.window is not None or band.chunk is not None
+
+
 def _clip(x: int, lo: int, hi: int) -> int:
     return max(lo, min(x, hi))
 
@@ -72,11 +101,16 @@ def key_range_traced(
     """The keys [lo, hi) that some query of rows r0 .. r1 - 1 sees (``every``: that every
     one of them sees), 0 <= lo <= hi <= kv_len, an empty range where there are none.
     ``r0``, ``r1`` and ``offset`` may be traced integers, with ``clip`` the framework's
-    (``jnp.clip``); Python ints by default."""
+    (``jnp.clip``); Python ints by default.  A chunk C narrows it to the chunks of the
+    rows' positions (``every``: the one chunk they share, empty where they span two)."""
     left, right = reach(band)
     first, last = (r1 - 1, r0) if every else (r0, r1 - 1)  # the rows that bound each side
     lo = 0 if left is None else clip(first + offset - left, 0, kv_len)
     hi = kv_len if right is None else clip(last + offset + right + 1, 0, kv_len)
+    if band.chunk is not None:  # keys of the chunks of the first .. the last row's position
+        c = band.chunk
+        lo = clip(((first + offset) // c) * c, lo, kv_len)
+        hi = clip(((last + offset) // c + 1) * c, 0, hi)
     return lo, clip(hi, lo, kv_len)
 
 
@@ -87,14 +121,20 @@ def key_range(r0: int, r1: int, kv_len: int, offset: int, band: Band) -> tuple[i
     return key_range_traced(r0, r1, kv_len, offset, band)
 
 
-def visible(lag: Any, left: int | None, right: int | None) -> Any:
-    """bool array: ``left`` and ``right`` hold for ``lag`` = key position - query position
-    (an array of any framework; None where neither side bounds it)."""
+def visible(keys: Any, queries: Any, left: int | None, right: int | None, chunk: int | None = None) -> Any:
+    """bool array, ``keys`` and ``queries`` (key positions, arrays of any framework)
+    broadcast together: ``left`` and ``right`` hold for the lag ``keys - queries``, and
+    (``chunk``) the key lies in the query's chunk; None where nothing bounds it."""
     seen = None
-    if right is not None:
-        seen = lag <= right
-    if left is not None:
-        seen = lag >= -left if seen is None else seen & (lag >= -left)
+    if left is not None or right is not None:
+        lag = keys - queries
+        if right is not None:
+            seen = lag <= right
+        if left is not None:
+            seen = lag >= -left if seen is None else seen & (lag >= -left)
+    if chunk is not None:
+        same = (keys // chunk) == (queries // chunk)
+        seen = same if seen is None else seen & same
     return seen
 
 

@@ -725,7 +725,8 @@ class CallMask(Mod):
     """The keys a module's call lets a query see, as a mask mod (the geometry's rule,
     ``attention_spec.geometry``): the band ``left <= kv_idx - (q_idx + offset) <= right``
     (None: unbounded), keys before ``lengths[b]``, a dense ``mask`` (B', H', T', S') and
-    the same-segment mask ``segments`` (B, 1, T, S), each where the call has it."""
+    the same-segment mask ``segments`` (B, 1, T, S), each where the call has it, and
+    (``chunk``) keys in the query's chunk of key positions."""
 
     kind: ClassVar[str] = "mask"
     maker: ClassVar[str] = "the call's mask"
@@ -740,11 +741,12 @@ class CallMask(Mod):
     lengths: Any = None
     mask: Any = None
     segments: Any = None
+    chunk: int | None = None
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         from attention_spec.geometry import visible, within_length
 
-        seen = visible(kv_idx - _shifted(q_idx, self.offset, b), self.left, self.right)
+        seen = visible(kv_idx, _shifted(q_idx, self.offset, b), self.left, self.right, self.chunk)
         if self.lengths is not None:
             ok = within_length(kv_idx, _like(self.lengths, b)[b])
             seen = ok if seen is None else seen & ok

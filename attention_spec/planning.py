@@ -65,6 +65,7 @@ def module_options(
         normalization=scoring.normalization,
         softcap=softcap,
         window=window,
+        chunk=scoring.chunk,
         alignment=scoring.alignment if alignment is None else alignment,
         dropout_rate=scoring.dropout,
         training=training,

@@ -40,6 +40,7 @@ class FlashStatic(NamedTuple):
     precision: Any
     q_len: int
     kv_len: int
+    chunk: int | None = None
 
 
 def _part(a: Array | None, r0: int, r1: int, lo: int, hi: int) -> Array | None:
@@ -74,7 +75,7 @@ def _flash_logits(st: FlashStatic, q_c: Array, k_c: Array, ops: Operands, r0: in
     allowed = _part(ops.mask, r0, r1, lo, hi)
     if ops.lengths is not None:
         allowed = combine_masks(allowed, within_length(jnp.arange(lo, hi), ops.lengths)[None, :])
-    allowed = combine_masks(allowed, band(r1 - r0, hi - lo, r0 + st.offset - lo, st, 2))
+    allowed = combine_masks(allowed, band(r1 - r0, hi - lo, r0 + st.offset, st, 2, start=lo))
     if allowed is not None:
         allowed = jnp.broadcast_to(allowed, z.shape)
     return raw, z, z_scale, allowed
@@ -302,8 +303,8 @@ def blockwise(q: Array, k: Array, v: Array, s: Structure, call: Call, *, scale: 
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once.  Likewise a ``window`` (and a causal
-    mask aligned at key ``offset``) restricts each block to the keys [lo, hi) within its
-    reach (``key_range``); the blocks outside are skipped.
+    mask aligned at key ``offset``, and a ``chunk``) restricts each block to the keys
+    [lo, hi) within its reach (``key_range``); the blocks outside are skipped.
 
     Two forms, chosen by shape (``plan``, from ``_paths.blockwise_plan``):
     below ``_paths.LONG_SEQUENCE`` keys, the loop over query blocks is unrolled (static shapes)
@@ -316,7 +317,7 @@ def blockwise(q: Array, k: Array, v: Array, s: Structure, call: Call, *, scale: 
     ``jax.custom_vjp``): the forward keeps only each row's maximum and sum, and the
     backward recomputes each block's scores from them, skipping the same blocks;
     training memory is O(T * D) per slice, never a (T, S) array.
-    The structure (mask, causal, offset, window) is ``s``'s (``_canonical.structure``: a
+    The structure (mask, causal, offset, window, chunk) is ``s``'s (``_canonical.structure``: a
     mask of q's rank); lengths, bias, soft-cap and sinks are the call's.  Sinks (H,), in
     the compute dtype, join each row's normaliser when the row is finished (``_online_softmax.finish``); the
     backward gives them their gradient."""
@@ -335,7 +336,7 @@ def blockwise(q: Array, k: Array, v: Array, s: Structure, call: Call, *, scale: 
         per_slice = kv_lengths.reshape((-1,) + (1,) * (len(lead) - 1))
         lengths = jnp.broadcast_to(per_slice, lead).reshape(batch)
     static = FlashStatic(block, tile, backward_tile, s.causal, s.offset, s.window, scale, call.options.softcap,
-                         precision, q_len, kv_len)
+                         precision, q_len, kv_len, s.chunk)
     q_s, k_s, v_s = (t.reshape(batch, *t.shape[-2:]) for t in (q, k, v))
     if sinks is not None:  # (H,) -> one logit per (batch, head) slice
         sinks = jnp.broadcast_to(sinks, lead).reshape(batch)

@@ -218,7 +218,7 @@ def run_cached(module: Any, call: _Call, return_weights: bool, key: Array | None
 
 
 def folds(module: Any, call: _Call, return_weights: bool) -> bool:
-    """Whether a cached step attends as one token: T = 1, without a window, sinks, flex
+    """Whether a cached step attends as one token: T = 1, without a window, a chunk, sinks, flex
     mods (they see positions, and the folded rows are heads), dense mask, bias, segment
     ids, dropout or returned weights.  Its queries of each
     key/value head become the rows of one query block (B, Hkv, H / Hkv, D): no path
@@ -231,7 +231,7 @@ def folds(module: Any, call: _Call, return_weights: bool) -> bool:
     passes the kernel by), and XLA's dot for the projections of so few tokens:
     ``functional.FEW_QUERY_ROWS``, ``_linear.FEW_ROWS``.)"""
     spec = module.spec
-    return (call.x.shape[1] == 1 and spec.window is None and not spec.sinks and not return_weights
+    return (call.x.shape[1] == 1 and spec.window is None and spec.chunk is None and not spec.sinks and not return_weights
             and spec.score_mod is None and spec.mask_mod is None
             and not module._draws(call)
             and all(t is None for t in (call.mask, call.bias, call.dropout_mask, call.segment_ids,

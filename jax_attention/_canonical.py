@@ -15,7 +15,16 @@ from jax import Array
 
 from attention_spec import check_dropout_mask, check_mask, dtype_name
 from attention_spec.arrays import check_bias, check_sinks, host_array
-from attention_spec.geometry import Band, Reach, band_reach, key_range, visible, within_length
+from attention_spec.geometry import (
+    Band,
+    Reach,
+    band_chunk,
+    band_reach,
+    bounded,
+    key_range,
+    visible,
+    within_length,
+)
 from attention_spec.masks import (
     check_kv_lengths_array,
     check_kv_lengths_values,
@@ -273,18 +282,21 @@ def heads_first(q: Any, k: Any, v: Any, layout: str) -> tuple[Any, Any, Any]:
                  for t in (q, k, v))  # type: ignore[return-value]
 
 
-def band(q_len: int, kv_len: int, offset: int | Array, reach: Band, ndim: int) -> Array | None:
-    """bool, ``ndim`` dimensions: key j is visible from query i (at key position
-    i + offset) within ``reach`` (causal, window); None if every key is."""
-    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, reach)
-    if left is None and right is None:
+def band(q_len: int, kv_len: int, offset: int | Array, reach: Band, ndim: int, start: int = 0) -> Array | None:
+    """bool, ``ndim`` dimensions: key j (at key position start + j) is visible from
+    query i (at key position i + offset) within ``reach`` (causal, window, chunk); None
+    if every key is.  ``start``: a block's first key (a chunk reads absolute positions)."""
+    static = offset if isinstance(offset, int) else None
+    left, right = band_reach(q_len, kv_len, None if static is None else static - start, reach)
+    chunk = band_chunk(q_len, kv_len, static, reach, start)
+    if left is None and right is None and chunk is None:
         return None
     if isinstance(offset, int):
         position = jnp.arange(q_len)[:, None] + offset  # (T, 1)
     else:  # (B,) -> (B, 1, T, 1)
         position = (jnp.arange(q_len)[None, :] + offset[:, None])[:, None, :, None]
-    keys = jnp.arange(kv_len).reshape((1,) * (position.ndim - 1) + (kv_len,))
-    return expand_to(visible(keys - position, left, right), ndim)  # lag: key minus query position
+    keys = (jnp.arange(kv_len) + start).reshape((1,) * (position.ndim - 1) + (kv_len,))
+    return expand_to(visible(keys, position, left, right, chunk), ndim)
 
 
 def length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
@@ -303,7 +315,7 @@ def live_keys(
         seen_band = band(q_len, kv_len, offset, reach, ndim)
         seen = mask if seen_band is None else mask & seen_band
         live = seen.any(axis=-2)  # (..., S), size-1 dimensions kept
-    elif reach.causal or reach.window is not None:  # the keys within reach of the first to the last query
+    elif bounded(reach):  # the keys within reach of the first to the last query
         lo, hi = key_range(0, q_len, kv_len, offset, reach)
         if lo > 0 or hi < kv_len:
             positions = jnp.arange(kv_len)
@@ -316,8 +328,8 @@ def live_keys(
 
 class Structure(NamedTuple):
     """What a path computes from: the dense mask, the keys and values with those that no
-    query sees zeroed, the structure it keeps (offset, causal, window) and the heads per
-    key/value head."""
+    query sees zeroed, the structure it keeps (offset, causal, window, chunk) and the
+    heads per key/value head."""
 
     mask: Array | None
     k: Array
@@ -326,6 +338,7 @@ class Structure(NamedTuple):
     causal: bool
     window: tuple[int | None, int | None] | None
     groups: int
+    chunk: int | None = None
 
 
 def structure(q: Any, k: Array, v: Array, call: Call, structural: bool, layout: str = "bhsd",
@@ -339,13 +352,14 @@ def structure(q: Any, k: Array, v: Array, call: Call, structural: bool, layout: 
     H, T, D); k and v are in ``layout`` (``"bshd"``: (..., S, Hkv, D), as the fused
     kernels take them) and are returned in it."""
     q_len, kv_len = q.shape[-2], k.shape[-3] if layout == "bshd" else k.shape[-2]
-    reach: Band = call.options  # causal and window; none once they are a dense mask
+    reach: Band = call.options  # causal, window and chunk; none once they are a dense mask
     mask, offset = call.mask, call.offset
     if call.segments is not None:
         mask = combine_masks(mask, call.segments)
     if call.bias is not None:  # a -inf entry blocks its key, as a mask does (``bias_allows``)
         mask = combine_masks(mask, bias_allows(call.bias))
-    if not isinstance(offset, int) or (not structural and (reach.window is not None or (reach.causal and offset))):
+    if not isinstance(offset, int) or (not structural and (reach.window is not None or reach.chunk is not None
+                                                           or (reach.causal and offset))):
         mask = combine_masks(mask, band(q_len, kv_len, offset, reach, q.ndim))
         offset, reach = 0, Reach()
     lengths = None if reads_to_lengths else call.kv_lengths
@@ -357,4 +371,4 @@ def structure(q: Any, k: Array, v: Array, call: Call, structural: bool, layout: 
         if layout == "bshd":  # (..., Hkv, S, 1) -> (..., S, Hkv, 1)
             live = jnp.swapaxes(live, -3, -2)
         k, v = jnp.where(live, k, jnp.zeros((), k.dtype)), jnp.where(live, v, jnp.zeros((), v.dtype))
-    return Structure(mask, k, v, offset, reach.causal, reach.window, groups)
+    return Structure(mask, k, v, offset, reach.causal, reach.window, groups, reach.chunk)

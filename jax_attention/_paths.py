@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from attention_spec.flex import mod_blockers
-from attention_spec.geometry import band_reach
+from attention_spec.geometry import band_chunk, band_reach
 from attention_spec.mods import positioned
 from attention_spec.planning import fused_blockers
 from attention_spec.routing import PathEntry, option_blockers
@@ -87,6 +87,13 @@ def _explicit_blockers(q: Any, k: Any, v: Any, call: Call) -> list[str]:
     return option_blockers(call.options, dropout_mask_given=call.dropout_mask is not None)
 
 
+# The library's CPU kernel takes the band as two ints (left, right) and keeps it
+# structural; it has no chunks, and declines a chunked call: ``"auto"`` passes it by
+# (the blockwise path skips the blocks outside each chunk), an explicit ``"fused"`` runs
+# on XLA's kernel, the chunks a dense mask.
+CHUNK_KERNEL_DECLINES = "chunk={chunk}: the library's CPU kernel has no chunked attention"
+
+
 def _fused_blockers(q: Any, k: Any, v: Any, call: Call, *, kernel_has_sinks: bool) -> list[str]:
     lacks = fused_blockers(call.options, float64=q.dtype == jnp.float64,
                            sinks_given=not kernel_has_sinks and call.sinks is not None)
@@ -94,8 +101,11 @@ def _fused_blockers(q: Any, k: Any, v: Any, call: Call, *, kernel_has_sinks: boo
                            draws_dropout=FUSED_DRAWS_DROPOUT, lacks=lacks)
 
 
+
 def _kernel_declines(q: Any, k: Any, v: Any, call: Call) -> str | None:
     """The library's CPU kernel, asked without building it (``_cpu_fused.declines``)."""
+    if call.options.chunk is not None:
+        return CHUNK_KERNEL_DECLINES.format(chunk=call.options.chunk)
     return _cpu_fused.declines(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset,
                                implementation=call.options.implementation, few_rows=few_rows(q))
 
@@ -114,10 +124,12 @@ def _plain(q: Any, k: Any, v: Any, call: Call) -> bool:
     if any(a is not None for a in (call.mask, call.segments, call.bias, call.kv_lengths)):
         return False
     offset, causal, window = call.offset, call.options.causal, call.options.window
-    if isinstance(offset, int) and window is None and not (causal and offset):
+    static = offset if isinstance(offset, int) else None
+    if band_chunk(q.shape[-2], k.shape[-2], static, call.options) is not None:
+        return False
+    if static is not None and window is None and not (causal and offset):
         return True
-    reach = band_reach(q.shape[-2], k.shape[-2], offset if isinstance(offset, int) else None, call.options)
-    return reach == (None, None)
+    return band_reach(q.shape[-2], k.shape[-2], static, call.options) == (None, None)
 
 
 # ---------------------------------------------------------------------- what each row runs
@@ -209,7 +221,8 @@ def _kernel_basis(q: Any, k: Any, v: Any, call: Call) -> str:
     """What decides whether ``"auto"`` takes the library's kernel for a call it fits: the
     measurement cached for this build, or ``$TWIN_ATTENTION_CPU_AUTO``
     (``_cpu_kernel.auto_basis``, asked without building or measuring)."""
-    if _cpu_fused.fits(q, mask=call.mask, bias=call.bias, segments=call.segments, offset=call.offset) is not None:
+    if call.options.chunk is not None or _cpu_fused.fits(q, mask=call.mask, bias=call.bias, segments=call.segments,
+                                                          offset=call.offset) is not None:
         return ""
     return _cpu_kernel.auto_basis(few_rows(q))
 

@@ -63,9 +63,9 @@ def _tile_logits(st: FlashStatic, q_b: Array, k_t: Array, v_t: Array, ops: Opera
         allowed = combine_masks(allowed, within_length(cols, ops.lengths))
     if edge:
         left, right = reach(st)
-        lag = cols - (r0 + st.offset + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0))  # key - query position
+        position = r0 + st.offset + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)  # the rows' key positions
         band = jnp.broadcast_to(within_length(cols, st.kv_len), (rows, keys))
-        seen = visible(lag, left, right)
+        seen = visible(cols, position, left, right, st.chunk)
         if seen is not None:
             band = band & seen
         allowed = combine_masks(allowed, band)

@@ -68,6 +68,7 @@ from jax_attention._flex import create_block_mask as create_block_mask
 from jax_attention._fused import cudnn_supports as cudnn_supports
 from jax_attention._fused import splash_attention as splash_attention
 from jax_attention._fused import splash_supports as splash_supports
+from jax_attention._delta import gated_delta_rule as gated_delta_rule
 from jax_attention._linear import linear as linear
 from jax_attention._linear import project as project
 from jax_attention._paths import FEW_QUERY_ROWS as FEW_QUERY_ROWS
@@ -98,6 +99,7 @@ __all__ = [
     "dropout_weights",
     "flex_attention",
     "flex_route",
+    "gated_delta_rule",
     "linear",
     "normalize_scores",
     "or_masks",
@@ -116,7 +118,8 @@ def route(
     dropout_rate: float = 0.0, dropout_mask: Any = None, deterministic: bool = True,
     rng: Array | None = None, return_weights: bool = False, implementation: str = "auto",
     precision: Precision = "highest", bias: Array | None = None, softcap: float | None = None,
-    window: tuple[int | None, int | None] | None = None, alignment: str = "top_left", q_offset: Any = None,
+    window: tuple[int | None, int | None] | None = None, chunk: int | None = None, alignment: str = "top_left",
+    q_offset: Any = None,
     segment_ids: Any = None, kv_segment_ids: Any = None, sinks: Array | None = None, layout: str = "bhsd",
 ) -> Route:
     """The route ``dot_product_attention`` takes for these arguments (the same keywords):
@@ -196,6 +199,7 @@ def dot_product_attention(
     bias: Array | None = None,
     softcap: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    chunk: int | None = None,
     alignment: str = "top_left",
     q_offset: Any = None,
     segment_ids: Any = None,
@@ -243,6 +247,11 @@ def dot_product_attention(
       window: ``(left, right)``, inclusive: the query at key position p attends to keys
         p - left .. p + right; None on a side is unbounded (with ``causal`` the right
         side is at most 0).  See ``check_window``.
+      chunk: chunked local attention (Llama 4's ``attention_chunk_size``): the query at
+        key position p attends only to keys j with ``j // chunk == p // chunk``, on top of
+        ``causal``, ``window`` and the masks.  See ``check_chunk``.  The library's CPU
+        kernel has none: it declines a chunked call (``"auto"`` passes it by, an explicit
+        ``"fused"`` runs on XLA's kernel, the chunks a dense mask).
       alignment: where query 0 sits among the keys for ``causal`` and ``window``:
         ``"top_left"`` (key 0) or ``"bottom_right"`` (key S - T: the last query sees
         the last key, as when decoding after S - T cached keys).
@@ -293,30 +302,53 @@ def dot_product_attention(
 
 def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[..., Any] | None = None,
                    block_mask: _flex.BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False) -> Array | tuple[Array, Array]:
+                   return_lse: bool = False, *, sinks: Array | None = None, dropout_rate: float = 0.0,
+                   deterministic: bool = True, rng: Array | None = None,
+                   dropout_mask: Any = None) -> Array | tuple[Array, Array]:
     """PyTorch's ``flex_attention`` (``_flex.flex_attention``: score and mask mods, block
-    masks, forward and backward; on every CPU, under ``jax.jit``).  A call whose mods are all library mods that
+    masks, forward and backward; on every CPU, under ``jax.jit``), with what PyTorch's
+    lacks: ``sinks`` (Hq,) and dropout on the weights (``dropout_rate``,
+    ``deterministic``, an explicit keep-mask ``dropout_mask`` or ``rng``; see
+    ``_flex.flex_attention``).  A call whose mods are all library mods that
     stand for named options (``attention_spec.mods``: ``causal``, ``sliding_window``,
     ``softcap``, ``documents`` and their ``and_masks`` / ``chain``), without
-    ``return_lse``, is that call of ``dot_product_attention`` and runs there, on the
+    ``return_lse`` or drawn dropout, is that call of ``dot_product_attention`` (sinks and a
+    keep-mask passed on) and runs there, on the
     fastest path that honours the options; any other runs on the flex path.
     ``flex_route`` says which, and why.  Every check is the flex path's, made first."""
-    options, _ = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    given = {"sinks": sinks, "dropout_rate": dropout_rate, "deterministic": deterministic,
+             "dropout_mask": dropout_mask, "rng": rng}
+    options, _ = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                   extras=functools.partial(_flex.extras, query, key, **given))
     if options is None:
-        return _flex.flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
-    return cast(Array, dot_product_attention(query, key, value, scale=scale, **options))
+        return _flex.flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, **given)
+    return cast(Array, dot_product_attention(query, key, value, scale=scale, **_jax_options(options)))
+
+
+def _jax_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``flex_call_options``' options as this twin's keywords (``training`` is
+    ``deterministic=False``)."""
+    options = dict(options)
+    if "training" in options:
+        options["deterministic"] = not options.pop("training")
+    return options
 
 
 def flex_route(query: Array, key: Array, value: Array, score_mod: Callable[..., Any] | None = None,
                block_mask: _flex.BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-               return_lse: bool = False) -> Route:
+               return_lse: bool = False, *, sinks: Array | None = None, dropout_rate: float = 0.0,
+               deterministic: bool = True, rng: Array | None = None, dropout_mask: Any = None) -> Route:
     """Which path ``flex_attention`` takes for these arguments, and why: where its mods
     stand for named options, ``route``'s answer for them, its reasons led by the options
     (``"flex: the mods stand for causal=True, softcap=30.0"``); else ``("flex",
     "flex-blocks", (why not,))``, the flex path (query blocks over the key blocks the
     block mask keeps).  Raises what ``flex_attention`` raises for bad arguments."""
-    options, why = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
-    return flex_route_of(options, why, functools.partial(route, query, key, value, scale=scale))
+    given = {"sinks": sinks, "dropout_rate": dropout_rate, "deterministic": deterministic,
+             "dropout_mask": dropout_mask, "rng": rng}
+    options, why = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                     extras=functools.partial(_flex.extras, query, key, **given))
+    return flex_route_of(options, why, lambda **named: route(query, key, value, scale=scale,
+                                                             **_jax_options(named)))
 
 
 def attend(q: Array, k: Array, v: Array, call: Call, *, rng: Array | None = None,

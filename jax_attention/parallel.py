@@ -46,6 +46,7 @@ from jax.sharding import Mesh, PartitionSpec
 from attention_spec import dtype_name
 from attention_spec.arrays import check_sinks, host_array
 from attention_spec.geometry import Reach, reach, visible, within_length
+from attention_spec.options import check_chunk
 from attention_spec.parallel import (
     check_layout,
     check_mesh_axis,
@@ -97,6 +98,7 @@ def ring_attention(
     sinks: Array | None = None,
     rope: RopeConfig | None = None,
     positions: Any = None,
+    chunk: int | None = None,
 ) -> Array:
     """Attention over sequences sharded along ``mesh``'s ``axis_name``:
     q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, T, Dv), sharded like q.
@@ -131,6 +133,9 @@ def ring_attention(
       positions: with ``rope``, integers (B, T) or (1, T), in the order of q (the
         layout's); replaces the default.  An array, or a list or NumPy array (checked as
         given).
+      chunk: chunked local attention (``check_chunk``): a query sees only the keys of
+        its own chunk of ``chunk`` global positions (of the original order), with
+        ``causal`` too where given.
 
     Raises ``ValueError`` (the same texts as the PyTorch twin where they overlap) for a
     layout that is not one of the two, a mesh without ``axis_name``, q/k/v that are not
@@ -141,6 +146,7 @@ def ring_attention(
     non-float sinks or non-integer positions.
     """
     check_layout(layout)
+    chunk = check_chunk(chunk)
     check_mesh_axis(axis_name, tuple(mesh.axis_names))
     check_ring_qkv(tuple(q.shape), tuple(k.shape), tuple(v.shape),
                    (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
@@ -157,7 +163,7 @@ def ring_attention(
     if rope is not None:
         q, k = _turned(q, k, rope, positions, ring_size, layout)
     ring = _Ring(axis_name, ring_size, layout, q_piece, kv_piece, causal, lengths is not None,
-                 functional.resolve_scale(scale, head_dim), sinks is not None)
+                 functional.resolve_scale(scale, head_dim), sinks is not None, chunk)
     sharded, replicated = PartitionSpec(None, None, axis_name, None), PartitionSpec()
     local = _shard_map(
         _ring_function(ring), mesh=mesh, in_specs=(sharded, sharded, sharded, replicated), out_specs=sharded,
@@ -203,6 +209,7 @@ class _Ring(NamedTuple):
     padded: bool  # kv_lengths given
     scale: float
     has_sinks: bool  # sinks given (else the function's operands hold none)
+    chunk: int | None = None  # chunked local attention: the chunk's width in global positions
 
 
 @functools.lru_cache(maxsize=64)
@@ -252,8 +259,8 @@ def _key_blocks(n: int) -> int:
 def _allowed(ring: _Ring, q_pos: Array, k_pos: Array, lengths: Array) -> Array | None:
     """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
     allowed = None
-    if ring.causal:  # the keys within the causal reach of each query (``attention_spec.geometry``)
-        allowed = visible(k_pos[None, :] - q_pos[:, None], *reach(Reach(causal=True)))[None, None]
+    if ring.causal or ring.chunk is not None:  # the keys within reach of each query (``attention_spec.geometry``)
+        allowed = visible(k_pos[None, :], q_pos[:, None], *reach(Reach(causal=ring.causal)), ring.chunk)[None, None]
     if ring.padded:
         valid = within_length(k_pos[None, :], lengths[:, None])[:, None, None, :]
         allowed = valid if allowed is None else allowed & valid

@@ -24,7 +24,7 @@ def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scal
     """The reference math one block of queries at a time.  A causal block of rows
     [r0, r1) needs only the keys [0, r1): the hidden upper triangle is never computed,
     and at most (block, S) scores exist at once; a ``window`` (and a causal mask aligned
-    at key ``offset``) likewise restricts each block to the keys [lo, hi) within its
+    at key ``offset``, and a ``chunk``) likewise restricts each block to the keys [lo, hi) within its
     reach.  Rows are normalised exactly as in the reference path (with ``sinks`` (H,),
     each row's softmax denominator holds its head's sink logit: a block holds whole rows,
     so the sink joins each row once).  Twin of the JAX
@@ -33,7 +33,7 @@ def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scal
     Under autograd each block is checkpointed: the backward keeps only the inputs and
     recomputes one block's weights at a time, so training holds O(block x S) scores,
     not all T x S weights (the JAX twin gets the same bound from its flash backward).
-    The structure (mask of q's rank, offset, causal, window, lengths (B, 1, 1, S)) is
+    The structure (mask of q's rank, offset, causal, window, chunk, lengths (B, 1, 1, S)) is
     ``s``'s (``_canonical.structure``); bias, soft-cap and sinks are the call's."""
     mask, offset, lengths = s.mask, s.offset, s.lengths
     bias, sinks = call.bias, call.sinks
@@ -56,7 +56,7 @@ def blockwise(q: Tensor, k: Tensor, v: Tensor, s: Structure, call: Call, *, scal
         allowed = None
         if mask is not None:  # a broadcast (size-1) dimension stays size 1 under the slice
             allowed = mask[..., r0:r1, lo:hi] if mask.shape[-2] > 1 else mask[..., lo:hi]
-        allowed = combine_masks(allowed, _band(r1 - r0, hi - lo, r0 + offset - lo, s, 2, q.device))
+        allowed = combine_masks(allowed, _band(r1 - r0, hi - lo, r0 + offset, s, 2, q.device, start=lo))
         if lengths is not None:
             allowed = combine_masks(allowed, lengths[..., lo:hi])
         # a broadcast (size-1) dimension of the bias stays size 1 under the slice

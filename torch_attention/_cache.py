@@ -188,9 +188,10 @@ def attend_cached(
                              dropout_mask=prefix(call.dropout_mask, filled))
     spec = module.spec
     if (isinstance(q_offset, int) and q_offset + 1 == filled and q.shape[2] == 1 and spec.window is None
-            and call.plans is not None and not spec.sinks and call.mask is None and call.bias is None
+            and spec.chunk is None and call.plans is not None and not spec.sinks and call.mask is None and call.bias is None
             and call.dropout_mask is None and spec.score_mod is None and spec.mask_mod is None):
-        # One query at the last filled position: every key is before it, causal or not.
+        # One query at the last filled position: every key is before it, causal or not
+        # (a chunk hides the keys of earlier chunks: the general path).
         # (Sinks stay on the general path: a kept plan would hold the module's tensor;
         # mods see positions, and may hide keys or change scores by them.)
         result = attend_all(module, call, q, keys, values, return_weights)

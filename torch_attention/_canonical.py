@@ -13,7 +13,7 @@ from torch import Tensor
 
 from attention_spec import check_dropout_mask, check_mask, dtype_name
 from attention_spec.arrays import check_bias, check_sinks, host_array
-from attention_spec.geometry import Band, Reach, band_reach, visible, within_length
+from attention_spec.geometry import Band, Reach, band_chunk, band_reach, bounded, visible, within_length
 from attention_spec.geometry import key_range as _key_range
 from attention_spec.masks import (
     check_kv_lengths_array,
@@ -145,19 +145,22 @@ def _same_segment(seg_q: Tensor, seg_k: Tensor, device: Any) -> Tensor:
     return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
 
 
-def _band(q_len: int, kv_len: int, offset: int | Tensor, reach: Band, ndim: int, device: Any = None) -> Tensor | None:
-    """bool, ``ndim`` dimensions: key j is visible from query i (at key position
-    i + offset) within ``reach`` (causal, window); None if every key is."""
-    left, right = band_reach(q_len, kv_len, offset if isinstance(offset, int) else None, reach)
-    if left is None and right is None:
+def _band(q_len: int, kv_len: int, offset: int | Tensor, reach: Band, ndim: int, device: Any = None,
+          start: int = 0) -> Tensor | None:
+    """bool, ``ndim`` dimensions: key j (at key position start + j) is visible from
+    query i (at key position i + offset) within ``reach`` (causal, window, chunk); None
+    if every key is.  ``start``: a block's first key (a chunk reads absolute positions)."""
+    static = offset if isinstance(offset, int) else None
+    left, right = band_reach(q_len, kv_len, None if static is None else static - start, reach)
+    chunk = band_chunk(q_len, kv_len, static, reach, start)
+    if left is None and right is None and chunk is None:
         return None
     rows = torch.arange(q_len, device=device)
     if isinstance(offset, int):
         position = rows[:, None] + offset  # (T, 1)
     else:  # (B,) -> (B, 1, T, 1)
         position = (rows[None, :] + offset[:, None])[:, None, :, None]
-    lag = torch.arange(kv_len, device=device) - position  # key minus query position
-    band = visible(lag, left, right)
+    band = visible(torch.arange(start, start + kv_len, device=device), position, left, right, chunk)
     return band.reshape((1,) * (ndim - band.dim()) + tuple(band.shape))
 
 
@@ -176,7 +179,7 @@ def _live_keys(
         band = _band(q_len, kv_len, offset, reach, 2, device)
         visible = mask if band is None else mask & band
         live = visible.any(dim=-2)  # (..., S), size-1 dimensions kept
-    elif reach.causal or reach.window is not None:  # the keys within reach of the first to the last query
+    elif bounded(reach):  # the keys within reach of the first to the last query
         lo, hi = _key_range(0, q_len, kv_len, offset, reach)
         if lo > 0 or hi < kv_len:
             positions = torch.arange(kv_len, device=device)
@@ -293,8 +296,8 @@ def canonicalise(
 
 class Structure(NamedTuple):
     """What a path computes from: the dense mask (None: none), the structure it keeps
-    (offset, causal, window), the lengths as a mask (B, 1, ..., 1, S), and k and v with
-    the keys that no query sees zeroed."""
+    (offset, causal, window, chunk), the lengths as a mask (B, 1, ..., 1, S), and k and v
+    with the keys that no query sees zeroed."""
 
     mask: Tensor | None
     offset: int
@@ -303,6 +306,7 @@ class Structure(NamedTuple):
     lengths: Tensor | None
     k: Tensor
     v: Tensor
+    chunk: int | None = None
 
 
 def structure(q: Tensor, k: Tensor, v: Tensor, call: Call, path: str) -> Structure:
@@ -312,13 +316,14 @@ def structure(q: Tensor, k: Tensor, v: Tensor, call: Call, path: str) -> Structu
     them (blockwise).  Then k and v with zeros at the key positions that no query may
     attend to: whatever is stored there (NaN included) reaches no output and gets a zero
     gradient.  q, k and v are (..., H, S, D)."""
-    reach: Band = call.options  # causal and window; none once they are a dense mask
+    reach: Band = call.options  # causal, window and chunk; none once they are a dense mask
     mask, offset = call.mask, call.offset
     if call.bias is not None and path != "fused":  # the fused path reads -inf from the bias itself: fewer passes
         mask = combine_masks(mask, _bias_allows(call.bias))
     if call.segments is not None:
         mask = combine_masks(mask, call.segments)
-    if not isinstance(offset, int) or (path != "blockwise" and (reach.window is not None or (reach.causal and offset))):
+    if not isinstance(offset, int) or (path != "blockwise" and (reach.window is not None or reach.chunk is not None
+                                                                 or (reach.causal and offset))):
         mask = combine_masks(mask, _band(q.shape[-2], k.shape[-2], offset, reach, q.dim(), q.device))
         offset, reach = 0, Reach()
     lengths = None if call.kv_lengths is None else _length_mask(call.kv_lengths, k.shape[-2], q.dim())
@@ -330,4 +335,4 @@ def structure(q: Tensor, k: Tensor, v: Tensor, call: Call, path: str) -> Structu
             live_keys = live_keys.unflatten(-3, (-1, groups)).any(dim=-3)
         zero = torch.zeros((), dtype=v.dtype, device=v.device)
         k, v = torch.where(live_keys, k, zero), torch.where(live_keys, v, zero)
-    return Structure(mask, offset, reach.causal, reach.window, lengths, k, v)
+    return Structure(mask, offset, reach.causal, reach.window, lengths, k, v, reach.chunk)

@@ -49,7 +49,7 @@ def _dropout_rate(call: Call) -> float:
 
 def _run_fused(q: Tensor, k: Tensor, v: Tensor, call: Call, *, scale: float) -> Tensor:
     o = call.options
-    if (not o.causal and o.window is None and all(t is None for t in (call.mask, call.bias, call.kv_lengths,
+    if (not o.causal and o.window is None and o.chunk is None and all(t is None for t in (call.mask, call.bias, call.kv_lengths,
                                                                           call.segments))
             and isinstance(call.offset, int)):
         # every query sees every key (a decoded token over the filled prefix): nothing to

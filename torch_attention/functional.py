@@ -57,6 +57,7 @@ from torch_attention._canonical import canonicalise as canonicalise
 from torch_attention._canonical import heads_first
 from torch_attention._flex import BlockMask as BlockMask
 from torch_attention._flex import create_block_mask as create_block_mask
+from torch_attention._delta import gated_delta_rule as gated_delta_rule
 from torch_attention._linear import linear as linear
 from torch_attention._linear import project as project
 from torch_attention._paths import FUSED_DRAWS_DROPOUT as FUSED_DRAWS_DROPOUT
@@ -83,6 +84,7 @@ __all__ = [
     "dropout_weights",
     "flex_attention",
     "flex_route",
+    "gated_delta_rule",
     "linear",
     "normalize_scores",
     "or_masks",
@@ -109,6 +111,7 @@ def route(
     bias: Tensor | None = None,
     softcap: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    chunk: int | None = None,
     alignment: str = "top_left",
     q_offset: Any = None,
     segment_ids: Any = None,
@@ -173,6 +176,7 @@ def dot_product_attention(
     bias: Tensor | None = None,
     softcap: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    chunk: int | None = None,
     alignment: str = "top_left",
     q_offset: Any = None,
     segment_ids: Any = None,
@@ -216,6 +220,9 @@ def dot_product_attention(
       window: ``(left, right)``, inclusive: the query at key position p attends to keys
         p - left .. p + right; None on a side is unbounded (with ``causal`` the right
         side is at most 0).  See ``check_window``.
+      chunk: chunked local attention (Llama 4's ``attention_chunk_size``): the query at
+        key position p attends only to keys j with ``j // chunk == p // chunk``, on top of
+        ``causal``, ``window`` and the masks.  See ``check_chunk``.
       alignment: where query 0 sits among the keys for ``causal`` and ``window``:
         ``"top_left"`` (key 0) or ``"bottom_right"`` (key S - T: the last query sees
         the last key, as when decoding after S - T cached keys).
@@ -256,29 +263,41 @@ def dot_product_attention(
 
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callable[..., Any] | None = None,
                    block_mask: _flex.BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                   return_lse: bool = False, *, sinks: Tensor | None = None, dropout_rate: float = 0.0,
+                   training: bool = False, dropout_mask: Any = None,
+                   generator: Any = None) -> Tensor | tuple[Tensor, Tensor]:
     """PyTorch's ``flex_attention`` (``_flex.flex_attention``: score and mask mods, block
-    masks, forward and backward; on the CPU too).  A call whose mods are all library mods that
+    masks, forward and backward; on the CPU too), with what PyTorch's lacks: ``sinks``
+    (Hq,) and dropout on the weights (``dropout_rate``, ``training``, an explicit keep-mask
+    ``dropout_mask`` or ``generator``; see ``_flex.flex_attention``).  A call whose mods are all library mods that
     stand for named options (``attention_spec.mods``: ``causal``, ``sliding_window``,
     ``softcap``, ``documents`` and their ``and_masks`` / ``chain``), without
-    ``return_lse``, is that call of ``dot_product_attention`` and runs there, on the
+    ``return_lse`` or drawn dropout, is that call of ``dot_product_attention`` (sinks and a
+    keep-mask passed on) and runs there, on the
     fastest path that honours the options; any other runs on the flex path.
     ``flex_route`` says which, and why.  Every check is the flex path's, made first."""
-    options, _ = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    given = {"sinks": sinks, "dropout_rate": dropout_rate, "training": training, "dropout_mask": dropout_mask,
+             "generator": generator}
+    options, _ = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                   extras=functools.partial(_flex.extras, query, key, **given))
     if options is None:
-        return _flex.flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+        return _flex.flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, **given)
     return cast(Tensor, dot_product_attention(query, key, value, scale=scale, **options))
 
 
 def flex_route(query: Tensor, key: Tensor, value: Tensor, score_mod: Callable[..., Any] | None = None,
                block_mask: _flex.BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-               return_lse: bool = False) -> Route:
+               return_lse: bool = False, *, sinks: Tensor | None = None, dropout_rate: float = 0.0,
+               training: bool = False, dropout_mask: Any = None, generator: Any = None) -> Route:
     """Which path ``flex_attention`` takes for these arguments, and why: where its mods
     stand for named options, ``route``'s answer for them, its reasons led by the options
     (``"flex: the mods stand for causal=True, softcap=30.0"``); else ``("flex",
     "flex-blocks", (why not,))``, the flex path (query blocks over the key blocks the
     block mask keeps).  Raises what ``flex_attention`` raises for bad arguments."""
-    options, why = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+    given = {"sinks": sinks, "dropout_rate": dropout_rate, "training": training, "dropout_mask": dropout_mask,
+             "generator": generator}
+    options, why = flex_call_options(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                     extras=functools.partial(_flex.extras, query, key, **given))
     return flex_route_of(options, why, functools.partial(route, query, key, value, scale=scale))
 
 

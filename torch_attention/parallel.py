@@ -42,6 +42,7 @@ from torch import Tensor
 from attention_spec import dtype_name
 from attention_spec.arrays import check_sinks, host_array
 from attention_spec.geometry import Reach, reach, visible, within_length
+from attention_spec.options import check_chunk
 from attention_spec.parallel import (
     check_layout,
     check_ring_qkv,
@@ -91,6 +92,7 @@ def ring_attention(
     sinks: Tensor | None = None,
     rope: RopeConfig | None = None,
     positions: Any = None,
+    chunk: int | None = None,
 ) -> Tensor:
     """Attention over sequences split across the ranks of ``group`` (None: the default
     group): this rank's q (B, H, T/N, D), k (B, Hkv, S/N, D), v (B, Hkv, S/N, Dv) -> its
@@ -123,6 +125,9 @@ def ring_attention(
         in the order of its q (the layout's); replaces the default.  A tensor, or a list or
         NumPy array (checked as given, then made a tensor on q's device).  The scalings that
         depend on the sequence length see the largest position over the group + 1.
+      chunk: chunked local attention (``check_chunk``): a query sees only the keys of
+        its own chunk of ``chunk`` global positions (of the original order), with
+        ``causal`` too where given.
 
     Raises ``ValueError`` (the same texts as the JAX twin where they overlap) for a
     layout that is not one of the two, q/k/v that are not (B, H or Hkv, T/N or S/N, D)
@@ -133,6 +138,7 @@ def ring_attention(
     or non-integer positions.
     """
     check_layout(layout)
+    chunk = check_chunk(chunk)
     check_ring_qkv(tuple(q.shape), tuple(k.shape), tuple(v.shape),
                    (dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype)))
     group = dist.group.WORLD if group is None else group
@@ -149,7 +155,7 @@ def ring_attention(
     ring = _Ring(
         group, size, rank, dist.get_global_rank(group, (rank + 1) % size),
         dist.get_global_rank(group, (rank - 1) % size), layout, q_piece, kv_piece, causal,
-        functional.resolve_scale(scale, head_dim),
+        functional.resolve_scale(scale, head_dim), chunk,
     )
     if rope is not None:
         q, k = _turned(ring, q, k, rope, positions)
@@ -206,6 +212,7 @@ class _Ring(NamedTuple):
     kv_piece: int  # key positions per piece: S/N contiguous, S/(2N) zigzag
     causal: bool
     scale: float
+    chunk: int | None = None  # chunked local attention: the chunk's width in global positions
 
 
 class _RingAttention(torch.autograd.Function):
@@ -234,7 +241,10 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _exchange(ring: _Ring, t: Tensor) -> Tensor:
-    """Sends ``t`` to the next rank and returns what the previous rank sent."""
+    """Sends ``t`` to the next rank and returns what the previous rank sent (a ring of
+    one sends to itself: ``t``, with no message, which gloo cannot send to its own rank)."""
+    if ring.size == 1:
+        return t
     t = t.contiguous()
     received = torch.empty_like(t)
     ops = [dist.P2POp(dist.isend, t, ring.next, ring.group), dist.P2POp(dist.irecv, received, ring.prev, ring.group)]
@@ -261,8 +271,8 @@ def _allowed(ring: _Ring, q_pos: Tensor, k_pos: Tensor, lengths: Tensor | None) 
     """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
     allowed = None
     left, right = reach(Reach(ring.causal))
-    if left is not None or right is not None:
-        allowed = visible(k_pos[None, :] - q_pos[:, None], left, right)[None, None]  # key minus query position
+    if left is not None or right is not None or ring.chunk is not None:  # ``attention_spec.geometry``
+        allowed = visible(k_pos[None, :], q_pos[:, None], left, right, ring.chunk)[None, None]
     if lengths is not None:
         valid = within_length(k_pos[None, :], lengths[:, None])[:, None, None, :]
         allowed = valid if allowed is None else allowed & valid

@@ -37,13 +37,13 @@ def ANY(subject: Any) -> None:  # noqa: N802  (a constant of the allow-lists: ev
 
 # Our options that act only through another: while every one named here is off (None or
 # False) the option changes nothing, so any value of it converts.  (qk-norm's scope,
-# epsilon and offset without qk-norm; the alignment of a causal mask or window without
-# either.)
+# epsilon and offset without qk-norm; the alignment of a causal mask, window or chunk without
+# any of them.)
 ACTS_THROUGH: dict[str, tuple[str, ...]] = {
     "qk_norm_scope": ("qk_norm",),
     "qk_norm_eps": ("qk_norm",),
     "qk_norm_offset": ("qk_norm",),
-    "alignment": ("causal", "window"),
+    "alignment": ("causal", "window", "chunk"),
 }
 
 

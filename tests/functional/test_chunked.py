@@ -1,0 +1,496 @@
+"""Chunked local attention (``chunk=C``, Llama 4's ``attention_chunk_size``): the query at
+key position p sees key j only where ``j // C == p // C``, on top of causal, a window,
+lengths, masks and segments (``attention_spec.geometry``).
+
+(a) The geometry: ``key_range`` / ``key_range_traced`` of every block of rows against
+    brute force (the blocks the blockwise paths compute, and those every row sees whole).
+(b) Every path of both twins (reference, fused, blockwise, the tiled loops in small tiles,
+    auto) against the float64 loop oracle, output and gradients, and twin against twin:
+    chunks that do and do not divide the lengths, with and without a window, fewer
+    queries than keys aligned bottom-right, per-example offsets, grouped heads, lengths
+    and segments.  The route: ``auto`` passes the CPU kernel by naming the chunk.
+(c) Modules: ``MultiHeadAttention(chunk=)`` with a score mod (the flex path) in both
+    twins against the oracle; cached decoding (a prompt, then one-token steps across
+    chunk boundaries) equal to the whole sequence in both twins.
+(d) Rings in this process (a group of one, a mesh of one device; zigzag: two pieces in
+    different chunks) equal ``dot_product_attention``, output and gradients, in both twins
+    (the rings over 2..8 devices run in ``tests/distributed``, on the same geometry).
+(e) Bad input and refusals: one text in both twins; exporters refuse the chunk by name.
+(f) transformers' own Llama 4: its chunked causal mask (``masking_utils``) is our
+    geometry's, and ``Llama4TextAttention`` (a chunked rope layer, tiny) equals ours at
+    positions 0..447, output and input gradients, in both twins.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from attention_spec.geometry import Reach, key_range, key_range_traced, reach, visible
+from parity_tests import reference
+from parity_tests.harness import compare, full_precision
+from parity_tests.tolerances import GRAD_ORACLE, GRAD_PARITY, ORACLE, PARITY
+from tests.functional.test_structure_options import oracle_gradients, run, small_tiles
+from tests.support import needs_both, needs_jax, needs_torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------- (a) the geometry
+
+
+def _seen(rows: range, kv_len: int, offset: int, band: Reach) -> np.ndarray:
+    """(rows, keys) bool by brute force, from the rule the geometry states."""
+    p = np.array(rows)[:, None] + offset
+    j = np.arange(kv_len)[None, :]
+    seen = np.ones((len(rows), kv_len), bool)
+    if band.causal:
+        seen &= j <= p
+    if band.window is not None:
+        left, right = band.window
+        seen &= True if left is None else (j - p >= -left)
+        seen &= True if right is None else (j - p <= right)
+    if band.chunk is not None:
+        seen &= j // band.chunk == p // band.chunk
+    return seen
+
+
+@pytest.mark.parametrize("band, kv_len, offset", [
+    (Reach(causal=True, chunk=4), 13, 0),
+    (Reach(causal=False, window=(3, 1), chunk=5), 17, 4),
+    (Reach(causal=False, chunk=3), 11, -2),
+])
+def test_key_ranges_are_the_chunks_seen(band: Reach, kv_len: int, offset: int) -> None:
+    """For every block of rows [r0, r1): ``key_range`` is the span of the keys some row
+    sees (empty where none), and ``every`` the keys every row sees (the tiled loops'
+    interior, which takes no band), both exact for a contiguous visible set."""
+    q_len = 12
+    for r0 in range(q_len):
+        for r1 in range(r0 + 1, q_len + 1):
+            seen = _seen(range(r0, r1), kv_len, offset, band)
+            some, every = np.flatnonzero(seen.any(0)), np.flatnonzero(seen.all(0))
+            lo, hi = key_range(r0, r1, kv_len, offset, band)
+            assert (lo, hi) == ((some[0], some[-1] + 1) if some.size else (lo, lo)), (r0, r1)
+            assert some.size == hi - lo  # one run: nothing hidden inside the range
+            lo, hi = key_range_traced(r0, r1, kv_len, offset, band, every=True)
+            assert hi - lo == every.size and (not every.size or lo == every[0]), (r0, r1)
+
+
+def test_visible_reads_positions_not_lags() -> None:
+    """The band depends on the lag, the chunk on both positions: the same lag is seen in
+    one chunk and hidden across a boundary."""
+    keys, queries = np.array([6, 10]), np.array([8, 12])  # both lags -2
+    np.testing.assert_array_equal(visible(keys, queries, 3, 0), [True, True])
+    np.testing.assert_array_equal(visible(keys, queries, 3, 0, 16), [True, True])
+    np.testing.assert_array_equal(visible(keys, queries, 3, 0, 8), [False, True])
+    np.testing.assert_array_equal(visible(keys, queries, None, None, 4), [False, False])
+    assert visible(keys, queries, None, None) is None
+
+
+# --------------------------------------------------------------------------- (b) the paths
+
+# name: (T, S, H, Hkv, the call's options, the oracle's, lengths)
+SCENARIOS: dict[str, tuple[int, int, int, int, dict[str, Any], dict[str, Any], list[int] | None]] = {
+    # a chunk that divides the length, causal
+    "self-causal-C4": (12, 12, 2, 2, {"causal": True, "chunk": 4}, {"causal": True, "chunk": 4}, None),
+    # one that does not, fewer queries than keys aligned bottom-right, a window, grouped heads
+    "cross-bottom-right-window-C5": (7, 13, 2, 1, {"causal": True, "chunk": 5, "window": (3, None),
+                                                   "alignment": "bottom_right"},
+                                     {"causal": True, "chunk": 5, "window": (3, None), "offset": 6}, None),
+    # per-example offsets (the band a dense mask on every path), a two-sided window, lengths
+    "offsets-window-lengths-C6": (9, 14, 2, 2, {"chunk": 6, "window": (4, 2), "q_offset": np.array([0, 5])},
+                                  {"chunk": 6, "window": (4, 2), "offset": np.array([0, 5])}, [14, 9]),
+    # segments and lengths, no causal: chunks of 3 across packed sequences
+    "segments-C3": (10, 10, 2, 1, {"chunk": 3, "segment_ids": np.array([[0] * 6 + [1] * 4, [0] * 10])},
+                    {"chunk": 3, "segment_ids": np.array([[0] * 6 + [1] * 4, [0] * 10])}, [10, 8]),
+}
+TORCH_PATHS = ("reference", "fused", "blockwise", "auto")
+JAX_PATHS = ("reference", "fused", "blockwise", "blockwise-tiles", "auto")
+# JAX compiles a program per (scenario, path): each path once, the scenarios in rotation
+JAX_RUNS = [(list(SCENARIOS)[i % len(SCENARIOS)], path) for i, path in enumerate(JAX_PATHS)]
+
+
+@functools.cache
+def _inputs(name: str) -> tuple[np.ndarray, ...]:
+    t, s, h, hkv, _, _, _ = SCENARIOS[name]
+    rng = np.random.default_rng(len(name))
+    return (rng.standard_normal((2, h, t, 4)), rng.standard_normal((2, hkv, s, 4)),
+            rng.standard_normal((2, hkv, s, 4)), rng.standard_normal((2, h, t, 4)))
+
+
+def _call(name: str) -> dict[str, Any]:
+    options, lengths = SCENARIOS[name][4], SCENARIOS[name][6]
+    return {**options, **({} if lengths is None else {"kv_lengths": np.array(lengths)})}
+
+
+@functools.cache
+def _expected(name: str) -> dict[str, np.ndarray]:
+    t, s, _, _, _, oracle, lengths = SCENARIOS[name]
+    q, k, v, cot = _inputs(name)
+    mask = None if lengths is None else (np.arange(s)[None, :] < np.array(lengths)[:, None])[:, None, None, :]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, weights = reference.attention(q, k, v, scale=scale, mask=mask, **oracle)
+    return {"output": out, **oracle_gradients(q, k, v, weights, cot, scale)}
+
+
+@functools.cache
+def _got(fw: str, name: str, path: str) -> dict[str, np.ndarray]:
+    q, k, v, cot = _inputs(name)
+    if path == "blockwise-tiles":
+        with small_tiles():
+            return run(fw, q, k, v, cot, implementation="blockwise", **_call(name))
+    return run(fw, q, k, v, cot, implementation=path, **_call(name))
+
+
+def _ok(finding: Any) -> None:
+    assert finding.ok, finding.describe()
+
+
+def _assert_oracle(got: dict[str, np.ndarray], name: str) -> None:
+    expected = _expected(name)
+    for key, value in expected.items():
+        tol = ORACLE["float32"] if key == "output" else GRAD_ORACLE["float32"]
+        _ok(compare(key, got[key], value, tol, ("ours", "oracle")))
+
+
+@needs_torch
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_torch_paths_against_the_oracle(name: str) -> None:
+    for path in TORCH_PATHS:
+        _assert_oracle(_got("torch", name, path), name)
+
+
+@needs_jax
+@pytest.mark.parametrize("name, path", JAX_RUNS, ids=[f"{n}-{p}" for n, p in JAX_RUNS])
+def test_jax_paths_against_the_oracle(name: str, path: str) -> None:
+    _assert_oracle(_got("jax", name, path), name)
+
+
+@needs_both
+@pytest.mark.parametrize("name, path", JAX_RUNS, ids=[f"{n}-{p}" for n, p in JAX_RUNS])
+def test_twins_agree(name: str, path: str) -> None:
+    torch_path = "blockwise" if path == "blockwise-tiles" else path
+    for key, value in _got("jax", name, path).items():
+        tol = PARITY["float32"] if key == "output" else GRAD_PARITY["float32"]
+        _ok(compare(key, _got("torch", name, torch_path)[key], value, tol))
+
+
+@needs_jax
+def test_jax_routes_around_the_cpu_kernel_naming_the_chunk() -> None:
+    """The library's CPU kernel has no chunks: ``auto`` passes it by saying so (no
+    measurement decides it), and an explicit ``"fused"`` runs on XLA's kernel."""
+    import jax
+
+    from jax_attention.functional import route
+
+    q = jax.ShapeDtypeStruct((1, 2, 64, 8), np.float32)
+    r = route(q, q, q, causal=True, chunk=16)
+    assert r.path == "blockwise" and r.reasons[0] == "fused: chunk=16: the library's CPU kernel has no chunked attention"
+    assert r.basis == ""
+    assert route(q, q, q, causal=True, chunk=16, implementation="fused").kernel == "xla"
+    assert route(q, q, q, causal=True).path == "fused"  # without the chunk: the kernel
+
+
+# --------------------------------------------------------------------------- (c) modules
+
+D_IN, HEADS = 8, 2
+
+
+@functools.cache
+def _torch_module(chunk: int, **extra: Any) -> Any:
+    import torch
+
+    import torch_attention as ta
+
+    torch.manual_seed(chunk)
+    return ta.MultiHeadAttention(D_IN, D_IN, 32, 0.0, HEADS, num_kv_heads=1, chunk=chunk, **extra).eval()
+
+
+def _oracle_forward(module: Any, x: np.ndarray) -> np.ndarray:
+    params = {k: v.detach().numpy() for k, v in module.state_dict().items()}
+    return reference.forward("MultiHeadAttention", module.spec.options(), params, x)[0]
+
+
+def _x(seq: int) -> np.ndarray:
+    return np.random.default_rng(seq).standard_normal((2, seq, D_IN))
+
+
+@needs_both
+def test_module_on_the_flex_path_in_both_twins() -> None:
+    """A module's score mod that stands for no option (ALiBi) runs on the flex path
+    under ``auto``, the chunk a part of the call's mask mod, in both twins."""
+    import jax.numpy as jnp
+    import torch
+
+    from attention_spec import mods
+    from parity_tests.harness import to_flax
+
+    module = _torch_module(5, score_mod=mods.alibi(np.array([0.5, 0.25], np.float32)), window=(7, None))
+    x = _x(13)
+    expected = _oracle_forward(module, x)
+    with full_precision():
+        got = module(torch.tensor(x, dtype=torch.float32)).detach().double().numpy()
+        twin = np.asarray(to_flax(module)(jnp.asarray(x, jnp.float32)), np.float64)
+    _ok(compare("torch flex", got, expected, ORACLE["float32"], ("ours", "oracle")))
+    _ok(compare("jax flex", twin, expected, ORACLE["float32"], ("ours", "oracle")))
+
+
+def _decode(module: Any, x: np.ndarray, prompt: int, fw: str) -> np.ndarray:
+    """A prompt of ``prompt`` tokens, then one token a step, from an empty cache (Flax:
+    jitted steps, two programs: the prompt's and a step's)."""
+    cache = module.init_cache(x.shape[0], 12)
+    outs = []
+    if fw == "jax":
+        from flax import nnx
+
+        step = nnx.jit(lambda m, part, c: m(part, cache=c))
+    for start, stop in [(0, prompt), *((i, i + 1) for i in range(prompt, x.shape[1]))]:
+        if fw == "torch":
+            import torch
+
+            out, cache = module(torch.tensor(x[:, start:stop], dtype=torch.float32), cache=cache)
+            outs.append(out.detach().double().numpy())
+        else:
+            import jax.numpy as jnp
+
+            out, cache = step(module, jnp.asarray(x[:, start:stop], jnp.float32), cache)
+            outs.append(np.asarray(out, np.float64))
+    return np.concatenate(outs, axis=1)
+
+
+@needs_both
+def test_decoding_across_chunk_boundaries_equals_the_whole_sequence() -> None:
+    """Chunks of 4, a prompt of 6 (inside chunk 1), steps to 11: the steps at 8.. cross
+    into chunk 2 and must forget chunk 1; both twins equal the whole sequence and the
+    oracle (the cache keeps every key from position 0: the current chunk's included)."""
+    import torch
+
+    from parity_tests.harness import to_flax
+
+    module = _torch_module(4)
+    x = _x(11)
+    expected = _oracle_forward(module, x)
+    with full_precision():
+        whole = module(torch.tensor(x, dtype=torch.float32)).detach().double().numpy()
+        torch_steps = _decode(module, x, 6, "torch")
+        jax_steps = _decode(to_flax(module), x, 6, "jax")
+    _ok(compare("whole", whole, expected, ORACLE["float32"], ("ours", "oracle")))
+    _ok(compare("torch decode", torch_steps, whole, PARITY["float32"], ("steps", "whole")))
+    _ok(compare("jax decode", jax_steps, expected, ORACLE["float32"], ("steps", "oracle")))
+
+
+# --------------------------------------------------------------------------- (d) rings
+
+def _ring_inputs() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {"q": rng.standard_normal((1, 2, 16, 4)).astype(np.float32),
+            "k": rng.standard_normal((1, 1, 16, 4)).astype(np.float32),
+            "v": rng.standard_normal((1, 1, 16, 4)).astype(np.float32),
+            "c": rng.standard_normal((1, 2, 16, 4)).astype(np.float32)}
+
+
+@needs_torch
+def test_torch_ring_over_chunks_equals_one_process(tmp_path: Path) -> None:
+    """The PyTorch ring in this process (a group of one), zigzag: its two pieces
+    (positions 0..7 and 8..15) meet across chunks of 5, causal and not: output and
+    gradients equal ``dot_product_attention``'s."""
+    import torch
+    import torch.distributed as dist
+
+    from torch_attention.functional import dot_product_attention
+    from torch_attention.parallel import ring_attention
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    group = dist.new_group([dist.get_rank()])
+    try:
+        inputs = _ring_inputs()
+        for causal in (True, False):
+            mine = [torch.tensor(inputs[n], requires_grad=True) for n in "qkv"]
+            whole = [torch.tensor(inputs[n], requires_grad=True) for n in "qkv"]
+            out = ring_attention(*mine, group=group, causal=causal, chunk=5, layout="zigzag")
+            want = dot_product_attention(*whole, causal=causal, chunk=5, implementation="reference")
+            for o in (out, want):
+                (o * torch.from_numpy(inputs["c"])).sum().backward()
+            for name, a, b in zip(("out", "dq", "dk", "dv"), [out, *(t.grad for t in mine)],
+                                  [want, *(t.grad for t in whole)], strict=True):
+                np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), atol=1e-5, rtol=0,
+                                           err_msg=f"{name} causal={causal}")
+    finally:
+        dist.destroy_process_group(group)
+        if started:
+            dist.destroy_process_group()
+
+
+@needs_jax
+def test_jax_ring_over_chunks_equals_one_device() -> None:
+    """The JAX ring in this process (one device: JAX's device count is fixed at import;
+    the eight-device rings run in ``tests/distributed``), zigzag: its two pieces
+    (positions 0..7 and 8..15) meet across chunks of 5, causal: output and gradients
+    equal ``dot_product_attention``'s."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from jax_attention.functional import dot_product_attention
+    from jax_attention.parallel import ring_attention, to_zigzag
+
+    q, k, v, cot = (jnp.asarray(a) for a in _ring_inputs().values())
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+
+    def ring(q_: Any, k_: Any, v_: Any) -> Any:
+        z = functools.partial(to_zigzag, ring_size=1)
+        return ring_attention(z(q_), z(k_), z(v_), mesh=mesh, axis_name="seq", causal=True, chunk=5, layout="zigzag")
+
+    def one(q_: Any, k_: Any, v_: Any) -> Any:
+        return to_zigzag(dot_product_attention(q_, k_, v_, causal=True, chunk=5, implementation="reference"), 1)
+
+    def both(f: Any) -> Any:
+        out, pullback = jax.vjp(f, q, k, v)
+        return [out, *pullback(to_zigzag(cot, 1))]
+
+    with full_precision():
+        got, want = jax.jit(lambda: both(ring))(), both(one)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=name)
+
+
+# --------------------------------------------------------------------------- (e) errors and refusals
+
+
+def _errors(fw: str, **options: Any) -> tuple[type, str]:
+    if fw == "torch":
+        import torch
+
+        from torch_attention.functional import dot_product_attention
+        q: Any = torch.zeros(1, 1, 3, 4)
+    else:
+        import jax.numpy as jnp
+
+        from jax_attention.functional import dot_product_attention
+        q = jnp.zeros((1, 1, 3, 4))
+    with pytest.raises((TypeError, ValueError)) as info:
+        dot_product_attention(q, q, q, **options)
+    return info.type, str(info.value)
+
+
+@needs_both
+@pytest.mark.parametrize("chunk, kind", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError),
+                                         ("4", TypeError)])
+def test_bad_chunks_raise_one_text_in_both_twins(chunk: Any, kind: type) -> None:
+    from flax import nnx
+
+    import jax_attention as ja
+    import torch_attention as ta
+
+    text = (f"chunk must be None or an int >= 1; got {chunk!r}" if kind is ValueError
+            else f"chunk must be None or an int >= 1; got {type(chunk).__name__} {chunk!r}")
+    assert {_errors(fw, chunk=chunk) for fw in ("torch", "jax")} == {(kind, text)}
+    for make in (lambda: ta.MultiHeadAttention(8, 8, 8, 0.0, 2, chunk=chunk),
+                 lambda: ja.MultiHeadAttention(8, 8, 8, 0.0, 2, chunk=chunk, rngs=nnx.Rngs(0))):
+        with pytest.raises(kind, match="^chunk must be None or an int >= 1"):
+            make()
+
+
+@needs_both
+def test_variants_without_chunks_and_exporters_refuse_it_by_name() -> None:
+    """Only ``MultiHeadAttention`` takes ``chunk``; the native exporters of both twins
+    refuse it by name (nothing native has chunks)."""
+    from attention_spec.registry import AttentionConfig
+    from jax_attention.interop import to_nnx_multihead
+    from parity_tests.harness import to_flax
+    from torch_attention.interop import to_nn_multihead
+
+    with pytest.raises(ValueError, match="^CausalAttention has no option 'chunk'$"):
+        AttentionConfig("CausalAttention", d_in=4, d_out=4, context_length=4, dropout=0.0, chunk=2)
+    module = _torch_module(4)
+    with pytest.raises(ValueError, match=r"chunk=4 \(nn.MultiheadAttention cannot express it; only chunk=None"):
+        to_nn_multihead(module)
+    with pytest.raises(ValueError, match=r"chunk=4 \(nnx.MultiHeadAttention cannot express it; only chunk=None"):
+        to_nnx_multihead(to_flax(module))
+
+
+# --------------------------------------------------------------------------- (f) transformers' Llama 4
+
+LLAMA4_LEN, LLAMA4_CHUNK = 448, 16
+
+
+@functools.cache
+def _llama4() -> tuple[Any, Any, Any]:
+    """A tiny ``Llama4TextAttention`` (a rope layer: chunked), its rotary embedding, config."""
+    import torch
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextAttention, Llama4TextRotaryEmbedding
+
+    config = Llama4TextConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                              num_hidden_layers=1, no_rope_layers=[1], attention_chunk_size=LLAMA4_CHUNK,
+                              use_qk_norm=False, attn_temperature_tuning=False, intermediate_size=32,
+                              intermediate_size_mlp=32, vocab_size=32, max_position_embeddings=1024)
+    config._attn_implementation = "eager"
+    torch.manual_seed(3)
+    return Llama4TextAttention(config, 0).eval(), Llama4TextRotaryEmbedding(config), config
+
+
+def _llama4_mask(config: Any, x: Any) -> Any:
+    """transformers' own chunked causal mask for the layer, additive (B, 1, T, S)."""
+    import torch
+    from transformers.masking_utils import create_chunked_causal_mask
+
+    positions = torch.arange(x.shape[1])[None]
+    return create_chunked_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None,
+                                      position_ids=positions)
+
+
+@needs_torch
+def test_transformers_chunked_mask_is_our_geometry() -> None:
+    import torch
+
+    _, _, config = _llama4()
+    mask = _llama4_mask(config, torch.zeros(1, LLAMA4_LEN, 16))
+    p, j = np.arange(LLAMA4_LEN)[:, None], np.arange(LLAMA4_LEN)[None, :]
+    ours = visible(j, p, *reach(Reach(causal=True)), LLAMA4_CHUNK)
+    np.testing.assert_array_equal(mask[0, 0].numpy() == 0, ours)
+
+
+@needs_torch
+def test_llama4_text_attention_at_positions_past_400() -> None:
+    """Ours (``MultiHeadAttention(chunk=16)``, interleaved rope at Llama 4's theta, bias-free
+    projections, grouped heads) against the layer with its mask, at positions 0..447:
+    outputs (those past 400 included) and the input's gradient.  (The twins agree on the
+    chunks above; the JAX twin's rope and projections are the matrix's.)"""
+    import torch
+
+    import torch_attention as ta
+    from attention_spec.rope import RopeConfig
+
+    layer, rotary, config = _llama4()
+    ours = ta.MultiHeadAttention(16, 16, LLAMA4_LEN, 0.0, 2, num_kv_heads=1, head_dim=8, out_bias=False,
+                                 rope=RopeConfig(theta=config.rope_parameters["rope_theta"], layout="interleaved"),
+                                 chunk=LLAMA4_CHUNK).eval()
+    ours.load_state_dict({"W_query.weight": layer.q_proj.weight, "W_key.weight": layer.k_proj.weight,
+                          "W_value.weight": layer.v_proj.weight, "out_proj.weight": layer.o_proj.weight})
+    x_np = np.random.default_rng(4).standard_normal((1, LLAMA4_LEN, 16)).astype(np.float32)
+    cot = np.random.default_rng(5).standard_normal((1, LLAMA4_LEN, 16)).astype(np.float32)
+    with full_precision():
+        x = torch.tensor(x_np, requires_grad=True)
+        theirs, _ = layer(x, rotary(x, torch.arange(LLAMA4_LEN)[None]), _llama4_mask(config, x))
+        (theirs * torch.from_numpy(cot)).sum().backward()
+        their_grad, x.grad = x.grad, None
+        mine = ours(x)
+        (mine * torch.from_numpy(cot)).sum().backward()
+    expected = theirs.detach().double().numpy()
+    _ok(compare("output", mine.detach().double().numpy(), expected, ORACLE["float32"], ("ours", "llama4")))
+    _ok(compare("past 400", mine.detach().double().numpy()[:, 400:], expected[:, 400:], ORACLE["float32"]))
+    _ok(compare("grad x", x.grad.double().numpy(), their_grad.double().numpy(), GRAD_ORACLE["float32"]))
+    # the chunks are what makes them equal: without them ours is another function
+    unchunked = ta.MultiHeadAttention(16, 16, LLAMA4_LEN, 0.0, 2, num_kv_heads=1, head_dim=8, out_bias=False,
+                                      rope=ours.spec.rope).eval()
+    unchunked.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert np.abs(unchunked(x).double().numpy() - expected).max() > 0.1
