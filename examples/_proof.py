@@ -1,5 +1,6 @@
-"""What both ported examples share: a random init that sets every weight, and the four
-proofs through ``parity_tests`` (logits, gradients, ten AdamW steps, ``locate_divergence``).
+"""What both ported examples share: the four proofs through ``parity_tests`` (logits,
+gradients, ten AdamW steps, ``locate_divergence``); the random init that sets every weight
+is ``parity_tests.causal_lm.randomise`` (re-exported here).
 
 A model is given as a ``Port``: the Hugging Face model, its Flax NNX port, the parameter
 map between them (``attention_spec.interop.specs.Rule``s) and the two calls
@@ -24,7 +25,10 @@ from parity_tests import (
     check_training_parity,
     locate_divergence,
 )
-from parity_tests.causal_lm import next_token_losses
+from parity_tests.causal_lm import next_token_losses, randomise
+
+__all__ = ["ExactZero", "Port", "left_padding", "locate", "prove_logits_and_grads", "prove_training", "randomise",
+           "summary", "tokens"]
 
 # AdamW, the same hyper-parameters on both sides (torch.optim.AdamW and optax.adamw).
 # eps = 1e-6, not torch's 1e-8: Adam's step is lr * g / (|g| + eps) elementwise, and
@@ -49,28 +53,6 @@ class Port:
     rules: list[Any]
     torch_call: Callable[..., Any]  # (hf model, ids (B, T), attention_mask (B, T) or None) -> logits
     flax_call: Callable[..., Any]  # (flax model, ids, attention_mask or None) -> logits
-
-
-def randomise(model: Any, seed: int, std: float) -> None:
-    """Every parameter drawn anew: matrices and embeddings N(0, std^2), norm weights
-    1 + N(0, 0.1^2), biases N(0, 0.1^2).  Hugging Face's own init leaves biases at zero
-    and norms at one, where a bias mapped to the wrong place, or a norm weight read as a
-    bias, would go unseen.  ``std = width ** -0.5`` keeps every layer near unit scale
-    (softmaxes neither flat nor one-hot).  At std 0.2 the Llama's logits reached 5, and
-    float32 rounding through two layers (2.8e-6 of that scale, measured 2026-11-26) broke
-    the elementwise ``PARITY`` tolerance (1e-5 + 1e-5 |b|) at a logit of 0.12."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            if p.ndim >= 2:
-                p.copy_(std * noise)
-            elif "norm" in name or name.split(".")[-2].startswith("ln_"):
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
 
 
 def tokens(vocab: int, batch: int, seq: int, seed: int) -> np.ndarray:

@@ -15,6 +15,7 @@ Run ``python -m examples.port_llama``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,8 +34,11 @@ from examples._proof import (
     tokens,
 )
 from parity_tests import copy_params, infer_param_map, to_flax
-from parity_tests.causal_lm import generate_positions
+from parity_tests.causal_lm import PaddedEmbed, greedy
 from torch_attention.interop import from_hf
+
+__all__ = ["DecoderLayer", "LlamaForCausalLM", "MLP", "Model", "PaddedEmbed", "greedy", "hf_model", "make_port",
+           "port"]
 
 VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, INNER, LAYERS, POSITIONS = 96, 64, 4, 2, 16, 128, 2, 1024
 BATCH, SEQ, PADS = 2, 512, (0, 37)  # the second row left-padded by 37
@@ -60,22 +64,6 @@ def hf_model(seed: int = 0) -> Any:
 
 # --------------------------------------------------------------------------- the Flax port
 
-class PaddedEmbed(nnx.Module):
-    """An embedding with PyTorch's ``padding_idx``: the padding token's row gets no
-    gradient (``nn.Embedding`` zeroes it), so no optimiser moves it.  Forward, it is
-    ``nnx.Embed``; without the frozen row only the gradients tell (the first draft of this
-    example used ``nnx.Embed``, and the gradient check caught it at that row)."""
-
-    def __init__(self, num: int, features: int, padding_idx: int, rngs: nnx.Rngs) -> None:
-        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (num, features), jnp.float32))
-        self.padding_idx = padding_idx
-
-    def __call__(self, ids: jax.Array) -> jax.Array:  # (B, T) -> (B, T, C)
-        table = self.embedding[...]  # (V, C)
-        frozen = (jnp.arange(table.shape[0]) == self.padding_idx)[:, None]
-        return jnp.take(jnp.where(frozen, jax.lax.stop_gradient(table), table), ids, axis=0)
-
-
 class SiLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.silu(x)
@@ -98,32 +86,39 @@ class DecoderLayer(nnx.Module):
     """Pre-norm layer: ``x + self_attn(input_layernorm(x))``, then
     ``x + mlp(post_attention_layernorm(x))``."""
 
-    def __init__(self, hf_layer: Any, eps: float, rngs: nnx.Rngs) -> None:
-        width, inner = hf_layer.mlp.gate_proj.in_features, hf_layer.mlp.gate_proj.out_features
+    def __init__(self, hf_layer: Any, eps: float, rngs: nnx.Rngs, mlp: Callable[[Any, nnx.Rngs], Any] | None = None
+                 ) -> None:
+        width = hf_layer.input_layernorm.weight.shape[0]
         self.input_layernorm = nnx.RMSNorm(width, epsilon=eps, rngs=rngs)
         self.self_attn = to_flax(from_hf(hf_layer.self_attn))
         self.post_attention_layernorm = nnx.RMSNorm(width, epsilon=eps, rngs=rngs)
-        self.mlp = MLP(width, inner, rngs)
+        self.mlp = (MLP(width, hf_layer.mlp.gate_proj.out_features, rngs) if mlp is None
+                    else mlp(hf_layer, rngs))
 
     def __call__(self, x: jax.Array, mask: jax.Array | None, positions: jax.Array) -> jax.Array:  # (B, T, C)
         # the attention weights too, as Hugging Face's eager layer returns them: the outputs of
         # the two layers then have one structure, and locate_divergence compares both
-        attended, _ = self.self_attn(self.input_layernorm(x), mask, positions=positions, return_weights=True)
+        attended, _ = self.self_attn(self.input_layernorm(x), mask, return_weights=True, **self._at(positions))
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def step(self, x: jax.Array, mask: jax.Array, positions: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
         """The layer on new tokens with its KV cache: ``(x, cache) -> (x, new cache)``."""
-        attended, cache = self.self_attn(self.input_layernorm(x), mask, positions=positions, cache=cache)
+        attended, cache = self.self_attn(self.input_layernorm(x), mask, cache=cache, **self._at(positions))
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
+    def _at(self, positions: jax.Array) -> dict[str, jax.Array]:
+        """The positions for a layer that rotates; none for a NoPE layer (SmolLM3's every
+        fourth), which takes none (``from_hf`` gave it ``rope=None``)."""
+        return {} if self.self_attn.spec.rope is None else {"positions": positions}
+
 
 class Model(nnx.Module):
-    def __init__(self, hf: Any, rngs: nnx.Rngs) -> None:
+    def __init__(self, hf: Any, rngs: nnx.Rngs, mlp: Callable[[Any, nnx.Rngs], Any] | None = None) -> None:
         config = hf.config
         self.embed_tokens = PaddedEmbed(config.vocab_size, config.hidden_size, config.pad_token_id, rngs)
-        self.layers = nnx.List([DecoderLayer(layer, config.rms_norm_eps, rngs) for layer in hf.model.layers])
+        self.layers = nnx.List([DecoderLayer(layer, config.rms_norm_eps, rngs, mlp) for layer in hf.model.layers])
         self.norm = nnx.RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, rngs=rngs)
 
     def __call__(self, ids: jax.Array, mask: jax.Array | None) -> dict[str, jax.Array]:
@@ -138,41 +133,28 @@ class Model(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Llama with its language-model head, in Flax NNX, named as Hugging Face's."""
+    """Llama with its language-model head, in Flax NNX, named as Hugging Face's.  The
+    same skeleton ports any family whose decoder layer is Llama's (pre-norm RMSNorms around
+    the attention and the MLP): Qwen3, DeepSeek-V3's dense layers, SmolLM3 (its NoPE
+    layers: ``from_hf`` finds which layers rotate).  ``mlp(hf_layer, rngs)`` builds each
+    layer's MLP where it is not Llama's (a mixture of experts); a Hugging Face model whose
+    head is tied to its embedding gets no ``lm_head`` here either (the embedding's
+    ``attend``)."""
 
-    def __init__(self, hf: Any, rngs: nnx.Rngs) -> None:
-        self.model = Model(hf, rngs)
-        self.lm_head = nnx.Linear(hf.config.hidden_size, hf.config.vocab_size, use_bias=False, rngs=rngs)
+    def __init__(self, hf: Any, rngs: nnx.Rngs, mlp: Callable[[Any, nnx.Rngs], Any] | None = None) -> None:
+        self.model = Model(hf, rngs, mlp)
+        if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:  # untied
+            self.lm_head = nnx.Linear(hf.config.hidden_size, hf.config.vocab_size, use_bias=False, rngs=rngs)
+
+    def head(self, hidden: jax.Array) -> jax.Array:  # (B, T, C) -> (B, T, V)
+        lm_head = getattr(self, "lm_head", None)
+        return self.model.embed_tokens.attend(hidden) if lm_head is None else lm_head(hidden)
 
     def __call__(self, ids: jax.Array, attention_mask: jax.Array | None = None) -> dict[str, jax.Array]:
         """ids (B, T) -> {"logits": (B, T, V)}, named as Hugging Face's output;
         ``attention_mask`` as Hugging Face's (B, T), 1 = token, 0 = padding."""
         mask = None if attention_mask is None else attention_mask[:, None, None, :].astype(bool)  # (B, 1, 1, T)
-        return {"logits": self.lm_head(self.model(ids, mask)["last_hidden_state"])}
-
-
-def greedy(model: LlamaForCausalLM, ids: jax.Array, attention_mask: jax.Array, steps: int) -> jax.Array:
-    """Greedy decoding of ``steps`` tokens with one KV cache per attention layer, as
-    ``generate`` decodes a left-padded batch: the prompt, then one token at a time, each
-    call's key mask as long as the cache (``max_len``; the prompt's pads False) and its
-    positions counting real tokens only.  Returns the logits each step chose from, (steps,
-    B, V): the prompt's last position's, then each new token's."""
-    batch, prompt = ids.shape
-    max_len = prompt + steps
-    inner = model.model
-    caches = [layer.self_attn.init_cache(batch, max_len) for layer in inner.layers]
-    real = jnp.asarray(attention_mask).astype(bool)
-    keys = jnp.concatenate([real, jnp.ones((batch, steps), bool)], axis=1)[:, None, None, :]  # (B, 1, 1, max_len)
-    tokens, positions = jnp.asarray(ids), jnp.asarray(generate_positions(attention_mask))
-    chosen = []
-    for _ in range(steps):
-        x = inner.embed_tokens(tokens)
-        for i, layer in enumerate(inner.layers):
-            x, caches[i] = layer.step(x, keys, positions, caches[i])
-        logits = model.lm_head(inner.norm(x))[:, -1]
-        chosen.append(logits)
-        tokens, positions = jnp.argmax(logits, -1)[:, None], positions[:, -1:] + 1
-    return jnp.stack(chosen)
+        return {"logits": self.head(self.model(ids, mask)["last_hidden_state"])}
 
 
 def port(hf: Any) -> LlamaForCausalLM:

@@ -15,10 +15,23 @@ debugged, and on failure says where:
 4. when any of them fails, ``locate_divergence`` on the unpadded ids names the module.
 
 The weight map is ``infer_param_map``'s unless one is given.
+
+What every whole-model port otherwise writes again, here once:
+
+- ``randomise(model, seed, std)``: every PyTorch parameter drawn anew (Hugging Face's
+  init leaves biases at 0 and norms at 1, where a bias or a norm mapped to the wrong place
+  goes unseen);
+- ``PaddedEmbed``: a Flax NNX embedding with PyTorch's ``padding_idx`` (the padding row
+  gets no gradient through the lookup), an optional scale applied inside it (Gemma's
+  ``*ScaledWordEmbedding``) and ``attend`` for a tied head;
+- ``greedy(model, ids, attention_mask, steps)``: greedy decoding of a port named as
+  Hugging Face's, one KV cache per attention layer, as ``generate`` decodes a left-padded
+  batch: ``check_causal_lm_parity``'s ``flax_decode``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +44,9 @@ from parity_tests.harness import Finding, ParityReport, check_parity, compare, f
 from parity_tests.tolerances import PARITY
 from parity_tests.training import TrainingReport, check_training_parity
 
-__all__ = ["CausalLMReport", "check_causal_lm_parity", "generate_positions", "next_token_losses"]
+# and PaddedEmbed, built when first imported (``__getattr__``: this module imports no framework)
+__all__ = ["CausalLMReport", "check_causal_lm_parity", "generate_positions", "greedy", "next_token_losses",
+           "randomise"]
 
 # AdamW on both sides.  eps 1e-6, not torch's 1e-8: among a whole model's thousands of
 # gradient elements some sit near 1e-8, where a rounding difference of 1e-10 between the
@@ -75,6 +90,147 @@ def generate_positions(attention_mask: Any) -> np.ndarray:
     token its index among its row's real tokens, a pad 1 (no query attends to it)."""
     mask = np.asarray(as_numpy(attention_mask)).astype(np.int64)
     return np.where(mask != 0, np.cumsum(mask, axis=-1) - 1, 1)
+
+
+def randomise(model: Any, seed: int = 0, std: float | None = None, *, norm_mean: float = 1.0) -> None:
+    """Every parameter of a PyTorch model drawn anew, in place: matrices and embeddings
+    N(0, std^2) (``std`` None: ``hidden_size ** -0.5`` from ``model.config``), norm
+    weights ``norm_mean`` + N(0, 0.1^2) (a parameter whose name holds ``norm`` or whose
+    module's starts with ``ln_``; Gemma's ``1 + w`` norms want ``norm_mean=0.0``), every
+    other vector N(0, 0.1^2).  Hugging Face's own init leaves biases at zero and norms at
+    one, where a bias mapped to the wrong place, or a norm weight read as a bias, would go
+    unseen.  ``std = width ** -0.5`` keeps every layer near unit scale (softmaxes neither
+    flat nor one-hot): at std 0.2 a two-layer Llama's logits reached 5, and float32
+    rounding (2.8e-6 of that scale) broke the elementwise tolerance at a logit of 0.12.
+    Raises ValueError without ``std`` where the model has no ``config.hidden_size``."""
+    import torch
+
+    if std is None:
+        width = getattr(getattr(model, "config", None), "hidden_size", None)
+        if not isinstance(width, int):
+            raise ValueError("randomise needs std= for a model without config.hidden_size")
+        std = width ** -0.5
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            parts = name.split(".")
+            if p.ndim >= 2:
+                p.copy_(std * noise)
+            elif "norm" in name or (len(parts) > 1 and parts[-2].startswith("ln_")):
+                p.copy_(norm_mean + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+@functools.cache
+def _padded_embed_class() -> type:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class PaddedEmbed(nnx.Module):
+        """A Flax NNX embedding as PyTorch's ``nn.Embedding(num, features, padding_idx)``:
+        the padding token's row gets no gradient through the lookup (``nn.Embedding``
+        zeroes it, so no optimiser moves it); forward it is ``nnx.Embed``.  A port with a
+        plain ``nnx.Embed`` agrees forward and fails the gradient check at that row alone.
+
+        ``scale``: the lookup times this number (in the table's dtype), inside the module,
+        where Hugging Face's scaled embeddings scale (Gemma's ``*ScaledWordEmbedding``,
+        ``sqrt(hidden_size)``): ``locate_divergence`` pairs the modules by name and
+        compares what each returns.  ``attend(x)``: ``x @ table.T``, a tied head (its
+        gradient reaches every row, the padding row too, as the transpose's does in
+        PyTorch).  ``padding_idx`` None: no row frozen.  The parameter is ``embedding``,
+        (num, features), float32 unless ``param_dtype``."""
+
+        def __init__(self, num: int, features: int, padding_idx: int | None = None, rngs: Any = None, *,
+                     scale: float | None = None, param_dtype: Any = None) -> None:
+            rngs = nnx.Rngs(0) if rngs is None else rngs
+            dtype = jnp.float32 if param_dtype is None else param_dtype
+            self.embedding = nnx.Param(jax.random.normal(rngs.params(), (num, features), dtype))
+            self.padding_idx = -1 if padding_idx is None else padding_idx
+            self.scale = scale
+
+        def __call__(self, ids: Any) -> Any:  # (B, T) -> (B, T, C)
+            table = self.embedding[...]
+            frozen = (jnp.arange(table.shape[0]) == self.padding_idx)[:, None]
+            out = jnp.take(jnp.where(frozen, jax.lax.stop_gradient(table), table), ids, axis=0)
+            return out if self.scale is None else out * jnp.asarray(self.scale, table.dtype)
+
+        def attend(self, x: Any) -> Any:  # (..., C) -> (..., num)
+            return x @ self.embedding[...].T
+
+    PaddedEmbed.__module__ = __name__
+    return PaddedEmbed
+
+
+def __getattr__(name: str) -> Any:
+    """``PaddedEmbed``, built when first asked for (this module imports no framework)."""
+    if name == "PaddedEmbed":
+        return _padded_embed_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _lm_head(model: Any, hidden: Any) -> Any:
+    lm_head = getattr(model, "lm_head", None)
+    return model.model.embed_tokens.attend(hidden) if lm_head is None else lm_head(hidden)
+
+
+def _decode_step(model: Any, tokens: Any, keys: Any, positions: Any, caches: list[Any], head: Any
+                 ) -> tuple[Any, list[Any]]:
+    """One call of every layer on new tokens with its cache: (the last position's logits, the caches)."""
+    inner = model.model
+    x = inner.embed_tokens(tokens)
+    updated = []
+    for layer, cache in zip(inner.layers, caches, strict=True):
+        x, cache = layer.step(x, keys, positions, cache)
+        updated.append(cache)
+    return head(model, inner.norm(x))[:, -1], updated
+
+
+@functools.cache
+def _compiled_step() -> Any:
+    from flax import nnx
+
+    return nnx.jit(_decode_step, static_argnames=("head",))  # one program for the prompt, one per new token
+
+
+def greedy(model: Any, ids: Any, attention_mask: Any, steps: int, *,
+           head: Callable[[Any, Any], Any] | None = None, jit: bool = True) -> Any:
+    """Greedy decoding of ``steps`` tokens with one KV cache per attention layer, as
+    ``generate`` decodes a left-padded batch: the prompt, then one token at a time, each
+    call's key mask as long as the cache (``prompt + steps``; the prompt's pads False:
+    ``kv_lengths`` describes right padding, not left) and its positions counting real
+    tokens only (``generate_positions``).  Returns the logits each step chose from,
+    (steps, B, V): the prompt's last position's, then each new token's.  It is
+    ``check_causal_lm_parity``'s ``flax_decode``.
+
+    The port is named as Hugging Face's ``*ForCausalLM``: ``model.model.embed_tokens(ids)``,
+    ``model.model.layers`` (each with ``self_attn.init_cache(batch, max_len)`` and
+    ``step(x, mask, positions, cache) -> (x, cache)``, the layer on new tokens with its
+    cache), ``model.model.norm``, then ``head(model, hidden) -> logits`` (default:
+    ``model.lm_head(hidden)``, or ``model.model.embed_tokens.attend(hidden)`` where the
+    port has no ``lm_head``: a tied head; a function defined once, not a new lambda per
+    call, or each call compiles again).  Each step runs under ``nnx.jit`` (two programs:
+    the prompt's, the new token's; eagerly, ``jit=False``, a 512-token prompt through
+    two layers took seconds more).  Raises ValueError for steps < 1."""
+    import jax.numpy as jnp
+
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be a positive int; got {steps!r}")
+    step = _compiled_step() if jit else _decode_step
+    head = _lm_head if head is None else head
+    batch, prompt = np.shape(ids)
+    caches = [layer.self_attn.init_cache(batch, prompt + steps) for layer in model.model.layers]
+    real = jnp.asarray(as_numpy(attention_mask)).astype(bool)
+    keys = jnp.concatenate([real, jnp.ones((batch, steps), bool)], axis=1)[:, None, None, :]  # (B, 1, 1, max_len)
+    tokens, positions = jnp.asarray(as_numpy(ids)), jnp.asarray(generate_positions(attention_mask))
+    chosen = []
+    for _ in range(steps):
+        logits, caches = step(model, tokens, keys, positions, caches, head=head)
+        chosen.append(logits)
+        tokens, positions = jnp.argmax(logits, -1)[:, None], positions[:, -1:] + 1
+    return jnp.stack(chosen)
 
 
 def _torch_logits(model: Any, ids: Any, attention_mask: Any = None) -> Any:

@@ -55,7 +55,7 @@ from attention_spec.interop.numpy_arrays import as_numpy
 from parity_tests.harness import _is_float, _numpy_source, compare, full_precision, module_dtype
 from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
 
-__all__ = ["Divergence", "DivergenceReport", "ModulePair", "locate_divergence"]
+__all__ = ["Boundary", "Divergence", "DivergenceReport", "ModulePair", "locate_divergence"]
 
 Path = tuple[str, ...]  # a leaf's place in a pytree: keys and indices as text
 
@@ -99,6 +99,25 @@ class ModulePair:
     output: Error = NOT_COMPARED
     output_cotangent: Error = NOT_COMPARED
     input_cotangent: Error = NOT_COMPARED
+    output_factor: float | None = None  # a failing output that is the Flax one's times this (PyTorch / Flax)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A module pair that computes something else in each framework while the port as a
+    whole need not be wrong: the work is split differently between the modules.  Either
+    ``factor`` is set, the PyTorch module's output being the Flax module's times it (a
+    scale applied inside Hugging Face's module and after the port's: Gemma's
+    ``Gemma2TextScaledWordEmbedding``), or the pair's inputs already differ while the
+    model's outputs agree.  ``locate_divergence`` reports it and searches on past it; the
+    port is right only where each named module computes what the module of that name in
+    the original computes (move the work into the module)."""
+
+    torch_name: str
+    flax_path: tuple[Any, ...]
+    call: int
+    factor: float | None
+    why: str
 
 
 @dataclass(frozen=True)
@@ -126,6 +145,7 @@ class DivergenceReport:
     torch_only: list[str] = field(default_factory=list)
     flax_only: list[str] = field(default_factory=list)
     backward_note: str = ""  # why backward was not checked, when it was not
+    boundaries: list[Boundary] = field(default_factory=list)  # modules split otherwise, searched past
 
     @property
     def ok(self) -> bool:
@@ -470,6 +490,16 @@ def _run_flax(model: Any, xs: Sequence[Any], call: Any, deltas: list[Any] | None
     return recorder, out
 
 
+def _outputs_agree(t_tree: _Tree, t_out: Any, f_tree: _Tree, f_out: Any, rtol: float | None,
+                   atol: float | None) -> bool:
+    """Whether the two models' outputs (what the calls return) agree at the forward tolerance."""
+    def arrays(tree: _Tree, out: Any) -> list[tuple[Path, np.ndarray]]:
+        leaves, _ = tree.flatten(out)
+        return [(path, np.array(as_numpy(leaf), copy=True)) for path, leaf in leaves if tree.is_array(leaf)]
+
+    return _compare_outputs(arrays(t_tree, t_out), arrays(f_tree, f_out), PARITY, rtol, atol).ok is True
+
+
 def _projections(tree: _Tree, out: Any, seed: int) -> dict[Path, np.ndarray]:
     """The fixed random projection of the model's output: one standard normal array per
     float output leaf, by path; the scalar differentiated is ``sum(leaf * R)`` over them."""
@@ -684,7 +714,8 @@ def _flax_key(torch_name: str, mapping: Mapping[str, str]) -> str:
 
 def _declared_pairs(torch_model: Any, flax_model: Any, mapping: Mapping[str, str]
                     ) -> tuple[dict[str, str], dict[str, str]]:
-    """The children of every ``transformers`` attention layer that ``from_hf`` reads, paired
+    """The children of every ``transformers`` attention layer that ``from_hf`` takes
+    (``torch_attention._hf.recognises_hf_layer``: by mechanism, whatever its class), paired
     with ours where the Flax model holds one of our attention modules at the layer's place
     ({torch name: flax name}: ``q_proj`` with ``W_query`` ...), and the layouts declared
     for them ({torch name: layout}: the qk-norms' heads), from
@@ -692,14 +723,15 @@ def _declared_pairs(torch_model: Any, flax_model: Any, mapping: Mapping[str, str
     from flax import nnx
 
     from jax_attention._base import AttentionModule
-    from torch_attention._hf import hf_children, supported_hf_classes
+    from torch_attention._hf import hf_children, recognises_hf_layer
 
     ours = {_dotted(path) for path, m in nnx.iter_modules(flax_model) if isinstance(m, AttentionModule)}
     pairs: dict[str, str] = {}
     layouts: dict[str, str] = {}
     for name, module in torch_model.named_modules():
         flax_name = _flax_key(name, mapping)
-        if type(module).__name__ not in supported_hf_classes() or flax_name not in ours:
+        # any layer from_hf takes, recognised by what it holds and computes (not its class)
+        if flax_name not in ours or not recognises_hf_layer(module):
             continue
         for theirs, (child, layout) in hf_children(module).items():
             torch_child = f"{name}.{theirs}" if name else theirs
@@ -760,29 +792,82 @@ def _divergence(pair: ModulePair, direction: str, error: Error, note: str = "") 
                       "; ".join(n for n in (error.note, note) if n))
 
 
-def _first_forward(pairs: Sequence[ModulePair]) -> Divergence | None:
+def _encloses(pairs: Sequence[ModulePair], outer: int, inner: int) -> bool:
+    j = pairs[inner].parent
+    while j is not None:
+        if j == outer:
+            return True
+        j = pairs[j].parent
+    return False
+
+
+def _factor_text(factor: float) -> str:
+    """A factor as a reader recognises it: 8 (sqrt(64)), 5.657 (sqrt(32)), 0.125 (1/sqrt(64))."""
+    text = f"{factor:.4g}"
+    size, over = (factor, "") if abs(factor) >= 1 else (1.0 / factor, "1/")
+    square = round(size * size)
+    if square >= 2 and abs(size * size - square) <= 1e-4 * square:
+        return f"{text} ({over}sqrt({square}))"
+    return text
+
+
+def _boundaries(pairs: Sequence[ModulePair], model_agrees: bool) -> dict[int, Boundary]:
+    """The pairs split otherwise (``Boundary``): a failing output that is the other's times
+    a constant, and, while the model's outputs agree, inputs that already differ."""
+    found: dict[int, Boundary] = {}
+    for i, p in enumerate(pairs):
+        if p.output.ok is False and p.output_factor is not None:
+            why = (f"the PyTorch module's output is the Flax module's times {_factor_text(p.output_factor)}: the "
+                   "port scales elsewhere (before or after this module) what the original scales inside it")
+            found[i] = Boundary(p.torch_name, p.flax_path, p.call, p.output_factor, why)
+        elif model_agrees and p.inputs.ok is False:
+            why = "its inputs already differ while the model's outputs agree: the port splits the work otherwise"
+            found[i] = Boundary(p.torch_name, p.flax_path, p.call, None, why)
+    return found
+
+
+def _first_forward(pairs: Sequence[ModulePair], boundaries: Mapping[int, Boundary]) -> Divergence | None:
     """The innermost module whose inputs agree and whose output does not, the earliest
-    called; failing that (the inputs differ wherever an output does), the first output
+    called, boundary mismatches searched past; but a mismatch by a constant factor inside
+    that module is not undone within it: that mismatch is the divergence (a scale planted
+    wrong).  Failing all that (the inputs differ wherever an output does), the first output
     that fails."""
-    candidates = [i for i, p in enumerate(pairs) if p.inputs.ok is True and p.output.ok is False]
+    candidates = [i for i, p in enumerate(pairs)
+                  if p.inputs.ok is True and p.output.ok is False and i not in boundaries]
     if candidates:
-        pair = pairs[min(_innermost(pairs, candidates))]
+        chosen = min(_innermost(pairs, candidates))
+        numeric = pairs[chosen].output.max_rel != float("inf")  # a structure that differs says nothing of a scale
+        inside = [i for i in boundaries
+                  if numeric and boundaries[i].factor is not None and _encloses(pairs, chosen, i)]
+        if inside:
+            pair = min((pairs[i] for i in inside), key=lambda p: p.exit_order)
+            within = pairs[chosen].torch_name or "(root)"
+            return _divergence(pair, "forward", pair.output,
+                               f"its output is the other's times {_factor_text(pair.output_factor or 0.0)}, "
+                               f"not undone within {within}")
+        pair = pairs[chosen]
         return _divergence(pair, "forward", pair.output)
-    failed = [p for p in pairs if p.output.ok is False]
+    failed = [p for i, p in enumerate(pairs) if p.output.ok is False and i not in boundaries]
     if not failed:
         return None
     pair = min(failed, key=lambda p: p.exit_order)
     return _divergence(pair, "forward", pair.output, "no module with agreeing inputs: its inputs differ too")
 
 
-def _first_backward(pairs: Sequence[ModulePair]) -> Divergence | None:
+def _first_backward(pairs: Sequence[ModulePair], boundaries: Mapping[int, Boundary] | None = None
+                    ) -> Divergence | None:
     """The innermost module whose output cotangent agrees and whose input cotangent does
-    not, the one that backpropagation reaches first (the latest to return forward)."""
-    candidates = [i for i, p in enumerate(pairs) if p.output_cotangent.ok is True and p.input_cotangent.ok is False]
+    not, the one that backpropagation reaches first (the latest to return forward).  The
+    cotangents of a forward boundary mismatch (``Boundary``) differ by construction (the
+    scale the port moved scales them too): they are searched past."""
+    skip = boundaries or {}
+    candidates = [i for i, p in enumerate(pairs)
+                  if p.output_cotangent.ok is True and p.input_cotangent.ok is False and i not in skip]
     if candidates:
         pair = max((pairs[i] for i in _innermost(pairs, candidates)), key=lambda p: p.exit_order)
         return _divergence(pair, "backward", pair.input_cotangent)
-    failed = [p for p in pairs if p.output_cotangent.ok is False or p.input_cotangent.ok is False]
+    failed = [p for i, p in enumerate(pairs)
+              if (p.output_cotangent.ok is False or p.input_cotangent.ok is False) and i not in skip]
     if not failed:
         return None
     pair = max(failed, key=lambda p: p.exit_order)
@@ -798,6 +883,40 @@ def _forward_errors(pairs: Sequence[ModulePair], matched: Sequence[tuple[int, in
         stream = np.shape(f[fi].outputs[0][1]) if f[fi].outputs and f[fi].outputs[0][1] is not None else None
         pair.inputs = _compare_inputs(t[ti].inputs, f[fi].inputs, PARITY, rtol, atol, stream, layout)
         pair.output = _compare_outputs(outputs, f[fi].outputs, PARITY, rtol, atol, layout)
+        if pair.output.ok is False:
+            pair.output_factor = _constant_factor(outputs, f[fi].outputs, rtol, atol, layout)
+
+
+def _constant_factor(t: Sequence[tuple[Path, Any]], f: Sequence[tuple[Path, Any]], rtol: float | None,
+                     atol: float | None, layout: str | None) -> float | None:
+    """``c`` where the PyTorch outputs are the Flax ones times one constant (least squares
+    over every float leaf, then each leaf checked at the forward tolerance, integer leaves
+    equal); None otherwise."""
+    t, f = sorted(t, key=lambda leaf: leaf[0]), sorted(f, key=lambda leaf: leaf[0])
+    if not t or [p for p, _ in t] != [p for p, _ in f]:
+        return None
+    floats = []
+    for (path, a), (_, b) in zip(t, f, strict=True):
+        if a is None or b is None:
+            return None
+        if a.shape != b.shape:
+            a = _aligned(a, b.shape, layout)
+            if a is None:
+                return None
+        if not (np.issubdtype(a.dtype, np.inexact) and np.issubdtype(b.dtype, np.inexact)):
+            if not np.array_equal(a, b):
+                return None
+            continue
+        floats.append((".".join(path) or "output", a, b))
+    if not floats:
+        return None
+    num = sum(float(np.sum(a.astype(np.float64) * b.astype(np.float64))) for _, a, b in floats)
+    den = sum(float(np.sum(np.square(b.astype(np.float64)))) for _, _, b in floats)
+    if not (den > 0 and np.isfinite(num) and np.isfinite(den)) or num == 0:
+        return None
+    factor = num / den
+    scaled = [(label, a, (b.astype(np.float64) * factor).astype(b.dtype)) for label, a, b in floats]
+    return factor if _compare_arrays(scaled, PARITY, rtol, atol).ok else None
 
 
 _OVERWRITTEN = Error(None, 0.0, "not compared: PyTorch wrote this output in place after the module returned it, "
@@ -824,7 +943,9 @@ def _headline(report: DivergenceReport) -> str:
     unchecked = f"\n{report.backward_note}" if report.backward_note else ""
     if first is None:
         what = "forward and backward" if report.backward_checked else "forward"
-        return f"no divergence: {len(report.pairs)} module calls agree {what}{unchecked}"
+        split = len(report.boundaries)
+        but = f", but for {split} boundary mismatch{'es' if split > 1 else ''} (below)" if split else ""
+        return f"no divergence: {len(report.pairs)} module calls agree {what}{but}{unchecked}"
     call = f", call {first.call}" if first.call else ""
     note = f" ({first.note})" if first.note else ""
     return (f"first divergence {first.direction} at {first.torch_name or '(root)'}{call} "
@@ -854,12 +975,18 @@ def _table(report: DivergenceReport) -> str:
     columns = ("inputs", "output", "d output", "d inputs")
     lines = [_headline(report), "", f"     {'module':<{width}}  " + "  ".join(f"{c:>10}" for c in columns)]
     notes = []
+    split = {(b.torch_name, b.call) for b in report.boundaries}
     for pair, name in zip(report.pairs, names, strict=True):
         errors = (pair.inputs, pair.output, pair.output_cotangent, pair.input_cotangent)
-        mark = ">>" if _is_first(report, pair) else "  "
+        mark = ">>" if _is_first(report, pair) else "~~" if (pair.torch_name, pair.call) in split else "  "
         lines.append(f"  {mark} {name:<{width}}  " + "  ".join(f"{e.text():>10}" for e in errors)
-                     + ("   <- first" if mark == ">>" else ""))
+                     + {">>": "   <- first", "~~": "   <- boundary"}.get(mark, ""))
         notes += [f"  {pair.torch_name or '(root)'}: {e.note}" for e in errors if e.note]
+    if report.boundaries:
+        lines += ["", "boundary mismatches (searched past; each module must compute what the original's module "
+                  "of its name computes, Hugging Face's for a transformers model: move the work into it):"]
+        lines += [f"  {b.torch_name or '(root)'}{f' (call {b.call})' if b.call else ''}: {b.why}"
+                  for b in report.boundaries]
     if notes:
         lines += ["", "notes:", *notes]
     for side, calls in (("torch", report.torch_only), ("flax", report.flax_only)):
@@ -961,17 +1088,18 @@ def locate_divergence(
     with full_precision():
         t_rec, t_out = _run_torch(torch_model, inputs, torch_call, backward)
         xs = _flax_inputs(flax_model, inputs)
-        f_rec, _ = _run_flax(flax_model, xs, flax_call)
+        f_rec, f_out = _run_flax(flax_model, xs, flax_call)
         pairs, matched, torch_only, flax_only = _pair(t_rec.records, f_rec.records, mapping)
         _forward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol, layouts)
-        first = _first_forward(pairs)
+        bounds = _boundaries(pairs, _outputs_agree(t_rec.tree, t_out, f_rec.tree, f_out, rtol, atol))
+        first = _first_forward(pairs, bounds)
         checked = backward and first is None
         if checked:
             projections = _projections(t_rec.tree, t_out, seed)
             _torch_cotangents(t_rec, t_out, projections)
             _flax_cotangents(flax_model, xs, flax_call, f_rec, projections)
             _backward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol, layouts)
-            first = _first_backward(pairs)
+            first = _first_backward(pairs, bounds)
     if not backward:
         why = "backward not checked: backward=False"
     elif first is not None and first.direction == "forward":
@@ -979,7 +1107,9 @@ def locate_divergence(
                "cotangent that reaches it would differ from there back")
     else:
         why = ""
-    report = DivergenceReport(pairs, first, checked, torch_only, flax_only, why)
+    named = None if first is None else (first.torch_name, first.call)
+    boundaries = [b for b in bounds.values() if (b.torch_name, b.call) != named]
+    report = DivergenceReport(pairs, first, checked, torch_only, flax_only, why, boundaries)
     if plot is not None:
         dtype = module_dtype(torch_model, [x for x in inputs if _is_array(x)])
         forward, gradient = (PARITY.get(dtype, PARITY["float32"]).rtol, GRAD_PARITY.get(dtype, GRAD_PARITY["float32"]).rtol)

@@ -6,6 +6,7 @@ forward or backward as the bug is."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -358,3 +359,165 @@ def test_qk_norms_are_seen_as_submodules_and_located() -> None:
     fx.k_norm.scale[...] = fx.k_norm.scale[...].at[1].multiply(1.01)
     report = locate_divergence(pt, fx, x)
     assert report.first is not None and (report.first.torch_name, report.first.direction) == ("k_norm", "forward")
+
+
+# --------------------------------------------------------------------------- boundary mismatches: Gemma 2
+
+def _gemma2() -> Any:
+    """A tiny ``transformers`` Gemma 2 (width 64: its embedding scales by sqrt(64) = 8
+    inside ``Gemma2TextScaledWordEmbedding``), every weight random, its ``1 + w`` norms
+    near 1."""
+    import transformers
+
+    from parity_tests.causal_lm import randomise
+
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256, pad_token_id=2,
+        use_cache=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Gemma2ForCausalLM(config).float().eval()
+    randomise(hf, 0, norm_mean=0.0)
+    return hf
+
+
+class _GemmaNorm(nnx.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        self.scale, self.eps = nnx.Param(jnp.zeros((width,), jnp.float32)), eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return y * (1.0 + self.scale[...]).reshape((1,) * (x.ndim - 1) + (-1,))  # ranks explicit
+
+
+class _GemmaMLP(nnx.Module):
+    def __init__(self, width: int, inner: int, rngs: nnx.Rngs) -> None:
+        self.gate_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(inner, width, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+
+
+class _GemmaLayer(nnx.Module):
+    def __init__(self, hf_layer: Any, c: Any, rngs: nnx.Rngs) -> None:
+        from torch_attention.interop import from_hf
+
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, _GemmaNorm(c.hidden_size, c.rms_norm_eps))
+        self.self_attn = to_flax(from_hf(hf_layer.self_attn))  # its window, its soft cap, its scale
+        self.mlp = _GemmaMLP(c.hidden_size, c.intermediate_size, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        attended = self.self_attn(self.input_layernorm(x), positions=positions, return_weights=True)[0]
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class _Gemma2Model(nnx.Module):
+    def __init__(self, hf: Any, scale_inside: bool) -> None:
+        from parity_tests.causal_lm import PaddedEmbed
+
+        c, rngs = hf.config, nnx.Rngs(0)
+        self.embed_tokens = PaddedEmbed(c.vocab_size, c.hidden_size, c.pad_token_id, rngs,
+                                        scale=c.hidden_size ** 0.5 if scale_inside else None)
+        self.layers = nnx.List([_GemmaLayer(layer, c, rngs) for layer in hf.model.layers])
+        self.norm = _GemmaNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class _Gemma2ForCausalLM(nnx.Module):
+    """Gemma 2 in Flax NNX, named as Hugging Face's; ``scale_inside=False`` is the
+    newcomer's port: the embedding unscaled and the hidden states scaled after it."""
+
+    def __init__(self, hf: Any, scale_inside: bool) -> None:
+        self.model = _Gemma2Model(hf, scale_inside)
+        self.scale_after = None if scale_inside else hf.config.hidden_size ** 0.5
+        self.cap = hf.config.final_logit_softcapping
+
+    def __call__(self, ids: jax.Array) -> dict[str, jax.Array]:
+        x = self.model.embed_tokens(ids)
+        if self.scale_after is not None:
+            x = x * jnp.float32(self.scale_after)
+        positions = jnp.arange(ids.shape[1])[None]
+        for layer in self.model.layers:
+            x = layer(x, positions)
+        logits = self.model.embed_tokens.attend(self.model.norm(x))
+        return {"logits": jnp.tanh(logits / self.cap) * self.cap}  # shaped as Hugging Face's output
+
+
+@pytest.fixture(scope="module")
+def gemma2() -> tuple[Any, Any, Any]:
+    """(Hugging Face's Gemma 2, the port scaling after its embedding, the port scaling inside it)."""
+    from parity_tests import infer_param_map
+
+    hf = _gemma2()
+    ports = []
+    for inside in (False, True):
+        flax = _Gemma2ForCausalLM(hf, scale_inside=inside)
+        copy_params(hf, flax, infer_param_map(hf, flax))
+        ports.append(flax)
+    return hf, ports[0], ports[1]
+
+
+def _gemma_locate(hf: Any, flax: Any, **kwargs: Any) -> Any:
+    return locate_divergence(hf, flax, TOKENS, torch_call=lambda m, x: m(input_ids=x).logits,
+                             flax_call=lambda m, x: m(x)["logits"], **kwargs)
+
+
+def test_a_scale_moved_out_of_the_embedding_is_a_boundary_mismatch_not_a_divergence(gemma2: Any) -> None:
+    """Issue 56: a correct Gemma 2 port that scales by sqrt(hidden) after its embedding,
+    where ``Gemma2TextScaledWordEmbedding`` scales inside, was reported diverging at
+    ``model.embed_tokens`` (7.0 relative) and hid every bug behind it.  It is a boundary
+    mismatch now, its factor named, searched past: nothing diverges forward or backward
+    (the scale moved scales that output's cotangent too, which is searched past as well).
+    The port that scales inside the module has no mismatch at all."""
+    hf, after, inside = gemma2
+    report = _gemma_locate(hf, after)
+    assert report.ok and report.first is None and report.backward_checked, str(report)
+    [boundary] = report.boundaries
+    assert (boundary.torch_name, boundary.flax_path) == ("model.embed_tokens", ("model", "embed_tokens"))
+    assert boundary.factor == pytest.approx(8.0, rel=1e-6)
+    embed = next(p for p in report.pairs if p.torch_name == "model.embed_tokens")
+    assert embed.output.max_rel == pytest.approx(7.0, rel=1e-6)  # what the newcomer saw
+    text = str(report)
+    assert text.splitlines()[0].endswith("but for 1 boundary mismatch (below)"), text
+    assert "model.embed_tokens: the PyTorch module's output is the Flax module's times 8 (sqrt(64))" in text
+    assert "must compute what the original's module of its name computes" in text
+    assert any(re.match(r"\s*~~\s+model\.embed_tokens\s.*<- boundary$", line) for line in text.splitlines()), text
+    right = _gemma_locate(hf, inside, backward=False)
+    assert right.ok and not right.boundaries, str(right)
+
+
+def test_a_bug_behind_a_boundary_mismatch_is_still_named(gemma2: Any) -> None:
+    """The same port with a norm's epsilon planted wrong in layer 1: the first divergence
+    is that norm, forward, and the embedding's mismatch is still reported beside it."""
+    hf, after, _ = gemma2
+    norm = after.model.layers[1].post_feedforward_layernorm
+    saved, norm.eps = norm.eps, 1e-1
+    try:
+        report = _gemma_locate(hf, after)
+    finally:
+        norm.eps = saved
+    first = report.first
+    assert first is not None and (first.torch_name, first.direction) == (
+        "model.layers.1.post_feedforward_layernorm", "forward"), str(report)
+    assert [b.torch_name for b in report.boundaries] == ["model.embed_tokens"], str(report)
+
+
+def test_a_constant_factor_that_is_not_undone_is_the_divergence() -> None:
+    """A scale planted wrong (a qk-norm's weight times 1.01: that norm's output is the
+    other's times a constant) is not undone within the attention layer around it: it is
+    the divergence, named with its factor, not a boundary mismatch."""
+    torch.manual_seed(0)
+    pt = ta.MultiHeadAttention(8, 8, 16, 0.0, 2, qk_norm="rms").eval()
+    fx = to_flax(pt)
+    fx.k_norm.scale[...] = fx.k_norm.scale[...] * 1.01
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    report = locate_divergence(pt, fx, x)
+    first = report.first
+    assert first is not None and (first.torch_name, first.direction) == ("k_norm", "forward"), str(report)
+    assert "times 0.9901, not undone within (root)" in first.note and not report.boundaries
