@@ -241,12 +241,8 @@ class FlexExtras(NamedTuple):
     keep: Any = None
     drawn: bool = False
 
-    @property
-    def dropout(self) -> bool:
-        return self.rate > 0.0
 
-
-def _prefixed(check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+def _prefixed(check: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     """``check`` (a check ``dot_product_attention`` shares), its error text led by
     ``flex_attention: ``, as every flex text is."""
     try:

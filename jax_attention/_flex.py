@@ -11,6 +11,10 @@ float64 stays), ``score_mod`` applied with index arrays, the mask mod on partial
 only, the library's stable softmax (``_reference.softmax``), then weights @ v.  Each
 query block is a ``jax.checkpoint``: the backward recomputes its scores, so no (L, S)
 array is kept for it, and gradients reach q, k, v and the arrays the mods capture.
+Beyond PyTorch's: attention sinks (the library's softmax with the slice's sink, the lse
+with the sink's term) and dropout on the weights (an explicit keep-mask, or one drawn in
+each block from the rng folded with the slice's and the block's numbers, ``_Dropout``: the
+checkpoint's recomputation draws the same), the PyTorch twin's numbers and error texts.
 
 Up to ``UNROLLED_BLOCKS`` query blocks are unrolled, each over exactly its own key
 blocks; a longer sequence runs its blocks in at most ``LOOPS`` loops (``_looped``), each
@@ -27,7 +31,7 @@ masked by the tables' block kinds and the mask mod (the same numbers).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +40,11 @@ from jax import Array
 
 from attention_spec import flex as spec
 from attention_spec import mods as library
-from attention_spec.arrays import dtype_name
+from attention_spec.arrays import dtype_name, host_array
 from attention_spec.flex import DEFAULT_BLOCK, BlockMask
 from attention_spec.flex_answers import check_mask_answer
-from jax_attention._canonical import compute_dtype
-from jax_attention._reference import resolve_scale, softmax
+from jax_attention._canonical import compute_dtype, expand_to
+from jax_attention._reference import dropout_weights, resolve_scale, softmax
 
 # Up to this many query blocks are unrolled, each over exactly its own key blocks; beyond,
 # the blocks run in at most LOOPS loops (``_looped``), each over as many key blocks as the
@@ -144,9 +148,30 @@ def _dense_traced(num: Array, indices: Array, n_kv: int) -> Array:
     return hits.any(axis=-2)  # (B', H', n_q, n_kv)
 
 
+def extras(query: Array, key: Array, *, sinks: Any, dropout_rate: Any, deterministic: Any, dropout_mask: Any,
+           rng: Any) -> spec.FlexExtras:
+    """``flex_attention``'s sinks and dropout checked (``attention_spec.flex.check_flex_extras``,
+    the PyTorch twin's texts), sinks and keep-mask as JAX arrays (a keep-mask given as a
+    list or NumPy array is checked as given).  Raises TypeError / ValueError (dropout in
+    training mode without ``rng`` or a keep-mask among them: JAX has no global stream)."""
+    if rng is not None and not hasattr(rng, "dtype"):
+        raise TypeError(f"flex_attention: rng must be a JAX random key or None; got {type(rng).__name__}")
+    if sinks is not None and not isinstance(sinks, jax.Array):
+        sinks = host_array("sinks", sinks)
+    if dropout_mask is not None and not isinstance(dropout_mask, jax.Array):
+        dropout_mask = host_array("dropout_mask", dropout_mask)
+    found = spec.check_flex_extras(query, key, sinks=sinks, dropout_rate=dropout_rate,
+                                   mode=("deterministic", deterministic), dropout_mask=dropout_mask,
+                                   rng=("an rng key", rng is not None))
+    return found._replace(sinks=None if sinks is None else jnp.asarray(sinks),
+                          keep=None if found.keep is None else jnp.asarray(found.keep))
+
+
 def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[..., Any] | None = None,
                    block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False) -> Array | tuple[Array, Array]:
+                   return_lse: bool = False, *, sinks: Array | None = None, dropout_rate: float = 0.0,
+                   deterministic: bool = True, rng: Array | None = None,
+                   dropout_mask: Any = None) -> Array | tuple[Array, Array]:
     """Attention with a score mod and a block-sparse mask: query (B, Hq, L, E), key
     (B, Hkv, S, E), value (B, Hkv, S, Ev) -> (B, Hq, L, Ev) in the inputs' dtype, with
     ``return_lse`` also lse (B, Hq, L) in the compute dtype (float32, float64 for
@@ -164,54 +189,117 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
       scale: None = 1/sqrt(E); a float as given.
       enable_gqa: k and v may have Hkv heads dividing Hq; query head h reads kv head
         h // (Hq // Hkv).  Without it Hq must equal Hkv.
+      sinks: None or a float array (Hq,): attention sinks (gpt-oss), one logit per query
+        head in every softmax's denominator, in the units of the modded scores: a row's
+        weights are exp(s_j - lse) with lse = log(sum_j exp(s_j) + exp(sink)), so they sum
+        to less than 1, and ``return_lse`` returns that lse (the sink's term included: a
+        row that sees no key has output zeros and lse = its sink).  Differentiable.
+      dropout_rate, deterministic, rng, dropout_mask: dropout on the weights (training,
+        ``deterministic=False``, only; survivors scaled by 1/(1 - rate));
+        ``dropout_mask`` (bool, True = keep, broadcastable to (B, Hq, L, S)) replaces the
+        draw, as in ``dot_product_attention``; without it the keep-mask is drawn per
+        (example, query head, query block) from ``rng`` folded with their numbers, and the
+        backward (each block's recomputation) draws the same.  The lse is the softmax's,
+        before dropout.
 
-    Differentiable (``jax.grad``) in q, k, v and the arrays the mods capture, one query
-    block recomputed at a time; works under ``jax.jit`` and ``jax.vmap``.
+    Differentiable (``jax.grad``) in q, k, v, sinks and the arrays the mods capture, one
+    query block recomputed at a time; works under ``jax.jit`` and ``jax.vmap``.
 
     Raises:
-      ValueError / TypeError: shapes, dtypes, scale, mods or a block mask that do not fit
-        (``attention_spec.flex``'s texts, the PyTorch twin's), before any computation.
+      ValueError / TypeError: shapes, dtypes, scale, mods, a block mask, sinks or dropout
+        that do not fit (``attention_spec.flex``'s texts, the PyTorch twin's), before any
+        computation.
     """
     groups, scale = spec.check_flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    found = extras(query, key, sinks=sinks, dropout_rate=dropout_rate, deterministic=deterministic,
+                   dropout_mask=dropout_mask, rng=rng)
     plan, mask_mod, flags = _plan(query, key, block_mask)
     batch, heads, q_len, dim = query.shape
-    v_dim = value.shape[3]
+    kv_len, v_dim = key.shape[2], value.shape[3]
     scale = resolve_scale(scale, dim)
     ct = compute_dtype(query.dtype)
     if groups > 1:  # each query head's key/value head, as its own slice (the blockwise path's repeat)
         key, value = jnp.repeat(key, groups, axis=1), jnp.repeat(value, groups, axis=1)
+    drop = _Dropout(found.rate, rng if found.drawn else None)
 
-    def one_slice(operands: tuple[Array, Array, Array, Array]) -> tuple[Array, Array]:
-        """Slice s, (example s // Hq, query head s % Hq): q (L, E), k (S, E), v (S, Ev) ->
-        out (L, Ev), lse (L,): its query blocks in turn, each a ``jax.checkpoint``."""
-        index, q, k, v = operands
+    def one_slice(operands: tuple[Any, ...]) -> tuple[Array, Array]:
+        """Slice s, (example s // Hq, query head s % Hq): q (L, E), k (S, E), v (S, Ev), its
+        sink (or None) and keep-mask (L, S) (or None) -> out (L, Ev), lse (L,): its query
+        blocks in turn, each a ``jax.checkpoint``."""
+        index, q, k, v, sink, keep = operands
         b, h = (index // heads).reshape(1, 1, 1, 1), (index % heads).reshape(1, 1, 1, 1)  # as the mods take them
         outs, lses = [], []
-        for qb, traced in zip(plan, flags, strict=True):
+        for number, (qb, traced) in enumerate(zip(plan, flags, strict=True)):
             rows = qb.stop - qb.start
-            if not qb.runs:  # every key blocked: zeros, lse -inf
+            if not qb.runs:  # every key blocked: zeros, lse -inf (with sinks: the sink's)
                 outs.append(jnp.zeros((rows, v_dim), value.dtype))
-                lses.append(jnp.full((rows,), -jnp.inf, ct))
+                lses.append(jnp.full((rows,), -jnp.inf, ct) if sink is None else jnp.broadcast_to(sink, (rows,)))
                 continue
-            block = _query_block(qb, score_mod, mask_mod, traced, scale, ct, b, h)
-            out, lse = jax.checkpoint(block)(q[qb.start:qb.stop], k, v)
+            block = _query_block(qb, score_mod, mask_mod, traced, scale, ct, b, h, drop)
+            kept = drop.of_block(index, number, keep, qb.start, rows)
+            out, lse = jax.checkpoint(block)(q[qb.start:qb.stop], k, v, sink, kept)
             outs.append(out.astype(value.dtype))
             lses.append(lse)
         return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0),
                 lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=0))
 
     if len(plan) > UNROLLED_BLOCKS:  # a long sequence: its query blocks in a few loops
-        one_slice = _looped(query, key, block_mask, score_mod, scale, ct, heads, value.dtype)
+        one_slice = _looped(query, key, block_mask, score_mod, scale, ct, heads, value.dtype, drop)
 
     # One slice at a time: plain 2-d products, which XLA's CPU backend ran 2.3x faster than
     # the same work as one batched product per query block (B1 H8 S2048 D64, forward).
+    sink_s = None if found.sinks is None else jnp.tile(found.sinks.astype(ct), batch)  # slice b * Hq + h: sinks[h]
+    keep_s = None
+    if found.keep is not None:  # (B * Hq, L, S): each slice's keep-mask
+        keep_s = jnp.broadcast_to(expand_to(found.keep, 4), (batch, heads, q_len, kv_len)).reshape(
+            batch * heads, q_len, kv_len)
     slices = (jnp.arange(batch * heads, dtype=jnp.int32), query.reshape(batch * heads, q_len, dim),
-              key.reshape(batch * heads, *key.shape[2:]), value.reshape(batch * heads, *value.shape[2:]))
+              key.reshape(batch * heads, *key.shape[2:]), value.reshape(batch * heads, *value.shape[2:]),
+              sink_s, keep_s)
     out_s, lse_s = jax.lax.map(one_slice, slices)
     out = out_s.reshape(batch, heads, q_len, v_dim)
     if not return_lse:
         return out
     return out, lse_s.reshape(batch, heads, q_len)
+
+
+class _Dropout(NamedTuple):
+    """A call's dropout on the flex path: off (``rate`` 0), an explicit keep-mask (the
+    slices carry their (L, S) part), or drawn from ``rng``: each (slice, query block) its
+    key, ``rng`` folded with the slice's and the block's numbers, from which the block
+    draws its keep-mask inside its ``jax.checkpoint`` (so the recomputation for the
+    backward draws the same, and no (L, S) mask is made or kept)."""
+
+    rate: float
+    rng: Array | None
+
+    def of_block(self, index: Array, number: Any, keep: Array | None, start: Any, rows: Any) -> Array | None:
+        """What query block ``number`` of slice ``index`` draws from (its key) or reads (its
+        ``rows`` rows of the slice's keep-mask ``keep`` (L, S) from ``start``, an int or,
+        in the loops, traced), None without dropout."""
+        if self.rate == 0.0:
+            return None
+        if self.rng is not None:
+            return jax.random.fold_in(jax.random.fold_in(self.rng, index), number)
+        assert keep is not None
+        if isinstance(start, int):
+            return keep[start:start + rows]
+        return jax.lax.dynamic_slice_in_dim(keep, start, rows, axis=0)
+
+    def apply(self, weights: Array, kept: Array | None, columns: Any) -> Array:
+        """``dropout_weights`` of a block's weights (rows, n) with its keep-mask: drawn
+        from the key ``kept`` (Bernoulli(1 - rate), (rows, n)), or its rows of the slice's
+        keep-mask (rows, S) at the block's key ``columns`` (a (start, stop) span or
+        positions)."""
+        if kept is None:
+            return weights
+        if self.rng is not None:
+            mask = jax.random.bernoulli(kept, 1.0 - self.rate, weights.shape)
+        elif isinstance(columns, tuple):
+            mask = kept[:, columns[0]:columns[1]]
+        else:
+            mask = jnp.take(kept, columns, axis=1)
+        return dropout_weights(weights, self.rate, deterministic=False, dropout_mask=mask)
 
 
 def run_call(q: Array, k: Array, v: Array, call: Any, *, scale: float) -> Array:
@@ -220,13 +308,17 @@ def run_call(q: Array, k: Array, v: Array, call: Any, *, scale: float) -> Array:
     one mask mod (``attention_spec.flex.call_mods``), the mask mod's block mask (for the
     examples and heads it reads, ``attention_spec.flex.mask_reads``; concrete where the mods
     capture no traced array, so blocks are skipped under ``jit`` too), then
-    ``flex_attention``.  q (B, H, T, D), k and v (B, Hkv, S, D)."""
+    ``flex_attention``, with the call's sinks and its explicit dropout mask (dropout drawn
+    without one never comes here: ``attention_spec.flex.mod_blockers``).  q (B, H, T, D),
+    k and v (B, Hkv, S, D)."""
     score_mod, mask_mod = spec.call_mods(call.options, offset=call.offset, mask=call.mask, bias=call.bias,
                                          lengths=call.kv_lengths, segments=call.segments)
     block_mask = None
     if mask_mod is not None:
         block_mask = _call_block_mask(mask_mod, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    out = flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa=q.shape[1] != k.shape[1],
+                         sinks=call.sinks, dropout_rate=call.options.dropout_rate, deterministic=not call.options.training,
+                         dropout_mask=call.dropout_mask)
     assert not isinstance(out, tuple)
     return out
 
@@ -290,14 +382,15 @@ def _dense_tables(q_len: int, kv_len: int, block_mask: BlockMask | None) -> tupl
 
 
 def _looped(query: Array, key: Array, block_mask: BlockMask | None, score_mod: Callable[..., Any] | None,
-            scale: float, ct: Any, heads: int, out_dtype: Any) -> Callable[..., tuple[Array, Array]]:
+            scale: float, ct: Any, heads: int, out_dtype: Any, drop: _Dropout) -> Callable[..., tuple[Array, Array]]:
     """``flex_attention``'s function of one slice for many query blocks: the blocks sorted
     by how many key blocks they need and split into at most ``LOOPS`` groups, each group
     one ``jax.lax.map`` (a ``jax.checkpoint`` per block) over the key blocks the most of
     its blocks need (the others' extra blocks masked: the causal mask computes about 1/16
     more than the unrolled blocks); where the tables are traced, one loop over every key
     block.  The numbers are the unrolled blocks' (up to the order of a sum's terms): the
-    same scores, mods, mask and softmax per key."""
+    same scores, mods, mask and softmax per key, sinks and dropout (a drawn keep-mask
+    per (slice, query block), as theirs, other bits)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     partial, full, (bq, bkv) = _dense_tables(q_len, kv_len, block_mask)
     mask_mod = None if block_mask is None else block_mask.mask_mod
@@ -317,10 +410,12 @@ def _looped(query: Array, key: Array, block_mask: BlockMask | None, score_mod: C
         lists = [np.tile(np.arange(n_kv, dtype=np.int32), (n_q, 1))]
     inverse = np.argsort(np.concatenate(groups))
 
-    def one_slice(operands: tuple[Array, Array, Array, Array]) -> tuple[Array, Array]:
-        index, q, k, v = operands
+    def one_slice(operands: tuple[Any, ...]) -> tuple[Array, Array]:
+        index, q, k, v, sink, keep = operands
         b, h = (index // heads).reshape(1, 1, 1, 1), (index % heads).reshape(1, 1, 1, 1)
         padded = jnp.pad(q, ((0, n_q * bq - q_len), (0, 0)))  # whole blocks; the extra rows see no key
+        if keep is not None:
+            keep = jnp.pad(keep, ((0, n_q * bq - q_len), (0, 0)))
 
         def of_slice(table: Any) -> Array:  # (B', H', n_q, n_kv) -> this slice's (n_q, n_kv)
             table = jnp.asarray(table)
@@ -355,8 +450,9 @@ def _looped(query: Array, key: Array, block_mask: BlockMask | None, score_mod: C
                 modded = score_mod(scores.reshape(1, 1, bq, n), b, h, q_idx, kv_idx)
                 scores = jnp.broadcast_to(modded, (1, 1, bq, n)).reshape(bq, n).astype(ct)
                 mask = mask & (scores != -jnp.inf)  # a score the mod makes -inf blocks its key
-            weights = softmax(scores, mask)
-            return jnp.matmul(weights, vv.astype(ct), precision="highest").astype(out_dtype), _lse(scores, mask)
+            weights = drop.apply(_softmax(scores, mask, sink), drop.of_block(index, i, keep, start, bq), positions)
+            out = jnp.matmul(weights, vv.astype(ct), precision="highest").astype(out_dtype)
+            return out, _sunk_lse(scores, mask, sink)
 
         step = jax.checkpoint(lambda xs: block(*xs))
         outs, lses = [], []
@@ -396,14 +492,16 @@ def _plan(query: Array, key: Array, block_mask: BlockMask | None) -> tuple[
 
 
 def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None,
-                 flags: tuple[Array, Array] | None, scale: float, ct: Any, b: Array, h: Array) -> Callable[..., Any]:
+                 flags: tuple[Array, Array] | None, scale: float, ct: Any, b: Array, h: Array,
+                 drop: _Dropout) -> Callable[..., Any]:
     """The function of one query block of one slice (example ``b``, query head ``h``, each
-    (1, 1, 1, 1)): (q (rows, E), k (S, E), v (S, Ev)) -> (out (rows, Ev) in the compute
-    dtype, lse (rows,)).  The mods see what they see in the PyTorch twin, index arrays of
-    rank 4 (q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, n)) and scores (1, 1, rows, n)."""
+    (1, 1, 1, 1)): (q (rows, E), k (S, E), v (S, Ev), the slice's sink () or None, its
+    keep-mask's rows or key (``_Dropout.of_block``) or None) -> (out (rows, Ev) in the
+    compute dtype, lse (rows,)).  The mods see what they see in the PyTorch twin, index
+    arrays of rank 4 (q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, n)) and scores (1, 1, rows, n)."""
     span, positions = qb.span, qb.key_positions
 
-    def block(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+    def block(q: Array, k: Array, v: Array, sink: Array | None, kept: Any) -> tuple[Array, Array]:
         rows = q.shape[0]
         if span is not None:
             k, v = k[span[0]:span[1]], v[span[0]:span[1]]
@@ -419,10 +517,25 @@ def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask
             scores = jnp.broadcast_to(modded, (1, 1, rows, n)).reshape(rows, n).astype(ct)
             finite = scores != -jnp.inf  # a score the mod makes -inf blocks its key
             mask = finite if mask is None else mask & finite
-        weights = softmax(scores, mask)
-        return jnp.matmul(weights, v.astype(ct), precision="highest"), _lse(scores, mask)
+        weights = drop.apply(_softmax(scores, mask, sink), kept, span if span is not None else positions)
+        return jnp.matmul(weights, v.astype(ct), precision="highest"), _sunk_lse(scores, mask, sink)
 
     return block
+
+
+def _softmax(scores: Array, mask: Array | None, sink: Array | None) -> Array:
+    """The library's softmax (``_reference.softmax``) of one slice's block (rows, n), with
+    its head's ``sink`` () in the denominator where given."""
+    if sink is None:
+        return softmax(scores, mask)
+    return softmax(scores[None], None if mask is None else mask[None], sinks=sink.reshape(1))[0]
+
+
+def _sunk_lse(scores: Array, mask: Array | None, sink: Array | None) -> Array:
+    """``_lse``, with a ``sink`` () joining the sum: log(sum_j exp(s_j) + exp(sink)), the
+    sink for a row that sees no key."""
+    lse = _lse(scores, mask)
+    return lse if sink is None else jnp.logaddexp(lse, sink)
 
 
 def _mask(qb: spec.QueryBlock, mask_mod: Callable[..., Any] | None, flags: tuple[Array, Array] | None,

@@ -14,6 +14,12 @@ recomputes each chunk's weights from it, the score mod's derivative taken by aut
 the chunk alone.  Only q, k, v, the output and the log-sum-exp are kept for the backward,
 and nothing made for one block outlives it.
 
+Beyond PyTorch's: attention sinks (a key with no value that each row has seen before its
+first chunk, so the recurrences are the library's softmax with sinks and the lse holds the
+sink's term) and dropout on the weights (an explicit keep-mask, or one drawn per query
+block and chunk from a seed drawn once per call: ``_Dropout``, which the backward asks
+again for the same blocks), the JAX twin's numbers and error texts.
+
 Why not a ``torch.utils.checkpoint`` per query block (as before): it kept no (L, S) tensor,
 but it kept every block's autograd nodes, small allocations that glibc places in the
 freed scores of the block before, so that each wider block (a causal mask: block i has
@@ -37,10 +43,10 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from attention_spec import flex as spec
-from attention_spec.arrays import dtype_name
+from attention_spec.arrays import dtype_name, host_array
 from attention_spec.flex import DEFAULT_BLOCK, BlockMask
 from attention_spec.flex_answers import check_mask_answer
-from torch_attention._reference import _compute_dtype, _softmax, resolve_scale
+from torch_attention._reference import _compute_dtype, _softmax, dropout_weights, resolve_scale
 
 # A query block's keys are computed this many at a time (the last chunk fewer): the widest
 # scores a call makes are (B, Hq, BLOCK_SIZE, KEY_CHUNK), whatever the sequence.
@@ -84,9 +90,29 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
                      seq_lengths=(q_len, kv_len), made_for=mask_mod)
 
 
+def extras(query: Tensor, key: Tensor, *, sinks: Any, dropout_rate: Any, training: Any, dropout_mask: Any,
+           generator: Any) -> spec.FlexExtras:
+    """``flex_attention``'s sinks and dropout checked (``attention_spec.flex.check_flex_extras``,
+    the JAX twin's texts), sinks and keep-mask as tensors on q's device (a keep-mask given
+    as a list or NumPy array is checked as given).  Raises TypeError / ValueError."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"flex_attention: generator must be a torch.Generator or None; got {type(generator).__name__}")
+    if sinks is not None and not isinstance(sinks, Tensor):
+        sinks = torch.as_tensor(host_array("sinks", sinks))
+    if dropout_mask is not None and not isinstance(dropout_mask, Tensor):
+        dropout_mask = host_array("dropout_mask", dropout_mask)
+    # torch always has a random stream: ``generator``, else its global one (as nn.Dropout)
+    found = spec.check_flex_extras(query, key, sinks=sinks, dropout_rate=dropout_rate, mode=("training", training),
+                                   dropout_mask=dropout_mask, rng=("a generator", True))
+    keep = None if found.keep is None else torch.as_tensor(found.keep, device=query.device)
+    return found._replace(sinks=None if sinks is None else sinks.to(query.device), keep=keep)
+
+
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callable[..., Any] | None = None,
                    block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                   return_lse: bool = False, *, sinks: Tensor | None = None, dropout_rate: float = 0.0,
+                   training: bool = False, dropout_mask: Any = None,
+                   generator: torch.Generator | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with a score mod and a block-sparse mask: query (B, Hq, L, E), key
     (B, Hkv, S, E), value (B, Hkv, S, Ev) -> (B, Hq, L, Ev) in the inputs' dtype, with
     ``return_lse`` also lse (B, Hq, L) in the compute dtype (float32, float64 for
@@ -104,16 +130,30 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
       scale: None = 1/sqrt(E); a float as given.
       enable_gqa: k and v may have Hkv heads dividing Hq; query head h reads kv head
         h // (Hq // Hkv).  Without it Hq must equal Hkv.
+      sinks: None or a float tensor (Hq,): attention sinks (gpt-oss), one logit per query
+        head in every softmax's denominator, in the units of the modded scores: a row's
+        weights are exp(s_j - lse) with lse = log(sum_j exp(s_j) + exp(sink)), so they sum
+        to less than 1, and ``return_lse`` returns that lse (the sink's term included: a
+        row that sees no key has output zeros and lse = its sink).  Differentiable.
+      dropout_rate, training, dropout_mask, generator: dropout on the weights (training
+        only, survivors scaled by 1/(1 - rate)); ``dropout_mask`` (bool, True = keep,
+        broadcastable to (B, Hq, L, S)) replaces the draw, as in
+        ``dot_product_attention``; without it the keep-mask is drawn block by block from a
+        seed drawn once from ``generator`` (None: torch's global generator), and the
+        backward redraws the same blocks.  The lse is the softmax's, before dropout.
 
-    Differentiable in q, k, v (once: FlashAttention's backward, a chunk of keys
+    Differentiable in q, k, v and sinks (once: FlashAttention's backward, a chunk of keys
     recomputed at a time) and the tensors the mods capture (then each query block is a
     ``torch.utils.checkpoint``).
 
     Raises:
-      ValueError / TypeError: shapes, dtypes, scale, mods or a block mask that do not fit
-        (``attention_spec.flex``'s texts, the JAX twin's), before any computation.
+      ValueError / TypeError: shapes, dtypes, scale, mods, a block mask, sinks or dropout
+        that do not fit (``attention_spec.flex``'s texts, the JAX twin's), before any
+        computation.
     """
     groups, scale = spec.check_flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    found = extras(query, key, sinks=sinks, dropout_rate=dropout_rate, training=training,
+                   dropout_mask=dropout_mask, generator=generator)
     plan, mask_mod = _plan(query, key, block_mask)
     batch, heads, q_len, dim = query.shape
     kv_heads, v_dim = key.shape[1], value.shape[3]
@@ -121,26 +161,28 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Callabl
     qg = query.reshape(batch, kv_heads, groups, q_len, dim)  # (B, Hkv, G, L, E): query head h = kvh * G + g
     kg, vg = key[:, :, None], value[:, :, None]  # (B, Hkv, 1, S, E|Ev)
     ct = _compute_dtype(query.dtype)
-    run = _Run(plan, score_mod, mask_mod, scale, ct, groups)
+    drop = _Dropout(found, (batch, heads, q_len, key.shape[2]), generator, query.device)
+    run = _Run(plan, score_mod, mask_mod, scale, ct, groups, drop)
     recompute = torch.is_grad_enabled()
+    sinks = found.sinks
     try:
-        if recompute and any(t.requires_grad for t in (query, key, value)):
-            out, lse = _Flex.apply(query, key, value, run)
+        if recompute and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
+            out, lse = _Flex.apply(query, key, value, sinks, run)
         else:
-            out, lse = run.forward(query, key, value, check=recompute)
+            out, lse = run.forward(query, key, value, sinks, check=recompute)
             out = out.to(value.dtype)
         return (out, lse) if return_lse else out
     except _NeedsCheckpoint:
         pass
     # a score mod over tensors that need gradients: each query block under a checkpoint
     outs, lses = [], []
-    for qb in plan:
+    for number, qb in enumerate(plan):
         rows = qb.stop - qb.start
-        if not qb.runs:  # every key blocked: zeros, lse -inf
+        if not qb.runs:  # every key blocked: zeros, lse -inf (with sinks: the sink's)
             outs.append(query.new_zeros((batch, heads, rows, v_dim), dtype=value.dtype))
-            lses.append(query.new_full((batch, heads, rows), -math.inf, dtype=ct))
+            lses.append(_empty_lse(query, sinks, ct, rows))
             continue
-        block = _query_block(qb, score_mod, mask_mod, scale, ct, heads, return_lse)
+        block = _query_block(qb, score_mod, mask_mod, scale, ct, heads, return_lse, sinks, drop, number)
         q_rows = qg[:, :, :, qb.start:qb.stop]
         out, lse = checkpoint(block, q_rows, kg, vg, use_reentrant=False) if recompute else block(q_rows, kg, vg)
         outs.append(out.to(value.dtype))
@@ -166,9 +208,16 @@ class _Run:
     block's freed memory for the next (module docstring)."""
 
     def __init__(self, plan: tuple[spec.QueryBlock, ...], score_mod: Callable[..., Any] | None,
-                 mask_mod: Callable[..., Any] | None, scale: float, ct: torch.dtype, groups: int) -> None:
+                 mask_mod: Callable[..., Any] | None, scale: float, ct: torch.dtype, groups: int,
+                 drop: _Dropout) -> None:
         self.plan, self.score_mod, self.mask_mod = plan, score_mod, mask_mod
-        self.scale, self.ct, self.groups = scale, ct, groups
+        self.scale, self.ct, self.groups, self.drop = scale, ct, groups, drop
+
+    def _factors(self, number: int, part: int, chunk: spec.QueryBlock, shape: tuple[int, ...]) -> Tensor | None:
+        """Query block ``number``'s chunk ``part``: keep / (1 - rate) (B, Hq, rows, n) in the
+        compute dtype (``dropout_weights``' factor), None without dropout."""
+        kept = self.drop.keep_mask(number, part, chunk, shape)
+        return None if kept is None else kept.to(self.ct) * (1.0 / (1.0 - self.drop.rate))
 
     def _scores(self, chunk: spec.QueryBlock, q: Tensor, k: Tensor, heads: int, grad: bool,
                 check: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Any]:
@@ -204,27 +253,40 @@ class _Run:
     def _keys(self, v: Tensor, index: Any) -> Tensor:
         return v[..., index[0]:index[1], :] if isinstance(index, tuple) else v.index_select(-2, index)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, check: bool) -> tuple[Tensor, Tensor]:
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None,
+                check: bool) -> tuple[Tensor, Tensor]:
         """(out (B, Hq, L, Ev), lse (B, Hq, L)), both in the compute dtype.  ``check``
         (gradients are being recorded): the first chunk's score mod is asked with autograd
-        on whether it needs gradients of its own (``_NeedsCheckpoint``)."""
+        on whether it needs gradients of its own (``_NeedsCheckpoint``).
+
+        A sink (``sinks`` (Hq,)) is a key with no value that each row has seen before its
+        first chunk: the running maximum starts at the sink and the running sum at
+        exp(sink - sink) = 1 (0 for a sink of -inf), so the recurrences give the
+        library's softmax with sinks (``_reference._softmax``: m the larger of the row's
+        maximum and the sink, exp(sink - m) in the denominator) and lse its logarithm.
+        Dropout multiplies the weights that mix the values, never the sum."""
         batch, heads, q_len, dim = query.shape
         kv_heads, v_dim = key.shape[1], value.shape[3]
         ct = self.ct
         out = query.new_zeros((batch, heads, q_len, v_dim), dtype=ct)
-        lse = query.new_full((batch, heads, q_len), -math.inf, dtype=ct)
+        sink = None if sinks is None else sinks.detach().to(ct).reshape(1, heads, 1, 1)
+        lse = _empty_lse(query, sink, ct, q_len)
         with torch.no_grad():
             qg = query.to(ct).reshape(batch, kv_heads, self.groups, q_len, dim)
             kg, vg = key[:, :, None], value[:, :, None]  # (B, Hkv, 1, S, E|Ev)
-            for qb in self.plan:
-                if not qb.runs:  # every key blocked: zeros, lse -inf
+            for number, qb in enumerate(self.plan):
+                if not qb.runs:  # every key blocked: zeros, lse -inf (with sinks: the sink's)
                     continue
                 rows = qb.stop - qb.start
                 q = qg[:, :, :, qb.start:qb.stop]
-                top = out.new_full((batch, heads, rows, 1), -math.inf)
-                total = out.new_zeros((batch, heads, rows, 1))
+                if sink is None:
+                    top = out.new_full((batch, heads, rows, 1), -math.inf)
+                    total = out.new_zeros((batch, heads, rows, 1))
+                else:  # the sink seen first: m = sink, sum = exp(sink - m)
+                    top = sink.expand(batch, heads, rows, 1).clone()
+                    total = (top != -math.inf).to(ct)
                 acc = out.new_zeros((batch, heads, rows, v_dim))
-                for chunk in _chunks(qb, KEY_CHUNK):
+                for part_number, chunk in enumerate(_chunks(qb, KEY_CHUNK)):
                     _, scores, mask, _, index = self._scores(chunk, q, kg, heads, grad=False, check=check)
                     check = False
                     if mask is not None:
@@ -234,7 +296,9 @@ class _Run:
                     weights = torch.exp(scores - shift)  # (B, Hq, rows, n); a blocked key's 0
                     decay = torch.exp(top - shift)
                     total = total * decay + weights.sum(dim=-1, keepdim=True)
-                    part = torch.matmul(weights.reshape(batch, kv_heads, self.groups, rows, -1),
+                    factors = self._factors(number, part_number, chunk, tuple(weights.shape))
+                    mixed = weights if factors is None else weights * factors
+                    part = torch.matmul(mixed.reshape(batch, kv_heads, self.groups, rows, -1),
                                         self._keys(vg, index).to(ct))
                     acc = acc * decay + part.reshape(batch, heads, rows, v_dim)
                     top = new_top
@@ -245,12 +309,15 @@ class _Run:
                     live, total, torch.ones_like(total))), torch.full_like(total, -math.inf))[..., 0]
         return out, lse
 
-    def backward(self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
-                 d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """(dq, dk, dv) in the inputs' dtypes, from the forward's out and lse (compute
-        dtype) and the gradients of the outputs: per chunk, the weights
-        p = exp(s - lse), dv += p^T dO, ds = p (dO v^T - rowsum(dO out) + dlse), through
-        the score mod by autograd, then dq += ds k, dk += ds^T q (times the scale)."""
+    def backward(self, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor,
+                 d_out: Tensor, d_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(dq, dk, dv, dsinks) in the inputs' dtypes (dsinks None without sinks), from the
+        forward's out and lse (compute dtype) and the gradients of the outputs: per chunk,
+        the weights p = exp(s - lse), with dropout's factors m = keep / (1 - rate) (the
+        forward's keep-mask, drawn again), dv += (p m)^T dO,
+        ds = p (m dO v^T - rowsum(dO out) + dlse), through the score mod by autograd, then
+        dq += ds k, dk += ds^T q (times the scale); a sink's weight exp(sink - lse) gives
+        dsink = -sum over rows of exp(sink - lse) (rowsum(dO out) - dlse)."""
         batch, heads, q_len, dim = query.shape
         kv_heads, v_dim = key.shape[1], value.shape[3]
         ct, groups = self.ct, self.groups
@@ -264,7 +331,7 @@ class _Run:
             dq = torch.zeros_like(qg)
             dk = key.new_zeros((batch, kv_heads, key.shape[2], dim), dtype=ct)
             dv = value.new_zeros((batch, kv_heads, value.shape[2], v_dim), dtype=ct)
-            for qb in self.plan:
+            for number, qb in enumerate(self.plan):
                 if not qb.runs:
                     continue
                 rows, rs = qb.stop - qb.start, slice(qb.start, qb.stop)
@@ -273,17 +340,20 @@ class _Run:
                 row_lse = torch.where(row_lse == -math.inf, torch.zeros_like(row_lse), row_lse)
                 grad_rows = d_out[:, :, rs].reshape(batch, kv_heads, groups, rows, v_dim)
                 row_delta = delta[:, :, rs]
-                for chunk in _chunks(qb, KEY_CHUNK):
+                for part_number, chunk in enumerate(_chunks(qb, KEY_CHUNK)):
                     raw, scores, mask, k_c, index = self._scores(chunk, q, kg, heads,
                                                                  grad=self.score_mod is not None)
                     weights = torch.exp(scores.detach() - row_lse)
                     if mask is not None:
                         weights = weights.masked_fill(~mask, 0.0)
                     n = weights.shape[-1]
-                    w5 = weights.reshape(batch, kv_heads, groups, rows, n)
+                    factors = self._factors(number, part_number, chunk, tuple(weights.shape))
+                    mixed = weights if factors is None else weights * factors
+                    w5 = mixed.reshape(batch, kv_heads, groups, rows, n)
                     dv_c = torch.matmul(w5.transpose(-2, -1), grad_rows).sum(dim=2)  # (B, Hkv, n, Ev)
                     dp = torch.matmul(grad_rows, self._keys(vg, index).to(ct).transpose(-2, -1))
-                    ds = weights * (dp.reshape(batch, heads, rows, n) - row_delta)
+                    dp = dp.reshape(batch, heads, rows, n)
+                    ds = weights * ((dp if factors is None else dp * factors) - row_delta)
                     if self.score_mod is not None:
                         ds = _through(scores, raw, ds, mask)
                     d5 = ds.reshape(batch, kv_heads, groups, rows, n) * self.scale
@@ -295,7 +365,12 @@ class _Run:
                     else:
                         dk.index_add_(2, index, dk_c)
                         dv.index_add_(2, index, dv_c)
-        return (dq.reshape(batch, heads, q_len, dim).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype))
+            d_sinks = None
+            if sinks is not None:
+                sink = sinks.to(ct).reshape(1, heads, 1)
+                p_sink = torch.where(lse == -math.inf, torch.zeros_like(lse), torch.exp(sink - lse))  # (B, Hq, L)
+                d_sinks = -(p_sink * delta[..., 0]).sum(dim=(0, 2)).to(sinks.dtype)
+        return (dq.reshape(batch, heads, q_len, dim).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), d_sinks)
 
 
 def _through(scores: Tensor, raw: Tensor, grad: Tensor, mask: Tensor | None) -> Tensor:
@@ -315,18 +390,61 @@ class _Flex(torch.autograd.Function):
     dtype, lse), saving q, k, v, out and lse (O(L + S)), never a block's scores."""
 
     @staticmethod
-    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, run: _Run) -> tuple[Tensor, Tensor]:
-        out, lse = run.forward(query, key, value, check=True)
-        ctx.save_for_backward(query, key, value, out, lse)
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None,
+                run: _Run) -> tuple[Tensor, Tensor]:
+        out, lse = run.forward(query, key, value, sinks, check=True)
+        ctx.save_for_backward(query, key, value, out, lse, sinks)
         ctx.run = run
         return out.to(value.dtype), lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
-        query, key, value, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.run.backward(query, key, value, out, lse, d_out, d_lse)
-        return dq, dk, dv, None
+    def backward(ctx: Any, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, None]:
+        query, key, value, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, d_sinks = ctx.run.backward(query, key, value, sinks, out, lse, d_out, d_lse)
+        return dq, dk, dv, d_sinks, None
+
+
+class _Dropout:
+    """A call's dropout on the flex path: off (``rate`` 0), an explicit keep-mask (a view
+    of it broadcast to (B, Hq, L, S), sliced per chunk), or drawn: one seed drawn from the
+    call's generator (torch's global one where None), and each (query block, chunk of
+    keys) a generator of its own seeded from it, so that the backward, which walks the
+    same blocks and chunks, draws the same keep-mask, and no (L, S) mask is made."""
+
+    def __init__(self, found: spec.FlexExtras, shape: tuple[int, int, int, int], generator: Any,
+                 device: Any) -> None:
+        self.rate, self.device = found.rate, device
+        keep = found.keep
+        self.keep = None if keep is None else keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape)).expand(shape)
+        self.seed = None
+        if found.drawn:
+            where = "cpu" if generator is None else generator.device
+            self.seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=where))
+
+    def keep_mask(self, number: int, part: int, chunk: spec.QueryBlock, shape: tuple[int, ...]) -> Tensor | None:
+        """Query block ``number``'s chunk ``part`` (its rows and key positions): the keep-mask
+        (bool, True = keep) of its weights ``shape`` (B, Hq, rows, n), None without dropout."""
+        if self.rate == 0.0:
+            return None
+        if self.keep is not None:
+            rows = self.keep[:, :, chunk.start:chunk.stop]
+            span = chunk.span
+            if span is not None:
+                return rows[..., span[0]:span[1]]
+            return rows.index_select(-1, torch.as_tensor(chunk.key_positions, device=rows.device))
+        assert self.seed is not None
+        own = torch.Generator(device=self.device).manual_seed(self.seed + (number << 20) + part)
+        return torch.rand(shape, generator=own, device=self.device) >= self.rate
+
+
+def _empty_lse(query: Tensor, sink: Tensor | None, ct: torch.dtype, rows: int) -> Tensor:
+    """The lse (B, Hq, rows) of rows that see no key: -inf, or with sinks (Hq,) (or
+    (1, Hq, 1, 1)) each head's sink (log(exp(sink)): the whole weight on the sink)."""
+    batch, heads = query.shape[:2]
+    if sink is None:
+        return query.new_full((batch, heads, rows), -math.inf, dtype=ct)
+    return sink.to(ct).reshape(1, heads, 1).expand(batch, heads, rows).clone()
 
 
 def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Tensor:
@@ -335,7 +453,9 @@ def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Ten
     and one mask mod (``attention_spec.flex.call_mods``), the mask mod's block mask (for
     the examples and heads it reads, ``attention_spec.flex.mask_reads``; (1, 1) where it
     reads neither), then
-    ``flex_attention``.  q (B, H, T, D), k and v (B, Hkv, S, D)."""
+    ``flex_attention``, with the call's sinks and its explicit dropout mask (dropout drawn
+    without one never comes here: ``attention_spec.flex.mod_blockers``).  q (B, H, T, D),
+    k and v (B, Hkv, S, D)."""
     score_mod, mask_mod = spec.call_mods(call.options, offset=call.offset, mask=call.mask, bias=call.bias,
                                          lengths=call.kv_lengths, segments=call.segments)
     block_mask = None
@@ -344,7 +464,9 @@ def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Ten
         batch, heads = (q.shape[0] if reads_b else 1), (q.shape[1] if reads_h else 1)
         block_mask = create_block_mask(mask_mod, batch, heads, q.shape[2], k.shape[2], device=q.device,
                                        BLOCK_SIZE=DEFAULT_BLOCK)
-    out = flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa=q.shape[1] != k.shape[1],
+                         sinks=call.sinks, dropout_rate=call.options.dropout_rate, training=call.options.training,
+                         dropout_mask=call.dropout_mask)
     assert isinstance(out, Tensor)
     return out
 
@@ -379,10 +501,14 @@ def _plan(query: Tensor, key: Tensor, block_mask: Any) -> tuple[tuple[spec.Query
 
 
 def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None,
-                 scale: float, ct: torch.dtype, heads: int, with_lse: bool) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The function of one query block, (q (B, Hkv, G, rows, E), k, v (B, Hkv, 1, S, .)) ->
-    (out (B, Hq, rows, Ev) in the compute dtype, lse (B, Hq, rows); ``with_lse`` False: an
-    empty tensor in its place, the log-sum-exp not computed)."""
+                 scale: float, ct: torch.dtype, heads: int, with_lse: bool, sinks: Tensor | None, drop: _Dropout,
+                 number: int) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The function of query block ``number``, (q (B, Hkv, G, rows, E), k, v (B, Hkv, 1, S, .))
+    -> (out (B, Hq, rows, Ev) in the compute dtype, lse (B, Hq, rows); ``with_lse`` False:
+    an empty tensor in its place, the log-sum-exp not computed): the library's softmax
+    (with ``sinks`` (Hq,) in its denominator, lse then log(exp(lse) + exp(sink))), then
+    ``dropout_weights`` with ``drop``'s keep-mask of the whole block (drawn again when the
+    checkpoint recomputes it)."""
     span, positions = qb.span, qb.key_positions
 
     def block(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -405,9 +531,17 @@ def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask
             scores = torch.as_tensor(score_mod(scores, b, h, q_idx, kv_idx)).expand(scores.shape).to(ct)
             finite = scores != -math.inf  # a score the mod makes -inf blocks its key
             mask = finite if mask is None else mask & finite
-        weights = _softmax(scores, mask)
+        weights = _softmax(scores, mask, sinks=None if sinks is None else sinks.to(ct))
+        kept = drop.keep_mask(number, 0, qb, tuple(weights.shape))
+        if kept is not None:
+            weights = dropout_weights(weights, drop.rate, training=True, dropout_mask=kept)
         out = torch.matmul(weights.reshape(batch, kv_heads, groups, rows, n), v.to(ct))
-        return out.reshape(batch, heads, rows, -1), _lse(scores, mask) if with_lse else scores.new_empty(0)
+        if not with_lse:
+            return out.reshape(batch, heads, rows, -1), scores.new_empty(0)
+        lse = _lse(scores, mask)
+        if sinks is not None:  # log(sum_j exp(s_j) + exp(sink))
+            lse = torch.logaddexp(lse, sinks.to(ct).reshape(1, heads, 1))
+        return out.reshape(batch, heads, rows, -1), lse
 
     return block
 
