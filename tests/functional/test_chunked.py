@@ -180,6 +180,31 @@ def test_twins_agree(name: str, path: str) -> None:
         _ok(compare(key, _got("torch", name, torch_path)[key], value, tol))
 
 
+@needs_torch
+def test_blockwise_skips_the_keys_outside_the_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 128 rows, chunks of 128, causal: the second block computes its 128 keys,
+    not the 256 that causal alone leaves it (and chunks of 64 the same: one block spans
+    two of them)."""
+    import torch
+
+    from torch_attention import _blockwise
+    from torch_attention.functional import dot_product_attention
+
+    widths: list[int] = []
+    block = _blockwise._query_block
+
+    def spy(q: Any, k: Any, *args: Any) -> Any:
+        widths.append(k.shape[-2])
+        return block(q, k, *args)
+
+    monkeypatch.setattr(_blockwise, "_query_block", spy)
+    q = torch.randn(1, 1, 256, 4)
+    for chunk, expected in ((None, [128, 256]), (128, [128, 128]), (64, [128, 128])):
+        widths.clear()
+        dot_product_attention(q, q, q, causal=True, chunk=chunk, implementation="blockwise")
+        assert widths == expected, chunk
+
+
 @needs_jax
 def test_jax_routes_around_the_cpu_kernel_naming_the_chunk() -> None:
     """The library's CPU kernel has no chunks: ``auto`` passes it by saying so (no
