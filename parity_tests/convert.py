@@ -23,6 +23,15 @@ metadata back); any other value of ``IN``'s ``format`` is kept as
 ``converted_from_format``.  The command says what it chose.  A ``.pt``, msgpack or Orbax ``OUT`` has
 no place for it: the command says it was not kept.
 
+A whole model (a ``transformers`` model and its Flax NNX port, say) converts from code in
+one call, ``convert_model(torch_model, flax_model, OUT, to=...)``: the weight map is the one
+``infer_param_map`` derives from the two models (or ``param_map=``), and the file holds every
+parameter of the side converted from, in the layout of ``to`` (PyTorch's names, such as
+``model.layers.0.self_attn.q_proj.weight``, or Flax's ``/``-joined paths, such as
+``model/layers/0/self_attn/W_query/kernel``).  It checks everything before it writes
+anything, with the same file rules as the command.  (The command converts files of one
+attention module; a whole model needs both models built, so it has no command.)
+
 Exit status: 0 on success; 2, with one line on stderr naming the problem, for an
 unreadable or truncated file, missing, unexpected or misshaped parameters, an unknown
 variant, format or extension, a bad config, an ``OUT`` that must not be replaced, or a
@@ -43,9 +52,61 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from attention_spec.interop import files
 from attention_spec.interop.files import FORMATS, checked_config, convert_file
 from attention_spec.registry import VARIANTS, variant
+
+
+def convert_model(torch_model: Any, flax_model: Any, path: str | os.PathLike[str], *, to: str = "flax",
+                  param_map: Any = None, format: str | None = None) -> dict[str, Any]:
+    """Writes a whole model's weights as one checkpoint file, in one call, given both models.
+
+    ``to="flax"``: the PyTorch model's parameters in the Flax model's layout (``/``-joined
+    paths, Flax kernels), to safetensors, msgpack or Orbax; ``to="torch"``: the Flax model's
+    parameters in the PyTorch model's layout (its ``named_parameters`` names: a tied weight
+    once, as PyTorch lists it), to safetensors or ``.pt`` / ``.pth``.  The format comes from
+    the extension unless ``format`` names it.  ``param_map``: the rules or the mapping form
+    ``check_parity`` takes; None: ``infer_param_map(torch_model, flax_model)``.  Arrays are
+    copied bit for bit (renamed, transposed, split or merged as the rules say), in their
+    own dtypes.
+
+    Refuses before writing anything when the conversion cannot be complete: a parameter of
+    either model paired with nothing, a shape that the rules do not carry to the other
+    side's, an array that is not floating point (ValueError / TypeError listing every
+    problem), an unknown ``to`` or format, a layout the format cannot hold, or a
+    destination that must not be replaced (``CheckpointError``: a directory for a file
+    format, a directory that is not an Orbax checkpoint this library wrote).  The file is
+    written under a temporary name and renamed when complete: on failure no partial file is
+    left and an existing one is unchanged; nothing this library did not write is removed.
+    Returns what was written, {name: NumPy array}."""
+    from flax import nnx
+
+    from attention_spec.interop.numpy_arrays import check_float_arrays
+    from attention_spec.interop.specs import apply_specs
+    from parity_tests.harness import _resolve_param_map, as_numpy, flax_param_shapes
+    from parity_tests.param_map import infer_param_map
+
+    if to not in ("flax", "torch"):
+        raise ValueError(f"to must be 'flax' or 'torch'; got {to!r}")
+    fmt = files.format_for(path, format)
+    files._check_layout(fmt, to)
+    files._destination(path, fmt)  # one that must not be replaced, before any array is read
+    rules = _resolve_param_map(torch_model, flax_model, infer_param_map(torch_model, flax_model)
+                               if param_map is None else param_map)
+    if to == "flax":
+        source = {n: as_numpy(p) for n, p in torch_model.named_parameters()}
+        check_float_arrays(source, "the PyTorch model")
+        arrays = files.flax_names(apply_specs(source, rules, "to_flax", expected=flax_param_shapes(flax_model)))
+    else:
+        source_flax = {tuple(p): as_numpy(v[...]) for p, v in nnx.to_flat_state(nnx.state(flax_model, nnx.Param))}
+        check_float_arrays(source_flax, "the Flax model")
+        shapes = {n: tuple(p.shape) for n, p in torch_model.named_parameters()}
+        arrays = apply_specs(source_flax, rules, "to_torch", expected=shapes)
+    written = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+    files.write_arrays(written, path, layout=to, format=fmt)
+    return written
 
 
 def _parser() -> argparse.ArgumentParser:

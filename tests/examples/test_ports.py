@@ -4,10 +4,13 @@ the originals at 512 positions (logits, every parameter's gradient, ten AdamW st
 move the weights and lower the loss); ``locate_divergence`` finds nothing in a faithful
 port, names the module of a nudged weight, and names the attention layer of a bug
 between its projections (its output projection the earliest call that fails); a port that misses PyTorch's
-``padding_idx`` is caught by the gradient check at that embedding row."""
+``padding_idx`` is caught by the gradient check at that embedding row.  Each whole model
+converts to one checkpoint file in one call (``parity_tests.convert.convert_model``), both
+layouts, bit for bit, and a conversion that cannot be complete writes and removes nothing."""
 
 from __future__ import annotations
 
+import re
 from types import ModuleType
 from typing import Any
 
@@ -178,3 +181,76 @@ def test_a_port_without_padding_idx_fails_at_that_embedding_row() -> None:
     assert [f.name for f in report.failures] == ["grad model.embed_tokens.weight"], report.message()
     assert report.failures[0].index[0] == port.hf.config.pad_token_id
 
+
+
+# --------------------------------------------------------------------------- a whole model to one checkpoint file
+
+
+def _flax_arrays(model: Any) -> dict[str, np.ndarray]:
+    from flax import nnx
+
+    return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def test_a_whole_model_converts_to_one_checkpoint_file_in_one_call(case: tuple[ModuleType, Any], tmp_path: Any) -> None:
+    """``convert_model(hf, port, OUT, to=...)``: the map derived from the two models, every
+    parameter written bit for bit: ``to="flax"`` the Hugging Face weights in the port's
+    layout (its paths, kernels; GPT-2's packed ``c_attn`` split in three), ``to="torch"``
+    the port's weights under Hugging Face's names, which ``load_state_dict`` takes (GPT-2's
+    tied head once, as PyTorch lists it)."""
+    import torch
+
+    from attention_spec.interop import files
+    from parity_tests.convert import convert_model
+
+    example, port = case
+    written = convert_model(port.hf, port.flax, tmp_path / "flax.safetensors", to="flax")
+    layout, arrays = files.read_arrays(tmp_path / "flax.safetensors")
+    ours = _flax_arrays(port.flax)
+    assert layout == "flax" and arrays.keys() == ours.keys() == written.keys()
+    assert all(np.array_equal(arrays[k], ours[k]) and arrays[k].dtype == ours[k].dtype for k in ours)
+    convert_model(port.hf, port.flax, tmp_path / "hf.pt", to="torch")
+    layout, arrays = files.read_arrays(tmp_path / "hf.pt")
+    assert layout == "torch" and arrays.keys() == {n for n, _ in port.hf.named_parameters()}
+    fresh = example.hf_model(seed=1)
+    missing, unexpected = fresh.load_state_dict({k: torch.from_numpy(a) for k, a in arrays.items()}, strict=False)
+    assert not unexpected and set(missing) <= set(fresh.state_dict()) - {n for n, _ in fresh.named_parameters()}
+    assert all(torch.equal(p, dict(port.hf.named_parameters())[n]) for n, p in fresh.named_parameters())
+
+
+def test_convert_model_refuses_before_writing_anything(case: tuple[ModuleType, Any], tmp_path: Any) -> None:
+    """A conversion that cannot be complete writes nothing and removes nothing: a port
+    with a parameter the original lacks, a map that leaves one out, a directory where a
+    file goes, a directory that is not our Orbax checkpoint, a layout the format cannot
+    hold.  The file already there is unchanged and no temporary is left."""
+    from flax import nnx
+
+    from attention_spec.interop.files import CheckpointError
+    from parity_tests.convert import convert_model
+
+    _, port = case
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"theirs")
+    folder = tmp_path / "folder.safetensors"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("theirs")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    left_out = port.rules[-1].torch_names[0]
+    with pytest.raises(ValueError, match=re.escape(left_out)):
+        convert_model(port.hf, port.flax, out, param_map=port.rules[:-1])
+    port.flax.extra = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    try:
+        with pytest.raises(ValueError, match="Flax parameter 'extra/kernel' is paired with nothing"):
+            convert_model(port.hf, port.flax, out, to="torch")
+    finally:
+        del port.flax.extra
+    with pytest.raises(CheckpointError, match="it is a directory, and a safetensors checkpoint is a file"):
+        convert_model(port.hf, port.flax, folder)
+    with pytest.raises(CheckpointError, match="not an Orbax checkpoint written by twin-attention"):
+        convert_model(port.hf, port.flax, folder, format="orbax")
+    with pytest.raises(CheckpointError, match="a pt file holds torch layout, not flax"):
+        convert_model(port.hf, port.flax, tmp_path / "model.pt", to="flax")
+    with pytest.raises(ValueError, match="to must be 'flax' or 'torch'; got 'jax'"):
+        convert_model(port.hf, port.flax, out, to="jax")
+    assert out.read_bytes() == b"theirs" and (folder / "keep.txt").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
