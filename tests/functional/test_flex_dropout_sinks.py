@@ -190,12 +190,14 @@ def test_float32_against_the_oracle_and_twin_against_twin(float64_runs: Any) -> 
     _close(runs["torch"][1], runs["jax"][1], PARITY["float32"], "twin against twin, lse")
 
 
-def test_the_torch_checkpointed_blocks_and_the_jax_loops_give_the_same(float64_runs: Any,
-                                                                     monkeypatch: Any) -> None:
-    """The PyTorch twin's other path (a score mod over a tensor that needs its gradient:
-    each query block a checkpoint, dropout and sinks by ``_softmax`` and ``dropout_weights``)
-    and the JAX twin's loops (past ``UNROLLED_BLOCKS`` query blocks) give the numbers and
-    gradients of the main paths."""
+def test_the_torch_chunks_and_checkpointed_blocks_and_the_jax_loops_give_the_same(float64_runs: Any,
+                                                                                  monkeypatch: Any) -> None:
+    """The PyTorch twin's keys a chunk at a time (``KEY_CHUNK`` 2 here: the online softmax
+    over several chunks, the sink seen first, each chunk's slice of the keep-mask), its
+    other path (a score mod over a tensor that needs its gradient: each query block a
+    checkpoint, dropout and sinks by ``_softmax`` and ``dropout_weights``) and the JAX
+    twin's loops (past ``UNROLLED_BLOCKS`` query blocks) give the numbers and gradients of
+    the main paths."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -203,6 +205,12 @@ def test_the_torch_checkpointed_blocks_and_the_jax_loops_give_the_same(float64_r
     import jax_attention._flex as jflex
     import torch_attention._flex as tflex
 
+    monkeypatch.setattr(tflex, "KEY_CHUNK", 2)
+    chunked = _torch(ARRAYS, "float64", dropout_mask=torch.tensor(DATA["keep"]))
+    for got, want, what in zip((chunked[0], chunked[1], *chunked[2]), (float64_runs["torch"][0],
+                               float64_runs["torch"][1], *float64_runs["torch"][2]), "out lse dq dk dv dsinks".split(),
+                               strict=True):
+        _close(got, want, PARITY["float64"], f"chunked {what}")
     ts = [torch.tensor(a, requires_grad=True) for a in ARRAYS]
     slopes = torch.tensor(SLOPES, requires_grad=True)
     bm = tflex.create_block_mask(_mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
@@ -217,6 +225,9 @@ def test_the_torch_checkpointed_blocks_and_the_jax_loops_give_the_same(float64_r
         _close(t.grad.numpy(), want, PARITY["float64"], "checkpointed gradient")
     monkeypatch.setattr(jflex, "UNROLLED_BLOCKS", 1)  # both query blocks in one loop
     monkeypatch.setattr(jflex, "LOOPS", 1)
+    looped_runs: list[int] = []
+    original = jflex._looped
+    monkeypatch.setattr(jflex, "_looped", lambda *a: (looped_runs.append(1), original(*a))[1])
     with jax.enable_x64(True):
         jbm = jflex.create_block_mask(_mask_mod, None, None, L, L, BLOCK_SIZE=BLOCK)
         looped, looped_lse = jflex.flex_attention(
@@ -224,6 +235,7 @@ def test_the_torch_checkpointed_blocks_and_the_jax_loops_give_the_same(float64_r
             dropout_rate=RATE, deterministic=False, dropout_mask=jnp.asarray(DATA["keep"]))
         _close(np.asarray(looped), float64_runs["jax"][0], PARITY["float64"], "looped out")
         _close(np.asarray(looped_lse), float64_runs["jax"][1], PARITY["float64"], "looped lse")
+    assert looped_runs
 
 
 def _read_back(out: np.ndarray) -> np.ndarray:
@@ -233,14 +245,19 @@ def _read_back(out: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("side", ["torch", "jax"])
-def test_drawn_dropout_is_one_keep_mask_for_forward_and_backward(side: str) -> None:
+def test_drawn_dropout_is_one_keep_mask_for_forward_and_backward(side: str, monkeypatch: Any) -> None:
     """Dropout drawn from a generator (PyTorch) or an rng key (JAX), read back through an
     identity v: about ``RATE`` of the visible weights dropped, the survivors the oracle's
     weights / (1 - RATE) with that keep-mask, rows without keys zeros, the gradients the
     oracle's central differences with that keep-mask (so the backward used the forward's
-    keep-mask), the same seed drawing the same and another seed another."""
+    keep-mask), the same seed drawing the same and another seed another.  The PyTorch
+    twin's keys come 3 at a time here (``KEY_CHUNK``): each chunk draws its own part."""
     import jax
     import torch
+
+    import torch_attention._flex as tflex
+
+    monkeypatch.setattr(tflex, "KEY_CHUNK", 3)
 
     arrays = [DATA["q"], DATA["k"], IDENTITY_V, DATA["sinks"]]
 
