@@ -33,7 +33,7 @@ from attention_spec.interop.conversion import as_numpy, rules_for
 from attention_spec.interop.huggingface import window_from_hf
 from attention_spec.interop.packing import pack_state_dict, packed_state_dict
 from attention_spec.interop.specs import Rule, packed_qkv_rules
-from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
+from attention_spec.rope import LAYOUTS, RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
 
@@ -57,7 +57,11 @@ class _Family:
     norm: str = "rms"
     norm_scope: str = "head"
     norm_offset: bool = False  # Gemma 3's RMSNorm scales by (1 + weight)
+    norm_weight: bool = True  # False: a weightless RMS qk-norm (nanochat's, Llama 4's L2Norm)
+    v_norm: bool = False  # Gemma 4's weightless value norm (``v_norm``)
+    values_from_keys: bool = False  # Gemma 4's attention_k_eq_v layers: no v_proj (then v is "")
     rope: bool = True
+    rope_layout: str | None = None  # attention_spec.rope.LAYOUTS: the pairs its rotation turns (None: the config's)
     attention: str = ""  # the sub-module with is_causal / scaling ("self" for BERT)
     sinks: bool = False  # gpt-oss: one learned sink logit per head, ``sinks``
     not_ours: str | None = None  # a sub-module of the layer that ours does not cover (BERT's LayerNorm)
@@ -86,14 +90,16 @@ def supported_hf_classes() -> tuple[str, ...]:
 
 # The separate projections (q, k, v, o) under the names the families use.
 _SEPARATE = (("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "k_proj", "v_proj", "dense"),
-             ("q_proj", "k_proj", "v_proj", "out_proj"), ("query", "key", "value", "dense"))
-# One packed q/k/v weight: (name, its output projection, the packing, the layout, the config's
-# model types it is known for (empty: any)).  A name packs differently in other families
-# (Bloom's and Falcon's query_key_value): those are refused, naming the packing.
-_PACKED = (("c_attn", "c_proj", "thirds", "in_out", ()), ("query_key_value", "dense", "per_head", "out_in",
-                                                        ("gpt_neox",)),
-           ("qkv_proj", "o_proj", "grouped", "out_in", ()))
-_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+             ("q_proj", "k_proj", "v_proj", "out_proj"), ("query", "key", "value", "dense"),
+             ("q_proj", "k_proj", "v_proj", "Wo"))
+# One packed q/k/v weight: (name, its output projection, the packing where no probe can tell
+# (``_packing``), the config's model types that rule is known for (empty: any)).  The layout
+# follows the projection's kind (GPT-2's Conv1D: (in, out); nn.Linear: (out, in)); the
+# packing is found by what the layer computes where it can be called.
+_PACKED = (("c_attn", ("c_proj",), "thirds", ()), ("query_key_value", ("dense",), "per_head", ("gpt_neox",)),
+           ("qkv_proj", ("o_proj", "out_proj"), "grouped", ()), ("Wqkv", ("out_proj",), "thirds", ()))
+_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"),
+          ("qk_norm", "qk_norm"))  # Llama 4: one weightless L2Norm (an RMS norm) for q and k
 # Sub-modules no mechanism of ours covers yet, by what they are.
 _KNOWN_EXTRAS = {
     "indexer": "sparse attention (an indexer that chooses the keys: DeepSeek-V3.2 / GLM-5)",
@@ -113,15 +119,15 @@ _NOT_SOFTMAX: tuple[tuple[set[str], str], ...] = (
 )
 # The config switches of mechanisms ours cannot express yet (config attribute, the mechanism).
 _CONFIG_REFUSALS = (
-    ("attention_chunk_size", "attention_chunk_size (chunked local attention)"),
-    ("attn_temperature_tuning", "attn_temperature_tuning (queries scaled by position)"),
-    ("attention_k_eq_v", "attention_k_eq_v (keys used as values)"),
     ("num_kv_shared_layers", "KV shared across layers (num_kv_shared_layers)"),
     ("use_alibi", "ALiBi position biases"), ("alibi", "ALiBi position biases"),
 )
 # Call conventions that say the layer takes what ours does not compute.
-_FORWARD_REFUSALS = {"alibi": "ALiBi position biases (its forward takes alibi)",
-                     "position_bias": "a position bias added to the scores"}
+_FORWARD_REFUSALS = {"alibi": "ALiBi position biases, which its model builds and passes in (its forward takes alibi)",
+                     "position_bias": "a position bias its model builds and adds to the scores (its forward takes "
+                                      "position_bias: MPT's ALiBi)",
+                     "residual": "the residual added inside the layer (its forward takes residual)",
+                     "sinusoidal_pos": "rotary positions its model passes in as sinusoidal_pos (RoFormer's)"}
 
 
 def _nope(layer: Any) -> bool:
@@ -138,6 +144,52 @@ def _nope(layer: Any) -> bool:
     if model_type in ("exaone4", "exaone4_5", "exaone_moe", "kolibri1"):
         return getattr(layer, "sliding_window", None) is not None and not getattr(layer, "is_sliding", True)
     return False
+
+
+_HEADS = ("num_attention_heads", "num_heads", "n_head", "n_heads")
+
+
+def _config(attention: Any) -> Any:
+    """The layer's model config; for a layer that keeps none (GPT-1's, XGLM's, MPT's), what
+    its own attributes say of it: its heads (``num_heads`` / ``n_head`` / ``n_heads``), as
+    a config would.  None where the layer says neither."""
+    config = getattr(attention, "config", None)
+    if config is not None or not isinstance(attention, nn.Module):
+        return config
+    heads = next((getattr(attention, a) for a in _HEADS if type(getattr(attention, a, None)) is int), None)
+    if heads is None:
+        return None
+    return _LayerConfig(num_attention_heads=heads, num_key_value_heads=heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerConfig:
+    """What a layer without its model's config says of itself (``_config``)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    model_type: str = ""
+
+
+def _causal(attention: Any) -> bool:
+    """Whether the layer masks the future itself: its ``is_causal``, else a lower-triangular
+    mask it keeps as a buffer (GPT-1's ``bias``, (1, 1, n, n))."""
+    if hasattr(attention, "is_causal"):
+        return bool(attention.is_causal)
+    tril = getattr(attention, "bias", None)
+    if isinstance(tril, torch.Tensor) and not isinstance(tril, nn.Parameter) and tril.dim() == 4 and not tril.is_meta:
+        square = tril[0, 0]
+        return bool(square.shape[0] == square.shape[1] and torch.equal(square, torch.ones_like(square).tril()))
+    return False
+
+
+def _scaling(attention: Any, head_dim: int) -> float:
+    """The layer's score scale: its ``scaling``, else GPT-1's ``scale`` switch (1 / sqrt(d)
+    when set, 1 when not)."""
+    scaling = getattr(attention, "scaling", None)
+    if scaling is None and type(getattr(attention, "scale", None)) is bool:
+        return head_dim ** -0.5 if attention.scale else 1.0
+    return float(scaling)  # type: ignore[arg-type]
 
 
 def _forward_takes(layer: Any) -> set[str]:
@@ -171,12 +223,17 @@ def _norm_kind(norm: nn.Module) -> tuple[str, bool] | str:
     import copy
 
     params = dict(norm.named_parameters())
+    if not params and not list(norm.children()) and _weightless_rms(norm):
+        return "weightless", False  # nanochat's RMSNorm, Llama 4's L2Norm, Gemma 4's v_norm
     if "weight" not in params:
         if any(isinstance(c, nn.ModuleList) for c in norm.children()):
             return "a LayerNorm per head with its own weights (StableLM's q_layernorm)"
         return f"a qk-norm without a weight ({type(norm).__name__})"
     if set(params) - {"weight", "bias"}:
         return f"a qk-norm with parameters {sorted(set(params) - {'weight', 'bias'})}"
+    if params["weight"].dim() != 1:  # Cohere's use_qk_norm: a LayerNorm weight (heads, head_dim)
+        return (f"a qk-norm with its own weight per head ({type(norm).__name__}, weight "
+                f"{tuple(params['weight'].shape)}: ours shares one across the heads)")
     probe = torch.linspace(-1.0, 2.0, 2 * int(params["weight"].shape[-1]), dtype=torch.float32)
     probe = probe.reshape(2, -1) + torch.tensor([[0.5], [-0.25]])
     twin: Any = copy.deepcopy(norm).float()
@@ -201,6 +258,22 @@ def _norm_kind(norm: nn.Module) -> tuple[str, bool] | str:
     return f"a qk-norm that is neither RMSNorm nor LayerNorm with a bias ({type(norm).__name__})"
 
 
+def _weightless_rms(norm: nn.Module) -> bool:
+    """Whether a norm without parameters computes ``x * rsqrt(mean(x^2) + eps)`` over the
+    last axis (its ``eps``), on a probe."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(eps, float | int):
+        return False
+    probe = torch.linspace(-1.0, 2.0, 16, dtype=torch.float32).reshape(2, 8) + torch.tensor([[0.5], [-0.25]])
+    try:
+        with torch.no_grad():
+            got = norm(probe).float()
+    except Exception:  # noqa: BLE001 - a norm the probe cannot call is none of ours
+        return False
+    want = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps)
+    return bool(got.shape == want.shape and torch.allclose(got, want, atol=1e-6))
+
+
 def _recognise(layer: Any, what: str) -> _Family:
     """What ``layer`` holds, as a ``_Family``, from its sub-modules, its config and its
     call convention (not its class); raises TypeError for what is no attention layer of a
@@ -211,7 +284,7 @@ def _recognise(layer: Any, what: str) -> _Family:
         for needs, mechanism in _NOT_SOFTMAX:
             if needs <= own_params:
                 raise ValueError(f"{type(layer).__name__}: {mechanism}")
-    if not isinstance(layer, nn.Module) or not hasattr(_attention_of(layer), "config"):
+    if not isinstance(layer, nn.Module) or _config(_attention_of(layer)) is None:
         raise TypeError(f"{what} takes the attention layer of a transformers model (an nn.Module with a config "
                         f"and q/k/v/o projections, e.g. {', '.join(_PROVEN[:3])}, ...); got {type(layer).__name__}")
     attention = _attention_of(layer)
@@ -220,7 +293,12 @@ def _recognise(layer: Any, what: str) -> _Family:
     own = {n for n, _ in layer.named_parameters(recurse=False)}
     children = dict(layer.named_children())
     problems = _mechanism_refusals(layer, attention)
-    family = _projections(layer, attention)
+    try:
+        family = _projections(layer, attention)
+    except ValueError:
+        if problems:  # Bloom's query_key_value, which no probe can call: its mechanisms first
+            raise _refused(layer, problems) from None
+        raise
     if family is None:
         if problems:
             raise _refused(layer, problems)
@@ -239,9 +317,13 @@ def _recognise(layer: Any, what: str) -> _Family:
             problems.append("q and k norms of different kinds")
         else:
             norm_kind = kinds[0]  # type: ignore[assignment]
-    covered = {family.o, *((family.packed,) if family.packed else (family.q, family.k, family.v)), *(norms or ())}
+    v_norm = _child(layer, "v_norm")  # Gemma 4: a weightless RMS norm of each value head
+    if v_norm is not None and _norm_kind(v_norm) == ("weightless", False):
+        family = dataclasses.replace(family, v_norm=True)
+    covered = {family.o, *((family.packed,) if family.packed else (family.q, family.k, family.v)), *(norms or ()),
+               *(("v_norm",) if family.v_norm else ())}
     if family.not_ours:
-        covered.add(family.not_ours.split(".")[0])
+        covered.update((family.not_ours.split(".")[0], family.o.split(".")[0]))  # BERT's `output`: dense and the rest
     if getattr(layer, "is_cross_attention", False):
         covered.add("q_attn")  # GPT-2's cross-attention query: refused above, named once
     for child_name, child in _named_children(layer, family):
@@ -252,11 +334,16 @@ def _recognise(layer: Any, what: str) -> _Family:
     for p in sorted(own - {"sinks"}):
         problems.append(f"a parameter no mechanism accounts for: `{p}`")
     for proj in (family.o, family.packed) if family.packed else (family.q, family.k, family.v, family.o):
+        if not proj:  # Gemma 4's keys as values: no v_proj
+            continue
         module = _get(layer, proj)
         if not _is_linear(module):
             problems.append(f"`{proj}` is a {type(module).__name__}, not nn.Linear (its forward may change the weight)")
         elif set(dict(module.named_parameters())) - {"weight", "bias"}:
             problems.append(f"`{proj}` holds parameters other than a weight and a bias")
+    unscaled = getattr(attention, "scaling", None) is None and type(getattr(attention, "scale", None)) is not bool
+    if not problems and unscaled:
+        problems.append("a score scale it keeps under no name from_hf reads (no `scaling`: it scales inside its forward)")
     if problems:
         raise _refused(layer, problems)
     del params
@@ -264,11 +351,17 @@ def _recognise(layer: Any, what: str) -> _Family:
     rope = not family.attention and "position_embeddings" in _forward_takes(attention) and not _nope(attention)
     if rope and not _probe_rotates(layer, _d_in(layer, family)):
         rope = False  # a NoPE layer by what it computes (Flint's full-attention layers)
-    if rope and not _rotates_halves(layer):
-        raise _refused(layer, ["a rotary layout other than halves (its rotate_half turns interleaved pairs)"])
-    family = dataclasses.replace(family, rope=rope, sinks="sinks" in own)
+    layout = _rope_layout(layer, attention) if rope else None
+    weightless = norm_kind is not None and norm_kind[0] == "weightless"  # (it commutes with the rotation)
+    if (rope and norms is not None and norm_kind is not None and not weightless
+            and _sees_rotation(layer, norms[0], _d_in(layer, family))):
+        raise _refused(layer, [f"a qk-norm after rope (`{norms[0]}` / `{norms[1]}` normalise the turned q and k, "
+                               "and their weights do not commute with the rotation; ours normalises before it turns)"])
+    family = dataclasses.replace(family, rope=rope, rope_layout=layout, sinks="sinks" in own)
     if norms is None or norm_kind is None:
         return dataclasses.replace(family, label=label)
+    if weightless:  # nanochat, Llama 4: over each head's features, no parameter
+        return dataclasses.replace(family, label=label, norms=norms, norm="rms", norm_weight=False)
     q_norm = _child(layer, norms[0])
     width = int(q_norm.weight.shape[-1])
     head_dim = int(getattr(attention, "head_dim", 0) or 0) or width
@@ -287,8 +380,10 @@ def _probe_input(layer: nn.Module, d_in: int) -> torch.Tensor:
     return torch.sin(0.37 * steps + 0.1).to(dtype=weight.dtype, device=weight.device)
 
 
-def _probe_mask(x: torch.Tensor, window: tuple[int | None, int | None] | None, causal: bool) -> torch.Tensor | None:
-    """Hugging Face's additive (1, 1, T, T) mask for a causal (and windowed) layer."""
+def _probe_mask(x: torch.Tensor, window: tuple[int | None, int | None] | None, causal: bool,
+                chunk: int | None = None) -> torch.Tensor | None:
+    """Hugging Face's additive (1, 1, T, T) mask for a causal (and windowed, or chunked:
+    ``masking_utils.chunked_causal_mask_function``) layer."""
     if not causal:
         return None
     t = x.shape[1]
@@ -296,21 +391,27 @@ def _probe_mask(x: torch.Tensor, window: tuple[int | None, int | None] | None, c
     allowed = j <= i
     if window is not None and window[0] is not None:
         allowed &= i - j <= window[0]
+    if chunk is not None:
+        allowed &= i // chunk == j // chunk
     mask = torch.zeros(t, t, dtype=x.dtype).masked_fill(~allowed, torch.finfo(x.dtype).min)
     return mask[None, None].to(x.device)
 
 
-def _probe_rotary(layer: nn.Module, attention: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _probe_rotary(layer: nn.Module, attention: Any, x: torch.Tensor) -> Any:
     """The layer's (cos, sin) at the probe's positions, from the family's own rotary
-    embedding built from the layer's config (per layer type where its forward takes one)."""
+    embedding built from the layer's config (per layer type where its forward takes one);
+    Llama 4's one complex tensor (``freqs_cis``) as it is."""
     with torch.device("cpu"):
-        rotary = _rotary_class(layer)(attention.config)
+        rotary = _rotary_class(layer)(_config(attention))
     rotary = rotary.to(x.device)
     positions = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + x.shape[1], device=x.device)[None]
     kwargs = {}
     if "layer_type" in _forward_takes(rotary):
         kwargs["layer_type"] = _layer_type(layer, attention)
-    cos, sin = rotary(x, positions, **kwargs)
+    out = rotary(x, positions, **kwargs)
+    if isinstance(out, torch.Tensor) and out.is_complex():
+        return out
+    cos, sin = out
     return cos, sin
 
 
@@ -320,6 +421,8 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
     kwargs: dict[str, Any] = {"attention_mask": mask}
     if position_embeddings is not None:
         kwargs["position_embeddings"] = position_embeddings
+    if "shared_kv_states" in _forward_takes(layer):  # Gemma 4: the KV-sharing layers' dict (none shared here)
+        kwargs["shared_kv_states"] = {}
     if "position_ids" in _forward_takes(layer):  # Ministral 3 scales its queries by position
         kwargs["position_ids"] = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + x.shape[1], device=x.device)[None]
     training = layer.training
@@ -329,7 +432,7 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
             out = layer(x, **kwargs)
     finally:
         layer.train(training)
-    return out[0] if isinstance(out, tuple) else out
+    return out[0] if isinstance(out, tuple | list) else out
 
 
 def _d_in(layer: nn.Module, family: _Family) -> int:
@@ -359,14 +462,132 @@ def _probe_rotates(layer: nn.Module, d_in: int) -> bool:
     return not torch.equal(turned, plain)
 
 
-def _rotates_halves(layer: nn.Module) -> bool:
-    """Whether the family's ``rotate_half`` (where its module has one) turns the two
-    halves of a head, as ours does with ``layout="half"``: by what it computes on a probe."""
-    turn = getattr(sys.modules[type(layer).__module__], "rotate_half", None)
+def _sees_rotation(layer: nn.Module, name: str, d_in: int) -> bool:
+    """Whether the sub-module ``name`` (a qk-norm) sees q after it is turned, by what it is
+    given: its input on a probe with the real (cos, sin) and with the identity rotation
+    differ (HunYuan's ``query_layernorm`` follows ``apply_rotary_pos_emb``).  False where
+    the probe cannot call the layer (the rules decide)."""
+    weight = next(layer.parameters(), None)
+    if weight is None or weight.is_meta:
+        return False
+    attention = _attention_of(layer)
+    seen: list[torch.Tensor] = []
+    handle = _get(layer, name).register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().clone()))
+    try:
+        x = _probe_input(layer, d_in)
+        cos, sin = _probe_rotary(layer, attention, x)
+        mask = _probe_mask(x, None, bool(getattr(attention, "is_causal", True)))
+        _hf_forward(layer, x, mask, (cos, sin))
+        _hf_forward(layer, x, mask, (torch.ones_like(cos), torch.zeros_like(sin)))
+    except Exception:  # noqa: BLE001 - a call convention the probe does not know
+        return False
+    finally:
+        handle.remove()
+    return len(seen) == 2 and not torch.equal(seen[0], seen[1])
+
+
+def _rotate_half_layout(layer: nn.Module) -> str | None:
+    """Which feature pairs the family's ``rotate_half`` (or GPT-J's ``rotate_every_two``)
+    turns, by what it computes on a probe: ``"half"`` (x[i], x[i + D/2]: Llama's),
+    ``"interleaved"`` (x[2i], x[2i + 1]: Cohere's, GLM's, ERNIE 4.5's, Helium's, GPT-J's),
+    else what it turns, in words; None where its module has no such function."""
+    module = sys.modules[type(layer).__module__]
+    turn = getattr(module, "rotate_half", None) or getattr(module, "rotate_every_two", None)
     if not callable(turn):
-        return True
-    probe = torch.arange(8.0)[None]
-    return bool(torch.equal(turn(probe), torch.cat((-probe[..., 4:], probe[..., :4]), dim=-1)))
+        return None
+    probe = torch.arange(8.0).reshape(1, 1, 1, 8)
+    got = turn(probe)
+    if torch.equal(got, torch.cat((-probe[..., 4:], probe[..., :4]), dim=-1)):
+        return "half"
+    if torch.equal(got, torch.stack((-probe[..., 1::2], probe[..., 0::2]), dim=-1).flatten(-2)):
+        return "interleaved"
+    if torch.equal(got, torch.cat((probe[..., 4:], -probe[..., :4]), dim=-1)):
+        return "halves turned the other way (cat(x2, -x1): by -angle)"  # nanochat's
+    return "neither halves nor interleaved pairs"
+
+
+def _apply_probe(layer: nn.Module, attention: Any) -> str | None:
+    """The layout in which the module's ``apply_rotary_pos_emb``, given the (cos, sin) of the
+    family's own rotary embedding (in either order: GPT-J's gives (sin, cos)), turns a probe
+    head as ours does (``"half"`` or ``"interleaved"``); ``"neither"`` where it turns it
+    otherwise; None where it cannot be called so (Phi's turns a slice its forward cuts)."""
+    import inspect
+
+    apply = getattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb", None)
+    weight = next(layer.parameters(), None)
+    if not callable(apply) or weight is None or weight.is_meta:
+        return None
+    from torch_attention._rope import apply_rope
+
+    config = _config(attention)
+    head_dim = int(getattr(attention, "head_dim", 0) or 0) or int(config.hidden_size) // int(config.num_attention_heads)
+    q = torch.sin(0.37 * torch.arange(_PROBE_TOKENS * head_dim, dtype=torch.float32) + 0.1)
+    q = q.reshape(1, 1, _PROBE_TOKENS, head_dim)
+    positions = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + _PROBE_TOKENS)[None]
+    try:
+        names = set(inspect.signature(apply).parameters)
+        pair = _probe_rotary(layer, attention, q[:, 0])
+        rope = _rope(layer, attention)
+    except Exception:  # noqa: BLE001 - no rotary embedding or rope to read here: the rules decide
+        return None
+    if isinstance(pair, torch.Tensor):  # complex freqs_cis: _rope_layout's
+        return None
+    turned = []
+    for cos, sin in (pair, pair[::-1]):
+        cos, sin = cos.float(), sin.float()
+        try:
+            if {"tensor", "sin", "cos"} <= names:  # GPT-J's, CodeGen's: one tensor, (B, T, D / 2) angles
+                turned.append(apply(tensor=q.transpose(1, 2), sin=sin, cos=cos).transpose(1, 2).float())
+            else:
+                turned.append(apply(q, q, cos, sin)[0].float())
+        except Exception:  # noqa: BLE001 - another call convention
+            continue
+    turned = [t for t in turned if t.shape == q.shape]
+    if not turned:
+        return None
+    for layout in ("half", "interleaved"):
+        want = apply_rope(q, positions, dataclasses.replace(rope, layout=layout), inv_freq=rope.inv_freq)
+        if any(torch.allclose(t, want, atol=1e-5, rtol=1e-5) for t in turned):
+            return layout
+    return "neither"
+
+
+def _rope_layout(layer: nn.Module, attention: Any) -> str | None:
+    """The rotary layout (``attention_spec.rope.LAYOUTS``) of the layer, by what its family
+    computes: the module's ``apply_rotary_pos_emb`` on a probe head with the family's own
+    rotary embedding (``_apply_probe``: Cohere lays its cos out interleaved, GLM / ERNIE 4.5 /
+    Helium cat the halves and interleave them inside ``apply_rotary_pos_emb``: either way
+    pairs (2i, 2i + 1) turn); where that probe cannot be called, its ``rotate_half``; None
+    where neither says (``rope_from_hf``'s layout stands; the self-check after the port
+    decides).  Raises ValueError naming a layout ours has not."""
+    if _complex_rotary(layer, attention):  # Llama 4: q viewed as complex pairs (x[2i], x[2i + 1]) times freqs_cis
+        return "interleaved"
+    by_apply = _apply_probe(layer, attention)
+    if by_apply in LAYOUTS:
+        return by_apply
+    by_turn = _rotate_half_layout(layer)
+    if by_apply is None and (by_turn is None or by_turn in LAYOUTS):
+        return by_turn
+    what = f"its rotate_half turns {by_turn}" if by_turn is not None else ""
+    if by_apply == "neither":
+        what += (", and " if what else "") + ("its apply_rotary_pos_emb turns neither as ours does with its "
+                                              "rotary embedding's cos and sin")
+    raise _refused(layer, [f"a rotary layout other than halves (x[i], x[i + D/2]) or interleaved pairs "
+                           f"(x[2i], x[2i + 1]) ({what})"])
+
+
+def _complex_rotary(layer: nn.Module, attention: Any) -> bool:
+    """Whether the family's rotary embedding gives one complex tensor (Llama 4's
+    ``freqs_cis``), which its ``apply_rotary_emb`` multiplies into q and k viewed as
+    complex pairs; the self-check after the port decides whether ours turns the same."""
+    weight = next(layer.parameters(), None)
+    if weight is None or weight.is_meta:
+        return False
+    try:
+        found = _probe_rotary(layer, attention, torch.zeros(1, _PROBE_TOKENS, 1))
+    except Exception:  # noqa: BLE001 - no rotary embedding to build
+        return False
+    return isinstance(found, torch.Tensor)
 
 
 def _attention_of(layer: Any) -> Any:
@@ -391,38 +612,192 @@ def _projections(layer: nn.Module, attention: Any) -> _Family | None:
     for q, k, v, o in _SEPARATE:
         qkv = [_child(attention, n) for n in (q, k, v)]
         out = _child(attention, o) if not prefix else _get(layer, "output.dense")
+        if (not prefix and qkv[0] is not None and qkv[1] is not None and hasattr(attention, v)
+                and getattr(attention, v) is None and isinstance(out, nn.Module)
+                and getattr(_config(attention), "attention_k_eq_v", False)):
+            return _Family("", q=q, k=k, v="", o=o, values_from_keys=True)  # Gemma 4's global layers
         if all(m is not None for m in qkv) and isinstance(out, nn.Module):
             if prefix:
+                post = isinstance(_get(layer, "output.LayerNorm"), nn.Module)
                 return _Family("", q=prefix + q, k=prefix + k, v=prefix + v, o="output.dense", rope=False,
-                               attention="self", not_ours="output.LayerNorm")
+                               attention="self", not_ours="output.LayerNorm" if post else _pre_norm(layer))
             return _Family("", q=q, k=k, v=v, o=o)
     if prefix:
         return None
-    model_type = str(getattr(attention.config, "model_type", ""))
-    for packed, o, packing, layout, types in _PACKED:
-        if _child(layer, packed) is not None and _child(layer, o) is not None:
-            if types and model_type not in types:
-                raise _refused(layer, [f"a packed q/k/v `{packed}` in a packing from_hf does not know for "
-                                       f"model type {model_type!r} (known for {', '.join(types)})"])
-            return _Family("", packed=packed, o=o, packing=packing, layout=layout)
+    model_type = str(getattr(_config(attention), "model_type", ""))
+    for packed, outs, rule, types in _PACKED:
+        o = next((name for name in outs if _child(layer, name) is not None), None)
+        if _child(layer, packed) is None or o is None:
+            continue
+        layout = "out_in" if type(_child(layer, packed)) is nn.Linear else "in_out"
+        family = _Family("", packed=packed, o=o, packing=rule, layout=layout)
+        packing = _packing(layer, attention, family)
+        if packing is None and types and model_type not in types:
+            raise _refused(layer, [f"a packed q/k/v `{packed}` in a packing from_hf does not know for "
+                                   f"model type {model_type!r} (known for {', '.join(types)})"])
+        return dataclasses.replace(family, packing=packing or rule)
     return None
+
+
+def _packed_heads(layer: nn.Module, attention: Any, family: _Family) -> tuple[int, int, int]:
+    """(heads, key/value heads, head_dim) of a packed q/k/v: the heads from the config, the
+    head width from the layer (``head_dim`` / ``head_size``, else the model width over the
+    heads), the key/value heads from the packed width (GPTBigCode's multi-query ``c_attn``
+    packs one key and one value head whatever its config's ``num_key_value_heads``)."""
+    config = _config(attention)
+    heads = int(config.num_attention_heads)
+    out = _get(layer, family.o)
+    d_model = int(out.weight.shape[1] if family.layout == "in_out" else out.weight.shape[0])
+    head_dim = int(getattr(attention, "head_dim", 0) or getattr(attention, "head_size", 0) or 0) or d_model // heads
+    packed = _get(layer, family.packed).weight
+    rows = int(packed.shape[1] if family.layout == "in_out" else packed.shape[0])
+    extra = rows - heads * head_dim
+    if extra > 0 and extra % (2 * head_dim) == 0:
+        return heads, extra // (2 * head_dim), head_dim
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    return heads, kv_heads, rows // (heads + 2 * kv_heads)
+
+
+def _value_rows(packing: str, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The indices along the packed axis that ``packing`` reads as the values."""
+    if packing == "per_head":  # (heads, 3, head_dim): each head's third block
+        return (torch.arange(heads)[:, None] * 3 * head_dim + 2 * head_dim + torch.arange(head_dim)).flatten()
+    start = (heads + kv_heads) * head_dim  # thirds (kv_heads == heads) and grouped: [q; k; v]
+    return torch.arange(start, start + kv_heads * head_dim)
+
+
+def _packing(layer: nn.Module, attention: Any, family: _Family) -> str | None:
+    """The order of the packed q/k/v (``attention_spec.interop.packing``), by what the layer
+    computes: with the rows that an order reads as the values set to 0 as they leave the
+    packed projection (a forward hook), the layer's output is its output projection of 0
+    (softmax weights times zero values) only for the order that holds the values there.
+    None where the layer cannot be probed (the meta device, a call convention the probe
+    does not know); raises ValueError where no order ours splits fits."""
+    weight = next(layer.parameters(), None)
+    if weight is None or weight.is_meta:
+        return None
+    heads, kv_heads, head_dim = _packed_heads(layer, attention, family)
+    candidates = ["grouped"] if kv_heads < heads else ["thirds", "per_head"]
+    module, out = _get(layer, family.packed), _get(layer, family.o)
+    x = _probe_input(layer, _d_in(layer, family))
+    try:
+        embeddings = _probe_rotary(layer, attention, x) if "position_embeddings" in _forward_takes(attention) else None
+    except Exception:  # noqa: BLE001 - no rotary embedding to build: the identity rotation turns nothing
+        embeddings = None
+    mask = _probe_mask(x, None, bool(getattr(attention, "is_causal", True)))
+    with torch.no_grad():
+        silent = out(torch.zeros(1, 1, heads * head_dim, dtype=x.dtype, device=x.device))[0, 0]
+    found = []
+    for packing in candidates:
+        rows = _value_rows(packing, heads, kv_heads, head_dim).to(x.device)
+
+        def zero_values(_module: Any, _inputs: Any, output: torch.Tensor, rows: torch.Tensor = rows) -> torch.Tensor:
+            return output.index_fill(-1, rows, 0.0)
+
+        handle = module.register_forward_hook(zero_values)
+        try:
+            got = _hf_forward(layer, x, mask, embeddings)
+        except Exception:  # noqa: BLE001 - a call convention the probe does not know: the rules decide
+            return None
+        finally:
+            handle.remove()
+        if torch.allclose(got.float(), silent.float().expand_as(got), atol=1e-6, rtol=0.0):
+            found.append(packing)
+    if len(found) == 1:
+        return found[0]
+    raise _refused(layer, [f"a packed q/k/v `{family.packed}` in an order ours does not split (its values are "
+                           f"not where {' or '.join(repr(c) for c in candidates)} packs them: "
+                           f"{heads} query heads, {kv_heads} key/value heads of {head_dim})"])
+
+
+_PRE_NORMS = ("LayerNorm", "ln", "self_attn_layer_norm")
+
+
+def _pre_norm(layer: nn.Module) -> str | None:
+    """The LayerNorm a BERT-like attention block applies to its input before its
+    self-attention, with the residual added after ``output.dense`` (RoBERTa-PreLayerNorm's
+    ``LayerNorm``, XLM-RoBERTa-XL's ``self_attn_layer_norm``): the caller's, as BERT's
+    ``output.LayerNorm`` is.  Found by what the block computes on a probe
+    (``_is_pre_norm``); None where no norm is that."""
+    weight = next(layer.parameters(), None)
+    if weight is None or weight.is_meta or not isinstance(_get(layer, "output.dense"), nn.Module):
+        return None
+    return next((name for name in _PRE_NORMS if isinstance(_child(layer, name), nn.LayerNorm)
+                 and _is_pre_norm(layer, name)), None)
+
+
+def _is_pre_norm(layer: nn.Module, name: str) -> bool:
+    """Whether, on a probe, the norm ``name`` sees the block's input, the self-attention sees
+    the norm's output, and the block gives ``output.dense``'s output plus its input."""
+    seen: dict[str, Any] = {}
+
+    def norm_hook(_m: Any, args: Any, out: Any) -> None:
+        seen["norm"] = (args[0], out)
+
+    def dense_hook(_m: Any, _args: Any, out: Any) -> None:
+        seen["dense"] = out
+
+    def self_hook(_m: Any, args: Any, kwargs: Any) -> None:
+        seen["self"] = args[0] if args else kwargs.get("hidden_states")
+
+    handles = [_get(layer, name).register_forward_hook(norm_hook),
+               _get(layer, "output.dense").register_forward_hook(dense_hook),
+               _get(layer, "self").register_forward_pre_hook(self_hook, with_kwargs=True)]
+    x = _probe_input(layer, int(_get(layer, "self.query").weight.shape[1]))
+    training = layer.training
+    layer.eval()
+    try:
+        with torch.no_grad():
+            out = layer(x)
+    except Exception:  # noqa: BLE001 - a call convention the probe does not know
+        return False
+    finally:
+        layer.train(training)
+        for handle in handles:
+            handle.remove()
+    out = out[0] if isinstance(out, tuple | list) else out
+    if not all(isinstance(seen.get(k), torch.Tensor | tuple) for k in ("norm", "dense", "self")):
+        return False
+    norm_in, norm_out = seen["norm"]
+    return bool(torch.equal(norm_in, x) and torch.equal(seen["self"], norm_out)
+                and torch.allclose(out, seen["dense"] + x, atol=1e-6, rtol=1e-6))
+
+
+def _reuses_kv(attention: Any) -> bool:
+    """Whether the layer takes another layer's keys and values (Gemma 4's
+    ``kv_sharing_modes[layer_idx] == "reuse"``); True where the config does not say."""
+    modes, index = getattr(_config(attention), "kv_sharing_modes", None), getattr(attention, "layer_idx", None)
+    return not isinstance(modes, list | tuple) or type(index) is not int or modes[index] == "reuse"
 
 
 def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
     """What the config and the call convention say that ours cannot express yet."""
-    config = attention.config
+    config = _config(attention)
     problems = _refusals(layer, attention)
     for attr, mechanism in _CONFIG_REFUSALS:
         value = getattr(config, attr, None)
+        if attr == "num_kv_shared_layers" and not _reuses_kv(attention):
+            continue  # Gemma 4: a layer that computes its own keys and values ("store" or none)
         if value is not None and value is not False and value != 0:
             problems.append(mechanism)
     rope_parameters = getattr(config, "rope_parameters", None)
-    if isinstance(rope_parameters, Mapping) and rope_parameters.get("llama_4_scaling_beta"):
-        # Ministral 3, Mistral 4: queries times 1 + beta * log(1 + floor(pos / original_max)),
-        # exactly 1 below original_max_position_embeddings (so no short probe shows it)
-        problems.append("llama_4_scaling_beta (queries scaled by position past original_max_position_embeddings)")
+    if (isinstance(rope_parameters, Mapping) and rope_parameters.get("llama_4_scaling_beta")
+            and type(rope_parameters.get("original_max_position_embeddings")) is not int):
+        # Ministral 3, Mistral 4: query_scale=(beta, original_max_position_embeddings, 0) (_options)
+        problems.append("llama_4_scaling_beta without an int original_max_position_embeddings (queries scaled by "
+                        "position past it)")
     takes = _forward_takes(attention)
     problems += [m for arg, m in _FORWARD_REFUSALS.items() if arg in takes and m not in problems]
+    if type(getattr(attention, "block_size", None)) is int and hasattr(attention, "num_random_blocks"):
+        problems.append(f"block-sparse attention (BigBird's: blocks of {attention.block_size} keys, "
+                        f"{attention.num_random_blocks} of them random)")
+    given = next((a for a in ("key_value_states", "encoder_hidden_states") if a in takes), None)
+    if given and not hasattr(attention, "is_causal"):  # BART's kind (XGLM, TrOCR), RemBERT's, Megatron-BERT's
+        problems.append(f"self- or cross-attention by its caller (its forward takes {given}; whether it is causal "
+                        "is the mask it is given: it has no is_causal), which the layer alone does not say")
+    if hasattr(layer, "dense_bias"):  # GPT-NeoX-Japanese: (output, weights, bias) for bias_dropout_add
+        problems.append("an output bias returned apart, for its decoder layer to add (`dense_bias`: its forward "
+                        "returns three values)")
     return problems
 
 
@@ -486,22 +861,24 @@ def _layer_type(layer: nn.Module, attention: Any) -> str | None:
     own = getattr(attention, "layer_type", None)
     if own is not None:
         return str(own)
-    types, index = getattr(attention.config, "layer_types", None), getattr(attention, "layer_idx", None)
+    types, index = getattr(_config(attention), "layer_types", None), getattr(attention, "layer_idx", None)
     return None if not types or index is None else str(types[index])
 
 
-def _rope(layer: nn.Module, attention: Any) -> RopeConfig:
+def _rope(layer: nn.Module, attention: Any, layout: str | None = None) -> RopeConfig:
     """``rope_from_hf`` of the layer's config, for its layer type where the config keeps
     rope parameters per layer type (Gemma 3: local and global), with the frequencies of
     the family's own rotary embedding (``inv_freq``: computed in float32 arithmetic, a
     few ulps from the float64 formula) where they do not follow the sequence length."""
-    config = attention.config
+    config = _config(attention)
     layer_type = _layer_type(layer, attention)
     params = getattr(config, "rope_parameters", None) or {}
     nested = layer_type is not None and isinstance(params.get(layer_type), Mapping)
     # the fraction as the config gives it: the layer's own rotary embedding decides below
     rope = rope_from_hf(config, layer_type if nested else None, honours_partial=True)
-    own = _hf_inv_freq(layer, config, layer_type if nested else None)
+    if layout is not None:  # the layout the family computes (``_rope_layout``), not the model type's
+        rope = dataclasses.replace(rope, layout=layout)
+    own = _hf_inv_freq(layer, config, layer_type if nested else None, rope.theta)
     # as many features turn as the layer's own rotary embedding has frequencies for: a
     # family whose embedding ignores the config's partial_rotary_factor (Llama's) turns
     # the whole head, and so does ours
@@ -533,15 +910,29 @@ def _rotary_class(layer: nn.Module) -> Any:
                      "the rotary frequencies from")
 
 
-def _hf_inv_freq(layer: nn.Module, config: Any, layer_type: str | None) -> torch.Tensor:
+def _hf_inv_freq(layer: nn.Module, config: Any, layer_type: str | None, theta: float = 10000.0) -> torch.Tensor:
     """The ``inv_freq`` buffer of the family's rotary embedding (``_rotary_class``) built
-    from the layer's config (Gemma 3 keeps one per layer type, ``<layer_type>_inv_freq``)."""
+    from the layer's config (Gemma 3 keeps one per layer type, ``<layer_type>_inv_freq``);
+    for an embedding that keeps a table of sines and cosines instead (GPT-J's and CodeGen's
+    ``embed_positions``, (positions, dim) = [sin(p f); cos(p f)]), the frequencies computed
+    from the config as it computes them (float32, ``theta ** -(2i / dim)``), checked
+    against its table."""
     rotary_class = _rotary_class(layer)
     with torch.device("cpu"):
         rotary = rotary_class(config)
     buffer = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq", None)
     if buffer is None:
         buffer = getattr(rotary, "inv_freq", None)
+    table = getattr(rotary, "embed_positions", None)
+    if not isinstance(buffer, torch.Tensor) and isinstance(table, torch.Tensor) and table.dim() == 2:
+        dim = int(table.shape[1])
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
+        angles = torch.arange(min(int(table.shape[0]), 64), dtype=torch.int64).float()[:, None] * freqs
+        if torch.equal(torch.cat((angles.sin(), angles.cos()), dim=1), table[: angles.shape[0]].float()):
+            buffer = freqs
+        else:
+            raise ValueError(f"from_hf: {type(rotary).__name__} keeps a table of sines and cosines that is not "
+                             f"[sin(p f); cos(p f)] for f = {theta:g} ** -(2i / {dim}) (a rotary embedding of another kind)")
     if not isinstance(buffer, torch.Tensor):
         raise ValueError(f"from_hf: {type(rotary).__name__} keeps no inv_freq (a rotary embedding of another kind)")
     return buffer.detach().float()
@@ -557,10 +948,23 @@ def _window(layer: nn.Module, attention: Any) -> tuple[int, int] | None:
         return None
     if hasattr(attention, "sliding_window"):
         return window_from_hf(attention.sliding_window)
-    config = attention.config
+    config = _config(attention)
     if getattr(config, "use_sliding_window", True) is False or _layer_type(layer, attention) == "full_attention":
         return None
     return window_from_hf(getattr(config, "sliding_window", None))
+
+
+def _chunk(layer: nn.Module, attention: Any) -> int | None:
+    """Chunked local attention (Llama 4): the config's ``attention_chunk_size`` on the
+    layers whose type is ``"chunked_attention"`` (the mask the model builds for them:
+    ``masking_utils.create_chunked_causal_mask``; Llama 4's rope layers, its NoPE layers
+    being ``"full_attention"``), on every layer where the config has no layer types (as
+    ``create_masks_for_generate`` decides); None elsewhere."""
+    size = getattr(_config(attention), "attention_chunk_size", None)
+    if size is None:
+        return None
+    layer_type = _layer_type(layer, attention)
+    return int(size) if layer_type in (None, "chunked_attention") else None
 
 
 def _norm_eps(norm: nn.Module) -> float:
@@ -571,14 +975,17 @@ def _norm_eps(norm: nn.Module) -> float:
 def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
     """d_in, heads, head_dim and biases, from the weights' shapes (HF's own attributes
     for the heads: ``num_attention_heads`` / ``num_key_value_heads``)."""
-    config = _get(layer, family.attention).config
+    config = _config(_get(layer, family.attention))
     gate = False
     heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    per_layer = getattr(config, "per_layer_config", None)  # Gemma 4: each layer's own head widths
+    index = getattr(_get(layer, family.attention), "layer_idx", None)
+    own = per_layer[index] if per_layer is not None and index is not None else config
+    kv_heads = int(getattr(own, "num_key_value_heads", None) or heads)
     out = _get(layer, family.o)
     d_model = int(out.weight.shape[1] if family.layout == "in_out" else out.weight.shape[0])
     if family.packed is None:
-        q, k, v = (_get(layer, name) for name in (family.q, family.k, family.v))
+        q, k, v = (_get(layer, name) for name in (family.q, family.k, family.v or family.k))  # (keys as values)
         biases = {p.bias is not None for p in (q, k, v)}
         if len(biases) != 1:
             raise ValueError(f"{type(layer).__name__}: q, k and v must all have biases or none; ours has one switch")
@@ -587,9 +994,8 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         if width == 2 * heads * kv_width:  # Qwen3-Next / Qwen3.5: each head's queries, then its gate
             gate, width = True, width // 2
     else:
-        packed = _get(layer, family.packed)
-        rows = int(packed.weight.shape[1] if family.layout == "in_out" else packed.weight.shape[0])
-        width, qkv_bias = rows // (heads + 2 * kv_heads) * heads, packed.bias is not None
+        heads, kv_heads, head_dim = _packed_heads(layer, _get(layer, family.attention), family)
+        width, qkv_bias = heads * head_dim, _get(layer, family.packed).bias is not None
     head_dim = width // heads
     return {
         "d_in": d_model, "d_out": d_model, "num_heads": heads,
@@ -617,24 +1023,58 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
                          + "; ".join(problems))
     options = _geometry(layer, family)
     dropout = getattr(attention, "attention_dropout", None)
+    if isinstance(dropout, nn.Dropout):  # Persimmon's, GPT-NeoX-Japanese's: a module
+        dropout = dropout.p
     for name in ("attn_dropout", "dropout"):  # GPT-2, BERT: an nn.Dropout on the weights
         if dropout is None and isinstance(getattr(attention, name, None), nn.Dropout):
             dropout = getattr(attention, name).p
     options.update(
         sinks=family.sinks, context_length=None, dropout=float(dropout or 0.0),
-        causal=bool(getattr(attention, "is_causal", False)), scale=float(attention.scaling), softcap=getattr(attention, "attn_logit_softcapping", None),
-        window=_window(layer, attention), rope=_rope(layer, attention) if family.rope else None,
+        causal=_causal(attention), scale=_scaling(attention, int(options["head_dim"] or options["d_in"] // options["num_heads"])), softcap=getattr(attention, "attn_logit_softcapping", None),
+        window=_window(layer, attention), chunk=_chunk(layer, attention), rope=_rope(layer, attention, family.rope_layout) if family.rope else None,
     )
     if options["softcap"] is not None:
         options["softcap"] = float(options["softcap"])
-    clip = getattr(attention.config, "clip_qkv", None)  # OLMo's: q, k, v clamped to [-c, c]
+    clip = getattr(_config(attention), "clip_qkv", None)  # OLMo's: q, k, v clamped to [-c, c]
     if clip is not None:
         options["clip_qkv"] = float(clip)
     norms = None if family.norms is None else [_get(layer, n) for n in family.norms]
     if norms is not None and all(n is not None for n in norms):  # Phi: only with qk_layernorm
         options.update(qk_norm=family.norm, qk_norm_scope=family.norm_scope, qk_norm_eps=_norm_eps(norms[0]),
                        qk_norm_offset=1.0 if family.norm_offset else 0.0)
+        if not family.norm_weight:  # nanochat, Llama 4: no parameter
+            options["qk_norm_weight"] = False
+    options.update(_value_options(layer, family, options))
+    query_scale = _query_scale(layer, attention, family)
+    if query_scale is not None:
+        options["query_scale"] = query_scale
     return options
+
+
+def _value_options(layer: nn.Module, family: _Family, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 4's keys as values (no v_proj) and its weightless value norm, whose epsilon
+    must be the qk-norms' (ours has one, ``qk_norm_eps``)."""
+    found: dict[str, Any] = {"values_from_keys": True} if family.values_from_keys else {}
+    if family.v_norm:
+        eps = _norm_eps(_get(layer, "v_norm"))
+        if options.get("qk_norm") is not None and eps != options["qk_norm_eps"]:
+            raise _refused(layer, [f"a value norm with its own epsilon ({eps:g}; the qk-norms' is "
+                                   f"{options['qk_norm_eps']:g}: ours has one, qk_norm_eps)"])
+        found.update(v_norm="rms", **({} if options.get("qk_norm") is not None else {"qk_norm_eps": eps}))
+    return found
+
+
+def _query_scale(layer: nn.Module, attention: Any, family: _Family) -> tuple[float, int, int] | None:
+    """The queries' scale by position: Llama 4's temperature tuning on its NoPE layers
+    (``attn_temperature_tuning``: ``(attn_scale, floor_scale, 1)``), Ministral 3's /
+    Mistral 4's ``llama_4_scaling_beta`` (``(beta, original_max_position_embeddings, 0)``)."""
+    config = _config(attention)
+    if getattr(config, "attn_temperature_tuning", False) and not family.rope and _nope(attention):
+        return float(attention.attn_scale), int(attention.floor_scale), 1
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, Mapping) and params.get("llama_4_scaling_beta"):
+        return float(params["llama_4_scaling_beta"]), int(params["original_max_position_embeddings"]), 0
+    return None
 
 
 # --------------------------------------------------------------------------- weights
@@ -649,10 +1089,12 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
         names["out_proj.bias"] = f"{family.o}.bias"
     if family.packed is None:
         for ours, theirs in (("W_query", family.q), ("W_key", family.k), ("W_value", family.v)):
+            if not theirs:  # Gemma 4's keys as values: no v_proj, no W_value
+                continue
             names[f"{ours}.weight"] = f"{theirs}.weight"
             if options["qkv_bias"]:
                 names[f"{ours}.bias"] = f"{theirs}.bias"
-    if options.get("qk_norm") is not None:
+    if options.get("qk_norm") is not None and options.get("qk_norm_weight", True):
         assert family.norms is not None
         for ours, theirs in zip(("q_norm", "k_norm"), family.norms, strict=True):
             names[f"{ours}.weight"] = f"{theirs}.weight"
@@ -727,9 +1169,9 @@ def hf_children(layer: nn.Module) -> dict[str, tuple[str, str | None]]:
     family = _family(layer, "hf_children")
     roles = [(family.o, "out_proj")]
     if family.packed is None:
-        roles += [(family.q, "W_query"), (family.k, "W_key"), (family.v, "W_value")]
+        roles += [(family.q, "W_query"), (family.k, "W_key"), *(((family.v, "W_value"),) if family.v else ())]
     children: dict[str, tuple[str, str | None]] = {theirs: (ours, None) for theirs, ours in roles}
-    if family.norms is not None and all(_get(layer, n) is not None for n in family.norms):
+    if family.norm_weight and family.norms is not None and all(_get(layer, n) is not None for n in family.norms):
         layout = "heads" if family.norm_scope == "head" else None
         children.update({theirs: (ours, layout) for theirs, ours in zip(family.norms, ("q_norm", "k_norm"), strict=True)})
     return children
@@ -755,11 +1197,16 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     ``head_dim`` where heads x head_dim is not the hidden size, the biases (``qkv_bias``,
     ``out_bias``), ``scale`` = the layer's ``scaling``, ``causal`` = its ``is_causal``,
     ``softcap`` (``attn_logit_softcapping``), ``window`` (HF's ``sliding_window=W`` is
-    ``(W - 1, 0)``, of the layer's own type where windows are per layer type), ``rope``
+    ``(W - 1, 0)``, of the layer's own type where windows are per layer type), ``chunk``
+    (``attention_chunk_size`` on the ``"chunked_attention"`` layers: Llama 4's rope layers), ``rope``
     (``rope_from_hf``, per layer type for Gemma 3; None where the layer ignores the
     rotation it is given, by a probe), qk-norm, ``clip_qkv`` (OLMo's ``config.clip_qkv``),
     ``output_gate`` (a ``q_proj`` twice as wide as the keys' heads: Qwen3-Next's and
-    Qwen3.5's full-attention layers, ``W_query`` = ``q_proj`` as it is), ``dropout`` (the
+    Qwen3.5's full-attention layers, ``W_query`` = ``q_proj`` as it is), a weightless
+    RMS qk-norm (nanochat's, Llama 4's ``qk_norm``: ``qk_norm_weight=False``), Gemma 4's
+    ``v_norm`` and keys as values (``attention_k_eq_v``: no v_proj; its layers' own head
+    widths), ``query_scale`` (Llama 4's temperature tuning on NoPE layers, Ministral 3's
+    ``llama_4_scaling_beta``), ``dropout`` (the
     attention weights' rate), ``context_length=None``.  Ours and the layer are then run on
     one tiny probe input and must agree (else ValueError).  Call ours as ``ours(x, mask,
     positions=positions)`` where HF's takes ``position_embeddings=rotary(x, positions)``
@@ -773,9 +1220,17 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     DeepSeek-V2/V3 (``DeepseekV2Attention``, ``DeepseekV3Attention``) give our
     ``MultiHeadLatentAttention``, the same parameter names (see ``_hf_latent``).
 
-    Raises TypeError for a class not in ``supported_hf_classes()`` (naming them);
-    ValueError for cross-attention, q/k/v with some biases but not all, and what
-    ``rope_from_hf`` cannot read.
+    The layer is recognised by what it holds and computes, not by its class (tiny probes,
+    eval mode, no gradients): the packing of a packed q/k/v (``_packing``), the rotary
+    layout, halves or interleaved pairs (``_rope_layout``), whether a qk-norm sees q before
+    or after rope (``_sees_rotation``), a BERT-like block's pre-norm (``_pre_norm``: the
+    caller's, with the residual: ``x + ours(layer.LayerNorm(x))``).  A layer without its
+    model's config (GPT-1's) is read from its own attributes (``_config``).
+
+    Raises TypeError for a module that holds no attention projections under names it knows
+    (naming what it holds); ValueError naming each mechanism ours cannot express (ALiBi, a
+    qk-norm after rope, a packing ours does not split ...), for cross-attention, q/k/v with
+    some biases but not all, and what ``rope_from_hf`` cannot read.
     """
     if _latent(layer):
         from torch_attention import _hf_latent
@@ -810,7 +1265,7 @@ def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention, cli
     if clip is not None:  # the probe scaled so that q_proj's largest output is 4 c: some are clamped
         with torch.no_grad():
             x = x * (4.0 * clip / max(float(_get(layer, family.packed or family.q)(x).abs().max()), 1e-6))
-    mask = _probe_mask(x, spec.window, bool(spec.causal))
+    mask = _probe_mask(x, spec.window, bool(spec.causal), spec.chunk)
     try:
         embeddings = None
         if "position_embeddings" in _forward_takes(attention):
@@ -847,7 +1302,7 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     implementation, mask_strategy and context_length change no result of an eval call)."""
     mine, theirs = ours.spec, want.spec
     fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
-              "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "alignment",
+              "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "chunk", "alignment",
               "clip_qkv", "output_gate")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]
