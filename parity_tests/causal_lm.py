@@ -82,6 +82,8 @@ class CausalLMReport:
                          f"worst {worst.describe()}")
         if self.divergence is not None:
             lines.append(f"where: {str(self.divergence).splitlines()[0]}")
+            lines += [f"boundary mismatch (searched past): {b.torch_name or '(root)'}: {b.why}"
+                      for b in self.divergence.boundaries]
         return "\n".join(lines)
 
 

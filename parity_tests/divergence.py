@@ -2,7 +2,11 @@
 NNX port once each, records every submodule call in both, pairs the calls by name and
 names the innermost module where the two part: forward (its inputs agree, its output does
 not) or, when every forward output agrees, backward (its output cotangent agrees, the
-cotangent it hands back to its inputs does not).
+cotangent it hands back to its inputs does not).  A pair whose output is the other's
+times a constant, or whose inputs already differ while the models' outputs agree, is a
+boundary mismatch (``Boundary``: the work split otherwise between the modules, Gemma's
+embedding scale applied after the module instead of inside it), reported and searched
+past, so that a bug behind it is still named.
 
 How the calls are recorded.  PyTorch: a forward pre-hook and a forward hook on every
 submodule (``named_modules``).  Flax NNX: ``nnx.capture`` records outputs only, and only
@@ -1076,9 +1080,16 @@ def locate_divergence(
     here are not compared (``n/c``, with a note) and the search goes on.  The models run
     in ``full_precision()``, in the mode they are in.
 
+    A pair whose output is the other's times one constant (``factor``), or whose inputs
+    already differ while the models' outputs agree, is a boundary mismatch (``Boundary``,
+    in ``boundaries``), not a divergence: the search goes on past it, forward and backward,
+    unless the factor is not undone within the innermost module around it whose inputs
+    agree and whose output does not (then it is ``first``, the factor in its note).  Each
+    Flax module must compute what the PyTorch module of its name computes.
+
     Returns a ``DivergenceReport``: ``first`` (None when nothing diverges: ``ok``), every
-    module pair with its errors, ``backward_note`` (why backward was not checked, when it
-    was not), ``str()`` a table.  Raises TypeError for a malformed
+    module pair with its errors, ``boundaries``, ``backward_note`` (why backward was not
+    checked, when it was not), ``str()`` a table.  Raises TypeError for a malformed
     ``module_map``, ValueError for a dtype without a tolerance (unless rtol and atol are
     given), and whatever the models raise.
     """
