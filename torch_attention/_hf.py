@@ -397,14 +397,14 @@ def _probe_mask(x: torch.Tensor, window: tuple[int | None, int | None] | None, c
     return mask[None, None].to(x.device)
 
 
-def _probe_rotary(layer: nn.Module, attention: Any, x: torch.Tensor) -> Any:
-    """The layer's (cos, sin) at the probe's positions, from the family's own rotary
-    embedding built from the layer's config (per layer type where its forward takes one);
-    Llama 4's one complex tensor (``freqs_cis``) as it is."""
+def _probe_rotary(layer: nn.Module, attention: Any, x: torch.Tensor, offset: int = _PROBE_OFFSET) -> Any:
+    """The layer's (cos, sin) at the probe's positions (``offset`` on), from the family's
+    own rotary embedding built from the layer's config (per layer type where its forward
+    takes one); Llama 4's one complex tensor (``freqs_cis``) as it is."""
     with torch.device("cpu"):
         rotary = _rotary_class(layer)(_config(attention))
     rotary = rotary.to(x.device)
-    positions = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + x.shape[1], device=x.device)[None]
+    positions = torch.arange(offset, offset + x.shape[1], device=x.device)[None]
     kwargs = {}
     if "layer_type" in _forward_takes(rotary):
         kwargs["layer_type"] = _layer_type(layer, attention)
@@ -415,16 +415,38 @@ def _probe_rotary(layer: nn.Module, attention: Any, x: torch.Tensor) -> Any:
     return cos, sin
 
 
+class _Filled:
+    """A cache of ``fill`` positions that holds nothing: a layer that reads its queries'
+    positions from its cache (Llama 4's NoPE layers) sees them ``fill`` on; its keys and
+    values are the call's own."""
+
+    def __init__(self, fill: int) -> None:
+        self.fill = fill
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.fill
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return key, value
+
+
 def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """The layer called as its decoder layer calls it, in eval mode without gradients."""
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+                offset: int = _PROBE_OFFSET) -> torch.Tensor:
+    """The layer called as its decoder layer calls it, in eval mode without gradients (at
+    positions ``offset`` on: its ``position_ids`` and, for another offset than the
+    probe's, a cache of that fill, ``_Filled``)."""
     kwargs: dict[str, Any] = {"attention_mask": mask}
+    if offset != _PROBE_OFFSET:
+        name = next((n for n in ("cache", "past_key_values", "past_key_value") if n in _forward_takes(layer)), None)
+        if name is not None:
+            kwargs[name] = _Filled(offset)
     if position_embeddings is not None:
         kwargs["position_embeddings"] = position_embeddings
     if "shared_kv_states" in _forward_takes(layer):  # Gemma 4: the KV-sharing layers' dict (none shared here)
         kwargs["shared_kv_states"] = {}
     if "position_ids" in _forward_takes(layer):  # Ministral 3 scales its queries by position
-        kwargs["position_ids"] = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + x.shape[1], device=x.device)[None]
+        kwargs["position_ids"] = torch.arange(offset, offset + x.shape[1], device=x.device)[None]
     training = layer.training
     layer.eval()
     try:
@@ -1247,10 +1269,13 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     _self_check(layer, family, module)
     if module.spec.clip_qkv is not None:  # again where the clamp bites: a layer that ignores its config's
         _self_check(layer, family, module, clip=module.spec.clip_qkv)
+    if module.spec.query_scale is not None:  # again past its floor, across a step of it, where it is not 1
+        _self_check(layer, family, module, offset=2 * module.spec.query_scale.floor - 2)
     return module
 
 
-def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention, clip: float | None = None) -> None:
+def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention, clip: float | None = None,
+                offset: int = _PROBE_OFFSET) -> None:
     """Ours and the layer on one tiny probe input (eval, no gradients) must agree to the
     dtype's tolerance (float32: 1e-5 of the layer's largest output), else ValueError: a
     mechanism the rules missed is refused, never ported wrong.  Skipped where the layer
@@ -1270,20 +1295,21 @@ def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention, cli
         embeddings = None
         if "position_embeddings" in _forward_takes(attention):
             try:  # the real ones even where ours has no rope: a layer that turns by them differs
-                embeddings = _probe_rotary(layer, attention, x)
+                embeddings = _probe_rotary(layer, attention, x, offset)
             except ValueError:  # no rotary embedding to build: the identity rotation
                 width = int(getattr(attention, "head_dim", 0) or 0) or int(spec.head_dim or 0)
                 ones = torch.ones(1, x.shape[1], width, dtype=x.dtype, device=x.device)
                 embeddings = (ones, torch.zeros_like(ones))
-        theirs = _hf_forward(layer, x, mask, embeddings)
+        theirs = _hf_forward(layer, x, mask, embeddings, offset)
     except Exception:  # noqa: BLE001 - a call convention the check does not know: not checked
         return
-    positions = torch.arange(_PROBE_OFFSET, _PROBE_OFFSET + x.shape[1], device=x.device)[None]
+    positions = torch.arange(offset, offset + x.shape[1], device=x.device)[None]
     training = ours.training
     ours.eval()
     try:
         with torch.no_grad():
-            mine = ours(x, positions=positions) if spec.rope is not None else ours(x)
+            at = spec.rope is not None or offset != _PROBE_OFFSET  # (a NoPE layer's probe: 0.. without a cache)
+            mine = ours(x, positions=positions) if at else ours(x)
     finally:
         ours.train(training)
     theirs, mine = theirs.float(), mine.float()
@@ -1293,6 +1319,9 @@ def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention, cli
         where = "" if spec.clip_qkv is None else (
             f"; with clip_qkv={spec.clip_qkv} from its config: ours clamps q, k and v as they leave their projections, "
             "before any qk-norm (OLMoE clamps after its qk-norm)")
+        if offset != _PROBE_OFFSET:
+            where = (f"; with query_scale={tuple(spec.query_scale)} from its config, at positions {offset}.. where it "
+                     "is not 1: ours scales each query at its own position, after rope and qk-norm")
         raise ValueError(f"from_hf: the port does not compute what the {type(layer).__name__} computes "
                          f"(max difference {difference:.3g} on a probe input{where})")
 

@@ -432,9 +432,10 @@ def test_llama4_rope_layer_with_its_l2_norm() -> None:
 
 
 @needs_both
-def test_ministral3_llama_4_scaling_beta() -> None:
+def test_ministral3_llama_4_scaling_beta(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ministral 3: queries times 1 + beta * log(1 + floor(p / original_max_position_embeddings))
-    after rope (16 here: every position past 400 scaled)."""
+    after rope (16 here: every position past 400 scaled).  from_hf checks its port again
+    past the floor: a scale read wrong (Llama 4's offset 1 here) is refused, naming it."""
     import torch
     from transformers import Ministral3Config
     from transformers.models.ministral3.modeling_ministral3 import (
@@ -461,6 +462,11 @@ def test_ministral3_llama_4_scaling_beta() -> None:
                       "query_scale": (0.3, 16, 0), "rope": RopeConfig(theta=10000.0)})
     _compare(ours, want, x, POSITIONS, x_hf)
     _ported(hf, want, x, POSITIONS, query_scale=(0.3, 16, 0))
+    from torch_attention import _hf
+
+    monkeypatch.setattr(_hf, "_query_scale", lambda *_: (0.3, 16, 1))
+    with pytest.raises(ValueError, match=re.escape("with query_scale=(0.3, 16, 1) from its config, at positions 30..")):
+        _hf.from_hf(hf)
 
 
 @needs_both
