@@ -1332,7 +1332,7 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     mine, theirs = ours.spec, want.spec
     fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
               "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "chunk", "alignment",
-              "clip_qkv", "output_gate")
+              "clip_qkv", "output_gate", "qk_norm_weight", "v_norm", "values_from_keys", "query_scale")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]
     if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:

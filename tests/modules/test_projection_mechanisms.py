@@ -364,6 +364,30 @@ def test_gemma4_global_attention() -> None:
                       "values_from_keys": True, "rope": RopeConfig(theta=10000.0)})
     _compare(ours, want, x, POSITIONS, x_hf)
     _ported(hf, want, x, POSITIONS, values_from_keys=True, v_norm="rms", num_kv_heads=1, head_dim=8, scale=1.0)
+    from torch_attention.interop import to_hf
+
+    again = to_hf(ours, Gemma4TextAttention(config, layer_idx=1))  # no W_value, no v_proj: the rest one to one
+    assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), again.state_dict().values(), strict=True))
+
+
+@needs_both
+def test_to_hf_refuses_them_by_name_where_the_layer_has_none() -> None:
+    """A Llama layer has none of them: to_hf names each (nothing written)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    import torch_attention
+    from torch_attention.interop import from_hf, to_hf
+
+    layer = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                       num_hidden_layers=1, attn_implementation="eager"), 0)
+    base = from_hf(layer).config
+    for extra, text in (({"values_from_keys": True}, "values_from_keys=True where the layer has False"),
+                        ({"v_norm": "rms"}, "v_norm='rms' where the layer has None"),
+                        ({"qk_norm": "rms", "qk_norm_weight": False}, "qk_norm_weight=False where the layer has True"),
+                        ({"query_scale": (0.1, 16, 0)}, "query_scale=QueryScale(beta=0.1, floor=16, offset=0) where")):
+        with pytest.raises(ValueError, match=re.escape(text)):
+            to_hf(torch_attention.MultiHeadAttention(**{**base, **extra}), layer)
 
 
 @needs_both
