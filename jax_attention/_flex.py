@@ -233,7 +233,8 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Callable[.
             rows = qb.stop - qb.start
             if not qb.runs:  # every key blocked: zeros, lse -inf (with sinks: the sink's)
                 outs.append(jnp.zeros((rows, v_dim), value.dtype))
-                lses.append(jnp.full((rows,), -jnp.inf, ct) if sink is None else jnp.broadcast_to(sink, (rows,)))
+                lses.append(jnp.full((rows,), -jnp.inf, ct) if sink is None else jnp.broadcast_to(
+                    jnp.where(sink == -jnp.inf, -jnp.inf, sink), (rows,)))  # a sink of -inf: none, no gradient
                 continue
             block = _query_block(qb, score_mod, mask_mod, traced, scale, ct, b, h, drop)
             kept = drop.of_block(index, number, keep, qb.start, rows)
@@ -533,9 +534,13 @@ def _softmax(scores: Array, mask: Array | None, sink: Array | None) -> Array:
 
 def _sunk_lse(scores: Array, mask: Array | None, sink: Array | None) -> Array:
     """``_lse``, with a ``sink`` () joining the sum: log(sum_j exp(s_j) + exp(sink)), the
-    sink for a row that sees no key."""
+    sink for a row that sees no key.  A sink of -inf is no sink: the keys' lse as it is
+    (``logaddexp`` of two -inf would give NaN gradients)."""
     lse = _lse(scores, mask)
-    return lse if sink is None else jnp.logaddexp(lse, sink)
+    if sink is None:
+        return lse
+    none = sink == -jnp.inf
+    return jnp.where(none, lse, jnp.logaddexp(lse, jnp.where(none, 0.0, sink)))
 
 
 def _mask(qb: spec.QueryBlock, mask_mod: Callable[..., Any] | None, flags: tuple[Array, Array] | None,

@@ -440,11 +440,14 @@ class _Dropout:
 
 def _empty_lse(query: Tensor, sink: Tensor | None, ct: torch.dtype, rows: int) -> Tensor:
     """The lse (B, Hq, rows) of rows that see no key: -inf, or with sinks (Hq,) (or
-    (1, Hq, 1, 1)) each head's sink (log(exp(sink)): the whole weight on the sink)."""
+    (1, Hq, 1, 1)) each head's sink (log(exp(sink)): the whole weight on the sink; a sink
+    of -inf is none, with no gradient)."""
     batch, heads = query.shape[:2]
     if sink is None:
         return query.new_full((batch, heads, rows), -math.inf, dtype=ct)
-    return sink.to(ct).reshape(1, heads, 1).expand(batch, heads, rows).clone()
+    sink = sink.to(ct).reshape(1, heads, 1)
+    sink = torch.where(sink == -math.inf, torch.full_like(sink, -math.inf), sink)
+    return sink.expand(batch, heads, rows).clone()
 
 
 def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Tensor:
@@ -539,8 +542,10 @@ def _query_block(qb: spec.QueryBlock, score_mod: Callable[..., Any] | None, mask
         if not with_lse:
             return out.reshape(batch, heads, rows, -1), scores.new_empty(0)
         lse = _lse(scores, mask)
-        if sinks is not None:  # log(sum_j exp(s_j) + exp(sink))
-            lse = torch.logaddexp(lse, sinks.to(ct).reshape(1, heads, 1))
+        if sinks is not None:  # log(sum_j exp(s_j) + exp(sink)); a sink of -inf is none (no NaN gradient)
+            sink = sinks.to(ct).reshape(1, heads, 1)
+            none = sink == -math.inf
+            lse = torch.where(none, lse, torch.logaddexp(lse, torch.where(none, torch.zeros_like(sink), sink)))
         return out.reshape(batch, heads, rows, -1), lse
 
     return block

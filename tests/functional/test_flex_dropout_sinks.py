@@ -169,6 +169,23 @@ def test_keep_mask_and_sinks_against_the_oracle_in_float64(float64_runs: Any) ->
         _close(got, want, PARITY["float64"], f"twin against twin, d{name}")
 
 
+def test_a_sink_of_minus_inf_is_no_sink() -> None:
+    """A head whose sink is -inf is a head without one (its rows without keys: zeros, lse
+    -inf), with finite gradients and none for that sink, in both twins (the compiled JAX
+    function of the first test, new values)."""
+    import torch
+
+    arrays = [*ARRAYS[:3], np.array([0.5, -np.inf, 2.5, 0.0])]
+    want_out, want_lse = _oracle(*arrays, DATA["keep"])
+    assert np.all(want_lse[:, 1, DEAD_ROWS] == -np.inf)
+    for side, (out, lse, grads) in (("torch", _torch(arrays, "float64", dropout_mask=torch.tensor(DATA["keep"]))),
+                                    ("jax", _jax(arrays, "float64", "keep", DATA["keep"]))):
+        _close(out, want_out, PARITY["float64"], f"{side} out")
+        assert np.array_equal(np.isfinite(lse), np.isfinite(want_lse)), side
+        _close(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], PARITY["float64"], f"{side} lse")
+        assert all(np.isfinite(g).all() for g in grads) and grads[3][1] == 0, side
+
+
 def test_float32_against_the_oracle_and_twin_against_twin(float64_runs: Any) -> None:
     """float32 inputs (sinks cast to the compute dtype): out and lse within the flex
     oracle's tolerance and the twins within parity of each other; the PyTorch twin's
