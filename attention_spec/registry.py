@@ -317,6 +317,7 @@ REGISTRY: dict[str, Variant] = {
              Option("qk_rope_head_dim"), Option("v_head_dim"), Option("q_lora_rank", None, True),
              Option("context_length", None, True), Option("dropout", 0.0, True),
              Option("attention_bias", False, True), Option("norm_eps", 1e-6, True), Option("rope", None, True),
+             Option("query_scale", None, True),  # Mistral 4's llama_4_scaling_beta (an options.QueryScale)
              *_common(causal=True)),
             projections=_LATENT,
             has_dropout=True,
@@ -592,6 +593,7 @@ class AttentionConfig:
             check_qk_norm_weight(self.qk_norm, self.qk_norm_weight, self.qk_norm_offset)
             check_v_norm(self.v_norm)
             check_values_from_keys(self.values_from_keys, self.vdim)
+        if "query_scale" in exposed:
             set_(self, "query_scale", check_query_scale(self.query_scale))
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)

@@ -34,7 +34,8 @@ class MultiHeadLatentAttention(AttentionModule):
 
     ``rope=`` (an ``attention_spec.rope.RopeConfig``; DeepSeek-V3: interleaved, YaRN)
     turns the rope parts of q and k only, at the call's ``positions=``; None leaves the
-    rope parts unturned.  ``scale`` None: ``qk_head_dim ** -0.5``, times YaRN's
+    rope parts unturned.  ``query_scale`` (Mistral 4's ``llama_4_scaling_beta``) scales
+    the whole query after rope, as the PyTorch twin's.  ``scale`` None: ``qk_head_dim ** -0.5``, times YaRN's
     ``mscale(factor, mscale_all_dim) ** 2`` when rope scales by YaRN.  ``attention_bias``:
     biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``.  ``norm_eps``: both
     RMSNorms' epsilon.  The RMSNorms' weights are ``nnx.RMSNorm``'s ``scale``.
@@ -63,6 +64,7 @@ class MultiHeadLatentAttention(AttentionModule):
         attention_bias: bool = False,
         norm_eps: float = 1e-6,
         rope: Any = None,
+        query_scale: Any = None,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
@@ -151,7 +153,10 @@ class MultiHeadLatentAttention(AttentionModule):
         compressed = self._linear(self._proj("kv_a_proj_with_mqa"), x, implementation)
         latent = self._rms("kv_a_layernorm", compressed[..., :rank])
         q_rope, k_rope = self._rotate(q[..., nope:], compressed[:, None, :, rank:], positions, start)
-        return jnp.concatenate((q[..., :nope], q_rope), axis=-1), latent[:, None], k_rope
+        # Mistral 4: the whole query (nope and rope parts) scaled by position, after rope
+        q, k_rope = self._scale_queries(jnp.concatenate((q[..., :nope], q_rope), axis=-1), k_rope, positions,
+                                        start)
+        return q, latent[:, None], k_rope
 
     def _mix(self, call: _Call, q: Array, latent: Array, k_rope: Array, return_weights: bool, key: Array | None,
              absorb: bool, **extra: Any) -> Any:

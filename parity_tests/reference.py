@@ -382,6 +382,11 @@ def _latent(options: Mapping[str, Any], params: Mapping[str, np.ndarray], x: np.
         pos = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
         q = np.concatenate((q[..., :nope], rope(q[..., nope:], pos, config)), axis=-1)
         k_rope = rope(k_rope, pos, config)
+    if options.get("query_scale") is not None:  # Mistral 4: the whole query, after rope
+        beta, floor, offset = options["query_scale"]
+        at = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
+        steps = np.floor_divide(np.broadcast_to(at, (x.shape[0], x.shape[1])).astype(np.int64) + offset, floor)
+        q = q * (1.0 + beta * np.log1p(steps.astype(np.float64)))[:, None, :, None]
     k = np.concatenate((kv[..., :nope], np.broadcast_to(k_rope, (*kv.shape[:3], rot))), axis=-1)
     scale = options.get("scale")
     if scale is None:

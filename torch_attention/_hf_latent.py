@@ -28,7 +28,7 @@ from torch_attention.latent import MultiHeadLatentAttention
 
 # The options that decide how a latent layer computes (not dropout or the path).
 _BEHAVIOUR = ("d_in", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-              "q_lora_rank", "attention_bias", "norm_eps", "causal", "softcap", "window")
+              "q_lora_rank", "attention_bias", "norm_eps", "causal", "softcap", "window", "query_scale")
 
 
 # What a latent layer holds that ours computes (the same names as ours).
@@ -77,7 +77,22 @@ def options(layer: Any) -> dict[str, Any]:
         "context_length": None, "dropout": float(config.attention_dropout),
         "attention_bias": bool(config.attention_bias), "norm_eps": float(layer.kv_a_layernorm.variance_epsilon),
         "rope": _rope(layer), "scale": float(layer.scaling), "causal": bool(layer.is_causal),
+        **_query_scale(config),
     }
+
+
+def _query_scale(config: Any) -> dict[str, Any]:
+    """Mistral 4's ``llama_4_scaling_beta``: the whole query times 1 + beta * log(1 +
+    floor(p / original_max_position_embeddings)) after rope, ``query_scale=(beta,
+    original_max_position_embeddings, 0)``; ValueError naming it without an int length."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params.get("llama_4_scaling_beta"):
+        return {}
+    length = params.get("original_max_position_embeddings")
+    if type(length) is not int:
+        raise ValueError("this layer cannot be expressed as MultiHeadLatentAttention: llama_4_scaling_beta without an "
+                         f"int original_max_position_embeddings (got {length!r})")
+    return {"query_scale": (float(params["llama_4_scaling_beta"]), length, 0)}
 
 
 def from_hf(layer: Any) -> MultiHeadLatentAttention:

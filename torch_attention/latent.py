@@ -33,7 +33,10 @@ class MultiHeadLatentAttention(AttentionModule):
 
     ``rope=`` (an ``attention_spec.rope.RopeConfig``; DeepSeek-V3: interleaved, YaRN)
     turns the rope parts of q and k only, at the call's ``positions=``; None leaves the
-    rope parts unturned (the shared key then carries no position).  ``scale`` None:
+    rope parts unturned (the shared key then carries no position).  ``query_scale``
+    (an ``attention_spec.options.QueryScale``; Mistral 4's ``llama_4_scaling_beta``)
+    multiplies the whole query, after rope, by ``1 + beta * log1p(floor((p + offset) /
+    floor))`` at its position p, as ``MultiHeadAttention``'s.  ``scale`` None:
     ``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` when rope
     scales by YaRN.  ``attention_bias``: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and
     ``o_proj`` (never on ``q_proj``, ``q_b_proj``, ``kv_b_proj``).  ``norm_eps``: both
@@ -65,6 +68,7 @@ class MultiHeadLatentAttention(AttentionModule):
         attention_bias: bool = False,
         norm_eps: float = 1e-6,
         rope: Any = None,
+        query_scale: Any = None,
         scale: float | None = None,
         causal: bool = True,
         mask_strategy: str = "fill",
@@ -147,7 +151,9 @@ class MultiHeadLatentAttention(AttentionModule):
         latent, k_rope = compressed.split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
         latent = self._rms("kv_a_layernorm", latent)
         q_rope, k_rope = self._rotate(q_rope, k_rope.unsqueeze(1), positions, start)
-        return torch.cat((q_nope, q_rope), dim=-1), latent.unsqueeze(1), k_rope
+        # Mistral 4: the whole query (nope and rope parts) scaled by position, after rope
+        q, k_rope = self._scale_queries(torch.cat((q_nope, q_rope), dim=-1), k_rope, positions, start)
+        return q, latent.unsqueeze(1), k_rope
 
     def _mix(self, call: _Call, q: Tensor, latent: Tensor, k_rope: Tensor, return_weights: bool, absorb: bool,
              **extra: Any) -> Any:

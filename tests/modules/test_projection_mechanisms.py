@@ -524,3 +524,59 @@ def test_nanochat_attention() -> None:
         _ported(hf, want, x, POSITIONS, qk_norm="rms", qk_norm_weight=False)
     except ValueError as refused:
         assert "rotary layout" in str(refused) and "without a weight" not in str(refused), refused
+
+
+@needs_both
+def test_latent_attention_query_scale_and_mistral4() -> None:
+    """MultiHeadLatentAttention's query_scale (Mistral 4: the whole query, nope and rope
+    parts, after rope): the oracle, plain and absorbed, the Flax twin, a cached decode
+    (floor 2), and transformers' Mistral4Attention through from_hf at positions past 400
+    (original_max_position_embeddings 16)."""
+    import jax.numpy as jnp
+    import torch
+    from transformers import Mistral4Config
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4Attention, Mistral4RotaryEmbedding
+
+    import torch_attention
+    from attention_spec.rope import RopeConfig
+    from parity_tests import reference, to_flax
+    from torch_attention.interop import from_hf
+
+    torch.manual_seed(6)
+    m = torch_attention.MultiHeadLatentAttention(16, 2, 8, 4, 4, 4, q_lora_rank=6, query_scale=(0.3, 2, 0),
+                                                 rope=RopeConfig(theta=10000.0, layout="interleaved")).eval()
+    x = _x(2, 5, seed=6)
+    params = {k: v.detach().double().numpy() for k, v in m.state_dict().items()}
+    want = reference.forward("MultiHeadLatentAttention", m.config, params, x.astype(np.float64), positions=FAR)[0]
+    tol = ORACLE["float32"]
+    for absorb in (False, True):
+        got = m(torch.from_numpy(x), positions=torch.from_numpy(FAR), absorb=absorb).detach().numpy()
+        np.testing.assert_allclose(got, want, rtol=tol.rtol, atol=tol.atol)
+    got_f = to_flax(m)(jnp.asarray(x), positions=jnp.asarray(FAR))
+    np.testing.assert_allclose(np.asarray(got_f), want, rtol=tol.rtol, atol=tol.atol)
+    whole = m(torch.from_numpy(x)).detach().numpy()
+    cache = m.init_cache(2, 8)
+    out, cache = m(torch.from_numpy(x[:, :3]), cache=cache)
+    outs = [out.detach().numpy()]
+    for t in (3, 4):
+        out, cache = m(torch.from_numpy(x[:, t:t + 1]), cache=cache)
+        outs.append(out.detach().numpy())
+    np.testing.assert_allclose(np.concatenate(outs, 1), whole, rtol=PARITY["float32"].rtol, atol=PARITY["float32"].atol)
+
+    config = Mistral4Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=6, kv_lora_rank=8,
+                            qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, head_dim=4, num_hidden_layers=1,
+                            attn_implementation="eager", rope_parameters={
+                                "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                                "original_max_position_embeddings": 16})
+    hf = Mistral4Attention(config, layer_idx=0)
+    _randomise(hf, 26)
+    hf.eval()
+    positions = torch.from_numpy(POSITIONS)
+    x = _x(2, 6, seed=26)
+    with torch.no_grad():
+        cos_sin = Mistral4RotaryEmbedding(config)(torch.from_numpy(x), positions)
+        want_hf = hf(torch.from_numpy(x), cos_sin, _causal(6), position_ids=positions)[0]
+    ours = from_hf(hf)
+    assert ours.config["query_scale"] == (config.rope_parameters["llama_4_scaling_beta"], 16, 0)
+    got = ours(torch.from_numpy(x), positions=positions)
+    torch.testing.assert_close(got.detach(), want_hf, rtol=PARITY["float32"].rtol, atol=PARITY["float32"].atol)
