@@ -63,12 +63,12 @@ from jax_attention._canonical import canonical_segments as canonical_segments
 from jax_attention._canonical import canonicalise as canonicalise
 from jax_attention._canonical import heads_first
 from jax_attention._cpu_fused import cpu_kernel_supports as cpu_kernel_supports
+from jax_attention._delta import gated_delta_rule as gated_delta_rule
 from jax_attention._flex import BlockMask as BlockMask
 from jax_attention._flex import create_block_mask as create_block_mask
 from jax_attention._fused import cudnn_supports as cudnn_supports
 from jax_attention._fused import splash_attention as splash_attention
 from jax_attention._fused import splash_supports as splash_supports
-from jax_attention._delta import gated_delta_rule as gated_delta_rule
 from jax_attention._linear import linear as linear
 from jax_attention._linear import project as project
 from jax_attention._paths import FEW_QUERY_ROWS as FEW_QUERY_ROWS

@@ -55,9 +55,9 @@ from torch_attention._canonical import canonical_q_offset as canonical_q_offset
 from torch_attention._canonical import canonical_segments as canonical_segments
 from torch_attention._canonical import canonicalise as canonicalise
 from torch_attention._canonical import heads_first
+from torch_attention._delta import gated_delta_rule as gated_delta_rule
 from torch_attention._flex import BlockMask as BlockMask
 from torch_attention._flex import create_block_mask as create_block_mask
-from torch_attention._delta import gated_delta_rule as gated_delta_rule
 from torch_attention._linear import linear as linear
 from torch_attention._linear import project as project
 from torch_attention._paths import FUSED_DRAWS_DROPOUT as FUSED_DRAWS_DROPOUT
