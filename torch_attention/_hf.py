@@ -284,6 +284,10 @@ def _recognise(layer: Any, what: str) -> _Family:
         for needs, mechanism in _NOT_SOFTMAX:
             if needs <= own_params:
                 raise ValueError(f"{type(layer).__name__}: {mechanism}")
+        from torch_attention import _hf_delta
+
+        if _hf_delta.layout(layer) is not None:  # Kimi's KDA keeps A_log in its forget_gate
+            raise ValueError(f"{type(layer).__name__}: {_hf_delta.LINEAR_ATTENTION}")
     if not isinstance(layer, nn.Module) or _config(_attention_of(layer)) is None:
         raise TypeError(f"{what} takes the attention layer of a transformers model (an nn.Module with a config "
                         f"and q/k/v/o projections, e.g. {', '.join(_PROVEN[:3])}, ...); got {type(layer).__name__}")
@@ -648,11 +652,11 @@ def _projections(layer: nn.Module, attention: Any) -> _Family | None:
         return None
     model_type = str(getattr(_config(attention), "model_type", ""))
     for packed, outs, rule, types in _PACKED:
-        o = next((name for name in outs if _child(layer, name) is not None), None)
-        if _child(layer, packed) is None or o is None:
+        output = next((name for name in outs if _child(layer, name) is not None), None)
+        if _child(layer, packed) is None or output is None:
             continue
         layout = "out_in" if type(_child(layer, packed)) is nn.Linear else "in_out"
-        family = _Family("", packed=packed, o=o, packing=rule, layout=layout)
+        family = _Family("", packed=packed, o=output, packing=rule, layout=layout)
         packing = _packing(layer, attention, family)
         if packing is None and types and model_type not in types:
             raise _refused(layer, [f"a packed q/k/v `{packed}` in a packing from_hf does not know for "
@@ -671,7 +675,7 @@ def _packed_heads(layer: nn.Module, attention: Any, family: _Family) -> tuple[in
     out = _get(layer, family.o)
     d_model = int(out.weight.shape[1] if family.layout == "in_out" else out.weight.shape[0])
     head_dim = int(getattr(attention, "head_dim", 0) or getattr(attention, "head_size", 0) or 0) or d_model // heads
-    packed = _get(layer, family.packed).weight
+    packed = _get(layer, family.packed or "").weight
     rows = int(packed.shape[1] if family.layout == "in_out" else packed.shape[0])
     extra = rows - heads * head_dim
     if extra > 0 and extra % (2 * head_dim) == 0:
@@ -700,7 +704,7 @@ def _packing(layer: nn.Module, attention: Any, family: _Family) -> str | None:
         return None
     heads, kv_heads, head_dim = _packed_heads(layer, attention, family)
     candidates = ["grouped"] if kv_heads < heads else ["thirds", "per_head"]
-    module, out = _get(layer, family.packed), _get(layer, family.o)
+    module, out = _get(layer, family.packed or ""), _get(layer, family.o)
     x = _probe_input(layer, _d_in(layer, family))
     try:
         embeddings = _probe_rotary(layer, attention, x) if "position_embeddings" in _forward_takes(attention) else None
@@ -855,11 +859,15 @@ def _latent(layer: Any) -> bool:
 def recognises_hf_layer(module: Any) -> bool:
     """Whether ``from_hf`` takes ``module`` (an attention layer whose mechanisms it knows),
     without reading a weight."""
+    from torch_attention import _hf_delta
+
     try:
         if _latent(module):
             from torch_attention import _hf_latent
 
             _hf_latent.refusals(module, raise_=True)
+        elif _hf_delta.layout(module) is not None:
+            _hf_delta.refusals(module)
         else:
             _recognise(module, "from_hf")
     except (TypeError, ValueError):
@@ -1210,7 +1218,7 @@ def _first_weight(layer: nn.Module, family: _Family) -> torch.Tensor:
     return _get(layer, family.packed or family.q).weight
 
 
-def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
+def from_hf(layer: nn.Module) -> Any:
     """A ``transformers`` attention layer -> our ``MultiHeadAttention`` with its weights
     (copied exactly; Gemma 3's qk-norm weights with ``qk_norm_offset=1.0``, as its RMSNorm
     scales by ``1 + w``), options, dtype, device and train/eval mode.
@@ -1242,6 +1250,10 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
     DeepSeek-V2/V3 (``DeepseekV2Attention``, ``DeepseekV3Attention``) give our
     ``MultiHeadLatentAttention``, the same parameter names (see ``_hf_latent``).
 
+    The linear-attention layers of Qwen3.5 / Qwen3-Next (``Qwen3_5GatedDeltaNet``,
+    ``Qwen3NextGatedDeltaNet``) and Kimi Linear (``KimiLinearDeltaAttention``) give our
+    ``GatedDeltaNet`` / ``KimiDeltaAttention`` (see ``_hf_delta``).
+
     The layer is recognised by what it holds and computes, not by its class (tiny probes,
     eval mode, no gradients): the packing of a packed q/k/v (``_packing``), the rotary
     layout, halves or interleaved pairs (``_rope_layout``), whether a qk-norm sees q before
@@ -1258,6 +1270,10 @@ def from_hf(layer: nn.Module) -> MultiHeadAttention | MultiHeadLatentAttention:
         from torch_attention import _hf_latent
 
         return _hf_latent.from_hf(layer)
+    from torch_attention import _hf_delta
+
+    if _hf_delta.layout(layer) is not None:  # linear attention: GatedDeltaNet / KimiDeltaAttention
+        return _hf_delta.from_hf(layer)
     family = _family(layer, "from_hf")
     options = _options(layer, family)
     module = _build(options, _first_weight(layer, family))

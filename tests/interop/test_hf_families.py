@@ -30,6 +30,7 @@ TINY: dict[str, Any] = {
     "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_routed_experts": 4,
     "n_shared_experts": 1, "shared_expert_intermediate_size": 32, "sliding_window": 8, "pad_token_id": 0,
     "bos_token_id": 1, "eos_token_id": 2, "is_decoder": True, "use_cache": False, "tie_word_embeddings": False,
+    "rotary_dim": 4,  # GPT-J's and CodeGen's (64 by default: wider than the sweep's heads)
 }
 MIXERS = ("self_attn", "attn", "attention", "self_attention", "linear_attn", "mixer", "mamba", "conv",
           "temporal_block")
@@ -60,12 +61,17 @@ def _mixers(model: Any, layers: int) -> list[tuple[Any, str, Any]]:
 
 class _AsHF:
     """Ours called as Hugging Face calls its attention layer: (hidden_states, ...) ->
-    (output, None), at the sweep's positions; BERT's residual and ``output.LayerNorm``
-    (not ours) applied as its layer does."""
+    (output, None) (a list where the layer gives one: GPT-1's), at the sweep's positions;
+    what is not ours applied as the layer does: BERT's residual and ``output.LayerNorm``
+    after, RoBERTa-PreLayerNorm's ``LayerNorm`` before and the residual after."""
 
     @staticmethod
-    def wrap(ours: Any, native: Any, positions: Any) -> Any:
+    def wrap(ours: Any, native: Any, positions: Any, as_list: bool = False) -> Any:
         from torch import nn
+
+        from torch_attention._hf import _latent, _recognise
+
+        not_ours = None if _latent(native) else _recognise(native, "sweep").not_ours
 
         class Port(nn.Module):
             def __init__(self) -> None:
@@ -74,11 +80,15 @@ class _AsHF:
 
             def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
                 rope = getattr(ours.spec, "rope", None) is not None
-                out = ours(hidden_states, positions=positions) if rope else ours(hidden_states)
-                norm = getattr(getattr(native, "output", None), "LayerNorm", None)
-                if norm is not None:
-                    out = norm(out + hidden_states)
-                return out, None
+                x = hidden_states
+                if not_ours is not None and not_ours != "output.LayerNorm":  # a pre-norm
+                    x = getattr(native, not_ours)(hidden_states)
+                out = ours(x, positions=positions) if rope else ours(x)
+                if not_ours == "output.LayerNorm":
+                    out = native.output.LayerNorm(out + hidden_states)
+                elif not_ours is not None:
+                    out = out + hidden_states
+                return [out, None] if as_list else (out, None)
 
         return Port()
 
@@ -130,11 +140,16 @@ def _verdict(model_type: str) -> tuple[str, str, float | None]:
             return "error", f"from_hf raised {type(e).__name__}: {e}", None
     ids = torch.randint(0, 64, (1, POSITIONS[1] - POSITIONS[0]), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(*POSITIONS)[None]
+    lists = set()  # the layers that return a list (GPT-1's): the port too
+    hooks = [child.register_forward_hook(lambda m, _a, out: lists.add(id(m)) if isinstance(out, list) else None)
+             for _, _, child, _ in ports]
     try:
         with torch.no_grad():
             want = model(input_ids=ids, position_ids=positions).logits
+            for hook in hooks:
+                hook.remove()
             for layer, name, child, ours in ports:
-                setattr(layer, name, _AsHF.wrap(ours, child, positions))
+                setattr(layer, name, _AsHF.wrap(ours, child, positions, id(child) in lists))
             got = model(input_ids=ids, position_ids=positions).logits
     except Exception as e:  # noqa: BLE001 - reported with the family
         return "not built", f"the native forward failed here: {type(e).__name__}: {str(e).splitlines()[0][:160]}", None
@@ -181,11 +196,18 @@ def test_every_family_ports_within_1e_5_or_is_refused_naming_its_mechanism(verdi
 MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phimoe", "olmoe", "olmo",
              "olmo2", "olmo3", "glm4_moe", "minimax_m2", "seed_oss", "arcee", "starcoder2",
              "granite", "stablelm", "exaone4", "smollm3", "apertus", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
-             "gpt_oss", "gpt2", "gpt_neox", "lfm2")
-MUST_REFUSE = {"qwen3_next": "gated delta rule", "llama4_text": "attention_chunk_size",
-               # interleaved rope pairs: the next mechanism to map (ours has layout="interleaved")
-               "cohere2": "rotary layout", "glm": "rotary layout", "glm4": "rotary layout",
-               "ernie4_5": "rotary layout"}
+             "gpt_oss", "gpt2", "gpt_neox", "lfm2",
+             # recognised by mechanism (issue 56): interleaved rotary pairs, packings found by a probe, a
+             # layer without its model's config, a pre-norm left to the caller, a rotary table without inv_freq
+             "cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "glm", "glm4", "helium", "gpt_bigcode",
+             "persimmon", "gptj", "openai-gpt", "roberta-prelayernorm", "xlm-roberta-xl", "modernbert-decoder")
+MUST_REFUSE = {"qwen3_next": "gated delta rule",
+               "hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
+               "bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
+               "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
+               "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
+               "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
+               "big_bird": "block-sparse attention"}
 
 
 @needs_torch

@@ -1,0 +1,184 @@
+"""``from_hf`` on the families it recognises by mechanism beyond ``tests/interop/test_from_hf.py``'s:
+interleaved rotary pairs (Cohere's cos laid out interleaved, GLM's halves interleaved inside
+``apply_rotary_pos_emb`` with a partial rotation, GPT-J's table of sines and cosines without
+``inv_freq``), packed q/k/v found by a probe (GPTBigCode's multi-query ``c_attn``, Persimmon's
+per-head ``query_key_value`` with a LayerNorm qk-norm), a layer without its model's config
+(GPT-1's, causal by its own mask buffer), a pre-norm left to the caller (RoBERTa-PreLayerNorm's
+``LayerNorm``), an output projection named ``Wo`` (ModernBERT decoder's, with its sliding
+layers); and the families refused by the mechanism that stops them.
+
+Each ported layer is called as its model calls it (the hidden states, rotary embeddings and
+mask captured from the tiny model's own forward at positions 448..463) and compared with ours:
+the outputs, the input gradient and every weight gradient (ours written back into the layer's
+names and layouts by ``to_hf``) of ``sum(out * R)``.  The logits of whole models are the sweep's
+(``tests/interop/test_hf_families.py``)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+
+from tests.support import needs_torch
+
+POSITIONS = (448, 464)
+PORTS = ("cohere", "glm", "gptj", "gpt_bigcode", "persimmon", "openai-gpt", "roberta-prelayernorm",
+         "modernbert-decoder")
+# family -> (config overrides, the text its refusal must hold)
+REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
+    "hunyuan_v1_dense": ({}, "a qk-norm after rope"),
+    "bloom": ({}, "ALiBi"),
+    "mpt": ({}, "MPT's ALiBi"),
+    "codegen": ({}, "in an order ours does not split"),
+    "xglm": ({}, "self- or cross-attention by its caller"),
+    "gpt_neox_japanese": ({}, "dense_bias"),
+    "cohere": ({"use_qk_norm": True}, "a qk-norm with its own weight per head"),
+}
+
+
+def _model(model_type: str, **overrides: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.interop.test_hf_families import _tiny_config
+
+    config = _tiny_config(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+
+
+def _first_layer(model: Any) -> Any:
+    from tests.interop.test_hf_families import _mixers, _randomise
+
+    _, _, layer = _mixers(model, int(model.config.num_hidden_layers))[0]
+    _randomise(layer)
+    return layer
+
+
+def _captured_call(model: Any, layer: Any) -> tuple[Any, dict[str, Any]]:
+    """The hidden states and keywords the model gives ``layer`` at the test's positions."""
+    import torch
+
+    seen: dict[str, Any] = {}
+
+    def keep(_m: Any, args: Any, kwargs: Any) -> None:
+        seen.setdefault("args", args)
+        seen.setdefault("kwargs", dict(kwargs))
+
+    handle = layer.register_forward_pre_hook(keep, with_kwargs=True)
+    ids = torch.randint(0, 64, (1, POSITIONS[1] - POSITIONS[0]), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=torch.arange(*POSITIONS)[None])
+    finally:
+        handle.remove()
+    args, kwargs = seen["args"], seen["kwargs"]
+    x = args[0] if args else kwargs.pop("hidden_states")
+    kwargs.update(dict(zip(("attention_mask",), args[1:2], strict=False)))  # GPT-1's mask comes second
+    return x.detach(), kwargs
+
+
+def _port(model_type: str) -> dict[str, Any]:
+    """Ours and the native layer on the model's own call: outputs and gradients."""
+    import torch
+
+    from torch_attention._hf import _recognise
+    from torch_attention.interop import from_hf, to_hf
+
+    model = _model(model_type)
+    layer = _first_layer(model)
+    x, kwargs = _captured_call(model, layer)
+    ours = from_hf(layer)
+    not_ours = _recognise(layer, "test").not_ours
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+
+    def run(fn: Any) -> tuple[Any, Any]:
+        xi = x.clone().requires_grad_(True)
+        out = fn(xi)
+        out = out[0] if isinstance(out, tuple | list) else out
+        (out * r).sum().backward()
+        return out.detach(), xi.grad
+
+    positions = torch.arange(*POSITIONS)[None]
+
+    def mine(xi: Any) -> Any:
+        inner = getattr(layer, not_ours)(xi) if not_ours else xi  # a pre-norm: the caller's
+        out = ours(inner, positions=positions) if ours.spec.rope is not None else ours(inner)
+        return out + xi if not_ours else out
+
+    layer.zero_grad()
+    want, want_dx = run(lambda xi: layer(xi, **kwargs))
+    theirs_grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad()
+    got, got_dx = run(mine)
+    grads = copy.deepcopy(ours)
+    with torch.no_grad():
+        for p, g in zip(grads.parameters(), ours.parameters(), strict=True):
+            p.copy_(g.grad)
+    written = to_hf(grads, copy.deepcopy(layer))  # our gradients under the layer's names and layouts
+    mine_grads = {n: p.detach() for n, p in written.named_parameters()
+                  if not (not_ours and n.startswith(not_ours + "."))}
+    return {"out": (got, want), "dx": (got_dx, want_dx), "ours": ours,
+            "grads": {n: (g, theirs_grads[n]) for n, g in mine_grads.items()}}
+
+
+@pytest.fixture(scope="module")
+def ports() -> dict[str, Any]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {t: _port(t) for t in PORTS}
+
+
+def _relative(got: Any, want: Any, floor: float = 1e-12) -> float:
+    """The largest difference over the largest magnitude (at least ``floor``: a gradient that
+    is 0 but for rounding, the key bias's, is measured against the layer's largest one)."""
+    return float((got - want).abs().max() / want.abs().max().clamp_min(floor))
+
+
+@needs_torch
+@pytest.mark.parametrize("model_type", PORTS)
+def test_ours_computes_the_native_layer_at_positions_past_400_forward_and_backward(ports: Any,
+                                                                                   model_type: str) -> None:
+    port = ports[model_type]
+    errors = {"out": _relative(*port["out"]), "dx": _relative(*port["dx"])}
+    largest = max(float(want.abs().max()) for _, want in port["grads"].values())
+    errors.update({f"d {name}": _relative(*pair, floor=1e-3 * largest) for name, pair in port["grads"].items()})
+    assert port["grads"], "no weight gradient compared"
+    assert {k: e for k, e in errors.items() if not e <= 1e-5} == {}
+
+
+@needs_torch
+def test_the_mechanisms_are_read_from_the_layers(ports: Any) -> None:
+    from attention_spec.rope import rotary_dim
+
+    specs = {t: p["ours"].spec for t, p in ports.items()}
+    assert specs["cohere"].rope.layout == specs["glm"].rope.layout == specs["gptj"].rope.layout == "interleaved"
+    assert rotary_dim(specs["glm"].rope, 8) == rotary_dim(specs["gptj"].rope, 8) == 4  # of head_dim 8
+    assert specs["gptj"].rope.inv_freq == (1.0, 0.009999999776482582)  # 10000 ** -(2i / 4), in float32
+    assert specs["gpt_bigcode"].kv_heads == 1  # multi-query c_attn: [q; k; v] of widths 32, 8, 8
+    assert specs["persimmon"].qk_norm == "layer" and specs["persimmon"].rope.layout == "half"
+    assert specs["openai-gpt"].causal and specs["openai-gpt"].rope is None
+    assert specs["modernbert-decoder"].window is None  # layer 0 is global, ModernBERT's first of three
+
+
+@needs_torch
+def test_the_others_are_refused_naming_their_mechanism() -> None:
+    from torch_attention.interop import from_hf
+
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type, (overrides, _) in REFUSALS.items():
+            layer = _first_layer(_model(model_type, **overrides))
+            with pytest.raises(ValueError) as refused:
+                from_hf(layer)
+            got[model_type] = str(refused.value)
+    assert {t: m for t, m in got.items() if REFUSALS[t][1] not in m} == {}
