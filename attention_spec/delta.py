@@ -119,3 +119,84 @@ def state_dtype(dtype: str) -> str:
     """The dtype the rule computes in and keeps its state in: float64 for float64, else
     float32."""
     return "float64" if dtype == "float64" else "float32"
+
+
+# --------------------------------------------------------------------------- the layers
+
+CACHE_FIELDS = ("conv", "state")
+
+
+class DeltaNetGeometry(NamedTuple):
+    """A linear-attention layer's sizes (``GatedDeltaNet``, ``KimiDeltaAttention``):
+    ``qk_heads`` heads of width ``key_dim`` for q and k, ``heads`` of width ``value_dim``
+    for v (a multiple of ``qk_heads``: grouped value heads), ``conv_channels`` the
+    depthwise causal conv's channels (q, k and v concatenated), ``kernel`` its width."""
+
+    d_in: int
+    qk_heads: int
+    key_dim: int
+    heads: int
+    value_dim: int
+    kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.qk_heads * self.key_dim + self.heads * self.value_dim
+
+
+def check_delta_net_options(d_in: Any, num_key_heads: Any, key_head_dim: Any, num_value_heads: Any,
+                            value_head_dim: Any, conv_kernel_size: Any, chunk_size: Any,
+                            norm_eps: Any) -> DeltaNetGeometry:
+    """A linear-attention layer's constructor keywords, checked before anything is built;
+    one text for both twins."""
+    for name, value in (("d_in", d_in), ("num_key_heads", num_key_heads), ("key_head_dim", key_head_dim),
+                        ("num_value_heads", num_value_heads), ("value_head_dim", value_head_dim),
+                        ("conv_kernel_size", conv_kernel_size), ("chunk_size", chunk_size)):
+        check_positive_int(name, value)
+    if num_value_heads % num_key_heads:
+        raise ValueError(f"num_value_heads must be a multiple of num_key_heads (grouped value heads); "
+                         f"got {num_value_heads} and {num_key_heads}")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not (0 < norm_eps < float("inf")):
+        raise ValueError(f"norm_eps must be a positive finite number; got {norm_eps!r}")
+    return DeltaNetGeometry(d_in, num_key_heads, key_head_dim, num_value_heads, value_head_dim, conv_kernel_size)
+
+
+def delta_cache_shapes(geometry: DeltaNetGeometry, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The cache's two arrays: ``conv`` (B, C, K - 1), the last K - 1 inputs of the
+    causal conv per channel (transformers keeps (B, C, K), its first column never read),
+    and ``state`` (B, H, Dk, Dv), the delta rule's."""
+    return ((batch, geometry.conv_channels, geometry.kernel - 1),
+            (batch, geometry.heads, geometry.key_dim, geometry.value_dim))
+
+
+def check_delta_net_call(name: str, geometry: DeltaNetGeometry, x_shape: Any, x_dtype: str, compute: str,
+                         padding_mask: Any, cache: Any) -> tuple[int, int]:
+    """A linear-attention layer's call, before any work: x (B, T, d_in) in the module's
+    compute dtype, ``padding_mask`` None or (B, T) bool / integer (True or nonzero = a
+    real token), ``cache`` None or (``conv``, ``state``) as (shape, dtype name) pairs of
+    ``delta_cache_shapes`` and the dtypes ``init_cache`` gives (conv: ``compute``; state:
+    ``state_dtype(compute)``), or the string ``"not a DeltaCache"``.  Returns (B, T);
+    ValueError (shapes, a wrong cache) or TypeError (dtypes), one text for both twins."""
+    shape = as_shape(x_shape)
+    if len(shape) != 3 or shape[2] != geometry.d_in or shape[1] == 0:
+        raise ValueError(f"{name} takes x of shape (batch, tokens, d_in={geometry.d_in}), tokens >= 1; got {shape}")
+    if x_dtype != compute:
+        raise TypeError(f"{name} takes x in its compute dtype {compute}; got {x_dtype}")
+    batch, length = shape[0], shape[1]
+    if padding_mask is not None:
+        mask_shape, mask_dtype = padding_mask
+        if as_shape(mask_shape) != (batch, length):
+            raise ValueError(f"padding_mask must be (B, T) = {(batch, length)} (True = a real token); "
+                             f"got {as_shape(mask_shape)}")
+        if mask_dtype != "bool" and not mask_dtype.startswith(("int", "uint")):
+            raise TypeError(f"padding_mask must be bool or integer (True or 1 = a real token); got {mask_dtype}")
+    if cache is not None:
+        want = dict(zip(CACHE_FIELDS, delta_cache_shapes(geometry, batch), strict=True))
+        kinds = {"conv": compute, "state": state_dtype(compute)}
+        got = None if isinstance(cache, str) else dict(zip(CACHE_FIELDS, cache, strict=True))
+        if got is None or any(got[f] != (want[f], kinds[f]) for f in CACHE_FIELDS):
+            expected = ", ".join(f"{f} {want[f]} {kinds[f]}" for f in CACHE_FIELDS)
+            found = cache if got is None else ", ".join(f"{f} {got[f][0]} {got[f][1]}" for f in CACHE_FIELDS)
+            raise ValueError(f"{name}'s cache must be a DeltaCache from its init_cache(batch_size={batch}): "
+                             f"{expected}; got {found}")
+    return batch, length

@@ -6,6 +6,7 @@ the same numbers out for the same weights.  Masks are bool, ``True`` = may atten
 
 from jax_attention import functional, interop, masks, parallel
 from jax_attention.causal import CausalAttention, Head
+from jax_attention.delta_net import DeltaCache, GatedDeltaNet, KimiDeltaAttention
 from jax_attention.functional import KVCache, attention_weights, dot_product_attention
 from jax_attention.latent import MultiHeadLatentAttention
 from jax_attention.masks import (
@@ -24,6 +25,9 @@ from jax_attention.simplified import SimplifiedAttention
 
 __all__ = [
     "CausalAttention",
+    "DeltaCache",
+    "GatedDeltaNet",
+    "KimiDeltaAttention",
     "KVCache",
     "Head",
     "MultiHeadAttention",
