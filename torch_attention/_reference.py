@@ -95,8 +95,11 @@ def _softmax(scores: Tensor, mask: Tensor | None, scale: float = 1.0, sinks: Ten
     if sinks is not None:
         sink = sinks.to(scores.dtype)[:, None, None]  # (H, 1, 1): broadcasts over T and the lead
         row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink).detach()
+        # a row with nothing to attend to whose sink is -inf (no sink) subtracts 0: its
+        # weights are 0 / 0, which _safe_divide turns into zeros (finite gradients)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         unnormalized = torch.exp(scores - row_max)
-        return unnormalized / (unnormalized.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max))
+        return _safe_divide(unnormalized, unnormalized.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max))
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     if mask is not None:
         # A row with nothing to attend to (known from the mask) subtracts 0: exp(-inf)

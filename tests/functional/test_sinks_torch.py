@@ -260,3 +260,27 @@ def test_bad_sinks_raise_check_sinks_errors_before_work(shape, dtype: str, norma
         for path in ("reference", "auto", "fused"):
             with pytest.raises(kind, match=re.escape(text)):
                 call(q, k, v, sinks=sinks, normalization=normalization, implementation=path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_row_with_no_key_and_a_sink_of_minus_inf_is_zeros_with_finite_gradients(path: str) -> None:
+    """A sink of -inf is no sink; a query that sees no key then gets a zero row and
+    finite gradients (it was 0 / 0 = NaN on the reference path), as the JAX twin and the
+    oracle give."""
+    import torch
+
+    from parity_tests.reference import attention
+    from torch_attention.functional import dot_product_attention
+
+    rng = np.random.default_rng(4)
+    q, k, v = (torch.tensor(rng.standard_normal((1, 2, 3, 4)), requires_grad=True) for _ in range(3))
+    sinks = torch.tensor([-math.inf, 0.5], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    mask[..., 1, :] = False  # query 1 sees no key
+    out = dot_product_attention(q, k, v, mask=mask, sinks=sinks, implementation=path)
+    want, _ = attention(*(t.detach().numpy() for t in (q, k, v)), scale=0.5, mask=mask.numpy(),
+                        sinks=sinks.detach().numpy())
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-12, atol=1e-12)
+    assert not out[0, :, 1].any()
+    out.sum().backward()
+    assert all(bool(t.grad.isfinite().all()) for t in (q, k, v, sinks))
