@@ -153,6 +153,8 @@ QUICK_STAND_INS: dict[str, str] = {
         M + "test_free_widths.py::test_parity_and_oracle_on_every_path",
     M + "test_global_state.py::test_the_modules_are_float32_accurate_without_any_global_flag":
         M + "test_global_state.py::test_check_parity_sets_full_precision_inside_and_restores_the_flags",
+    M + "test_projection_mechanisms.py::test_latent_attention_query_scale_and_mistral4":
+        M + "test_projection_mechanisms.py::test_query_scale_by_hand",
     M + "test_latent_attention.py::test_decoding_equals_the_full_forward":
         M + "test_compiled_decoding.py::test_latent_attention_records_an_overflow_under_jit_too",
     M + "test_latent_attention.py::test_the_flax_decode_step_compiles_once":
