@@ -123,9 +123,11 @@ _CONFIG_REFUSALS = (
     ("use_alibi", "ALiBi position biases"), ("alibi", "ALiBi position biases"),
 )
 # Call conventions that say the layer takes what ours does not compute.
-_FORWARD_REFUSALS = {"alibi": "ALiBi position biases, which its model builds and passes in (its forward takes alibi)",
+# ALiBi is ours as score_mod=alibi(slopes), but these layers hold no slopes: their models build the biases.
+_FORWARD_REFUSALS = {"alibi": "ALiBi position biases, which its model builds and passes in (its forward takes alibi; "
+                              "the layer holds no slopes)",
                      "position_bias": "a position bias its model builds and adds to the scores (its forward takes "
-                                      "position_bias: MPT's ALiBi)",
+                                      "position_bias: MPT's ALiBi; the layer holds no slopes)",
                      "residual": "the residual added inside the layer (its forward takes residual)",
                      "sinusoidal_pos": "rotary positions its model passes in as sinusoidal_pos (RoFormer's)"}
 

@@ -61,17 +61,21 @@ def _mixers(model: Any, layers: int) -> list[tuple[Any, str, Any]]:
 
 class _AsHF:
     """Ours called as Hugging Face calls its attention layer: (hidden_states, ...) ->
-    (output, None) (a list where the layer gives one: GPT-1's), at the sweep's positions;
+    (output, None) (a list where the layer gives one: GPT-1's; the output alone where the layer
+    gives a tensor), at the sweep's positions;
     what is not ours applied as the layer does: BERT's residual and ``output.LayerNorm``
     after, RoBERTa-PreLayerNorm's ``LayerNorm`` before and the residual after."""
 
     @staticmethod
-    def wrap(ours: Any, native: Any, positions: Any, as_list: bool = False) -> Any:
+    def wrap(ours: Any, native: Any, positions: Any, gives: type = tuple) -> Any:
         from torch import nn
 
-        from torch_attention._hf import _latent, _recognise
+        from torch_attention._hf import _recognise
 
-        not_ours = None if _latent(native) else _recognise(native, "sweep").not_ours
+        try:
+            not_ours = _recognise(native, "sweep").not_ours
+        except (TypeError, ValueError):  # a layer from_hf ports by another path (DeepSeek's latent attention)
+            not_ours = None
 
         class Port(nn.Module):
             def __init__(self) -> None:
@@ -79,7 +83,7 @@ class _AsHF:
                 self.ours = ours
 
             def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-                rope = getattr(ours.spec, "rope", None) is not None
+                rope = getattr(getattr(ours, "spec", None), "rope", None) is not None
                 x = hidden_states
                 if not_ours is not None and not_ours != "output.LayerNorm":  # a pre-norm
                     x = getattr(native, not_ours)(hidden_states)
@@ -88,7 +92,9 @@ class _AsHF:
                     out = native.output.LayerNorm(out + hidden_states)
                 elif not_ours is not None:
                     out = out + hidden_states
-                return [out, None] if as_list else (out, None)
+                if gives is list:
+                    return [out, None]
+                return (out, None) if gives is tuple else out
 
         return Port()
 
@@ -140,16 +146,20 @@ def _verdict(model_type: str) -> tuple[str, str, float | None]:
             return "error", f"from_hf raised {type(e).__name__}: {e}", None
     ids = torch.randint(0, 64, (1, POSITIONS[1] - POSITIONS[0]), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(*POSITIONS)[None]
-    lists = set()  # the layers that return a list (GPT-1's): the port too
-    hooks = [child.register_forward_hook(lambda m, _a, out: lists.add(id(m)) if isinstance(out, list) else None)
-             for _, _, child, _ in ports]
+    gives: dict[int, type] = {}  # what each layer returns: a tuple, a list (GPT-1's) or a tensor; the port too
+
+    def note(module: Any, _args: Any, out: Any) -> None:
+        gives.setdefault(id(module), type(out))
+
+    hooks = [child.register_forward_hook(note) for _, _, child, _ in ports]
     try:
         with torch.no_grad():
             want = model(input_ids=ids, position_ids=positions).logits
             for hook in hooks:
                 hook.remove()
             for layer, name, child, ours in ports:
-                setattr(layer, name, _AsHF.wrap(ours, child, positions, id(child) in lists))
+                kind = gives.get(id(child), tuple)
+                setattr(layer, name, _AsHF.wrap(ours, child, positions, kind if kind in (list, tuple) else object))
             got = model(input_ids=ids, position_ids=positions).logits
     except Exception as e:  # noqa: BLE001 - reported with the family
         return "not built", f"the native forward failed here: {type(e).__name__}: {str(e).splitlines()[0][:160]}", None
@@ -201,8 +211,7 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              # layer without its model's config, a pre-norm left to the caller, a rotary table without inv_freq
              "cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "glm", "glm4", "helium", "gpt_bigcode",
              "persimmon", "gptj", "openai-gpt", "roberta-prelayernorm", "xlm-roberta-xl", "modernbert-decoder")
-MUST_REFUSE = {"qwen3_next": "gated delta rule",
-               "hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
+MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
                "bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
                "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
                "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
