@@ -71,16 +71,16 @@ def _to_jax(ours: Any) -> Any:
     keywords = ({"num_heads": g.heads, "head_dim": g.key_dim} if type(ours).__name__ == "KimiDeltaAttention" else
                 {"num_key_heads": g.qk_heads, "key_head_dim": g.key_dim, "num_value_heads": g.heads,
                  "value_head_dim": g.value_dim})
-    twin = cls(g.d_in, **keywords, conv_kernel_size=g.kernel, chunk_size=ours.chunk_size, norm_eps=ours.norm_eps,
-               rngs=nnx.Rngs(0))
+    # built abstract (no random draws: each would compile eagerly), every parameter then given
+    twin = nnx.eval_shape(lambda: cls(g.d_in, **keywords, conv_kernel_size=g.kernel, chunk_size=ours.chunk_size,
+                                      norm_eps=ours.norm_eps, rngs=nnx.Rngs(0)))
     copied = 0
     for name, p in ours.named_parameters():
         value = p.detach().numpy()
         module, _, leaf = name.partition(".")
-        if leaf:  # an nn.Linear's weight
-            getattr(twin, module).kernel[...] = jnp.asarray(value.T)
-        else:
-            getattr(twin, module)[...] = jnp.asarray(value)
+        param = getattr(twin, module).kernel if leaf else getattr(twin, module)  # leaf: an nn.Linear's weight
+        assert tuple(param.shape) == (value.T if leaf else value).shape, name
+        param.value = jnp.asarray(value.T if leaf else value)
         copied += 1
     assert copied == len(jax.tree.leaves(nnx.state(twin, nnx.Param)))
     return twin
@@ -175,7 +175,11 @@ def test_against_transformers_forward_and_every_gradient(family: str, layers: An
     """A left-padded batch: transformers' layer, ours and the Flax twin, float32: the
     output, and the gradients of sum(out * cot) for x and every parameter (theirs mapped
     onto ours by ``from_hf``'s own unpacking, ``_hf_delta.hf_state``), within DELTA_TWINS
-    of theirs, and twin within it of twin."""
+    of theirs, and twin within it of twin.  The Flax twin's gradients for the GDN layers
+    (one compile serves both); KDA's Flax twin forward only, by the cached test's jitted
+    call (its rule's JAX gradients, per-channel decay included, are checked against
+    transformers' KDA function in tests/functional/test_delta_rule.py), to keep the
+    file's time: a gradient program is the costliest compile here."""
     import jax.numpy as jnp
     import torch
 
@@ -196,14 +200,21 @@ def test_against_transformers_forward_and_every_gradient(family: str, layers: An
         if name == "theirs":
             named = _hf_delta.hf_state(layer, named)
         results[name] = (out.detach().numpy(), grads[0].numpy(), {n: gr.numpy() for n, gr in named.items()})
-    (jgrad_module, jgrad_x), jout = _jax_grad()(twin, jnp.asarray(x), jnp.asarray(mask), jnp.asarray(cot))
+    jax_grads = family != "kimi_linear"
+    if jax_grads:
+        (jgrad_module, jgrad_x), jout = _jax_grad()(twin, jnp.asarray(x), jnp.asarray(mask), jnp.asarray(cot))
+    else:
+        jout = _jax_step()(twin, jnp.asarray(x), jnp.asarray(mask), twin.init_cache(B))[0]
     errors = {"out": _error(results["ours"][0], results["theirs"][0]), "twins": _error(jout, results["ours"][0]),
-              "dx": _error(results["ours"][1], results["theirs"][1]), "jax dx": _error(jgrad_x, results["theirs"][1])}
+              "dx": _error(results["ours"][1], results["theirs"][1])}
+    if jax_grads:
+        errors["jax dx"] = _error(jgrad_x, results["theirs"][1])
     for n, want in results["theirs"][2].items():
         errors[n] = _error(results["ours"][2][n], want)
         module, _, leaf = n.partition(".")
-        jg = getattr(jgrad_module, module)
-        errors["jax " + n] = _error(np.asarray(jg["kernel"][...]).T if leaf else np.asarray(jg[...]), want)
+        if jax_grads:
+            jg = getattr(jgrad_module, module)
+            errors["jax " + n] = _error(np.asarray(jg["kernel"][...]).T if leaf else np.asarray(jg[...]), want)
     assert set(results["theirs"][2]) == set(results["ours"][2])
     assert max(errors.values()) <= DELTA_TWINS, {k: e for k, e in errors.items() if e > DELTA_TWINS}
 
@@ -297,3 +308,30 @@ def test_bad_input_is_refused_with_one_text_in_both_twins(layers: Any) -> None:
             assert j == t, (i, j, t)
     assert "cache must be a DeltaCache from its init_cache(batch_size=2)" in jax_texts[4][1]
     assert "num_value_heads must be a multiple of num_key_heads" in jax_texts[7][1]
+
+
+def test_from_hf_refuses_what_ours_does_not_compute_by_name(layers: Any) -> None:
+    """A conv activation other than silu, or a bias on the conv, is refused naming it,
+    before any weight is read; ``from_hf``'s other paths still refuse these layers as
+    softmax attention (``hf_rules``)."""
+    import torch
+
+    from torch_attention._hf import hf_rules
+    from torch_attention.interop import from_hf
+
+    _, layer, _, _ = layers["qwen3_5"]
+    layer.activation = "gelu"
+    try:
+        with pytest.raises(ValueError, match="a linear-attention layer .*: a conv activation 'gelu' \\(ours: silu\\)"):
+            from_hf(layer)
+    finally:
+        layer.activation = "silu"
+    layer.conv1d.bias = torch.nn.Parameter(torch.zeros(layer.conv1d.out_channels))
+    try:
+        with pytest.raises(ValueError, match="a bias on the causal conv"):
+            from_hf(layer)
+    finally:
+        layer.conv1d.bias = None
+    for family in ("qwen3_next", "kimi_linear"):
+        with pytest.raises(ValueError, match="a linear-attention layer \\(gated delta rule\\), not softmax attention"):
+            hf_rules(layers[family][1])
