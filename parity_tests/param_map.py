@@ -43,10 +43,14 @@ def _dotted(path: Path) -> str:
 
 def _is_unit(module: Any) -> bool:
     """A module mapped as a whole by a declared map: one of ours, or a Hugging Face
-    attention layer that ``from_hf`` reads."""
-    from torch_attention._hf import supported_hf_classes
+    attention layer that ``from_hf`` reads (by mechanism, whatever its class:
+    ``recognises_hf_layer``, as ``locate_divergence`` pairs them; SmolLM3's and
+    Qwen3-MoE's layers are no proven class)."""
+    from torch_attention._hf import recognises_hf_layer, supported_hf_classes
 
-    return _is_ours(module) or type(module).__name__ in supported_hf_classes()
+    if _is_ours(module) or type(module).__name__ in supported_hf_classes():
+        return True
+    return "Attention" in type(module).__name__ and recognises_hf_layer(module)
 
 
 def _unit_rules(module: Any) -> list[Rule]:

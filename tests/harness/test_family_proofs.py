@@ -7,9 +7,11 @@ the attention ``to_flax(from_hf(layer))`` per layer; the MoE block is written pl
 (a router returning Hugging Face's ``(logits, weights, indices)``, the experts as Hugging
 Face's 3-d ``gate_up_proj`` / ``down_proj``).  ``check_causal_lm_parity`` proves each at
 the real rows of a left-padded batch of 512 positions (logits, every parameter's gradient),
-AdamW steps and greedy decoding with one KV cache per layer; ``locate_divergence`` names a
-bug of the family's own kind planted in layer 1 (a router that forgets to renormalise, a
-NoPE layer that rotates)."""
+AdamW steps and greedy decoding with one KV cache per layer (``parity_tests.causal_lm.greedy``:
+the MoE's alike layers share their compiled step, SmolLM3's RoPE and NoPE layers do not);
+``locate_divergence`` finds the clean port clean with no ``module_map`` and names a bug of
+the family's own kind planted in layer 1 (a router that forgets to renormalise, a NoPE
+layer that rotates)."""
 
 from __future__ import annotations
 
@@ -65,16 +67,10 @@ def _ported(hf: Any, mlp: Any = None) -> tuple[Any, Any, list[Any]]:
     return hf, flax, rules
 
 
-def _proven(port: tuple[Any, Any, list[Any]], children: set[str]) -> Any:
+def _proven(port: tuple[Any, Any, list[Any]]) -> Any:
     """The one call: logits and gradients at the real rows of the left-padded batch of
-    512, two AdamW steps, three tokens decoded greedily with the caches; then
-    ``locate_divergence`` clean at every module forward and backward with no
-    ``module_map`` (Hugging Face's attention children paired with ours), ``children``
-    among the modules compared."""
+    512, two AdamW steps, three tokens decoded greedily with the caches."""
     hf, flax, rules = port
-    clean = locate_divergence(hf, flax, _ids(SHORT), torch_call=_torch_call, flax_call=_flax_call)
-    assert clean.ok and clean.backward_checked and not clean.boundaries, str(clean)
-    assert children <= {p.torch_name for p in clean.pairs if p.output.ok}, str(clean)
     ids, mask = _left_padded()
     report = check_causal_lm_parity(hf, flax, ids, mask, param_map=rules, steps=2, decode_steps=3, flax_decode=greedy)
     assert report.ok and report.divergence is None, report.message()
@@ -82,6 +78,22 @@ def _proven(port: tuple[Any, Any, list[Any]], children: set[str]) -> Any:
     grads = [f for f in report.logits.findings if f.name.startswith("grad ") and not f.name.startswith("grad input[")]
     assert {f.name.removeprefix("grad ") for f in grads} == {n for n, _ in hf.named_parameters()}
     return report
+
+
+def _located(port: tuple[Any, Any, list[Any]], children: set[str], plant: Any) -> Any:
+    """``locate_divergence`` on the clean port, forward, with no ``module_map``: nothing
+    diverges, no boundary mismatch, ``children`` (Hugging Face's attention children among
+    them) compared; then with ``plant()`` applied (it returns the undo): the report."""
+    hf, flax, _ = port
+    ids = _ids(SHORT)
+    clean = locate_divergence(hf, flax, ids, torch_call=_torch_call, flax_call=_flax_call, backward=False)
+    assert clean.ok and not clean.boundaries, str(clean)
+    assert children <= {p.torch_name for p in clean.pairs if p.output.ok}, str(clean)
+    undo = plant(flax)
+    try:
+        return locate_divergence(hf, flax, ids, torch_call=_torch_call, flax_call=_flax_call)
+    finally:
+        undo()
 
 
 # --------------------------------------------------------------------------- Qwen3-MoE
@@ -162,8 +174,7 @@ def test_a_whole_qwen3_moe_port_is_proven_in_one_call(qwen3_moe: tuple[Any, Any,
     """The router's and the experts' weights are paired by name and shape (``gate.weight``
     (E, C), ``experts.gate_up_proj`` (E, 2 I, C) as they are), the attention's by ``from_hf``'s map."""
     _, flax, rules = qwen3_moe
-    report = _proven(qwen3_moe, {"model.layers.1.mlp.gate", "model.layers.1.mlp.experts",
-                                 "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.o_proj"})
+    report = _proven(qwen3_moe)
     mapped = {r.torch_names[0]: r.flax_paths[0] for r in rules}
     assert mapped["model.layers.1.mlp.experts.gate_up_proj"] == ("model", "layers", 1, "mlp", "experts", "gate_up_proj")
     assert mapped["model.layers.1.self_attn.q_norm.weight"][-2:] == ("q_norm", "scale")
@@ -173,16 +184,17 @@ def test_a_whole_qwen3_moe_port_is_proven_in_one_call(qwen3_moe: tuple[Any, Any,
 
 def test_a_qwen3_moe_router_that_forgets_to_renormalise_is_named_at_its_gate(
         qwen3_moe: tuple[Any, Any, list[Any]]) -> None:
-    """A router in layer 1 that forgets ``norm_topk_prob`` (its routing and its logits
-    right, the weights summing to less than 1) is named at ``model.layers.1.mlp.gate``."""
-    hf, flax, _ = qwen3_moe
-    ids = _ids(SHORT)
-    gate = flax.model.layers[1].mlp.gate
-    gate.norm_topk_prob = False
-    try:
-        report = locate_divergence(hf, flax, ids, torch_call=_torch_call, flax_call=_flax_call)
-    finally:
-        gate.norm_topk_prob = True
+    """The clean port agrees at every module (the router's three outputs, the experts',
+    Hugging Face's attention children paired with ours); a router in layer 1 that forgets
+    ``norm_topk_prob`` (its routing and its logits right, the weights summing to less than
+    1) is named at ``model.layers.1.mlp.gate``."""
+    def plant(flax: Any) -> Any:
+        gate = flax.model.layers[1].mlp.gate
+        gate.norm_topk_prob = False
+        return lambda: setattr(gate, "norm_topk_prob", True)
+
+    report = _located(qwen3_moe, {"model.layers.1.mlp.gate", "model.layers.1.mlp.experts",
+                                  "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.o_proj"}, plant)
     first = report.first
     assert first is not None and (first.torch_name, first.direction) == ("model.layers.1.mlp.gate", "forward"), \
         str(report)
@@ -210,7 +222,7 @@ def test_a_whole_smollm3_port_with_a_nope_layer_is_proven_in_one_call(smollm3: t
     _, flax, rules = smollm3
     assert [layer.self_attn.spec.rope is None for layer in flax.model.layers] == [False, True]
     assert not hasattr(flax, "lm_head") and not any(r.torch_names[0].startswith("lm_head") for r in rules)
-    _proven(smollm3, {"model.layers.1.self_attn", "model.layers.1.self_attn.q_proj", "model.layers.0.self_attn.o_proj"})
+    _proven(smollm3)
 
 
 def test_a_smollm3_nope_layer_that_rotates_is_named_at_that_layer(smollm3: tuple[Any, Any, list[Any]]) -> None:
@@ -218,17 +230,19 @@ def test_a_smollm3_nope_layer_that_rotates_is_named_at_that_layer(smollm3: tuple
     divergence is that attention layer (its projections agree; the rotation between them
     and ``o_proj`` has no module of Hugging Face's to pair), ``o_proj`` the earliest call
     whose output fails."""
-    hf, flax, _ = smollm3
-    ids = _ids(SHORT)
-    attention = flax.model.layers[1].self_attn
-    saved = attention.spec
-    attention.spec = dataclasses.replace(saved, rope=flax.model.layers[0].self_attn.spec.rope)
-    try:
-        report = locate_divergence(hf, flax, ids, torch_call=_torch_call, flax_call=_flax_call)
-    finally:
-        attention.spec = saved
+    def plant(flax: Any) -> Any:
+        attention = flax.model.layers[1].self_attn
+        saved = attention.spec
+        attention.spec = dataclasses.replace(saved, rope=flax.model.layers[0].self_attn.spec.rope)
+        return lambda: setattr(attention, "spec", saved)
+
+    report = _located(smollm3, {"model.layers.1.self_attn", "model.layers.1.self_attn.q_proj",
+                                "model.layers.0.self_attn.o_proj"}, plant)
     first = report.first
     assert first is not None and (first.torch_name, first.direction) == ("model.layers.1.self_attn", "forward"), \
         str(report)
     earliest = min((p for p in report.pairs if p.output.ok is False), key=lambda p: p.exit_order)
     assert earliest.torch_name == "model.layers.1.self_attn.o_proj", str(report)
+    ids = _ids(SHORT)
+    with pytest.raises(ValueError, match="steps must be a positive int; got 0"):
+        greedy(smollm3[1], ids, np.ones_like(ids), 0)
