@@ -25,6 +25,11 @@ The scalings, as ``transformers.modeling_rope_utils`` computes them (``rope_type
 - ``"longrope"``: one rescale factor per frequency, ``short_factor`` up to
   ``original_max_position_embeddings`` positions and ``long_factor`` beyond, and the
   attention factor ``sqrt(1 + ln(factor) / ln(L0))``.
+
+``rope_from_hf`` also reads transformers' ``"proportional"`` rope (Gemma 4's global
+layers) as fixed frequencies (``inv_freq``): the whole head turns in halves, its first
+``int(partial_rotary_factor * head_dim / 2)`` pairs at ``theta ** (-2i / head_dim)``, the
+others at frequency 0 (they never turn).
 """
 
 from __future__ import annotations
@@ -86,8 +91,9 @@ class RopeConfig:
     ``layout``: ``"half"`` or ``"interleaved"``.  ``scaling`` and its parameters: see the
     module docstring; a parameter that the scaling does not take must stay None.
     ``yarn_truncate``: YaRN's ``truncate`` (round the ramp's bounds to whole dimensions).
-    ``inv_freq``: the frequencies themselves, ``rotary_dim / 2`` positive numbers, to use
-    instead of the scaling's (the attention factor still comes from the scaling): a
+    ``inv_freq``: the frequencies themselves, ``rotary_dim / 2`` numbers > 0 (or 0: a pair
+    that never turns, as proportional rope's past its fraction), to use instead of the
+    scaling's (the attention factor still comes from the scaling): a
     ported layer's own, which ``transformers`` computes in float32 arithmetic a few ulps
     from the float64 formula rounded once (4e-4 apart at position 1500).  Configuration,
     not state: the numbers travel with the module's config to its twin, and no dtype
@@ -162,11 +168,20 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"rope {name} must be >= 1; got {value!r}")
 
 
-def _check_factors(name: str, value: Any) -> None:
+def _check_factors(name: str, value: Any, *, zeros: bool = False) -> None:
+    """A non-empty tuple of finite positive numbers (``zeros``: or 0, a pair that never
+    turns: proportional rope's frequencies past its fraction)."""
     if not isinstance(value, tuple) or not value:
         raise TypeError(f"rope {name} must be a non-empty list or tuple of numbers; got {value!r}")
     for v in value:
-        _positive_real(name + " entries", v)
+        (_nonnegative_real if zeros else _positive_real)(name + " entries", v)
+
+
+def _nonnegative_real(name: str, value: Any) -> None:
+    if not _is_real(value):
+        raise TypeError(f"rope {name} must be a real number; got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"rope {name} must be a finite number >= 0; got {value!r}")
 
 
 def _check_scaling(config: RopeConfig) -> None:
@@ -232,7 +247,7 @@ def check_rope(config: Any, head_dim: int | None = None) -> RopeConfig:
             raise ValueError(f"rope partial_rotary_factor must be <= 1; got {config.partial_rotary_factor!r}")
     _check_scaling(config)
     if config.inv_freq is not None:
-        _check_factors("inv_freq", config.inv_freq)
+        _check_factors("inv_freq", config.inv_freq, zeros=True)
         if needs_seq_len(config):
             raise ValueError(
                 f"rope inv_freq cannot be fixed with scaling {config.scaling!r}: its frequencies follow the "
@@ -559,6 +574,8 @@ def rope_from_hf(config: Any, layer_type: str | None = None, *, honours_partial:
     GPT-NeoX's ``rotary_pct`` and GPT-J's ``rotary_dim`` always turn that part."""
     params = _hf_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "proportional":
+        return _proportional_from_hf(config, params, layer_type)
     if rope_type not in _HF_TYPES:
         supported = ", ".join(repr(t) for t in _HF_TYPES)
         raise ValueError(f"rope_from_hf: rope_type {rope_type!r} is not supported (supported: {supported})")
@@ -595,6 +612,30 @@ def rope_from_hf(config: Any, layer_type: str | None = None, *, honours_partial:
         scaling=scaling,
         **fields,
     )
+
+
+def _proportional_from_hf(config: Any, params: Mapping[str, Any], layer_type: str | None) -> RopeConfig:
+    """transformers' ``"proportional"`` rope (Gemma 4's global layers): the whole head
+    turns in halves, its first ``int(partial_rotary_factor * head_dim // 2)`` pairs at
+    ``theta ** (-2i / head_dim)`` (over the whole head's width, not the fraction's), the
+    rest at frequency 0 (they never turn), all divided by ``factor``: a whole-head
+    ``RopeConfig`` with those ``inv_freq``."""
+    layer = config
+    if layer_type is not None:
+        try:  # Gemma 4: a head width per layer type
+            layer = config.per_layer_config[layer_type]
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+            layer = config
+    try:
+        head_dim = getattr(layer, "head_dim", None)
+    except Exception:  # noqa: BLE001 - Gemma 4's config refuses a global head_dim that differs per layer
+        head_dim = None
+    head_dim = head_dim or config.hidden_size // config.num_attention_heads
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
+    factor = float(params.get("factor", 1.0) or 1.0)
+    angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    turning = [1.0 / theta ** (2 * i / head_dim) / factor for i in range(angles)]
+    return RopeConfig(theta=theta, inv_freq=tuple(turning + [0.0] * (head_dim // 2 - angles)))
 
 
 def check_inv_freq(shape: tuple[int, ...], dtype: str, dim: int) -> None:

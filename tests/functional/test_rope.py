@@ -334,11 +334,11 @@ def test_rope_from_hf_gemma3_per_layer_type_and_refusals() -> None:
     with pytest.raises(ValueError, match="one set of rope parameters"):
         rope_from_hf(tf.Qwen2Config(), layer_type="full_attention")
 
-    class Proportional:  # a rope_type this library does not have
-        rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0}
+    class Axial:  # a rope_type this library does not have
+        rope_parameters = {"rope_type": "axial", "rope_theta": 10000.0}
 
-    with pytest.raises(ValueError, match=r"rope_type 'proportional' is not supported \(supported: 'default'"):
-        rope_from_hf(Proportional())
+    with pytest.raises(ValueError, match=r"rope_type 'axial' is not supported \(supported: 'default'"):
+        rope_from_hf(Axial())
 
 
 def test_rope_from_hf_reads_old_style_attributes() -> None:

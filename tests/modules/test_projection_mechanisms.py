@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import needs_both
+from tests.support import needs_both, needs_torch
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 # Positions past Llama 4's floor_scale (8192), where its scale is no longer 1.
@@ -368,6 +368,38 @@ def test_gemma4_global_attention() -> None:
 
     again = to_hf(ours, Gemma4TextAttention(config, layer_idx=1))  # no W_value, no v_proj: the rest one to one
     assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), again.state_dict().values(), strict=True))
+
+
+@needs_torch
+def test_gemma4_global_layer_with_its_proportional_rope() -> None:
+    """Gemma 4's default global rope (``"proportional"``, partial_rotary_factor 0.25): the
+    whole head turns in halves, its first quarter of pairs at theta ** (-2i / head_dim),
+    the rest at frequency 0.  ``rope_from_hf`` gives transformers' frequencies (to float32
+    rounding), and ``from_hf`` ports the layer (outputs past 400 within parity)."""
+    import torch
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextAttention, Gemma4TextRotaryEmbedding
+
+    from attention_spec.rope import rope_from_hf
+
+    config = Gemma4TextConfig(
+        hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, global_head_dim=16,
+        num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=2, num_kv_shared_layers=0,
+        layer_types=["sliding_attention", "full_attention"], vocab_size=32, hidden_size_per_layer_input=0,
+        attn_implementation="eager")
+    assert config.rope_parameters["full_attention"]["rope_type"] == "proportional"
+    rotary = Gemma4TextRotaryEmbedding(config)
+    theirs = rotary.full_attention_inv_freq.double().numpy()
+    rope = rope_from_hf(config, "full_attention")
+    assert rope.rotary_dim is None and rope.inv_freq is not None and rope.inv_freq[2:] == (0.0,) * 6
+    np.testing.assert_allclose(rope.inv_freq, theirs, rtol=1e-7, atol=0)
+    hf = Gemma4TextAttention(config, layer_idx=1)
+    _randomise(hf, 23)
+    hf.eval()
+    x = _x(2, 6, seed=23)
+    cos, sin = rotary(torch.from_numpy(x), torch.from_numpy(POSITIONS), "full_attention")
+    want = hf(torch.from_numpy(x), (cos, sin), _causal(6), {})[0]
+    _ported(hf, want, x, POSITIONS, head_dim=16, values_from_keys=True)
 
 
 @needs_both

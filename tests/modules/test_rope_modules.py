@@ -424,14 +424,16 @@ def test_a_ports_own_inv_freq_in_the_config_turns_as_llama_does_at_position_1500
 
 
 def test_inv_freq_in_the_config_is_checked() -> None:
-    """The frequencies of a RopeConfig: positive numbers, rotary_dim / 2 of them, not
+    """The frequencies of a RopeConfig: numbers >= 0 (0: a pair that never turns, as
+    proportional rope's), rotary_dim / 2 of them, not
     with a scaling that follows the sequence length; the attention factor stays yarn's."""
     from attention_spec.rope import inv_freq
 
     with pytest.raises(ValueError, match=re.escape("rope inv_freq needs rotary_dim / 2 = 8 entries; got 3")):
         inv_freq(RopeConfig(inv_freq=(1.0, 0.5, 0.25)), 16)
-    with pytest.raises(ValueError, match="rope inv_freq entries must be a finite number > 0"):
+    with pytest.raises(ValueError, match="rope inv_freq entries must be a finite number >= 0"):
         RopeConfig(inv_freq=(1.0, -0.5))
+    assert RopeConfig(inv_freq=(1.0, 0.0)).inv_freq == (1.0, 0.0)
     with pytest.raises(ValueError, match="rope inv_freq cannot be fixed with scaling 'dynamic'"):
         RopeConfig(scaling="dynamic", factor=2.0, original_max_position_embeddings=8, inv_freq=(1.0,) * 8)
     yarn = RopeConfig(scaling="yarn", factor=4.0, original_max_position_embeddings=64)
