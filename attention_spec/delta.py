@@ -33,6 +33,10 @@ beta (B, T, H); the state is (B, H, Dk, Dv) in both.  H must be a multiple of Hk
 value head h reads query/key head h // (H // Hk) (grouped value heads, as Qwen3-Next).
 float16 and bfloat16 are computed in float32 and the output rounded once; the state
 stays float32 (float64 inputs: float64 throughout).
+
+The layers on it (``GatedDeltaNet``, ``KimiDeltaAttention`` in both twins' ``delta_net``)
+are checked here too: their keywords (``check_delta_net_options``), their calls and caches
+(``check_delta_net_call``, ``delta_cache_shapes``).
 """
 
 from __future__ import annotations
