@@ -810,7 +810,7 @@ def _factor_text(factor: float) -> str:
     text = f"{factor:.4g}"
     size, over = (factor, "") if abs(factor) >= 1 else (1.0 / factor, "1/")
     square = round(size * size)
-    if square >= 2 and abs(size * size - square) <= 1e-4 * square:
+    if square >= 8 and abs(size * size - square) <= 1e-4 * square:  # sqrt(hidden_size): 8 and up
         return f"{text} ({over}sqrt({square}))"
     return text
 

@@ -449,18 +449,19 @@ class _Gemma2ForCausalLM(nnx.Module):
         return {"logits": jnp.tanh(logits / self.cap) * self.cap}  # shaped as Hugging Face's output
 
 
-@pytest.fixture(scope="module")
-def gemma2() -> tuple[Any, Any, Any]:
-    """(Hugging Face's Gemma 2, the port scaling after its embedding, the port scaling inside it)."""
+def _gemma2_port(hf: Any, scale_inside: bool) -> Any:
     from parity_tests import infer_param_map
 
+    flax = _Gemma2ForCausalLM(hf, scale_inside)
+    copy_params(hf, flax, infer_param_map(hf, flax))
+    return flax
+
+
+@pytest.fixture(scope="module")
+def gemma2() -> tuple[Any, Any]:
+    """(Hugging Face's Gemma 2, the port scaling after its embedding)."""
     hf = _gemma2()
-    ports = []
-    for inside in (False, True):
-        flax = _Gemma2ForCausalLM(hf, scale_inside=inside)
-        copy_params(hf, flax, infer_param_map(hf, flax))
-        ports.append(flax)
-    return hf, ports[0], ports[1]
+    return hf, _gemma2_port(hf, scale_inside=False)
 
 
 def _gemma_locate(hf: Any, flax: Any, **kwargs: Any) -> Any:
@@ -468,14 +469,14 @@ def _gemma_locate(hf: Any, flax: Any, **kwargs: Any) -> Any:
                              flax_call=lambda m, x: m(x)["logits"], **kwargs)
 
 
-def test_a_scale_moved_out_of_the_embedding_is_a_boundary_mismatch_not_a_divergence(gemma2: Any) -> None:
+def test_a_scale_moved_out_of_the_embedding_is_a_boundary_mismatch_not_a_divergence(gemma2: tuple[Any, Any]) -> None:
     """Issue 56: a correct Gemma 2 port that scales by sqrt(hidden) after its embedding,
     where ``Gemma2TextScaledWordEmbedding`` scales inside, was reported diverging at
     ``model.embed_tokens`` (7.0 relative) and hid every bug behind it.  It is a boundary
     mismatch now, its factor named, searched past: nothing diverges forward or backward
     (the scale moved scales that output's cotangent too, which is searched past as well).
     The port that scales inside the module has no mismatch at all."""
-    hf, after, inside = gemma2
+    hf, after = gemma2
     report = _gemma_locate(hf, after)
     assert report.ok and report.first is None and report.backward_checked, str(report)
     [boundary] = report.boundaries
@@ -488,14 +489,14 @@ def test_a_scale_moved_out_of_the_embedding_is_a_boundary_mismatch_not_a_diverge
     assert "model.embed_tokens: the PyTorch module's output is the Flax module's times 8 (sqrt(64))" in text
     assert "must compute what the original's module of its name computes" in text
     assert any(re.match(r"\s*~~\s+model\.embed_tokens\s.*<- boundary$", line) for line in text.splitlines()), text
-    right = _gemma_locate(hf, inside, backward=False)
+    right = _gemma_locate(hf, _gemma2_port(hf, scale_inside=True), backward=False)
     assert right.ok and not right.boundaries, str(right)
 
 
-def test_a_bug_behind_a_boundary_mismatch_is_still_named(gemma2: Any) -> None:
+def test_a_bug_behind_a_boundary_mismatch_is_still_named(gemma2: tuple[Any, Any]) -> None:
     """The same port with a norm's epsilon planted wrong in layer 1: the first divergence
     is that norm, forward, and the embedding's mismatch is still reported beside it."""
-    hf, after, _ = gemma2
+    hf, after = gemma2
     norm = after.model.layers[1].post_feedforward_layernorm
     saved, norm.eps = norm.eps, 1e-1
     try:
@@ -506,6 +507,44 @@ def test_a_bug_behind_a_boundary_mismatch_is_still_named(gemma2: Any) -> None:
     assert first is not None and (first.torch_name, first.direction) == (
         "model.layers.1.post_feedforward_layernorm", "forward"), str(report)
     assert [b.torch_name for b in report.boundaries] == ["model.embed_tokens"], str(report)
+
+
+class _HalfEmbed(nnx.Module):
+    """An embedding that returns half the lookup (its model doubles it after)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (VOCAB, D)))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0) * 0.5
+
+
+class _ScaledAfter(FlaxModel):
+    """The small model's port with its embedding's work split otherwise: ``emb`` halves,
+    the model doubles after it (the same numbers out)."""
+
+    def __init__(self, blocks: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(blocks)
+        self.emb = _HalfEmbed(nnx.Rngs(0))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.emb(tokens) * 2.0
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_a_scale_split_across_modules_is_searched_past_in_a_small_model() -> None:
+    """The small model's port whose embedding halves and whose model doubles after it: a
+    boundary mismatch at ``emb`` (factor 2), nothing diverging; with a norm's epsilon
+    planted wrong in block 1, that norm is named, the mismatch still reported."""
+    torch_model = TorchModel()
+    clean = locate_divergence(torch_model, port(torch_model, _ScaledAfter()), TOKENS, backward=False)
+    assert clean.ok and [(b.torch_name, b.factor) for b in clean.boundaries] == [("emb", 2.0)], str(clean)
+    assert "emb: the PyTorch module's output is the Flax module's times 2:" in str(clean)
+    report = locate_divergence(torch_model, port(torch_model, _ScaledAfter(_block_options(1, ln2_eps=1e-3))), TOKENS)
+    assert report.first is not None and (report.first.torch_name, report.first.direction) == ("blocks.1.ln2", "forward")
+    assert [b.torch_name for b in report.boundaries] == ["emb"], str(report)
 
 
 def test_a_constant_factor_that_is_not_undone_is_the_divergence() -> None:

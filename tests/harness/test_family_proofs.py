@@ -67,9 +67,12 @@ def _ported(hf: Any, mlp: Any = None) -> tuple[Any, Any, list[Any]]:
     return hf, flax, rules
 
 
-def _proven(port: tuple[Any, Any, list[Any]]) -> Any:
+def _proven(port: tuple[Any, Any, list[Any]], children: set[str]) -> Any:
     """The one call: logits and gradients at the real rows of the left-padded batch of
-    512, two AdamW steps, three tokens decoded greedily with the caches."""
+    512, two AdamW steps, three tokens decoded greedily with the caches; and
+    ``locate_divergence`` on the clean port, forward, with no ``module_map``: nothing
+    diverges, no boundary mismatch, ``children`` (Hugging Face's attention children among
+    them) compared."""
     hf, flax, rules = port
     ids, mask = _left_padded()
     report = check_causal_lm_parity(hf, flax, ids, mask, param_map=rules, steps=2, decode_steps=3, flax_decode=greedy)
@@ -77,21 +80,18 @@ def _proven(port: tuple[Any, Any, list[Any]]) -> Any:
     assert report.logits.rows_left_out == PADS and len(report.training.steps) == 2 and report.tokens_agree
     grads = [f for f in report.logits.findings if f.name.startswith("grad ") and not f.name.startswith("grad input[")]
     assert {f.name.removeprefix("grad ") for f in grads} == {n for n, _ in hf.named_parameters()}
+    clean = locate_divergence(hf, flax, _ids(SHORT), torch_call=_torch_call, flax_call=_flax_call, backward=False)
+    assert clean.ok and not clean.boundaries, str(clean)
+    assert children <= {p.torch_name for p in clean.pairs if p.output.ok}, str(clean)
     return report
 
 
-def _located(port: tuple[Any, Any, list[Any]], children: set[str], plant: Any) -> Any:
-    """``locate_divergence`` on the clean port, forward, with no ``module_map``: nothing
-    diverges, no boundary mismatch, ``children`` (Hugging Face's attention children among
-    them) compared; then with ``plant()`` applied (it returns the undo): the report."""
+def _located(port: tuple[Any, Any, list[Any]], plant: Any) -> Any:
+    """``locate_divergence`` with ``plant(flax)`` applied (it returns the undo)."""
     hf, flax, _ = port
-    ids = _ids(SHORT)
-    clean = locate_divergence(hf, flax, ids, torch_call=_torch_call, flax_call=_flax_call, backward=False)
-    assert clean.ok and not clean.boundaries, str(clean)
-    assert children <= {p.torch_name for p in clean.pairs if p.output.ok}, str(clean)
     undo = plant(flax)
     try:
-        return locate_divergence(hf, flax, ids, torch_call=_torch_call, flax_call=_flax_call)
+        return locate_divergence(hf, flax, _ids(SHORT), torch_call=_torch_call, flax_call=_flax_call)
     finally:
         undo()
 
@@ -172,9 +172,11 @@ def qwen3_moe() -> tuple[Any, Any, list[Any]]:
 
 def test_a_whole_qwen3_moe_port_is_proven_in_one_call(qwen3_moe: tuple[Any, Any, list[Any]]) -> None:
     """The router's and the experts' weights are paired by name and shape (``gate.weight``
-    (E, C), ``experts.gate_up_proj`` (E, 2 I, C) as they are), the attention's by ``from_hf``'s map."""
+    (E, C), ``experts.gate_up_proj`` (E, 2 I, C) as they are), the attention's by ``from_hf``'s
+    map; the clean port agrees at every module (the router's three outputs, the experts')."""
     _, flax, rules = qwen3_moe
-    report = _proven(qwen3_moe)
+    report = _proven(qwen3_moe, {"model.layers.1.mlp.gate", "model.layers.1.mlp.experts",
+                                 "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.o_proj"})
     mapped = {r.torch_names[0]: r.flax_paths[0] for r in rules}
     assert mapped["model.layers.1.mlp.experts.gate_up_proj"] == ("model", "layers", 1, "mlp", "experts", "gate_up_proj")
     assert mapped["model.layers.1.self_attn.q_norm.weight"][-2:] == ("q_norm", "scale")
@@ -184,17 +186,14 @@ def test_a_whole_qwen3_moe_port_is_proven_in_one_call(qwen3_moe: tuple[Any, Any,
 
 def test_a_qwen3_moe_router_that_forgets_to_renormalise_is_named_at_its_gate(
         qwen3_moe: tuple[Any, Any, list[Any]]) -> None:
-    """The clean port agrees at every module (the router's three outputs, the experts',
-    Hugging Face's attention children paired with ours); a router in layer 1 that forgets
-    ``norm_topk_prob`` (its routing and its logits right, the weights summing to less than
-    1) is named at ``model.layers.1.mlp.gate``."""
+    """A router in layer 1 that forgets ``norm_topk_prob`` (its routing and its logits
+    right, the weights summing to less than 1) is named at ``model.layers.1.mlp.gate``."""
     def plant(flax: Any) -> Any:
         gate = flax.model.layers[1].mlp.gate
         gate.norm_topk_prob = False
         return lambda: setattr(gate, "norm_topk_prob", True)
 
-    report = _located(qwen3_moe, {"model.layers.1.mlp.gate", "model.layers.1.mlp.experts",
-                                  "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.o_proj"}, plant)
+    report = _located(qwen3_moe, plant)
     first = report.first
     assert first is not None and (first.torch_name, first.direction) == ("model.layers.1.mlp.gate", "forward"), \
         str(report)
@@ -222,7 +221,7 @@ def test_a_whole_smollm3_port_with_a_nope_layer_is_proven_in_one_call(smollm3: t
     _, flax, rules = smollm3
     assert [layer.self_attn.spec.rope is None for layer in flax.model.layers] == [False, True]
     assert not hasattr(flax, "lm_head") and not any(r.torch_names[0].startswith("lm_head") for r in rules)
-    _proven(smollm3)
+    _proven(smollm3, {"model.layers.1.self_attn", "model.layers.1.self_attn.q_proj", "model.layers.0.self_attn.o_proj"})
 
 
 def test_a_smollm3_nope_layer_that_rotates_is_named_at_that_layer(smollm3: tuple[Any, Any, list[Any]]) -> None:
@@ -236,8 +235,7 @@ def test_a_smollm3_nope_layer_that_rotates_is_named_at_that_layer(smollm3: tuple
         attention.spec = dataclasses.replace(saved, rope=flax.model.layers[0].self_attn.spec.rope)
         return lambda: setattr(attention, "spec", saved)
 
-    report = _located(smollm3, {"model.layers.1.self_attn", "model.layers.1.self_attn.q_proj",
-                                "model.layers.0.self_attn.o_proj"}, plant)
+    report = _located(smollm3, plant)
     first = report.first
     assert first is not None and (first.torch_name, first.direction) == ("model.layers.1.self_attn", "forward"), \
         str(report)
