@@ -860,16 +860,13 @@ def _latent(layer: Any) -> bool:
 
 def recognises_hf_layer(module: Any) -> bool:
     """Whether ``from_hf`` takes ``module`` (an attention layer whose mechanisms it knows),
-    without reading a weight."""
-    from torch_attention import _hf_delta
-
+    without reading a weight, and ``hf_rules`` / ``hf_children`` map it: the
+    linear-attention layers ``from_hf`` ports (``_hf_delta``) have no rules yet, so False."""
     try:
         if _latent(module):
             from torch_attention import _hf_latent
 
             _hf_latent.refusals(module, raise_=True)
-        elif _hf_delta.layout(module) is not None:
-            _hf_delta.refusals(module)
         else:
             _recognise(module, "from_hf")
     except (TypeError, ValueError):

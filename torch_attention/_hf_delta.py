@@ -53,12 +53,6 @@ def _refuse(layer: Any, why: str) -> ValueError:
     return ValueError(f"{type(layer).__name__}: {LINEAR_ATTENTION}, and from_hf cannot port it: {why}")
 
 
-def refusals(layer: Any) -> None:
-    """Raises ValueError naming what ours does not compute in ``layer`` (of a known
-    layout), without reading a weight."""
-    _checked(layer, layout(layer) or "")
-
-
 def _checked(layer: Any, kind: str) -> None:
     """Refuses, by name, what our layers do not compute."""
     if getattr(layer, "activation", "silu") != "silu":

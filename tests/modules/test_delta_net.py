@@ -312,11 +312,11 @@ def test_bad_input_is_refused_with_one_text_in_both_twins(layers: Any) -> None:
 
 def test_from_hf_refuses_what_ours_does_not_compute_by_name(layers: Any) -> None:
     """A conv activation other than silu, or a bias on the conv, is refused naming it,
-    before any weight is read; ``from_hf``'s other paths still refuse these layers as
-    softmax attention (``hf_rules``)."""
+    before any weight is read; ``hf_rules`` still refuses these layers (no rules for
+    them yet) and ``recognises_hf_layer`` says False."""
     import torch
 
-    from torch_attention._hf import hf_rules
+    from torch_attention._hf import hf_rules, recognises_hf_layer
     from torch_attention.interop import from_hf
 
     _, layer, _, _ = layers["qwen3_5"]
@@ -335,3 +335,4 @@ def test_from_hf_refuses_what_ours_does_not_compute_by_name(layers: Any) -> None
     for family in ("qwen3_next", "kimi_linear"):
         with pytest.raises(ValueError, match="a linear-attention layer \\(gated delta rule\\), not softmax attention"):
             hf_rules(layers[family][1])
+        assert not recognises_hf_layer(layers[family][1])  # no hf_rules / hf_children for them yet
