@@ -42,6 +42,7 @@ from attention_spec.delta import (
     delta_cache_shapes,
     state_dtype,
 )
+from attention_spec.options import check_positive_int
 from torch_attention._delta import gated_delta_rule
 
 __all__ = ["DeltaCache", "GatedDeltaNet", "KimiDeltaAttention", "causal_conv"]
@@ -117,8 +118,6 @@ class _DeltaLayer(nn.Module):
     def init_cache(self, batch_size: int) -> DeltaCache:
         """An empty cache for ``batch_size`` examples: zeros, conv (B, C, K - 1) in the
         module's dtype, state (B, H, Dk, Dv) in float32 (float64 for float64)."""
-        from attention_spec.options import check_positive_int
-
         check_positive_int("batch_size", batch_size)
         conv, state = delta_cache_shapes(self.geometry, batch_size)
         device = self.out_proj.weight.device
@@ -254,8 +253,6 @@ class KimiDeltaAttention(_DeltaLayer):
                  chunk_size: int = DEFAULT_CHUNK, norm_eps: float = 1e-6, *, dtype: Any = None,
                  device: Any = None) -> None:
         for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
-            from attention_spec.options import check_positive_int
-
             check_positive_int(name, value)
         geometry = check_delta_net_options(d_in, num_heads, head_dim, num_heads, head_dim, conv_kernel_size,
                                            chunk_size, norm_eps)
