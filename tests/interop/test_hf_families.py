@@ -31,6 +31,7 @@ TINY: dict[str, Any] = {
     "n_shared_experts": 1, "shared_expert_intermediate_size": 32, "sliding_window": 8, "pad_token_id": 0,
     "bos_token_id": 1, "eos_token_id": 2, "is_decoder": True, "use_cache": False, "tie_word_embeddings": False,
     "rotary_dim": 4,  # GPT-J's and CodeGen's (64 by default: wider than the sweep's heads)
+    "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 64, "global_head_dim": 16,  # Gemma 4's
 }
 MIXERS = ("self_attn", "attn", "attention", "self_attention", "linear_attn", "mixer", "mamba", "conv",
           "temporal_block")
@@ -43,7 +44,16 @@ def _tiny_config(model_type: str) -> Any:
     base = cls()
     if hasattr(base, "text_config") and getattr(base, "text_config", None) is not None:
         raise LookupError("a composite (multimodal) config: its text model is swept on its own where it has one")
-    return cls(**{k: v for k, v in TINY.items() if hasattr(base, k) or k in ("vocab_size", "num_hidden_layers")})
+    return cls(**{k: v for k, v in TINY.items() if _has(base, k) or k in ("vocab_size", "num_hidden_layers")})
+
+
+def _has(config: Any, name: str) -> bool:
+    """Whether a config has ``name``; Gemma 4's raises (not AttributeError) for a global
+    ``head_dim`` that differs per layer: it has one."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return True
 
 
 def _mixers(model: Any, layers: int) -> list[tuple[Any, str, Any]]:
