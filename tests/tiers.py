@@ -32,6 +32,9 @@ QUICK_STAND_INS: dict[str, str] = {
         B + "test_decode.py::test_one_of_ours_that_decodes_wrong_fails_the_run",
     B + "test_decode.py::test_a_wrong_sdpa_loop_is_recorded_and_in_no_ratio":
         B + "test_decode.py::test_one_of_ours_that_decodes_wrong_fails_the_run",
+    # the delta-rule benchmark: the wrong-outside-system run checks the verdicts and the ratios
+    B + "test_delta_benchmark.py::test_a_tiny_run_times_every_system_and_writes_the_record":
+        B + "test_delta_benchmark.py::test_a_wrong_outside_system_is_recorded_and_in_no_ratio",
     # the flex benchmark: its tiny run checks every system's verdict against the oracle
     B + "test_flex_benchmark.py::test_a_wrong_twin_fails_the_flex_benchmark":
         B + "test_flex_benchmark.py::test_every_system_runs_agrees_and_the_record_holds_the_ratios",
