@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from attention_spec.interop.conversion import VARIANTS, as_numpy, module_rules
+from attention_spec.interop.delta import DELTA_LAYERS, delta_config, is_delta_layer
 from attention_spec.interop.specs import (
     Rule,
     apply_specs,
@@ -109,6 +110,7 @@ def to_flax(torch_module: Any, *, rngs: Any = None) -> Any:
     The twin has the same class name and constructor config, parameters in the same dtype,
     and the same train/eval mode.  Raises ValueError if the class has no twin.
     """
+    import jax.numpy as jnp
     from flax import nnx
 
     import jax_attention
@@ -120,7 +122,15 @@ def to_flax(torch_module: Any, *, rngs: Any = None) -> Any:
     # the computation dtype, left at None follows it).
     key = "param_dtype" if _takes(cls.__init__, "param_dtype") else "dtype"
     kwargs = {key: dtype} if _takes(cls.__init__, key) else {}
-    twin = cls(**portable_config(torch_module.config), **kwargs, rngs=rngs if rngs is not None else nnx.Rngs(0))
+    config = _twin_config(torch_module)
+    if is_delta_layer(torch_module):  # parameters alone (no dropout): built abstract, no random draw compiled
+        twin = nnx.eval_shape(lambda: cls(**config, **kwargs, rngs=nnx.Rngs(0)))
+        for _, variable in nnx.iter_graph(twin):
+            if isinstance(variable, nnx.Param):  # zeros, then ours below
+                abstract = variable.get_value()
+                variable.set_value(jnp.asarray(np.zeros(abstract.shape, abstract.dtype)))
+    else:
+        twin = cls(**config, **kwargs, rngs=rngs if rngs is not None else nnx.Rngs(0))
     jax_attention.interop.load_torch_state_dict(twin, torch_module.state_dict())
     twin.set_attributes(deterministic=not torch_module.training, raise_if_not_found=False)
     return twin
@@ -147,10 +157,16 @@ def to_torch(flax_module: Any) -> Any:
             "build the Flax module with dtype=None or dtype=param_dtype"
         )
     kwargs = {"dtype": torch_dtype(dtype)} if _takes(cls.__init__, "dtype") else {}
-    twin = cls(**portable_config(flax_module.config), **kwargs)
+    twin = cls(**_twin_config(flax_module), **kwargs)
     torch_attention.interop.load_flax_arrays(twin, flax_arrays(flax_module))
     twin.train(not _flax_deterministic(flax_module))
     return twin
+
+
+def _twin_config(module: Any) -> dict[str, Any]:
+    """The keywords that build ``module``'s twin: its portable config, or a
+    linear-attention layer's sizes (``attention_spec.interop.delta``)."""
+    return delta_config(module) if is_delta_layer(module) else portable_config(module.config)
 
 
 def portable_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +240,7 @@ def _flax_deterministic(module: Any) -> bool:
 
 
 def _twin_class(package: Any, name: str) -> Any:
-    if name not in VARIANTS:
+    if name not in VARIANTS and name not in DELTA_LAYERS:
         raise ValueError(
             f"{name} is not one of this library's modules ({', '.join(VARIANTS)}); "
             "for your own modules pass param_map= to check_parity / assert_parity"
@@ -812,7 +828,7 @@ def resolve_rules(
     torch_params = {n: p for n, p in torch_module.named_parameters() if p.requires_grad or not trainable_only}
     kind = "trainable parameter" if trainable_only else "parameter"
     if param_map is None:
-        if not _is_ours(torch_module):
+        if not _is_ours(torch_module) and not is_delta_layer(torch_module):
             raise ValueError(
                 f"{type(torch_module).__name__} is not one of this library's modules: "
                 "pass param_map={torch name: flax path or (flax path, transpose)} or a list of "

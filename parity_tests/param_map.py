@@ -45,19 +45,25 @@ def _is_unit(module: Any) -> bool:
     """A module mapped as a whole by a declared map: one of ours, or a Hugging Face
     attention layer that ``from_hf`` reads (by mechanism, whatever its class:
     ``recognises_hf_layer``, as ``locate_divergence`` pairs them; SmolLM3's and
-    Qwen3-MoE's layers are no proven class)."""
+    Qwen3-MoE's layers are no proven class); our linear-attention layers and the
+    transformers ones ``from_hf`` ports to them (``_hf_delta.layout``)."""
+    from attention_spec.interop.delta import is_delta_layer
+    from torch_attention import _hf_delta
     from torch_attention._hf import recognises_hf_layer, supported_hf_classes
 
-    if _is_ours(module) or type(module).__name__ in supported_hf_classes():
+    if _is_ours(module) or is_delta_layer(module) or type(module).__name__ in supported_hf_classes():
+        return True
+    if _hf_delta.layout(module) is not None:
         return True
     return "Attention" in type(module).__name__ and recognises_hf_layer(module)
 
 
 def _unit_rules(module: Any) -> list[Rule]:
     from attention_spec.interop.conversion import module_rules
+    from attention_spec.interop.delta import is_delta_layer
     from torch_attention._hf import hf_rules
 
-    return module_rules(module) if _is_ours(module) else hf_rules(module)
+    return module_rules(module) if _is_ours(module) or is_delta_layer(module) else hf_rules(module)
 
 
 def _prefixed(rule: Rule, torch_prefix: str, flax_prefix: Path) -> Rule:

@@ -860,10 +860,14 @@ def _latent(layer: Any) -> bool:
 
 def recognises_hf_layer(module: Any) -> bool:
     """Whether ``from_hf`` takes ``module`` (an attention layer whose mechanisms it knows),
-    without reading a weight, and ``hf_rules`` / ``hf_children`` map it: the
-    linear-attention layers ``from_hf`` ports (``_hf_delta``) have no rules yet, so False."""
+    without reading a weight, and ``hf_rules`` / ``hf_children`` map it (the
+    linear-attention layers ``from_hf`` ports included: ``_hf_delta``)."""
+    from torch_attention import _hf_delta
+
     try:
-        if _latent(module):
+        if _hf_delta.layout(module) is not None:
+            _hf_delta.hf_children(module)  # its refusals (a conv activation, biases ...), by name
+        elif _latent(module):
             from torch_attention import _hf_latent
 
             _hf_latent.refusals(module, raise_=True)
@@ -1158,7 +1162,12 @@ def hf_rules(layer: nn.Module) -> list[Rule]:
     into a kernel; GPT-2's ``Conv1D`` weights, already (in, out), as they are) and a
     packed q/k/v weight split into three kernels (in thirds, per head or in groups).  Read
     from the layer alone (no weight is copied).  BERT's ``output.LayerNorm`` is not ours
-    and has no rule.  Raises TypeError as ``from_hf`` does."""
+    and has no rule.  The linear-attention layers': ``_hf_delta.hf_rules``.  Raises
+    TypeError as ``from_hf`` does."""
+    from torch_attention import _hf_delta
+
+    if _hf_delta.layout(layer) is not None:
+        return _hf_delta.hf_rules(layer)
     if _latent(layer):
         from torch_attention import _hf_latent
 
@@ -1192,7 +1201,12 @@ def hf_children(layer: nn.Module) -> dict[str, tuple[str, str | None]]:
     layout)}, where layout ``"heads"`` says that theirs sees the tensor split in heads,
     (B, T, H, D) or (B, H, T, D), and ours (B, T, H * D): the qk-norms of a per-head
     scope.  A packed q/k/v has no one counterpart (ours are three); DeepSeek's latent
-    layers have the same names as ours.  Raises TypeError as ``from_hf``."""
+    layers have the same names as ours; the linear-attention layers': ``_hf_delta``'s.
+    Raises TypeError as ``from_hf``."""
+    from torch_attention import _hf_delta
+
+    if _hf_delta.layout(layer) is not None:
+        return _hf_delta.hf_children(layer)
     if _latent(layer):
         return {name: (name, None) for name, child in layer.named_children() if isinstance(child, nn.Module)}
     family = _family(layer, "hf_children")
@@ -1405,8 +1419,14 @@ def to_hf(ours: MultiHeadAttention | MultiHeadLatentAttention, layer: nn.Module)
     Everything is checked first; nothing is written unless every check passed and every
     parameter of the layer is accounted for (but BERT's ``output.LayerNorm``, which is not
     ours: it stays as it is).  Raises TypeError for a class that is not one
-    of ours or not supported; ValueError naming each mismatch.
+    of ours or not supported; ValueError naming each mismatch.  A linear-attention
+    layer (Qwen3.5's, Qwen3-Next's, Kimi's) takes our ``GatedDeltaNet`` /
+    ``KimiDeltaAttention``: ``_hf_delta.to_hf``.
     """
+    from torch_attention import _hf_delta
+
+    if _hf_delta.layout(layer) is not None:
+        return _hf_delta.to_hf(ours, layer)
     if _latent(layer):
         from torch_attention import _hf_latent
 

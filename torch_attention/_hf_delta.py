@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attention_spec.interop.specs import MergeAxes, Rule, Sections, SplitAxis, Transpose
 from torch_attention.delta_net import GatedDeltaNet, KimiDeltaAttention
 
 LINEAR_ATTENTION = "a linear-attention layer (gated delta rule), not softmax attention"
@@ -170,3 +171,130 @@ def _self_check(layer: Any, ours: Any) -> None:
     error = float((got.float() - want.float()).abs().max()) / scale
     if not error <= tol:
         raise _refuse(layer, f"ours differs from it on a probe ({error:.2e} of its largest output)")
+
+
+# --------------------------------------------------------------------------- the weight map, both ways
+
+
+def hf_rules(layer: Any) -> list[Rule]:
+    """The weight map from the layer's parameters (its own names: ``in_proj_qkv.weight``
+    ...) to the Flax twin of what ``from_hf(layer)`` gives (``("W_query", "kernel")`` ...),
+    shapes declared: an ``nn.Linear`` weight transposed into a kernel; Qwen3.5's
+    ``in_proj_qkv`` rows split q | k | v (unequal widths); Qwen3-Next's ``in_proj_qkvz`` /
+    ``in_proj_ba`` split per key head group ([q Dk, k Dk, v r*Dv, z r*Dv], [b r, a r]) and
+    regrouped; ``conv1d.weight`` (C, 1, K) -> (C, K); Kimi's ``A_log`` (1, 1, H, 1) -> (H,).
+    Read from the layer alone (no weight is copied); ValueError as ``from_hf`` refuses."""
+    kind = _fitting(layer, "hf_rules")
+    opts = options(layer)
+    d, kernel = opts["d_in"], opts["conv_kernel_size"]
+
+    def linear(theirs: str, ours: str, out: int, fan_in: int) -> Rule:
+        return Rule(f"{theirs}.weight", (ours, "kernel"), (Transpose(),), ((out, fan_in),))
+
+    def same(theirs: str, ours: str, shape: tuple[int, ...]) -> Rule:
+        return Rule(theirs, (ours,), (), (shape,))
+
+    if kind == "kimi":
+        h, dk = opts["num_heads"], opts["head_dim"]
+        return [linear("q_proj", "W_query", h * dk, d), linear("k_proj", "W_key", h * dk, d),
+                linear("v_proj", "W_value", h * dk, d),
+                Rule("conv1d.weight", ("conv_weight",), (MergeAxes(1, (1, kernel)),), ((3 * h * dk, 1, kernel),)),
+                linear("forget_gate.f_a_proj", "W_decay_down", dk, d),
+                linear("forget_gate.f_b_proj", "W_decay_up", h * dk, dk),
+                Rule("forget_gate.A_log", ("A_log",), (MergeAxes(0, (1, 1, h, 1)),), ((1, 1, h, 1),)),
+                same("forget_gate.dt_bias", "dt_bias", (h * dk,)), linear("b_proj", "W_beta", h, d),
+                linear("g_a_proj", "W_gate_down", dk, d), linear("g_b_proj", "W_gate_up", h * dk, dk),
+                same("o_norm.weight", "norm_weight", (dk,)), linear("o_proj", "out_proj", d, h * dk)]
+    hk, dk, h, dv = opts["num_key_heads"], opts["key_head_dim"], opts["num_value_heads"], opts["value_head_dim"]
+    channels = 2 * hk * dk + h * dv
+    rules = [Rule("conv1d.weight", ("conv_weight",), (MergeAxes(1, (1, kernel)),), ((channels, 1, kernel),)),
+             same("A_log", "A_log", (h,)), same("dt_bias", "dt_bias", (h,)), same("norm.weight", "norm_weight", (dv,)),
+             linear("out_proj", "out_proj", d, h * dv)]
+    kernels = [("W_query", "kernel"), ("W_key", "kernel"), ("W_value", "kernel")]
+    if kind == "qwen3_5":
+        rules += [Rule("in_proj_qkv.weight", kernels, (Sections(0, (hk * dk, hk * dk, h * dv)), Transpose()),
+                       ((channels, d),)),
+                  linear("in_proj_z", "W_gate", h * dv, d), linear("in_proj_b", "W_beta", h, d),
+                  linear("in_proj_a", "W_decay", h, d)]
+        return rules
+    r = h // hk
+    group = (hk, -1)
+    rules += [Rule("in_proj_qkvz.weight", [*kernels, ("W_gate", "kernel")],
+                   (SplitAxis(0, (hk, 2 * dk + 2 * r * dv)), Sections(1, (dk, dk, r * dv, r * dv)), MergeAxes(0, group),
+                    Transpose()), ((hk * (2 * dk + 2 * r * dv), d),)),
+              Rule("in_proj_ba.weight", [("W_beta", "kernel"), ("W_decay", "kernel")],
+                   (SplitAxis(0, (hk, 2 * r)), Sections(1, (r, r)), MergeAxes(0, group), Transpose()),
+                   ((hk * 2 * r, d),))]
+    return rules
+
+
+def _fitting(layer: Any, what: str) -> str:
+    """The layer's layout, its refusals (``_checked``) raised naming ``what``."""
+    kind = layout(layer)
+    if kind is None:
+        raise ValueError(f"{what}: {type(layer).__name__}: {LINEAR_ATTENTION}, of a layout {what} does not know")
+    _checked(layer, kind)
+    return kind
+
+
+# their sub-module -> ours, per layout (the packed q/k/v(/z, b, a) have no one counterpart: ours are several)
+_CHILDREN = {
+    "qwen3_5": {"in_proj_z": "W_gate", "in_proj_b": "W_beta", "in_proj_a": "W_decay", "out_proj": "out_proj"},
+    "qwen3_next": {"out_proj": "out_proj"},
+    "kimi": {"q_proj": "W_query", "k_proj": "W_key", "v_proj": "W_value", "forget_gate.f_a_proj": "W_decay_down",
+             "forget_gate.f_b_proj": "W_decay_up", "b_proj": "W_beta", "g_a_proj": "W_gate_down",
+             "g_b_proj": "W_gate_up", "o_proj": "out_proj"},
+}
+
+
+def hf_children(layer: Any) -> dict[str, tuple[str, str | None]]:
+    """The layer's sub-modules that have a counterpart in ours, for
+    ``parity_tests.locate_divergence``: {their dotted name: (our sub-module's name, None)}
+    (the projections; a packed projection, the conv and the norm have no one sub-module
+    of ours).  ValueError as ``from_hf`` refuses."""
+    return {theirs: (ours, None) for theirs, ours in _CHILDREN[_fitting(layer, "hf_children")].items()}
+
+
+def to_hf(ours: Any, layer: Any) -> Any:
+    """Writes our ``GatedDeltaNet`` / ``KimiDeltaAttention``'s weights into the
+    transformers layer, in place (cast to its dtype, on its device), and returns it: the
+    inverse of ``from_hf``, through ``hf_rules`` run backwards (bit-exact: every step
+    permutes).  Checked first, nothing written unless all passes: the class (ours for
+    the layout), the sizes (each keyword of ours against what ``from_hf`` reads from the
+    layer, named), every parameter of the layer given exactly once in its shape.  Raises
+    TypeError for a module not ours, ValueError naming each mismatch."""
+    from attention_spec.interop.specs import apply_specs
+    from torch_attention.interop import flax_arrays
+
+    kind = _fitting(layer, "to_hf")
+    want = KimiDeltaAttention if kind == "kimi" else GatedDeltaNet
+    if not isinstance(ours, (GatedDeltaNet, KimiDeltaAttention)):
+        raise TypeError(f"to_hf takes torch_attention.{want.__name__} for a {type(layer).__name__}; "
+                        f"got {type(ours).__name__}")
+    if not isinstance(ours, want):
+        raise ValueError(f"to_hf: a {type(layer).__name__} is a {want.__name__}, not a {type(ours).__name__} "
+                         "(nothing was written)")
+    theirs = options(layer)
+    g = ours.geometry
+    mine = ({"d_in": g.d_in, "num_heads": g.heads, "head_dim": g.key_dim, "conv_kernel_size": g.kernel,
+             "norm_eps": ours.norm_eps} if kind == "kimi" else
+            {"d_in": g.d_in, "num_key_heads": g.qk_heads, "key_head_dim": g.key_dim, "num_value_heads": g.heads,
+             "value_head_dim": g.value_dim, "conv_kernel_size": g.kernel, "norm_eps": ours.norm_eps})
+    problems = [f"{k}: ours {mine[k]!r}, the layer's {v!r}" for k, v in theirs.items() if mine[k] != v]
+    if problems:
+        raise ValueError(f"to_hf: this {type(ours).__name__} does not fit the {type(layer).__name__} "
+                         "(nothing was written): " + "; ".join(problems))
+    params = dict(layer.named_parameters())
+    rules = hf_rules(layer)
+    arrays = apply_specs(flax_arrays(ours), rules, "to_torch")  # names and shapes checked through every step
+    missing = sorted(set(params) - set(arrays))
+    misshaped = [f"{n}: ours {tuple(a.shape)}, the layer's {tuple(params[n].shape)}" for n, a in arrays.items()
+                 if n not in params or tuple(a.shape) != tuple(params[n].shape)]
+    if missing or misshaped:
+        raise ValueError("to_hf: the weights do not fit the layer (nothing was written): "
+                         + "; ".join([f"the layer's {n} has no counterpart in ours" for n in missing] + misshaped))
+    ready = {n: torch.from_numpy(a.copy()).to(dtype=params[n].dtype, device=params[n].device) for n, a in arrays.items()}
+    with torch.no_grad():
+        for name, tensor in ready.items():
+            params[name].copy_(tensor)
+    return layer

@@ -113,7 +113,12 @@ def rules_for(
 
 
 def module_rules(module: Any) -> list[Rule]:
-    """Rules for one of our modules (either framework), from its ``spec``."""
+    """Rules for one of our modules (either framework), from its ``spec``; the
+    linear-attention layers' from their geometry (``attention_spec.interop.delta``)."""
+    from attention_spec.interop.delta import delta_config, delta_rules, is_delta_layer
+
+    if is_delta_layer(module):
+        return delta_rules(type(module).__name__, delta_config(module))
     spec = getattr(module, "spec", None)
     if isinstance(spec, AttentionConfig):
         return rules_for(spec.variant, spec)

@@ -20,6 +20,8 @@ Steps (each acts on the list of arrays a rule carries, in order):
   (in, heads*head_dim) <-> (in, heads, head_dim): ``SplitAxis(1, (heads, -1))``.
 * ``Split(axis, parts=3)`` / ``Concat(axis, parts=3)``: one array into ``parts`` equal
   pieces along ``axis`` and back (a packed bias (3*d,) <-> three (d,)).
+* ``Sections(axis, sizes)`` / ``Joined(axis, sizes)``: one array into pieces of widths
+  ``sizes`` and back (Qwen3.5's ``in_proj_qkv``: q, k and v rows of unequal widths).
 * ``SplitQKV(layout)`` / ``JoinQKV(layout)``: a packed q/k/v weight in ``layout``
   ``"in_out"`` (d_in, 3*d_out) (GPT-2's ``Conv1D``) or ``"out_in"`` (3*d_out, d_in)
   (``nn.Linear``, ``in_proj_weight``) <-> three (d_out, d_in) weights in PyTorch's
@@ -69,8 +71,10 @@ __all__ = [
     "Concat",
     "DIRECTIONS",
     "JoinQKV",
+    "Joined",
     "MergeAxes",
     "Rule",
+    "Sections",
     "Split",
     "SplitAxis",
     "SplitQKV",
@@ -282,6 +286,64 @@ class Concat:
         return Split(self.axis, self.parts)
 
 
+@dataclass(frozen=True)
+class Sections:
+    """One array into pieces of the given ``sizes`` along ``axis`` (in order; unequal
+    widths allowed: Qwen3.5's q | k | v rows)."""
+
+    axis: int
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axis", _int("Sections axis", self.axis))
+        sizes = tuple(_int("Sections sizes", s) for s in self.sizes)
+        if len(sizes) < 2 or any(s < 1 for s in sizes):
+            raise ValueError(f"Sections sizes must be two or more positive ints; got {sizes}")
+        object.__setattr__(self, "sizes", sizes)
+
+    def shapes(self, shapes: list[Shape]) -> list[Shape]:
+        s = _one(shapes, "Sections")
+        a = _axis(self.axis, len(s), f"Sections on shape {s}")
+        if s[a] != sum(self.sizes):
+            raise ValueError(f"Sections: axis {a} of shape {s} is not {' + '.join(map(str, self.sizes))}")
+        return [(*s[:a], n, *s[a + 1:]) for n in self.sizes]
+
+    def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.array(p) for p in np.split(arrays[0], np.cumsum(self.sizes)[:-1], axis=self.axis)]
+
+    def inverse(self) -> Joined:
+        return Joined(self.axis, self.sizes)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """``len(sizes)`` arrays, of widths ``sizes`` along ``axis``, joined along it (in order)."""
+
+    axis: int
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        Sections(self.axis, self.sizes)  # the same checks
+        object.__setattr__(self, "axis", int(self.axis))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+
+    def shapes(self, shapes: list[Shape]) -> list[Shape]:
+        if len(shapes) != len(self.sizes):
+            raise ValueError(f"Joined needs {len(self.sizes)} arrays; got {shapes}")
+        a = _axis(self.axis, len(shapes[0]), f"Joined on shape {shapes[0]}")
+        rest = {(*s[:a], *s[a + 1:]) for s in shapes}
+        if len(rest) != 1 or any(len(s) != len(shapes[0]) or s[a] != n for s, n in zip(shapes, self.sizes, strict=True)):
+            raise ValueError(f"Joined{(self.axis, self.sizes)} cannot join shapes {shapes}")
+        s = shapes[0]
+        return [(*s[:a], sum(self.sizes), *s[a + 1:])]
+
+    def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.concatenate(arrays, axis=self.axis)]
+
+    def inverse(self) -> Sections:
+        return Sections(self.axis, self.sizes)
+
+
 def _qkv_fields(step: Any) -> str:
     """A q/k/v step's repr: its layout and only the fields away from their defaults."""
     extra = [f"{name}={getattr(step, name)!r}" for name, default in
@@ -403,8 +465,8 @@ class JoinQKV:
         return SplitQKV(self.layout, self.packing, self.num_heads, self.num_kv_heads, self.bias)
 
 
-STEP_TYPES = (Transpose, SplitAxis, MergeAxes, Split, Concat, SplitQKV, JoinQKV)
-AnyStep = Transpose | SplitAxis | MergeAxes | Split | Concat | SplitQKV | JoinQKV
+STEP_TYPES = (Transpose, SplitAxis, MergeAxes, Split, Concat, SplitQKV, JoinQKV, Sections, Joined)
+AnyStep = Transpose | SplitAxis | MergeAxes | Split | Concat | SplitQKV | JoinQKV | Sections | Joined
 
 
 def _path(value: Any) -> Path:
@@ -422,6 +484,10 @@ def path_text(path: Path) -> str:
 
 
 def _arity(n: int, step: Any) -> int:
+    if isinstance(step, Sections):
+        return len(step.sizes)
+    if isinstance(step, Joined):
+        return 1
     if isinstance(step, (Split, SplitQKV)):
         return 3 if isinstance(step, SplitQKV) else step.parts
     if isinstance(step, (Concat, JoinQKV)):
@@ -430,6 +496,10 @@ def _arity(n: int, step: Any) -> int:
 
 
 def _takes(n: int, step: Any) -> bool:
+    if isinstance(step, Sections):
+        return n == 1
+    if isinstance(step, Joined):
+        return n == len(step.sizes)
     if isinstance(step, (Split, SplitQKV)):
         return n == 1
     if isinstance(step, Concat):

@@ -56,36 +56,6 @@ def _hf_layer(family: str) -> tuple[Any, Any]:
     return config, layer
 
 
-def _to_jax(ours: Any) -> Any:
-    """The Flax twin with the PyTorch module's weights: ``nn.Linear`` weights (out, in)
-    transposed into kernels (in, out), the others (``conv_weight`` (C, K), ``A_log``,
-    ``dt_bias``, ``norm_weight``) as they are; every parameter copied once."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import jax_attention
-
-    cls = getattr(jax_attention, type(ours).__name__)
-    g = ours.geometry
-    keywords = ({"num_heads": g.heads, "head_dim": g.key_dim} if type(ours).__name__ == "KimiDeltaAttention" else
-                {"num_key_heads": g.qk_heads, "key_head_dim": g.key_dim, "num_value_heads": g.heads,
-                 "value_head_dim": g.value_dim})
-    # built abstract (no random draws: each would compile eagerly), every parameter then given
-    twin = nnx.eval_shape(lambda: cls(g.d_in, **keywords, conv_kernel_size=g.kernel, chunk_size=ours.chunk_size,
-                                      norm_eps=ours.norm_eps, rngs=nnx.Rngs(0)))
-    copied = 0
-    for name, p in ours.named_parameters():
-        value = p.detach().numpy()
-        module, _, leaf = name.partition(".")
-        param = getattr(twin, module).kernel if leaf else getattr(twin, module)  # leaf: an nn.Linear's weight
-        assert tuple(param.shape) == (value.T if leaf else value).shape, name
-        param.value = jnp.asarray(value.T if leaf else value)
-        copied += 1
-    assert copied == len(jax.tree.leaves(nnx.state(twin, nnx.Param)))
-    return twin
-
-
 def _draws() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x (B, T, D), its left padding (example 1's first 3 tokens), a cotangent."""
     rng = np.random.default_rng(1)
@@ -131,6 +101,7 @@ def _error(got: Any, want: Any) -> float:
 @pytest.fixture(scope="module")
 def layers() -> dict[str, tuple[Any, Any, Any, Any]]:
     """{family: (config, transformers' layer, ours (PyTorch) by from_hf, the Flax twin)}."""
+    from parity_tests import to_flax
     from torch_attention.interop import from_hf
 
     made = {}
@@ -140,7 +111,7 @@ def layers() -> dict[str, tuple[Any, Any, Any, Any]]:
             config, layer = _hf_layer(family)
             ours = from_hf(layer)
             ours.chunk_size = 4  # chunks of 4: a length of 9 spans three, the last ragged
-            made[family] = (config, layer, ours, _to_jax(ours))
+            made[family] = (config, layer, ours, to_flax(ours))  # the declared map: tests/interop/test_delta_interop.py
     return made
 
 
@@ -312,8 +283,9 @@ def test_bad_input_is_refused_with_one_text_in_both_twins(layers: Any) -> None:
 
 def test_from_hf_refuses_what_ours_does_not_compute_by_name(layers: Any) -> None:
     """A conv activation other than silu, or a bias on the conv, is refused naming it,
-    before any weight is read; ``hf_rules`` still refuses these layers (no rules for
-    them yet) and ``recognises_hf_layer`` says False."""
+    before any weight is read; the layers it ports are recognised (``recognises_hf_layer``:
+    ``hf_rules`` / ``hf_children`` map them, tests/interop/test_delta_interop.py), and
+    ``hf_rules`` refuses the gelu one naming it."""
     import torch
 
     from torch_attention._hf import hf_rules, recognises_hf_layer
@@ -324,6 +296,9 @@ def test_from_hf_refuses_what_ours_does_not_compute_by_name(layers: Any) -> None
     try:
         with pytest.raises(ValueError, match="a linear-attention layer .*: a conv activation 'gelu' \\(ours: silu\\)"):
             from_hf(layer)
+        with pytest.raises(ValueError, match="a conv activation 'gelu'"):
+            hf_rules(layer)
+        assert not recognises_hf_layer(layer)
     finally:
         layer.activation = "silu"
     layer.conv1d.bias = torch.nn.Parameter(torch.zeros(layer.conv1d.out_channels))
@@ -332,7 +307,5 @@ def test_from_hf_refuses_what_ours_does_not_compute_by_name(layers: Any) -> None
             from_hf(layer)
     finally:
         layer.conv1d.bias = None
-    for family in ("qwen3_next", "kimi_linear"):
-        with pytest.raises(ValueError, match="a linear-attention layer \\(gated delta rule\\), not softmax attention"):
-            hf_rules(layers[family][1])
-        assert not recognises_hf_layer(layers[family][1])  # no hf_rules / hf_children for them yet
+    for family in FAMILIES:
+        assert recognises_hf_layer(layers[family][1])
