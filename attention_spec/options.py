@@ -174,6 +174,124 @@ def check_values_from_keys(values_from_keys: Any, vdim: Any) -> bool:
     return values_from_keys
 
 
+def check_kv_shared(kv_shared: Any, *, kdim: Any, vdim: Any, values_from_keys: bool, v_norm: Any) -> bool:
+    """``kv_shared`` (Gemma 4's ``num_kv_shared_layers``, a layer whose
+    ``kv_sharing_modes`` entry is ``"reuse"``): True, no ``W_key`` / ``W_value`` / ``k_norm``;
+    the call takes another layer's keys and values (``kv=``), already normed and rotated,
+    so there is no key or value input (``kdim`` / ``vdim`` None) and nothing of the
+    values to build (``values_from_keys`` False, ``v_norm`` None)."""
+    if not isinstance(kv_shared, bool):
+        raise TypeError(f"kv_shared must be a bool; got {type(kv_shared).__name__} {kv_shared!r}")
+    if kv_shared:
+        for name, value, unset in (("kdim", kdim, None), ("vdim", vdim, None),
+                                   ("values_from_keys", values_from_keys, False), ("v_norm", v_norm, None)):
+            if value != unset:
+                raise ValueError(f"kv_shared=True takes another layer's keys and values (kv=): {name} must be "
+                                 f"{unset!r}; got {name}={value!r}")
+    return kv_shared
+
+
+KV_SHARED_NEEDS_KV = (
+    "a module built with kv_shared=True computes no keys or values: its call needs kv=, the (keys, values) "
+    "another layer's call returned with return_kv=True, or, in cached decoding, that layer's KVCache after "
+    "its call"
+)
+KV_SHARED_WITH_CACHE = (
+    "a module built with kv_shared=True writes no cache: pass the storing layer's KVCache as kv=, not cache="
+)
+KV_SHARED_NO_CACHE = (
+    "a module built with kv_shared=True writes no cache (it reads the storing layer's, kv=): it has no init_cache"
+)
+KV_WITH_CONTEXT = "kv= is another layer's self-attention keys and values: context must be None"
+RETURN_KV_SHARED = (
+    "return_kv=True returns the keys and values the call computes; a module built with kv_shared=True "
+    "computes none (its kv= are another layer's)"
+)
+RETURN_KV_CACHE = (
+    "return_kv=True with a cache: the cache the call returns holds its keys and values; pass that cache as "
+    "kv= to the layers that reuse them"
+)
+
+
+def kv_not_shared_message(variant: str) -> str:
+    """A call given ``kv=`` on a module that computes its own keys and values."""
+    return (f"kv= takes another layer's keys and values, for a MultiHeadAttention built with kv_shared=True; "
+            f"this {variant} computes its own")
+
+
+def return_kv_unsupported_message(variant: str) -> str:
+    return (f"return_kv=True returns a MultiHeadAttention's keys and values (for the kv_shared modules that "
+            f"reuse them); {variant} has no return_kv")
+
+
+def kv_kind(kv: Any, cache_type: type) -> str | None:
+    """What a call's ``kv=`` is: None, ``"cache"`` (a ``cache_type``, the twin's KVCache)
+    or ``"pair"`` (two arrays); a TypeError for anything else."""
+    if kv is None:
+        return None
+    if isinstance(kv, cache_type):
+        return "cache"
+    if isinstance(kv, (tuple, list)) and len(kv) == 2 and all(hasattr(t, "shape") and hasattr(t, "dtype") for t in kv):
+        return "pair"
+    got = "one array" if hasattr(kv, "shape") else type(kv).__name__  # (the twins' array types differ)
+    raise TypeError(f"kv must be a (keys, values) pair, as a return_kv=True call returns it, or the storing "
+                    f"layer's KVCache; got {got}")
+
+
+def check_kv_call(variant: str, has_option: bool, kv_shared: bool, kind: str | None, *, return_kv: Any,
+                  cached: bool, context: bool) -> None:
+    """The keywords of a call that shares keys and values, before any other check:
+    ``kv=`` (``kind``, ``kv_kind``'s) only for a kv_shared module, which needs it and takes
+    no cache, context or return_kv; ``return_kv`` only for a MultiHeadAttention (``has_option``)
+    that computes its keys, without a cache."""
+    if not isinstance(return_kv, bool):
+        raise TypeError(f"return_kv must be a bool; got {type(return_kv).__name__} {return_kv!r}")
+    if kind is not None and not kv_shared:
+        raise ValueError(kv_not_shared_message(variant))
+    if kv_shared:
+        if cached:
+            raise ValueError(KV_SHARED_WITH_CACHE)
+        if return_kv:
+            raise ValueError(RETURN_KV_SHARED)
+        if kind is None:
+            raise ValueError(KV_SHARED_NEEDS_KV)
+        if context:
+            raise ValueError(KV_WITH_CONTEXT)
+    elif return_kv:
+        if not has_option:
+            raise ValueError(return_kv_unsupported_message(variant))
+        if cached:
+            raise ValueError(RETURN_KV_CACHE)
+
+
+def check_shared_kv(kv: Any, *, batched: bool, batch: int, seq: int, kv_heads: int, head_dim: int,
+                    dtype: str) -> None:
+    """``kv=(keys, values)`` of a kv_shared module's call without a cache, given as
+    (shape, dtype name) pairs: each (B, Hkv, T, D), as a return_kv=True call of x's length
+    returns them ((Hkv, T, D) for an unbatched x), in the module's compute dtype."""
+    (k_shape, k_dtype), (v_shape, v_dtype) = kv
+    want = (batch, kv_heads, seq, head_dim) if batched else (kv_heads, seq, head_dim)
+    if tuple(k_shape) != want or tuple(v_shape) != want:
+        raise ValueError(
+            f"kv does not fit this module: keys {tuple(k_shape)}, values {tuple(v_shape)}; expected keys and "
+            f"values of shape {want} ((batch,) kv_heads, the length of x, head_dim), as the storing layer's "
+            f"return_kv=True call on the same x returns them"
+        )
+    if k_dtype != dtype or v_dtype != dtype:
+        raise ValueError(f"kv must be in the module's compute dtype {dtype}; got keys {k_dtype}, values {v_dtype}")
+
+
+def check_shared_fill(fills: Any, new: Any) -> None:
+    """A kv_shared call with ``kv=`` a KVCache: the storing layer has written this call's
+    tokens, so each example's fill is at least its valid tokens (the queries sit at
+    fill - new onward)."""
+    if any(int(f) < int(n) for f, n in zip(fills, new, strict=True)):
+        raise ValueError(
+            "kv= a KVCache holds the storing layer's keys after its call on the same x: each example's fill "
+            f"must be at least its valid tokens; got fills {[int(f) for f in fills]}, tokens {[int(n) for n in new]}"
+        )
+
+
 class QueryScale(NamedTuple):
     """Queries scaled by their absolute position p (after rope and qk-norm):
     ``q * (1 + beta * log1p(floor((p + offset) / floor)))``, exactly 1 while p + offset <

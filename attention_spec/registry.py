@@ -39,6 +39,7 @@ from attention_spec.options import (
     check_head_dim,
     check_implementation,
     check_kv_heads,
+    check_kv_shared,
     check_mask_strategy,
     check_normalization,
     check_optional_width,
@@ -116,7 +117,8 @@ class Projection:
     when: the option that must be set (True, or not None) for the projection to exist
       (None: always).
     unless: the option that must be unset (False or None) for it to exist (latent
-      attention's one ``q_proj`` when ``q_lora_rank`` is None).
+      attention's one ``q_proj`` when ``q_lora_rank`` is None); a tuple: each must be unset
+      (``W_value`` without ``values_from_keys`` and ``kv_shared``).
     """
 
     name: str
@@ -124,10 +126,11 @@ class Projection:
     layout: str
     bias: str = "never"
     when: str | None = None
-    unless: str | None = None
+    unless: str | tuple[str, ...] | None = None
 
     def exists(self, config: Mapping[str, Any] | AttentionConfig) -> bool:
-        if self.unless is not None and _get(config, self.unless, None) not in (None, False):
+        unless = (self.unless,) if isinstance(self.unless, str) else self.unless or ()
+        if any(_get(config, name, None) not in (None, False) for name in unless):
             return False
         return self.when is None or _get(config, self.when, True) not in (None, False)
 
@@ -299,14 +302,17 @@ REGISTRY: dict[str, Variant] = {
              # Llama 4's / Ministral 3's queries scaled by position (an options.QueryScale)
              Option("qk_norm_weight", True, True), Option("v_norm", None, True),
              Option("values_from_keys", False, True), Option("query_scale", None, True),
+             # Gemma 4's num_kv_shared_layers: no W_key / W_value / k_norm, another layer's kv=
+             Option("kv_shared", False, True),
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              Option("sinks", False, True),  # gpt-oss's attention sinks: one learned logit per head
              # flex attention's mods (attention_spec.mods), applied to this module's scores
              Option("score_mod", None, True), Option("mask_mod", None, True),
              Option("chunk", None, True),  # Llama 4's chunked local attention (attention_chunk_size)
              *_common(causal=True)),
-            projections=(*_qkv("W_query", "W_key"),
-                         Projection("W_value", "value", "linear", "qkv_bias", unless="values_from_keys"),
+            projections=(*_qkv("W_query"), Projection("W_key", "key", "linear", "qkv_bias", unless="kv_shared"),
+                         Projection("W_value", "value", "linear", "qkv_bias",
+                                    unless=("values_from_keys", "kv_shared")),
                          Projection("out_proj", "out", "linear", "out_bias", when="out_proj")),
             has_dropout=True,
             heads="split",
@@ -371,6 +377,9 @@ class Layers:
     output_gate: bool = False
     # no W_value: the values are W_key's output before k-norm and rope (Gemma 4's attention_k_eq_v)
     values_from_keys: bool = False
+    # no W_key / W_value / k_norm: the call takes another layer's keys and values (Gemma 4's
+    # num_kv_shared_layers, a "reuse" layer)
+    kv_shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -480,6 +489,7 @@ class AttentionConfig:
         attention_bias: bool
         output_gate: bool
         values_from_keys: bool
+        kv_shared: bool
         clip_qkv: float | None
         scale: float | None
         causal: bool
@@ -593,6 +603,8 @@ class AttentionConfig:
             check_qk_norm_weight(self.qk_norm, self.qk_norm_weight, self.qk_norm_offset)
             check_v_norm(self.v_norm)
             check_values_from_keys(self.values_from_keys, self.vdim)
+            check_kv_shared(self.kv_shared, kdim=self.kdim, vdim=self.vdim, values_from_keys=self.values_from_keys,
+                            v_norm=self.v_norm)
         if "query_scale" in exposed:
             set_(self, "query_scale", check_query_scale(self.query_scale))
         if self.rope is not None:  # its rotary dimension must fit the heads
@@ -719,6 +731,7 @@ class AttentionConfig:
             (name, role, cast(int, self.head_dim if self.qk_norm_scope == "head"
                               else self.width if role == "query" else self.fan_out(role)))
             for name, role in (("q_norm", "query"), ("k_norm", "key"))
+            if role == "query" or not self.kv_shared  # a kv_shared module's keys come normed
         )
 
     def options(self) -> dict[str, Any]:

@@ -19,7 +19,13 @@ from flax import nnx
 from jax import Array
 
 from attention_spec import dtype_name
-from attention_spec.options import VALUES_FROM_KEYS_PAIR
+from attention_spec.options import (
+    VALUES_FROM_KEYS_PAIR,
+    check_kv_call,
+    check_shared_fill,
+    check_shared_kv,
+    kv_kind,
+)
 from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_options, plan_call
 from attention_spec.registry import AttentionConfig, make_config
 from jax_attention import functional
@@ -53,6 +59,8 @@ class _Call(NamedTuple):
     kv_segment_ids: Array | None = None  # int (B, S)
     cache: Any = None  # functional.KVCache
     positions: Array | None = None  # int (B, T) or (1, T): rope's positions (None: the default)
+    kv: tuple[Array, Array] | None = None  # a kv_shared call's keys and values (B, Hkv, T, D), batched
+    return_kv: bool = False  # the call returns its keys and values too
 
 
 _FROM_CALL: Any = object()  # (the call's own kv_lengths)
@@ -67,6 +75,9 @@ _OPS = CallOps(
     check_cache_room=check_room,  # eager only: a compiled step records an overflow in the cache
     check_route=lambda spec, plan, facts: _check_route(spec, plan, facts),
 )
+# A kv_shared call's kv= KVCache is planned as a cache the call reads: already written by the
+# storing layer, so no room is checked (its fill is, after the plan: ``check_shared_fill``).
+_SHARED_OPS = _OPS._replace(check_cache_room=lambda cache, new, max_len: None)
 
 
 def _check_route(spec: AttentionConfig, plan: CallPlan, facts: RouteFacts) -> None:
@@ -206,6 +217,8 @@ class AttentionModule(nnx.Module):
         kv_segment_ids: Any = None,
         cache: Any = None,
         positions: Any = None,
+        kv: Any = None,
+        return_kv: bool = False,
     ) -> Any:
         """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out) (``out_features``
         when a ``MultiHeadAttention`` is built with it); with
@@ -242,13 +255,25 @@ class AttentionModule(nnx.Module):
         ``positions``: integers (B, T) (or (1, T); (T,) for an unbatched x), the positions
         at which a module built with ``rope=`` rotates q and k; None: 0..T-1, with a cache
         each example's fill onward.
+        ``return_kv`` (a ``MultiHeadAttention``, no cache): also the keys and values the
+        call attended over, (B, Hkv, T, D) each as it computed them (normed, rotated), for
+        the modules built with ``kv_shared=True`` that reuse them: ``(out, (k, v))``
+        (``(out, weights, (k, v))``).  ``kv``: such a module's keys and values, that pair, or,
+        in cached decoding, the storing layer's ``KVCache`` that its call on the same x
+        returned (read, not written: the call returns ``out`` or ``(out, weights)``).
         """
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache, return_weights=return_weights, positions=positions)
+                             cache=cache, return_weights=return_weights, positions=positions, kv=kv,
+                             return_kv=return_kv)
         key = self._draw_key(call, rngs, return_weights)  # after every check: it advances a stream
         if call.cache is not None:
             return self._run_cached(call, return_weights, key)
+        if call.return_kv:
+            result, (k, v) = self._run(call, return_weights, key)
+            pair = (k, v) if call.batched else (k[0], v[0])
+            result = _unbatch(result, call.batched)
+            return (*result, pair) if return_weights else (result, pair)
         return _unbatch(self._run(call, return_weights, key), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> functional.KVCache:
@@ -261,16 +286,31 @@ class AttentionModule(nnx.Module):
     def _prepare(self, x: Array, mask: Any, dropout_mask: Array | None, deterministic: bool | None, kv_lengths: Any,
                  implementation: str | None, bias: Any = None, *, context: Any = None, segment_ids: Any = None,
                  kv_segment_ids: Any = None, cache: Any = None, return_weights: bool = False,
-                 positions: Any = None) -> _Call:
+                 positions: Any = None, kv: Any = None, return_kv: bool = False) -> _Call:
         """Every check of one call (``plan_call``), before any work (and before any random
         draw); the inputs batched and canonical."""
         deterministic = self._deterministic(deterministic)
+        spec = self.spec  # (a kv_shared call's checks first: its kv=, return_kv)
+        kind = kv_kind(kv, functional.KVCache)
+        check_kv_call(spec.variant, "kv_shared" in spec.declaration.options, spec.kv_shared, kind,
+                      return_kv=return_kv, cached=cache is not None, context=context is not None)
+        compute_dtype = self._compute_dtype()
         plan = plan_call(
-            self.spec, _OPS, x, compute_dtype=self._compute_dtype(), training=not deterministic,
+            spec, _SHARED_OPS if kind == "cache" else _OPS, x, compute_dtype=compute_dtype, training=not deterministic,
             implementation=implementation, context=context, mask=mask, bias=bias, dropout_mask=dropout_mask,
-            kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
-            return_weights=return_weights,
+            kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+            cache=kv if kind == "cache" else cache, return_weights=return_weights,
         )
+        if kind == "pair":
+            check_shared_kv([(tuple(t.shape), dtype_name(t.dtype)) for t in kv], batched=plan.batched,
+                            batch=plan.batch, seq=plan.seq, kv_heads=spec.kv_heads, head_dim=cast(int, spec.head_dim),
+                            dtype=compute_dtype or dtype_name(x.dtype))
+            kv = tuple(kv) if plan.batched else tuple(t[None] for t in kv)
+        elif kind == "cache":
+            cache = kv
+            if not isinstance(kv.lengths, jax.core.Tracer):  # (under jit nothing reads the device)
+                new = [plan.seq] * plan.batch if plan.kv_lengths is None else [int(n) for n in plan.kv_lengths]
+                check_shared_fill([int(n) for n in kv.lengths], new)
         if self.spec.values_from_keys and isinstance(context, (tuple, list)):
             raise ValueError(VALUES_FROM_KEYS_PAIR)
         positions = check_positions(self.spec, positions, x, context)
@@ -280,7 +320,8 @@ class AttentionModule(nnx.Module):
             keys, values, mask, bias, positions = (
                 t if t is None else t[None] for t in (keys, values, mask, bias, positions))
         return _Call(x, mask, dropout_mask, plan.kv_lengths, plan.implementation, plan.batched, deterministic,
-                     bias, keys, values, plan.segment_ids, plan.kv_segment_ids, cache, positions)
+                     bias, keys, values, plan.segment_ids, plan.kv_segment_ids, cache, positions,
+                     kv=kv if kind == "pair" else None, return_kv=return_kv)
 
     def _draws(self, call: _Call) -> bool:
         return not call.deterministic and self.spec.dropout > 0.0 and call.dropout_mask is None
@@ -312,17 +353,23 @@ class AttentionModule(nnx.Module):
             sinks=self.sinks[...] if spec.sinks else None,
         )
 
-    def _run(self, call: _Call, return_weights: bool, key: Array | None) -> Array | tuple[Array, Array]:
+    def _run(self, call: _Call, return_weights: bool, key: Array | None) -> Any:
         """The work, on checked input: project, transform q and k, attend, merge.  Batched
-        in and out."""
+        in and out; with the call's ``return_kv``, ``(result, (k, v))``."""
         # q (B, H, T, D), k and v (B, Hkv, S, D)
         q, k, v, gate = self._project(call.x, call.keys, call.values, call.implementation)
-        q, k = transform_heads(self, q, k, call.positions)
+        if call.kv is not None:  # kv_shared: another layer's keys and values, the queries turned alone
+            k, v = call.kv
+            q = transform_heads(self, q, q, call.positions)[0]  # (q as the keys too: their turn discarded)
+        else:
+            q, k = transform_heads(self, q, k, call.positions)
         result = self._attend(call, q, k, v, return_weights, key)
         if return_weights:
             out, weights = cast(tuple[Array, Array], result)
-            return merge(self, out, call.implementation, gate), weights  # (B, H, T, Dv) -> (B, T, d_out)
-        return merge(self, cast(Array, result), call.implementation, gate)
+            merged: Any = merge(self, out, call.implementation, gate), weights  # (B, H, T, Dv) -> (B, T, d_out)
+        else:
+            merged = merge(self, cast(Array, result), call.implementation, gate)
+        return (merged, (k, v)) if call.return_kv else merged
 
     def _run_cached(self, call: _Call, return_weights: bool, key: Array | None) -> Any:
         """A decode step (``_cache.run_cached``)."""

@@ -23,7 +23,7 @@ from attention_spec.cache import (
     check_cache_room,
     check_cacheable,
 )
-from attention_spec.options import check_positive_int
+from attention_spec.options import KV_SHARED_NO_CACHE, check_positive_int
 from jax_attention._projections import merge
 from jax_attention._qk import transform_heads
 
@@ -159,6 +159,8 @@ def new_cache(module: Any, batch_size: int, max_len: int, dtype: Any = None) -> 
     beyond the module's ``context_length``."""
     spec = module.spec
     check_cacheable(spec)
+    if spec.kv_shared:
+        raise TypeError(KV_SHARED_NO_CACHE)
     check_positive_int("batch_size", batch_size)
     check_positive_int("max_len", max_len)
     check_cache_context(max_len, spec.context_length)
@@ -180,12 +182,24 @@ def run_cached(module: Any, call: _Call, return_weights: bool, key: Array | None
     (``attend_filled``), or over the whole cache on a kernel that reads no key past a
     length (``reads_to_lengths``).  A step that runs past max_len (possible only under
     jit) writes nothing and returns NaN outputs and the cache with its overflow record
-    (``append_to_cache``).  Returns ``(out, cache)`` or ``(out, weights, cache)``."""
+    (``append_to_cache``).  Returns ``(out, cache)`` or ``(out, weights, cache)``.
+
+    A kv_shared module's call reads the storing layer's cache instead (``call.cache``,
+    the one that layer's call on the same tokens returned), never writes it: x's queries
+    sit at each example's fill minus its valid tokens onward (turned there alone); NaN
+    outputs where that step recorded an overflow.  Returns ``out`` or ``(out, weights)``."""
     folded = folds(module, call, return_weights)
     q, k, v, gate = module._project(call.x, None, None, call.implementation)
-    start = call.cache.lengths
-    q, k = transform_heads(module, q, k, call.positions, start)
-    cache, ok = append_to_cache(call.cache, k, v, new_lengths(call))
+    shared = module.spec.kv_shared
+    if shared:
+        cache = call.cache
+        ok = jnp.asarray(True) if cache.overflow is None else jnp.all(cache.overflow == 0)
+        start = cache.lengths - new_lengths(call).astype(cache.lengths.dtype)
+        q = transform_heads(module, q, q, call.positions, start)[0]  # (q as the keys too: discarded)
+    else:
+        start = call.cache.lengths
+        q, k = transform_heads(module, q, k, call.positions, start)
+        cache, ok = append_to_cache(call.cache, k, v, new_lengths(call))
     filled = cache.lengths  # after the write (the same as before on an overflow)
     if folded:  # one token: its queries of a key/value head as rows, no causal mask (below)
         shape, q = q.shape, q.reshape(q.shape[0], module.spec.kv_heads, -1, q.shape[-1])
@@ -213,8 +227,10 @@ def run_cached(module: Any, call: _Call, return_weights: bool, key: Array | None
         result = result.reshape(*shape[:3], -1)
     if return_weights:
         out, weights = cast(tuple[Array, Array], result)
-        return unless(ok, merge(module, out, call.implementation, gate)), unless(ok, weights), cache
-    return unless(ok, merge(module, cast(Array, result), call.implementation, gate)), cache
+        out, weights = unless(ok, merge(module, out, call.implementation, gate)), unless(ok, weights)
+        return (out, weights) if shared else (out, weights, cache)
+    out = unless(ok, merge(module, cast(Array, result), call.implementation, gate))
+    return out if shared else (out, cache)
 
 
 def folds(module: Any, call: _Call, return_weights: bool) -> bool:

@@ -79,10 +79,13 @@ class MultiHeadAttentionWrapper(AttentionModule):
         kv_segment_ids: Any = None,
         cache: Any = None,
         positions: Any = None,
+        kv: Any = None,
+        return_kv: bool = False,
     ) -> Array | tuple[Array, Array]:
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache, return_weights=return_weights, positions=positions)
+                             cache=cache, return_weights=return_weights, positions=positions, kv=kv,
+                             return_kv=return_kv)  # (refused by name: a wrapper shares no kv)
         results = []
         for i, head in enumerate(cast(list[CausalAttention], self.heads)):
             head_call = call._replace(
@@ -143,6 +146,16 @@ class MultiHeadAttention(AttentionModule):
     position p are multiplied by ``1 + beta * log1p(floor((p + offset) / floor))``, at
     the call's ``positions=`` (rope's positions; taken without rope too) or, with a cache,
     each example's fill onward; self-attention only.
+    Keys and values shared across layers (Gemma 4's ``num_kv_shared_layers``, a layer
+    whose ``kv_sharing_modes`` entry is ``"reuse"``): ``kv_shared=True`` builds only
+    ``W_query`` (and ``q_norm``) and ``out_proj``; its call takes another layer's keys and
+    values, ``kv=(k, v)`` as that layer's call with ``return_kv=True`` returns them
+    (``(out, (k, v))``: (B, Hkv, T, D) each, normed and rotated, on the same x's length),
+    or, in cached decoding, ``kv=cache``, the storing layer's ``KVCache`` after its call on
+    the same tokens: read, never written (the call returns ``out`` alone; queries at each
+    example's fill minus its valid tokens onward).  The reusing module rotates (and
+    scales) only its queries, at its own ``positions=``; its mask, window, scale and
+    soft cap are its own.  Gradients flow through ``kv`` into the storing layer.
     Rotary position embeddings: ``rope=`` (an ``attention_spec.rope.RopeConfig``) turns q and k
     after the head split, before attention, at the call's ``positions=`` (integers
     (B, T); None: 0..T-1, or, with a cache, each example's fill onward); the frequencies
@@ -197,6 +210,7 @@ class MultiHeadAttention(AttentionModule):
         v_norm: str | None = None,
         values_from_keys: bool = False,
         query_scale: Any = None,
+        kv_shared: bool = False,
         rope: Any = None,
         sinks: bool = False,
         score_mod: Any = None,

@@ -246,7 +246,10 @@ def forward(
     keep: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     positions: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
+    *,
+    kv: tuple[np.ndarray, np.ndarray] | None = None,
+    return_kv: bool = False,
+) -> Any:
     """The oracle for one module: (out, weights) for x (B, T, d_in) or (T, d_in).
 
     ``config`` holds the constructor keywords; what the variant is made of (projections
@@ -265,15 +268,22 @@ def forward(
     value head RMS-normed, no weight; ``qk_norm_weight=False``: q and k RMS-normed without
     weight after rope, where the families norm them (the twins norm before: a rotation
     keeps the norm); ``query_scale``: q times 1 + beta log1p(floor((p + offset) / floor))
-    at its position p, after rope and qk-norm.
+    at its position p, after rope and qk-norm.  ``return_kv``: (out, weights, (k, v)), the
+    keys and values (B, Hkv, T, D) attended over (normed, rotated); ``kv`` (a
+    ``kv_shared`` module's): those of another layer, in place of its own (only q is
+    projected, normed, rotated and scaled).
     """
     from attention_spec.registry import variant as declaration
 
     x = np.asarray(x, dtype=np.float64)
     if x.ndim == 2:
-        out, weights = forward(variant, config, params, x[None], mask, keep, bias,
-                               None if positions is None else np.asarray(positions)[None])
-        return out[0], weights[0]
+        result = forward(variant, config, params, x[None], mask, keep, bias,
+                         None if positions is None else np.asarray(positions)[None],
+                         kv=None if kv is None else (np.asarray(kv[0])[None], np.asarray(kv[1])[None]),
+                         return_kv=return_kv)
+        if return_kv:
+            return result[0][0], result[1][0], (result[2][0][0], result[2][1][0])
+        return result[0][0], result[1][0]
     decl = declaration(variant)
     options = {**decl.defaults, **dict(decl.fixed), **config}
     if decl.heads == "wrapper":  # num_heads copies of the head variant, concatenated
@@ -312,6 +322,9 @@ def forward(
         by_role = {role: np.clip(y, -float(clip), float(clip)) for role, y in by_role.items()}
     if options.get("values_from_keys"):  # Gemma 4's attention_k_eq_v: W_key's output is the values
         by_role["value"] = by_role["key"]
+    shared = bool(options.get("kv_shared"))  # Gemma 4's "reuse" layers: another layer's k and v
+    if shared and kv is None:
+        raise ValueError("the oracle of a kv_shared module takes kv=(k, v), another layer's")
     gate = None
     if options.get("output_gate"):  # Qwen3-Next: each head's 2D outputs of W_query, queries then gate
         q_and_gate = _heads(by_role["query"], int(options["num_heads"]))  # (B, H, T, 2D)
@@ -320,7 +333,7 @@ def forward(
                                   for part in (q_and_gate[..., :half], q_and_gate[..., half:]))
     weightless = options.get("qk_norm") is not None and options.get("qk_norm_weight") is False
     for name, role in (("q_norm", "query"), ("k_norm", "key")):
-        if options.get("qk_norm") is not None and not weightless:  # qk-norm: before the heads attend
+        if options.get("qk_norm") is not None and not weightless and not (shared and role == "key"):
             by_role[role] = _qk_norm(params, name, by_role[role], options["qk_norm"], options["qk_norm_eps"],
                                      float(options.get("qk_norm_offset", 0.0)))
     if not by_role:  # no projections: queries, keys and values are x itself
@@ -329,16 +342,21 @@ def forward(
     kv_heads = int(options.get("num_kv_heads") or num_heads)  # grouped-query: fewer k/v heads
     head_dim = options.get("head_dim")  # free widths: None = the projections' width / heads
     q = _heads(by_role["query"], num_heads, head_dim)  # (B, H, T, D)
-    k, v = (_heads(by_role[r], kv_heads, head_dim) for r in ("key", "value"))  # (B, Hkv, T, D)
+    if shared and kv is not None:  # already normed and rotated by the layer that computed them
+        k, v = np.asarray(kv[0], np.float64), np.asarray(kv[1], np.float64)
+    else:
+        k, v = (_heads(by_role[r], kv_heads, head_dim) for r in ("key", "value"))  # (B, Hkv, T, D)
     if options.get("v_norm") == "rms":  # Gemma 4: each value head over its head_dim, no weight
         v = _rms(v, float(options["qk_norm_eps"]))
     pos = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
     if options.get("rope") is not None:
-        q, k = rope(q, pos, options["rope"]), rope(k, pos, options["rope"])
+        q = rope(q, pos, options["rope"])
+        k = k if shared else rope(k, pos, options["rope"])
     if weightless:  # nanochat / Llama 4: after rope, over each head (or all heads together)
         eps, whole = float(options["qk_norm_eps"]), options.get("qk_norm_scope") == "all"
-        q, k = ((_heads(_rms(_merged(t), eps), n, head_dim) if whole else _rms(t, eps))
-                for t, n in ((q, num_heads), (k, kv_heads)))
+        q = _heads(_rms(_merged(q), eps), num_heads, head_dim) if whole else _rms(q, eps)
+        if not shared:
+            k = _heads(_rms(_merged(k), eps), kv_heads, head_dim) if whole else _rms(k, eps)
     if options.get("query_scale") is not None:  # Llama 4's temperature tuning, Ministral 3's beta
         beta, floor, offset = options["query_scale"]
         steps = np.floor_divide(np.broadcast_to(pos, (x.shape[0], x.shape[1])).astype(np.int64) + offset, floor)
@@ -355,7 +373,7 @@ def forward(
             if p.has_bias(options) != (f"{p.name}.bias" in params):
                 raise ValueError(f"{p.name}.bias: the config says bias={p.has_bias(options)}, the parameters differ")
             out = _linear(params, p.name, out)
-    return out, weights
+    return (out, weights, (k, v)) if return_kv else (out, weights)
 
 
 def _latent(options: Mapping[str, Any], params: Mapping[str, np.ndarray], x: np.ndarray,

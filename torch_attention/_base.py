@@ -17,7 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from attention_spec import dtype_name
-from attention_spec.options import VALUES_FROM_KEYS_PAIR
+from attention_spec.options import (
+    VALUES_FROM_KEYS_PAIR,
+    check_kv_call,
+    check_shared_fill,
+    check_shared_kv,
+    kv_kind,
+)
 from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_options, plan_call
 from attention_spec.registry import AttentionConfig, make_config
 from torch_attention import functional
@@ -51,6 +57,8 @@ class _Call(NamedTuple):
     cache: Any = None  # functional.KVCache
     positions: Tensor | None = None  # int (B, T) or (1, T): rope's positions (None: the default)
     plans: dict[str, Any] | None = None  # a checked decode step's kept attention plans (see _prepare)
+    kv: tuple[Tensor, Tensor] | None = None  # a kv_shared call's keys and values (B, Hkv, T, D), batched
+    return_kv: bool = False  # the call returns its keys and values too
 
 
 _CACHE_FIELD = _Call._fields.index("cache")
@@ -80,6 +88,9 @@ _OPS = CallOps(
     check_cache_room=check_room,
     check_route=lambda spec, plan, facts: _check_route(spec, plan, facts),
 )
+# A kv_shared call's kv= KVCache is planned as a cache the call reads: already written by the
+# storing layer, so no room is checked (its fill is, after the plan: ``check_shared_fill``).
+_SHARED_OPS = _OPS._replace(check_cache_room=lambda cache, new, max_len: None)
 
 
 def _check_route(spec: AttentionConfig, plan: CallPlan, facts: RouteFacts) -> None:
@@ -185,6 +196,8 @@ class AttentionModule(nn.Module):
         kv_segment_ids: Any = None,
         cache: Any = None,
         positions: Any = None,
+        kv: Any = None,
+        return_kv: bool = False,
     ) -> Any:
         """x (B, T, d_in) or (T, d_in) -> (B, T, d_out) or (T, d_out) (``out_features``
         when a ``MultiHeadAttention`` is built with it); with
@@ -209,14 +222,26 @@ class AttentionModule(nn.Module):
         ``positions``: integers (B, T) (or (1, T); (T,) for an unbatched x), the positions
         at which a module built with ``rope=`` rotates q and k; None: 0..T-1, with a cache
         each example's fill onward.
+        ``return_kv`` (a ``MultiHeadAttention``, no cache): also the keys and values the
+        call attended over, (B, Hkv, T, D) each as it computed them (normed, rotated), for
+        the modules built with ``kv_shared=True`` that reuse them: ``(out, (k, v))``
+        (``(out, weights, (k, v))``).  ``kv``: such a module's keys and values, that pair, or,
+        in cached decoding, the storing layer's ``KVCache`` after its call on the same x
+        (read, not written: the call returns ``out`` or ``(out, weights)``).
         Raises ValueError/TypeError before any work (and before the cache is written); a
         call that fails after its write (in its attention) puts the cache back as it was.
         """
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             cache=cache, return_weights=return_weights, positions=positions)
+                             cache=cache, return_weights=return_weights, positions=positions, kv=kv,
+                             return_kv=return_kv)
         if call.cache is not None:
             return self._run_cached(call, return_weights)
+        if call.return_kv:
+            result, (k, v) = self._run(call, return_weights)
+            pair = (k, v) if call.batched else (k[0], v[0])
+            result = _unbatch(result, call.batched)
+            return (*result, pair) if return_weights else (result, pair)
         return _unbatch(self._run(call, return_weights), call.batched)
 
     def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> functional.KVCache:
@@ -228,7 +253,8 @@ class AttentionModule(nn.Module):
 
     def _prepare(self, x: Tensor, mask: Any, dropout_mask: Tensor | None, kv_lengths: Any, implementation: str | None,
                  bias: Any = None, *, context: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
-                 cache: Any = None, return_weights: bool = False, positions: Any = None) -> _Call:
+                 cache: Any = None, return_weights: bool = False, positions: Any = None, kv: Any = None,
+                 return_kv: bool = False) -> _Call:
         """Every check of one call (``plan_call``), before any work (a cached call's
         included: nothing after these raises for the call's input, so a refused call never
         writes its cache); the inputs batched and canonical.
@@ -241,19 +267,34 @@ class AttentionModule(nn.Module):
         changes the key and is checked in full)."""
         key = self._step_key(x, cache, implementation, return_weights) if (
             mask is None and dropout_mask is None and kv_lengths is None and bias is None and context is None
-            and segment_ids is None and kv_segment_ids is None and positions is None) else None
+            and segment_ids is None and kv_segment_ids is None and positions is None and kv is None
+            and return_kv is False and not self.spec.kv_shared) else None
         checked = self.__dict__.get("_checked_step")
         if key is not None and checked is not None and checked[0] == key:
             check_room(cache, x.shape[1], cache.key.shape[2])
             kept = checked[1]  # (_replace(x=x, cache=cache), built directly: a decode step asks it every token)
             return _Call._make((x, *kept[1:_CACHE_FIELD], cache, *kept[_CACHE_FIELD + 1:]))
-        # every check, through plan_call
+        # every check, through plan_call (a kv_shared call's first: its kv=, return_kv)
+        spec = self.spec
+        kind = kv_kind(kv, functional.KVCache)
+        check_kv_call(spec.variant, "kv_shared" in spec.declaration.options, spec.kv_shared, kind,
+                      return_kv=return_kv, cached=cache is not None, context=context is not None)
+        compute_dtype = self._compute_dtype()
         plan = plan_call(
-            self.spec, _OPS, x, compute_dtype=self._compute_dtype(), training=self.training,
+            spec, _SHARED_OPS if kind == "cache" else _OPS, x, compute_dtype=compute_dtype, training=self.training,
             implementation=implementation, context=context, mask=mask, bias=bias, dropout_mask=dropout_mask,
-            kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, cache=cache,
-            return_weights=return_weights,
+            kv_lengths=kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+            cache=kv if kind == "cache" else cache, return_weights=return_weights,
         )
+        if kind == "pair":
+            check_shared_kv([(tuple(t.shape), dtype_name(t.dtype)) for t in kv], batched=plan.batched,
+                            batch=plan.batch, seq=plan.seq, kv_heads=spec.kv_heads, head_dim=cast(int, spec.head_dim),
+                            dtype=compute_dtype or dtype_name(x.dtype))
+            kv = tuple(kv) if plan.batched else tuple(t.unsqueeze(0) for t in kv)
+        elif kind == "cache":
+            new = [plan.seq] * plan.batch if plan.kv_lengths is None else plan.kv_lengths.tolist()
+            check_shared_fill(kv.lengths.tolist(), new)
+            cache = kv
         if self.spec.values_from_keys and isinstance(context, (tuple, list)):
             raise ValueError(VALUES_FROM_KEYS_PAIR)
         positions = check_positions(self.spec, positions, x, context)
@@ -263,7 +304,8 @@ class AttentionModule(nn.Module):
             keys, values, mask, bias, positions = (
                 t if t is None else t.unsqueeze(0) for t in (keys, values, mask, bias, positions))
         call = _Call(x, mask, dropout_mask, plan.kv_lengths, plan.implementation, plan.batched, bias,
-                     keys, values, plan.segment_ids, plan.kv_segment_ids, cache, positions)
+                     keys, values, plan.segment_ids, plan.kv_segment_ids, cache, positions,
+                     kv=kv if kind == "pair" else None, return_kv=return_kv)
         if key is not None:  # (set past nn.Module.__setattr__: a plain attribute, not state)
             call = call._replace(plans={})
             self.__dict__["_checked_step"] = (key, call._replace(x=cast(Tensor, None), cache=None))
@@ -302,17 +344,23 @@ class AttentionModule(nn.Module):
     def _attend(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool, **extra: Any) -> Any:
         return functional.attend(q, k, v, self._attention(call, q, k, return_weights, **extra))
 
-    def _run(self, call: _Call, return_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
+    def _run(self, call: _Call, return_weights: bool) -> Any:
         """The work, on checked input: project, transform q and k, attend, merge.  Batched
-        in and out."""
+        in and out; with the call's ``return_kv``, ``(result, (k, v))``."""
         # q (B, H, T, D), k and v (B, Hkv, S, D)
         q, k, v, gate = self._project(call.x, call.keys, call.values, call.implementation)
-        q, k = transform_heads(self, q, k, call.positions)
+        if call.kv is not None:  # kv_shared: another layer's keys and values, the queries turned alone
+            k, v = call.kv
+            q = transform_heads(self, q, q, call.positions)[0]  # (q as the keys too: their turn discarded)
+        else:
+            q, k = transform_heads(self, q, k, call.positions)
         result = self._attend(call, q, k, v, return_weights)
         if return_weights:
             out, weights = cast(tuple[Tensor, Tensor], result)
-            return merge(self, out, call.implementation, gate), weights  # (B, H, T, Dv) -> (B, T, d_out)
-        return merge(self, cast(Tensor, result), call.implementation, gate)
+            merged: Any = merge(self, out, call.implementation, gate), weights  # (B, H, T, Dv) -> (B, T, d_out)
+        else:
+            merged = merge(self, cast(Tensor, result), call.implementation, gate)
+        return (merged, (k, v)) if call.return_kv else merged
 
     def _run_cached(self, call: _Call, return_weights: bool) -> Any:
         """A decode step (``_cache.run_cached``)."""

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from attention_spec import dtype_name
 from attention_spec.cache import check_cache_context, check_cache_dtype, check_cache_room, check_cacheable
-from attention_spec.options import check_positive_int
+from attention_spec.options import KV_SHARED_NO_CACHE, check_positive_int
 from torch_attention._projections import merge
 from torch_attention._qk import transform_heads
 
@@ -124,6 +124,8 @@ def new_cache(module: Any, batch_size: int, max_len: int, dtype: torch.dtype | N
     ``context_length``."""
     spec = module.spec
     check_cacheable(spec)
+    if spec.kv_shared:
+        raise TypeError(KV_SHARED_NO_CACHE)
     check_positive_int("batch_size", batch_size)
     check_positive_int("max_len", max_len)
     check_cache_context(max_len, spec.context_length)
@@ -143,7 +145,10 @@ def run_cached(module: Any, call: _Call, return_weights: bool) -> Any:
     cache, then x attends to every filled position, query t of example b at key position
     lengths[b] + t (``attend_cached``); a failure after the write puts the cache back as
     it was (``restored_on_failure``).  Returns ``(out, cache)`` or ``(out, weights,
-    cache)``."""
+    cache)``.  A kv_shared module's call reads the storing layer's cache instead
+    (``read_shared``)."""
+    if module.spec.kv_shared:
+        return read_shared(module, call, return_weights)
     q, k, v, gate = module._project(call.x, None, None, call.implementation)
     cache = call.cache
     batch, seq = call.x.shape[0], call.x.shape[1]
@@ -164,6 +169,28 @@ def run_cached(module: Any, call: _Call, return_weights: bool) -> Any:
         kv_lengths = start + lengths.to(q.device)
         return attend_cached(module, call, cache, q, int(cache.lengths.max()), start, kv_lengths, return_weights,
                              gate)
+
+
+def read_shared(module: Any, call: _Call, return_weights: bool) -> Any:
+    """A kv_shared module's decode step: ``call.cache`` is the storing layer's cache after
+    its call on the same tokens (its fill advanced by them), read, never written; x's
+    queries sit at each example's fill minus its valid tokens onward (turned there alone)
+    and attend to every filled position, as the storing layer's did.  Returns ``out`` or
+    ``(out, weights)`` (no cache: the storing layer's call returned it)."""
+    q, _, _, gate = module._project(call.x, None, None, call.implementation)
+    cache, seq = call.cache, call.x.shape[1]
+    fills = cache.lengths.tolist()
+    if min(fills) == max(fills) and (call.kv_lengths is None or bool((call.kv_lengths == seq).all())):
+        start, kv_lengths, offset = fills[0] - seq, None, None  # one fill: a static offset, no lengths
+        q = transform_heads(module, q, q, call.positions, cache.lengths - seq)[0]
+    else:
+        new = call.kv_lengths if call.kv_lengths is not None else torch.full_like(cache.lengths, seq)
+        offset = cache.lengths - new.to(cache.lengths.device)
+        kv_lengths = cache.lengths.clone()
+        q = transform_heads(module, q, q, call.positions, offset)[0]  # (q as the keys too: discarded)
+    result = attend_cached(module, call, cache, q, max(fills), start if offset is None else offset, kv_lengths,
+                           return_weights, gate)
+    return result[:-1] if return_weights else result[0]
 
 
 def attend_cached(

@@ -52,7 +52,8 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
     the fourth of the four, (B, T, H * D), for ``merge``; None without); q and k through
     its ``"projected"`` transforms (``_qk.transform_projected``: qk-norm) before the head
     split.  ``values_from_keys``: v is W_key's output (clamped) before those transforms;
-    ``v_norm``: v through a weightless RMS norm per head (``_qk.rms``, ``qk_norm_eps``)."""
+    ``v_norm``: v through a weightless RMS norm per head (``_qk.rms``, ``qk_norm_eps``).
+    ``kv_shared``: q alone (k and v None: the call's ``kv=`` are another layer's)."""
     spec = module.spec
     keys = x if keys is None else keys
     values = x if values is None else values
@@ -79,6 +80,8 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
         # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
         return split_heads(t, heads)
 
+    if spec.kv_shared:  # no W_key / W_value: the call's kv= are another layer's (k and v None here)
+        return one("query", x, spec.num_heads), cast(Tensor, None), cast(Tensor, None), gate
     kv_heads = spec.kv_heads
     q, k, v = one("query", x, spec.num_heads), one("key", keys, kv_heads), one("value", values, kv_heads)
     return q, k, v, gate
