@@ -726,10 +726,12 @@ def _declared_pairs(torch_model: Any, flax_model: Any, mapping: Mapping[str, str
     ``torch_attention._hf.hf_children``."""
     from flax import nnx
 
+    from attention_spec.interop.delta import is_delta_layer
     from jax_attention._base import AttentionModule
     from torch_attention._hf import hf_children, recognises_hf_layer
 
-    ours = {_dotted(path) for path, m in nnx.iter_modules(flax_model) if isinstance(m, AttentionModule)}
+    ours = {_dotted(path) for path, m in nnx.iter_modules(flax_model)
+            if isinstance(m, AttentionModule) or is_delta_layer(m)}  # softmax and linear attention
     pairs: dict[str, str] = {}
     layouts: dict[str, str] = {}
     for name, module in torch_model.named_modules():

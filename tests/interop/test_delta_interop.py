@@ -178,6 +178,29 @@ def test_hf_children_pair_real_modules_and_recognition(hf: Any) -> None:
             assert layout is None and theirs[name].out_features == mine[child].out_features, (family, name)
 
 
+def test_locate_divergence_pairs_the_linear_layers_without_a_module_map(hf: Any) -> None:
+    """``locate_divergence``'s pairing (``_declared_pairs``) finds our Flax linear-attention
+    layer where a model holds transformers' at the same place, and pairs their children
+    as ``hf_children`` says (no ``module_map``)."""
+    import torch
+    from flax import nnx
+
+    from parity_tests.divergence import _declared_pairs
+    from torch_attention._hf import hf_children
+
+    for family, (layer, _, twin) in hf.items():
+        theirs = torch.nn.Module()
+        theirs.add_module("mixer", layer)
+
+        class Ours(nnx.Module):
+            def __init__(self, mixer: Any) -> None:
+                self.mixer = mixer
+
+        pairs, _ = _declared_pairs(theirs, Ours(twin), {})
+        assert pairs == {f"mixer.{n}": f"mixer.{child}" for n, (child, _) in hf_children(layer).items()}, family
+        assert pairs, family
+
+
 def test_to_hf_refuses_by_name_and_writes_nothing(hf: Any) -> None:
     """Ours of other sizes (1 key head; a kernel of 3), the other layer class, a softmax
     attention module, and a layer ours does not compute (a gelu conv) are refused naming
