@@ -87,6 +87,15 @@ QUICK_STAND_INS: dict[str, str] = {
         H + "test_family_proofs.py::test_a_smollm3_nope_layer_that_rotates_is_named_at_that_layer",
     H + "test_family_proofs.py::test_a_whole_smollm3_port_with_a_nope_layer_is_proven_in_one_call":
         H + "test_family_proofs.py::test_a_smollm3_nope_layer_that_rotates_is_named_at_that_layer",
+    # Llama 4 and Gemma 4 (each whole model built and ported in 5-7 s): their MoE block
+    # beside transformers' (3 s) stands in
+    **{H + "test_family_proofs_2026.py::" + name:
+       H + "test_family_proofs_2026.py::test_the_llama4_moe_written_here_agrees_with_transformers_at_40_tokens"
+       for name in ("test_a_whole_llama4_port_with_chunks_and_a_nope_layer_is_proven_in_one_call",
+                    "test_a_llama4_nudged_query_in_the_chunked_layer_is_named_at_that_projection",
+                    "test_llama4_chunks_under_left_padding_are_counted_from_slot_0",
+                    "test_a_whole_gemma4_port_with_sliding_and_full_layers_of_two_widths_is_proven_in_one_call",
+                    "test_a_gemma4_nudged_query_in_the_full_layer_is_named_at_that_projection")},
     H + "test_divergence.py::test_a_scale_moved_out_of_the_embedding_is_a_boundary_mismatch_not_a_divergence":
         H + "test_divergence.py::test_a_scale_split_across_modules_is_searched_past_in_a_small_model",
     H + "test_divergence.py::test_a_bug_behind_a_boundary_mismatch_is_still_named":

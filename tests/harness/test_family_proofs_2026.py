@@ -45,6 +45,7 @@ from parity_tests.causal_lm import PaddedEmbed, greedy, randomise  # noqa: E402
 from torch_attention.interop import from_hf  # noqa: E402
 
 VOCAB, WIDTH, LONG, SHORT, PADS, CHUNK = 96, 32, 512, 48, 37, 16
+_ZEROS = nnx.initializers.zeros_init()  # the weights are copied in: no random draw to compile per shape
 COMMON = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=2,
               use_cache=False)
@@ -176,9 +177,9 @@ class _L4MLP(nnx.Module):
     """``Llama4TextMLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (the shared expert)."""
 
     def __init__(self, width: int, inner: int, rngs: nnx.Rngs) -> None:
-        self.gate_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
-        self.up_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
-        self.down_proj = nnx.Linear(inner, width, use_bias=False, rngs=rngs)
+        self.gate_proj = nnx.Linear(width, inner, use_bias=False, kernel_init=_ZEROS, rngs=rngs)
+        self.up_proj = nnx.Linear(width, inner, use_bias=False, kernel_init=_ZEROS, rngs=rngs)
+        self.down_proj = nnx.Linear(inner, width, use_bias=False, kernel_init=_ZEROS, rngs=rngs)
         self.activation_fn = _SiLU()
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -254,13 +255,13 @@ class _Llama4ForCausalLM(_CausalLM):
         self.model = _Inner(PaddedEmbed(c.vocab_size, c.hidden_size, c.pad_token_id, rngs),
                             [_L4Layer(layer, c.rms_norm_eps, rngs) for layer in hf.model.layers],
                             nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, rngs=rngs))
-        self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs)
+        self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, kernel_init=_ZEROS, rngs=rngs)
 
     def head(self, hidden: jax.Array) -> jax.Array:
         return self.lm_head(hidden)
 
 
-def _llama4_hf() -> Any:
+def _llama4_config() -> Any:
     import transformers
 
     config = transformers.Llama4TextConfig(
@@ -268,6 +269,13 @@ def _llama4_hf() -> Any:
         moe_layers=[0, 1], attention_chunk_size=CHUNK, no_rope_layers=[1, 0], use_qk_norm=True,
         attn_temperature_tuning=True, floor_scale=32, attn_scale=0.1)  # layer 0 rotates in chunks, layer 1 is NoPE
     config._attn_implementation = "eager"
+    return config
+
+
+def _llama4_hf() -> Any:
+    import transformers
+
+    config = _llama4_config()
     torch.manual_seed(0)
     hf = transformers.Llama4ForCausalLM(config).float().eval()
     randomise(hf, 0)
@@ -352,9 +360,9 @@ class _GeluTanh(nnx.Module):
 
 class _G4MLP(nnx.Module):
     def __init__(self, width: int, inner: int, rngs: nnx.Rngs) -> None:
-        self.gate_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
-        self.up_proj = nnx.Linear(width, inner, use_bias=False, rngs=rngs)
-        self.down_proj = nnx.Linear(inner, width, use_bias=False, rngs=rngs)
+        self.gate_proj = nnx.Linear(width, inner, use_bias=False, kernel_init=_ZEROS, rngs=rngs)
+        self.up_proj = nnx.Linear(width, inner, use_bias=False, kernel_init=_ZEROS, rngs=rngs)
+        self.down_proj = nnx.Linear(inner, width, use_bias=False, kernel_init=_ZEROS, rngs=rngs)
         self.act_fn = _GeluTanh()
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -445,3 +453,28 @@ def test_a_gemma4_nudged_query_in_the_full_layer_is_named_at_that_projection(
     ``q_proj``."""
     _named_at(_nudged_query(gemma4, 1), "model.layers.1.self_attn.q_proj",
               ("model", "layers", 1, "self_attn", "W_query"))
+
+
+# --------------------------------------------------------------------------- the quick tier's stand-in
+
+
+def test_the_llama4_moe_written_here_agrees_with_transformers_at_40_tokens() -> None:
+    """The part written here, beside Hugging Face's ``Llama4TextMoe`` alone (no whole
+    model, no attention): top-1 sigmoid routing, every expert on every token scaled by its
+    score, a shared expert; its output and its router logits, on 2 x 40 tokens (the quick
+    tier's stand-in for the whole-model proofs)."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    moe = Llama4TextMoe(_llama4_config()).float().eval()
+    randomise(moe, 0, std=WIDTH ** -0.5)
+    ours = _L4Moe(moe, nnx.Rngs(0))
+    rules = infer_param_map(moe, ours)
+    assert {r.torch_names[0] for r in rules} == {n for n, _ in moe.named_parameters()}
+    copy_params(moe, ours, rules)
+    x = np.random.default_rng(2).standard_normal((2, 40, WIDTH)).astype(np.float32)
+    with torch.no_grad():
+        want = moe(torch.from_numpy(x))
+    got = ours(jnp.asarray(x))
+    assert int((np.asarray(got[1]).argmax(-1)[:, None] == np.arange(4)).sum(0).min()) > 0  # every expert routed to
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_allclose(np.asarray(g), w.numpy(), rtol=1e-5, atol=1e-5)
