@@ -60,6 +60,7 @@ class _Family:
     norm_weight: bool = True  # False: a weightless RMS qk-norm (nanochat's, Llama 4's L2Norm)
     v_norm: bool = False  # Gemma 4's weightless value norm (``v_norm``)
     values_from_keys: bool = False  # Gemma 4's attention_k_eq_v layers: no v_proj (then v is "")
+    kv_shared: bool = False  # Gemma 4's "reuse" layers: no k_proj / v_proj / k_norm / v_norm (k, v "")
     rope: bool = True
     rope_layout: str | None = None  # attention_spec.rope.LAYOUTS: the pairs its rotation turns (None: the config's)
     attention: str = ""  # the sub-module with is_causal / scaling ("self" for BERT)
@@ -313,13 +314,16 @@ def _recognise(layer: Any, what: str) -> _Family:
                         f"{', '.join(p[0] for p in _PACKED)}); got {name}, holding "
                         f"{', '.join(sorted(children)) or 'no sub-modules'}")
     norms = next((pair for pair in _NORMS if all(_child(layer, n) is not None for n in pair)), None)
+    if family.kv_shared:  # Gemma 4's "reuse" layers: a q_norm alone (the keys come normed)
+        norms = next((pair for pair in _NORMS if _child(layer, pair[0]) is not None
+                      and _child(layer, pair[1]) is None), None)
     norm_kind: tuple[str, bool] | None = None
     if norms is not None:
-        kinds = [_norm_kind(_child(layer, n)) for n in norms]
+        kinds = [_norm_kind(_child(layer, n)) for n in (norms[:1] if family.kv_shared else norms)]
         bad = [k for k in kinds if isinstance(k, str)]
         if bad:
             problems.append(bad[0])
-        elif kinds[0] != kinds[1]:
+        elif kinds[0] != kinds[-1]:
             problems.append("q and k norms of different kinds")
         else:
             norm_kind = kinds[0]  # type: ignore[assignment]
@@ -449,8 +453,9 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
             kwargs[name] = _Filled(offset)
     if position_embeddings is not None:
         kwargs["position_embeddings"] = position_embeddings
-    if "shared_kv_states" in _forward_takes(layer):  # Gemma 4: the KV-sharing layers' dict (none shared here)
-        kwargs["shared_kv_states"] = {}
+    if "shared_kv_states" in _forward_takes(layer):  # Gemma 4: the KV-sharing layers' dict
+        reuses = getattr(layer, "is_kv_shared_layer", None) is True  # a "reuse" layer reads the probe's kv
+        kwargs["shared_kv_states"] = {_layer_type(layer, layer): _probe_kv(layer, x)} if reuses else {}
     if "position_ids" in _forward_takes(layer):  # Ministral 3 scales its queries by position
         kwargs["position_ids"] = torch.arange(offset, offset + x.shape[1], device=x.device)[None]
     training = layer.training
@@ -461,6 +466,17 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
     finally:
         layer.train(training)
     return out[0] if isinstance(out, tuple | list) else out
+
+
+def _probe_kv(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a Gemma 4 "reuse" layer's probe reads (as another layer stored
+    them, normed and rotated), (B, Hkv, T, D) each: a fixed draw, ours given the same."""
+    config, index, head_dim = _config(layer), getattr(layer, "layer_idx", None), getattr(layer, "head_dim", None)
+    own = config.per_layer_config[index] if getattr(config, "per_layer_config", None) else config
+    shape = (x.shape[0], int(own.num_key_value_heads), x.shape[1], int(head_dim or 0))
+    draw = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(shape, generator=draw, dtype=torch.float64).to(x) for _ in range(2))
+    return k, v
 
 
 def _d_in(layer: nn.Module, family: _Family) -> int:
@@ -640,6 +656,9 @@ def _projections(layer: nn.Module, attention: Any) -> _Family | None:
     for q, k, v, o in _SEPARATE:
         qkv = [_child(attention, n) for n in (q, k, v)]
         out = _child(attention, o) if not prefix else _get(layer, "output.dense")
+        if (not prefix and qkv[0] is not None and qkv[1] is None and isinstance(out, nn.Module)
+                and getattr(attention, "is_kv_shared_layer", None) is True):
+            return _Family("", q=q, k="", v="", o=o, kv_shared=True)  # Gemma 4's "reuse" layers (kv_shared)
         if (not prefix and qkv[0] is not None and qkv[1] is not None and hasattr(attention, v)
                 and getattr(attention, v) is None and isinstance(out, nn.Module)
                 and getattr(_config(attention), "attention_k_eq_v", False)):
@@ -804,8 +823,9 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
     problems = _refusals(layer, attention)
     for attr, mechanism in _CONFIG_REFUSALS:
         value = getattr(config, attr, None)
-        if attr == "num_kv_shared_layers" and not _reuses_kv(attention):
-            continue  # Gemma 4: a layer that computes its own keys and values ("store" or none)
+        if attr == "num_kv_shared_layers" and (not _reuses_kv(attention)
+                                               or getattr(attention, "is_kv_shared_layer", None) is True):
+            continue  # Gemma 4: a layer that computes its own keys and values, or one that reuses (kv_shared)
         if value is not None and value is not False and value != 0:
             problems.append(mechanism)
     rope_parameters = getattr(config, "rope_parameters", None)
@@ -1017,7 +1037,10 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
     kv_heads = int(getattr(own, "num_key_value_heads", None) or heads)
     out = _get(layer, family.o)
     d_model = int(out.weight.shape[1] if family.layout == "in_out" else out.weight.shape[0])
-    if family.packed is None:
+    if family.packed is None and family.kv_shared:  # Gemma 4's "reuse" layers: q_proj's alone
+        q = _get(layer, family.q)
+        width, qkv_bias = int(q.weight.shape[0]), q.bias is not None
+    elif family.packed is None:
         q, k, v = (_get(layer, name) for name in (family.q, family.k, family.v or family.k))  # (keys as values)
         biases = {p.bias is not None for p in (q, k, v)}
         if len(biases) != 1:
@@ -1071,8 +1094,8 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
     clip = getattr(_config(attention), "clip_qkv", None)  # OLMo's: q, k, v clamped to [-c, c]
     if clip is not None:
         options["clip_qkv"] = float(clip)
-    norms = None if family.norms is None else [_get(layer, n) for n in family.norms]
-    if norms is not None and all(n is not None for n in norms):  # Phi: only with qk_layernorm
+    norms = None if family.norms is None else [_get(layer, n) for n in family.norms[:1 if family.kv_shared else 2]]
+    if norms is not None and all(n is not None for n in norms):  # Phi: only with qk_layernorm (kv_shared: q's)
         options.update(qk_norm=family.norm, qk_norm_scope=family.norm_scope, qk_norm_eps=_norm_eps(norms[0]),
                        qk_norm_offset=1.0 if family.norm_offset else 0.0)
         if not family.norm_weight:  # nanochat, Llama 4: no parameter
@@ -1088,6 +1111,8 @@ def _value_options(layer: nn.Module, family: _Family, options: Mapping[str, Any]
     """Gemma 4's keys as values (no v_proj) and its weightless value norm, whose epsilon
     must be the qk-norms' (ours has one, ``qk_norm_eps``)."""
     found: dict[str, Any] = {"values_from_keys": True} if family.values_from_keys else {}
+    if family.kv_shared:
+        found["kv_shared"] = True
     if family.v_norm:
         eps = _norm_eps(_get(layer, "v_norm"))
         if options.get("qk_norm") is not None and eps != options["qk_norm_eps"]:
@@ -1130,6 +1155,8 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
     if options.get("qk_norm") is not None and options.get("qk_norm_weight", True):
         assert family.norms is not None
         for ours, theirs in zip(("q_norm", "k_norm"), family.norms, strict=True):
+            if family.kv_shared and ours == "k_norm":  # a "reuse" layer's keys come normed
+                continue
             names[f"{ours}.weight"] = f"{theirs}.weight"
             if options["qk_norm"] == "layer":
                 names[f"{ours}.bias"] = f"{theirs}.bias"
@@ -1212,11 +1239,13 @@ def hf_children(layer: nn.Module) -> dict[str, tuple[str, str | None]]:
     family = _family(layer, "hf_children")
     roles = [(family.o, "out_proj")]
     if family.packed is None:
-        roles += [(family.q, "W_query"), (family.k, "W_key"), *(((family.v, "W_value"),) if family.v else ())]
+        roles += [(family.q, "W_query"), *(((family.k, "W_key"),) if family.k else ()),
+                  *(((family.v, "W_value"),) if family.v else ())]  # (a kv_shared layer: q alone)
     children: dict[str, tuple[str, str | None]] = {theirs: (ours, None) for theirs, ours in roles}
-    if family.norm_weight and family.norms is not None and all(_get(layer, n) is not None for n in family.norms):
+    norms = None if family.norms is None else family.norms[:1] if family.kv_shared else family.norms
+    if family.norm_weight and norms is not None and all(_get(layer, n) is not None for n in norms):
         layout = "heads" if family.norm_scope == "head" else None
-        children.update({theirs: (ours, layout) for theirs, ours in zip(family.norms, ("q_norm", "k_norm"), strict=True)})
+        children.update({theirs: (ours, layout) for theirs, ours in zip(norms, ("q_norm", "k_norm"), strict=False)})
     return children
 
 
@@ -1249,8 +1278,19 @@ def from_hf(layer: nn.Module) -> Any:
     RMS qk-norm (nanochat's, Llama 4's ``qk_norm``: ``qk_norm_weight=False``), Gemma 4's
     ``v_norm`` and keys as values (``attention_k_eq_v``: no v_proj; its layers' own head
     widths), ``query_scale`` (Llama 4's temperature tuning on NoPE layers, Ministral 3's
-    ``llama_4_scaling_beta``), ``dropout`` (the
-    attention weights' rate), ``context_length=None``.  Ours and the layer are then run on
+    ``llama_4_scaling_beta``), Gemma 4's KV-sharing layers (``num_kv_shared_layers``: a
+    ``"reuse"`` layer, no k_proj / v_proj / k_norm / v_norm, ports to ``kv_shared=True``:
+    ``W_query``, ``q_norm``, ``out_proj``), ``dropout`` (the
+    attention weights' rate), ``context_length=None``.
+
+    A model wires Gemma 4's shared layers as its ``shared_kv_states`` does: the last
+    ``"store"`` layer of each layer type (``config.kv_sharing_modes``) is called with
+    ``return_kv=True`` and its ``(k, v)`` kept under its ``layer_type``; each ``"reuse"``
+    layer of that type is called with ``kv=`` that pair (same x length, its own
+    ``positions=``).  In cached decoding the storing layer keeps its cache, and each
+    reusing layer is called after it with ``kv=`` the cache it returned (no cache of its
+    own: ``init_cache`` refuses it).  The self-check probes a reusing layer with one fixed
+    draw of keys and values, given to both.  Ours and the layer are then run on
     one tiny probe input and must agree (else ValueError).  Call ours as ``ours(x, mask,
     positions=positions)`` where HF's takes ``position_embeddings=rotary(x, positions)``
     and an additive mask (``torch_attention.from_additive_mask`` converts one).
@@ -1338,7 +1378,8 @@ def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention, cli
     try:
         with torch.no_grad():
             at = spec.rope is not None or offset != _PROBE_OFFSET  # (a NoPE layer's probe: 0.. without a cache)
-            mine = ours(x, positions=positions) if at else ours(x)
+            kv = {"kv": _probe_kv(layer, x)} if spec.kv_shared else {}  # the keys the layer's probe read
+            mine = ours(x, positions=positions, **kv) if at else ours(x, **kv)
     finally:
         ours.train(training)
     theirs, mine = theirs.float(), mine.float()
@@ -1361,7 +1402,7 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     mine, theirs = ours.spec, want.spec
     fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
               "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "chunk", "alignment",
-              "clip_qkv", "output_gate", "qk_norm_weight", "v_norm", "values_from_keys", "query_scale")
+              "clip_qkv", "output_gate", "qk_norm_weight", "v_norm", "values_from_keys", "query_scale", "kv_shared")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]
     if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:

@@ -130,10 +130,24 @@ def test_both_twins_against_the_oracle_past_400() -> None:
         np.testing.assert_allclose(k.detach().numpy(), kv[0], rtol=tol.rtol, atol=tol.atol)
         got = reuse(torch.from_numpy(x), positions=torch.from_numpy(FAR), kv=(k, v), implementation=path)
         np.testing.assert_allclose(got.detach().numpy(), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
-    _, (k, v) = fstore(jnp.asarray(x), positions=jnp.asarray(FAR), return_kv=True)
-    got, weights = freuse(jnp.asarray(x), positions=jnp.asarray(FAR), kv=(k, v), return_weights=True)
+    got, weights = _flax_pair()(fstore, freuse, jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(got), want, rtol=tol.rtol, atol=tol.atol)
     np.testing.assert_allclose(np.asarray(weights), want_w, rtol=tol.rtol, atol=tol.atol)
+
+
+@functools.cache
+def _flax_pair() -> Any:
+    """The Flax pair's call, jitted (one compilation, not one per eager operation): the
+    storing layer's keys and values into the reusing layer, its output and weights, at FAR."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    @nnx.jit
+    def run(store: Any, reuse: Any, x: Any) -> Any:
+        _, kv = store(x, positions=jnp.asarray(FAR), return_kv=True)
+        return reuse(x, positions=jnp.asarray(FAR), kv=kv, return_weights=True)
+
+    return run
 
 
 def _flax_grads(fstore: Any, freuse: Any, x: np.ndarray, g1: np.ndarray, g2: np.ndarray) -> dict[str, np.ndarray]:
@@ -149,7 +163,7 @@ def _flax_grads(fstore: Any, freuse: Any, x: np.ndarray, g1: np.ndarray, g2: np.
         out, kv = store(x, positions=jnp.asarray(FAR), return_kv=True)
         return jnp.sum(out * g1) + jnp.sum(reuse(x, positions=jnp.asarray(FAR), kv=kv) * g2)
 
-    gs, gr, gx = nnx.grad(loss, argnums=(0, 1, 2))(fstore, freuse, jnp.asarray(x))
+    gs, gr, gx = nnx.jit(nnx.grad(loss, argnums=(0, 1, 2)))(fstore, freuse, jnp.asarray(x))
     grads = {"x": np.asarray(gx)}
     for name, module, g in (("store", fstore, gs), ("reuse", freuse, gr)):
         graph, state = nnx.split(module)
@@ -175,9 +189,8 @@ def test_twin_against_twin_with_gradients() -> None:
     pos = torch.from_numpy(FAR)
     out, kv = store(xt, positions=pos, return_kv=True)
     got = reuse(xt, positions=pos, kv=kv)
-    fout, fkv = fstore(jnp.asarray(x), positions=jnp.asarray(FAR), return_kv=True)
     tol, gtol = PARITY["float32"], GRAD_PARITY["float32"]
-    np.testing.assert_allclose(np.asarray(freuse(jnp.asarray(x), positions=jnp.asarray(FAR), kv=fkv)),
+    np.testing.assert_allclose(np.asarray(_flax_pair()(fstore, freuse, jnp.asarray(x))[0]),
                                got.detach().numpy(), rtol=tol.rtol, atol=tol.atol)
     # the reusing layer's output alone reaches the storing layer's key and value weights
     reached = torch.autograd.grad(got.sum(), [store.W_key.weight, store.W_value.weight, store.k_norm.weight],
@@ -286,11 +299,12 @@ def test_call_checks_one_text_in_both_twins_before_any_work() -> None:
     x = _x(seed=6)
     tx, fx = torch.from_numpy(x), jnp.asarray(x)
     _, tkv = store(tx, return_kv=True)
-    _, fkv = fstore(fx, return_kv=True)
-    tcache, fcache = store.init_cache(2, 8), fstore.init_cache(2, 8)
+    tcache = store.init_cache(2, 8)
     _, tcache = store(tx[:, :2], cache=tcache)
-    _, fcache = fstore(fx[:, :2], cache=fcache)
     kept = tcache.key.clone(), tcache.lengths.clone()
+    # the Flax twin's, as the PyTorch twin's calls gave them (the checks read shapes and fills)
+    fkv = tuple(jnp.asarray(t.detach().numpy()) for t in tkv)
+    fcache = fstore.init_cache(2, 8)._replace(lengths=jnp.asarray(tcache.lengths.numpy(), jnp.int32))
 
     def both(t_call: Any, f_call: Any, error: type[Exception], text: str) -> None:
         with pytest.raises(error, match=re.escape(text)) as t_info:
@@ -347,3 +361,85 @@ def test_exporters_refuse_it_by_name() -> None:
     for export, module in ((to_nn_multihead, reuse), (to_nnx_multihead, freuse), (to_linen_multihead, freuse)):
         with pytest.raises(ValueError, match="kv_shared=True"):
             export(module)
+
+
+# --------------------------------------------------------------------------- transformers' Gemma 4
+
+
+class _Ours:
+    """A Gemma 4 decoder layer's ``self_attn`` replaced by ours (``from_hf``): a "store"
+    layer's call returns its keys and values into ``shared`` under its layer type, a
+    "reuse" layer's (``kv_shared=True``) takes them; rope at the layer's position ids."""
+
+    def __new__(cls, hf: Any, shared: dict[str, Any]) -> Any:
+        import torch
+
+        from torch_attention.interop import from_hf
+
+        class Wrapper(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.ours = from_hf(hf)
+                self.mode = "reuse" if hf.is_kv_shared_layer else "store" if hf.store_full_length_kv else None
+                self.layer_type = hf.layer_type
+
+            def forward(self, hidden_states: Any, position_embeddings: Any, attention_mask: Any,
+                        shared_kv_states: Any = None, cache: Any = None, position_ids: Any = None,
+                        **kwargs: Any) -> Any:
+                if self.mode == "reuse":
+                    out = self.ours(hidden_states, positions=position_ids, kv=shared[self.layer_type])
+                elif self.mode == "store":
+                    out, shared[self.layer_type] = self.ours(hidden_states, positions=position_ids, return_kv=True)
+                else:
+                    out = self.ours(hidden_states, positions=position_ids)
+                return out, None
+
+        return Wrapper()
+
+
+@needs_torch
+def test_gemma4_text_model_with_shared_layers_past_400() -> None:
+    """transformers' Gemma 4 text model built tiny: 4 layers (sliding, full, sliding,
+    full), the last two reusing the keys and values of the first two ("store"); every
+    attention replaced by ours from ``from_hf`` (the reusing layers as kv_shared modules:
+    W_query, q_norm, out_proj), wired as ``_Ours`` says; the logits at positions past 400
+    within 1e-5 of the largest.  ``to_hf`` writes a reusing layer back one to one."""
+    import torch
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM, Gemma4TextAttention
+
+    from torch_attention.interop import to_hf
+
+    config = Gemma4TextConfig(
+        hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, global_head_dim=8,
+        num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=4, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, vocab_size=32, hidden_size_per_layer_input=0,
+        sliding_window=16, intermediate_size=32, attn_implementation="eager")
+    assert config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    torch.manual_seed(9)
+    model = Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms' weights away from their init
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 32, (2, 410), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        # (a slice, not 0: transformers 5.24 slices the reusing layers' inputs to an int
+        # logits_to_keep, and fails doing so without per-layer inputs)
+        want = model(ids, logits_to_keep=slice(None)).logits
+    shared: dict[str, Any] = {}
+    layers = model.model.layers
+    hf_reuse = layers[2].self_attn
+    for layer in layers:
+        layer.self_attn = _Ours(layer.self_attn, shared)
+    assert layers[2].self_attn.ours.spec.kv_shared and layers[3].self_attn.ours.spec.kv_shared
+    assert sorted(n for n, _ in layers[3].self_attn.ours.named_parameters()) == [
+        "W_query.weight", "out_proj.weight", "q_norm.weight"]
+    with torch.no_grad():
+        got = model(ids, logits_to_keep=slice(None)).logits
+    far = slice(401, None)
+    error = float((got[:, far] - want[:, far]).abs().max() / want[:, far].abs().max())
+    assert error <= 1e-5, error
+    again = to_hf(layers[2].self_attn.ours, Gemma4TextAttention(config, layer_idx=2))
+    assert all(torch.equal(a, b) for a, b in zip(hf_reuse.state_dict().values(), again.state_dict().values(),
+                                                 strict=True))
