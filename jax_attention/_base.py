@@ -260,7 +260,9 @@ class AttentionModule(nnx.Module):
         the modules built with ``kv_shared=True`` that reuse them: ``(out, (k, v))``
         (``(out, weights, (k, v))``).  ``kv``: such a module's keys and values, that pair, or,
         in cached decoding, the storing layer's ``KVCache`` that its call on the same x
-        returned (read, not written: the call returns ``out`` or ``(out, weights)``).
+        returned (read, not written: the call returns ``out`` or ``(out, weights)``; an
+        eager call checks that its fill holds x's tokens, a jitted one reads no fill, and
+        one after a step that recorded an overflow gives NaN outputs, as that step did).
         """
         call = self._prepare(x, mask, dropout_mask, deterministic, kv_lengths, implementation, bias,
                              context=context, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
