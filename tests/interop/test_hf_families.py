@@ -33,6 +33,11 @@ TINY: dict[str, Any] = {
     "rotary_dim": 4,  # GPT-J's and CodeGen's (64 by default: wider than the sweep's heads)
     "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 64, "global_head_dim": 16,  # Gemma 4's
 }
+# a model type's own overrides, on top of TINY's
+TINY_FOR: dict[str, dict[str, Any]] = {
+    "kimi_linear": {"linear_num_heads": 4, "linear_head_dim": 8, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                    "qk_nope_head_dim": 8, "v_head_dim": 8},
+}
 MIXERS = ("self_attn", "attn", "attention", "self_attention", "linear_attn", "mixer", "mamba", "conv",
           "temporal_block")
 
@@ -44,7 +49,8 @@ def _tiny_config(model_type: str) -> Any:
     base = cls()
     if hasattr(base, "text_config") and getattr(base, "text_config", None) is not None:
         raise LookupError("a composite (multimodal) config: its text model is swept on its own where it has one")
-    return cls(**{k: v for k, v in TINY.items() if _has(base, k) or k in ("vocab_size", "num_hidden_layers")})
+    tiny = {**TINY, **TINY_FOR.get(model_type, {})}
+    return cls(**{k: v for k, v in tiny.items() if _has(base, k) or k in ("vocab_size", "num_hidden_layers")})
 
 
 def _has(config: Any, name: str) -> bool:
