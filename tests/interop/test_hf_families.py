@@ -226,7 +226,11 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              # recognised by mechanism (issue 56): interleaved rotary pairs, packings found by a probe, a
              # layer without its model's config, a pre-norm left to the caller, a rotary table without inv_freq
              "cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "glm", "glm4", "helium", "gpt_bigcode",
-             "persimmon", "gptj", "openai-gpt", "roberta-prelayernorm", "xlm-roberta-xl", "modernbert-decoder")
+             "persimmon", "gptj", "openai-gpt", "roberta-prelayernorm", "xlm-roberta-xl", "modernbert-decoder",
+             # 2026's mechanisms: chunks, query scales, weightless norms, keys as values, a value norm, proportional
+             # rope, linear attention (the gated delta rule, KDA) beside softmax or latent layers
+             "llama4_text", "ministral3", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+             "kimi_linear")
 MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
                "bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
                "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
