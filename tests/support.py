@@ -4,6 +4,7 @@ constructor errors of both twins."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 from typing import Any
@@ -31,6 +32,33 @@ TUTORIAL_INPUTS = [
 def random_x(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     """Standard normal float32 inputs of ``shape``, from ``seed``."""
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@functools.cache
+def small_mha_pair(seed: int, **options: Any) -> tuple[Any, Any]:
+    """A PyTorch ``MultiHeadAttention`` (eval, d_in 16, 4 heads, qkv biases; by default half
+    of each head turning, theta 10000) drawn from ``seed``, and its Flax twin by
+    ``to_flax`` (the same weights); one pair per seed and options, shared by a file's tests."""
+    import torch
+
+    import torch_attention
+    from attention_spec.rope import RopeConfig
+    from parity_tests import to_flax
+
+    options = {"rope": RopeConfig(theta=10000.0, partial_rotary_factor=0.5), **options}
+    torch.manual_seed(seed)
+    module = torch_attention.MultiHeadAttention(16, 16, None, 0.0, 4, True, **options).eval()
+    return module, to_flax(module)
+
+
+def mha_oracle(module: Any, x: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    """The float64 oracle's output of a PyTorch ``MultiHeadAttention`` on ``x``, with its
+    weights as they are."""
+    from parity_tests import reference
+
+    params = {k: v.detach().double().numpy() for k, v in module.state_dict().items()}
+    return reference.forward("MultiHeadAttention", module.config, params, x.astype(np.float64),
+                             positions=positions)[0]
 
 
 def constructor_errors(options: dict[str, Any], variant: str = "MultiHeadAttention") -> list[tuple[type, str]]:

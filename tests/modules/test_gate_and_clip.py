@@ -16,7 +16,6 @@ error table (``tests/modules/test_errors.py``).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import needs_both
+from tests.support import mha_oracle, needs_both, random_x, small_mha_pair
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 # Both mechanisms with grouped heads, a qk-norm that the clamp changes and partial rope:
@@ -33,30 +32,15 @@ BOTH: dict[str, Any] = {"num_kv_heads": 2, "clip_qkv": 0.6, "output_gate": True,
 
 
 def _x(batch: int = 2, seq: int = 5, width: int = 16, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((batch, seq, width)).astype(np.float32)
+    return random_x((batch, seq, width), seed)
 
 
-@functools.cache
 def _pair(**options: Any) -> tuple[Any, Any]:
     """A torch MultiHeadAttention (eval, d_in 16, 4 heads) and its Flax twin, the same weights."""
-    import torch
-
-    import torch_attention
-    from attention_spec.rope import RopeConfig
-    from parity_tests import to_flax
-
-    options = {"rope": RopeConfig(theta=10000.0, partial_rotary_factor=0.5), **options}
-    torch.manual_seed(3)
-    module = torch_attention.MultiHeadAttention(16, 16, None, 0.0, 4, True, **options).eval()
-    return module, to_flax(module)
+    return small_mha_pair(3, **options)
 
 
-def _oracle(module: Any, x: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
-    from parity_tests import reference
-
-    params = {k: v.detach().double().numpy() for k, v in module.state_dict().items()}
-    return reference.forward("MultiHeadAttention", module.config, params, x.astype(np.float64),
-                             positions=positions)[0]
+_oracle = mha_oracle
 
 
 # --------------------------------------------------------------------------- by hand

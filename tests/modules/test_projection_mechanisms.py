@@ -19,7 +19,6 @@ Ministral3Attention and NanoChatAttention at positions past 400.  The matrix run
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import needs_both, needs_torch
+from tests.support import mha_oracle, needs_both, needs_torch, random_x, small_mha_pair
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 # Positions past Llama 4's floor_scale (8192), where its scale is no longer 1.
@@ -41,30 +40,15 @@ ALL: dict[str, Any] = {**GEMMA4, "qk_norm_weight": False, "query_scale": (0.5, 8
 
 
 def _x(batch: int = 2, seq: int = 5, width: int = 16, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((batch, seq, width)).astype(np.float32)
+    return random_x((batch, seq, width), seed)
 
 
-@functools.cache
 def _pair(**options: Any) -> tuple[Any, Any]:
     """A torch MultiHeadAttention (eval, d_in 16, 4 heads of 4) and its Flax twin."""
-    import torch
-
-    import torch_attention
-    from attention_spec.rope import RopeConfig
-    from parity_tests import to_flax
-
-    options = {"rope": RopeConfig(theta=10000.0, partial_rotary_factor=0.5), **options}
-    torch.manual_seed(5)
-    module = torch_attention.MultiHeadAttention(16, 16, None, 0.0, 4, True, **options).eval()
-    return module, to_flax(module)
+    return small_mha_pair(5, **options)
 
 
-def _oracle(module: Any, x: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
-    from parity_tests import reference
-
-    params = {k: v.detach().double().numpy() for k, v in module.state_dict().items()}
-    return reference.forward("MultiHeadAttention", module.config, params, x.astype(np.float64),
-                             positions=positions)[0]
+_oracle = mha_oracle
 
 
 def _set(m: Any, **weights: Any) -> None:
