@@ -153,16 +153,22 @@ def check_positions(spec: AttentionConfig, positions: Any, x: Array, context: An
     return None if positions is None else jnp.asarray(positions)
 
 
+def query_positions(q: Array, positions: Array | None, start: Array | None) -> Any:
+    """The queries' positions: ``positions`` as given, else ``start`` + 0..T-1 ((B, T)),
+    or 0..T-1 ((1, T), a constant) without a cache: what rope and the query scale read."""
+    if positions is not None:
+        return positions
+    steps = np.arange(q.shape[2])[None]
+    return steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
+
+
 def rotate(rope: RopeConfig | None, q: Array, k: Array, positions: Array | None,
            start: Array | None = None) -> tuple[Array, Array]:
     """q (B, H, T, D) and k (B, Hkv, T, D) turned by rope at ``positions`` (None:
     ``start`` + 0..T-1, start 0 without a cache: constants); unchanged without rope."""
     if rope is None:
         return q, k
-    at: Any = positions
-    if at is None:
-        steps = np.arange(q.shape[2])[None]
-        at = steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
+    at = query_positions(q, positions, start)
     return apply_rope(q, at, rope), apply_rope(k, at, rope)
 
 
@@ -177,10 +183,7 @@ def scale_queries(query_scale: QueryScale | None, q: Array, k: Array, positions:
     dtype (Llama 4's order); k unchanged.  Unchanged without a query scale."""
     if query_scale is None:
         return q, k
-    at: Any = positions
-    if at is None:
-        steps = np.arange(q.shape[2])[None]
-        at = steps if start is None else start[:, None] + jnp.asarray(steps, start.dtype)
+    at = query_positions(q, positions, start)
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     at = jnp.asarray(at)
     floors = jnp.floor_divide(at.astype(jnp.promote_types(at.dtype, jnp.int32)) + query_scale.offset,

@@ -148,15 +148,22 @@ def check_positions(spec: AttentionConfig, positions: Any, x: Tensor, context: A
     return None if positions is None else torch.as_tensor(positions, device=x.device)
 
 
+def query_positions(q: Tensor, positions: Tensor | None, start: Tensor | None) -> Tensor:
+    """The queries' positions: ``positions`` as given, else ``start`` + 0..T-1 ((B, T)),
+    or 0..T-1 ((1, T)) without a cache: what rope and the query scale read."""
+    if positions is not None:
+        return positions
+    steps = torch.arange(q.shape[2], device=q.device)[None]
+    return steps if start is None else start.to(q.device)[:, None] + steps
+
+
 def rotate(rope: RopeConfig | None, q: Tensor, k: Tensor, positions: Tensor | None,
            start: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q (B, H, T, D) and k (B, Hkv, T, D) turned by rope at ``positions`` (None:
     ``start`` + 0..T-1, start 0 without a cache); unchanged without rope."""
     if rope is None:
         return q, k
-    if positions is None:
-        steps = torch.arange(q.shape[2], device=q.device)[None]
-        positions = steps if start is None else start.to(q.device)[:, None] + steps
+    positions = query_positions(q, positions, start)
     return apply_rope(q, positions, rope), apply_rope(k, positions, rope)
 
 
@@ -171,9 +178,7 @@ def scale_queries(query_scale: QueryScale | None, q: Tensor, k: Tensor, position
     dtype (Llama 4's order); k unchanged.  Unchanged without a query scale."""
     if query_scale is None:
         return q, k
-    if positions is None:
-        steps = torch.arange(q.shape[2], device=q.device)[None]
-        positions = steps if start is None else start.to(q.device)[:, None] + steps
+    positions = query_positions(q, positions, start)
     dtype = torch.promote_types(q.dtype, torch.float32)
     floors = torch.div(positions.to(torch.int64) + query_scale.offset, query_scale.floor, rounding_mode="floor")
     factor = 1.0 + query_scale.beta * torch.log1p(floors.to(dtype))  # (B or 1, T)
