@@ -5,6 +5,7 @@ constructor errors of both twins."""
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import itertools
 from typing import Any
@@ -49,6 +50,37 @@ def small_mha_pair(seed: int, **options: Any) -> tuple[Any, Any]:
     torch.manual_seed(seed)
     module = torch_attention.MultiHeadAttention(16, 16, None, 0.0, 4, True, **options).eval()
     return module, to_flax(module)
+
+
+def decode_in_steps(module: Any, x: np.ndarray, prompt: int, max_len: int) -> np.ndarray:
+    """A module's outputs for ``x`` (B, T, d_in) decoded through a fresh cache of
+    ``max_len``: the first ``prompt`` tokens at once, then one token at a time; the outputs
+    concatenated along T, as NumPy.  A Flax module's steps run under ``nnx.jit`` (one
+    compile for the prompt, one for every step)."""
+    step: Any
+    if HAS_TORCH and isinstance(module, importlib.import_module("torch").nn.Module):
+        import torch
+
+        def step(chunk: np.ndarray, cache: Any) -> tuple[Any, Any]:
+            out, cache = module(torch.from_numpy(chunk), cache=cache)
+            return out.detach().numpy(), cache
+    else:
+        import jax.numpy as jnp
+        from flax import nnx
+
+        jitted = nnx.jit(lambda m, chunk, c: m(chunk, cache=c))
+
+        def step(chunk: np.ndarray, cache: Any) -> tuple[Any, Any]:
+            out, cache = jitted(module, jnp.asarray(chunk), cache)
+            return np.asarray(out), cache
+
+    cache = module.init_cache(x.shape[0], max_len)
+    out, cache = step(x[:, :prompt], cache)
+    outs = [out]
+    for t in range(prompt, x.shape[1]):
+        out, cache = step(x[:, t:t + 1], cache)
+        outs.append(out)
+    return np.concatenate(outs, 1)
 
 
 def mha_oracle(module: Any, x: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:

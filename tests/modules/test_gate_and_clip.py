@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import mha_oracle, needs_both, random_x, small_mha_pair
+from tests.support import decode_in_steps, mha_oracle, needs_both, random_x, small_mha_pair
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 # Both mechanisms with grouped heads, a qk-norm that the clamp changes and partial rope:
@@ -186,30 +186,14 @@ def test_gradients_against_finite_differences_of_the_oracle() -> None:
 def test_cached_decoding_equals_the_whole_sequence() -> None:
     """A prompt of 3 then one token at a time, each twin (Flax: jitted steps), equals the
     whole sequence's forward (the gate of each step is its own), grouped heads."""
-    import jax.numpy as jnp
     import torch
-    from flax import nnx
 
     torch_m, flax_m = _pair(**BOTH)
     x = _x(2, 7, seed=4)
     whole = torch_m(torch.from_numpy(x)).detach().numpy()
     tol = PARITY["float32"]
-    cache = torch_m.init_cache(2, 12)
-    out, cache = torch_m(torch.from_numpy(x[:, :3]), cache=cache)
-    outs = [out.detach().numpy()]
-    for t in range(3, 7):
-        out, cache = torch_m(torch.from_numpy(x[:, t:t + 1]), cache=cache)
-        outs.append(out.detach().numpy())
-    np.testing.assert_allclose(np.concatenate(outs, 1), whole, rtol=tol.rtol, atol=tol.atol)
-
-    step = nnx.jit(lambda m, chunk, c: m(chunk, cache=c))
-    fcache = flax_m.init_cache(2, 12)
-    out, fcache = step(flax_m, jnp.asarray(x[:, :3]), fcache)
-    outs = [np.asarray(out)]
-    for t in range(3, 7):
-        out, fcache = step(flax_m, jnp.asarray(x[:, t:t + 1]), fcache)
-        outs.append(np.asarray(out))
-    np.testing.assert_allclose(np.concatenate(outs, 1), whole, rtol=tol.rtol, atol=tol.atol)
+    np.testing.assert_allclose(decode_in_steps(torch_m, x, 3, 12), whole, rtol=tol.rtol, atol=tol.atol)
+    np.testing.assert_allclose(decode_in_steps(flax_m, x, 3, 12), whole, rtol=tol.rtol, atol=tol.atol)
 
 
 # --------------------------------------------------------------------------- exporters

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import mha_oracle, needs_both, needs_torch, random_x, small_mha_pair
+from tests.support import decode_in_steps, mha_oracle, needs_both, needs_torch, random_x, small_mha_pair
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 # Positions past Llama 4's floor_scale (8192), where its scale is no longer 1.
@@ -194,30 +194,15 @@ def test_cached_decoding_equals_the_whole_sequence() -> None:
     floor 2: it changes every other step; the cache holds the normed values, taken from
     the keys): the PyTorch twin with rope and without (a NoPE layer's scale at the
     cache's fill), the Flax twin with rope (jitted steps)."""
-    import jax.numpy as jnp
     import torch
-    from flax import nnx
 
     x = _x(2, 7, seed=4)
     tol = PARITY["float32"]
     for options in ({**NOPE, "query_scale": (0.5, 2, 0)}, {**ALL, "query_scale": (0.5, 2, 1)}):
         torch_m, flax_m = _pair(**options)
         whole = torch_m(torch.from_numpy(x)).detach().numpy()
-        cache = torch_m.init_cache(2, 8)
-        out, cache = torch_m(torch.from_numpy(x[:, :3]), cache=cache)
-        outs = [out.detach().numpy()]
-        for t in range(3, 7):
-            out, cache = torch_m(torch.from_numpy(x[:, t:t + 1]), cache=cache)
-            outs.append(out.detach().numpy())
-        np.testing.assert_allclose(np.concatenate(outs, 1), whole, rtol=tol.rtol, atol=tol.atol)
-    step = nnx.jit(lambda m, chunk, c: m(chunk, cache=c))
-    fcache = flax_m.init_cache(2, 8)
-    out, fcache = step(flax_m, jnp.asarray(x[:, :3]), fcache)
-    outs = [np.asarray(out)]
-    for t in range(3, 7):
-        out, fcache = step(flax_m, jnp.asarray(x[:, t:t + 1]), fcache)
-        outs.append(np.asarray(out))
-    np.testing.assert_allclose(np.concatenate(outs, 1), whole, rtol=tol.rtol, atol=tol.atol)
+        np.testing.assert_allclose(decode_in_steps(torch_m, x, 3, 8), whole, rtol=tol.rtol, atol=tol.atol)
+    np.testing.assert_allclose(decode_in_steps(flax_m, x, 3, 8), whole, rtol=tol.rtol, atol=tol.atol)
 
 
 # --------------------------------------------------------------------------- exporters
