@@ -32,7 +32,7 @@ from torch import nn
 from attention_spec.interop.conversion import as_numpy, rules_for
 from attention_spec.interop.huggingface import window_from_hf
 from attention_spec.interop.packing import pack_state_dict, packed_state_dict
-from attention_spec.interop.specs import Rule, packed_qkv_rules
+from attention_spec.interop.specs import Concat, MergeAxes, Rule, SplitAxis, Transpose, packed_qkv_rules
 from attention_spec.rope import LAYOUTS, RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
@@ -66,6 +66,10 @@ class _Family:
     attention: str = ""  # the sub-module with is_causal / scaling ("self" for BERT)
     sinks: bool = False  # gpt-oss: one learned sink logit per head, ``sinks``
     not_ours: str | None = None  # a sub-module of the layer that ours does not cover (BERT's LayerNorm)
+    gate: str = ""  # a separate sigmoid output gate (AFMoE's ``gate_proj``): ours is output_gate, its rows
+    #                 interleaved with q_proj's per head in W_query (``_interleave``)
+    rope_reversed: bool = False  # nanochat: halves turned by -angle; ours holds q/k rows with the second half
+    #                 of each head's turned features negated (``_flip_halves``), which turns them so exactly
 
 
 # The families proven in tests/interop/test_from_hf.py (and, model by model, in
@@ -330,8 +334,13 @@ def _recognise(layer: Any, what: str) -> _Family:
     v_norm = _child(layer, "v_norm")  # Gemma 4: a weightless RMS norm of each value head
     if v_norm is not None and _norm_kind(v_norm) == ("weightless", False):
         family = dataclasses.replace(family, v_norm=True)
+    gate, gate_problems = _separate_gate(layer, family)
+    problems += gate_problems
+    if gate:
+        family = dataclasses.replace(family, gate=gate)
     covered = {family.o, *((family.packed,) if family.packed else (family.q, family.k, family.v)), *(norms or ()),
-               *(("v_norm",) if family.v_norm else ())}
+               *(("v_norm",) if family.v_norm else ()), *((gate,) if gate else ()),
+               *(_GATES if gate_problems else ())}  # (a gate refused above is named once)
     if family.not_ours:
         covered.update((family.not_ours.split(".")[0], family.o.split(".")[0]))  # BERT's `output`: dense and the rest
     if getattr(layer, "is_cross_attention", False):
@@ -341,7 +350,7 @@ def _recognise(layer: Any, what: str) -> _Family:
             continue
         problems.append(f"{_KNOWN_EXTRAS.get(child_name.split('.')[-1], 'a sub-module no mechanism accounts for')}: "
                         f"`{child_name}` ({type(child).__name__})")
-    for p in sorted(own - {"sinks"}):
+    for p in sorted(own - {"sinks", *(("gate_bias",) if gate_problems else ())}):
         problems.append(f"a parameter no mechanism accounts for: `{p}`")
     for proj in (family.o, family.packed) if family.packed else (family.q, family.k, family.v, family.o):
         if not proj:  # Gemma 4's keys as values: no v_proj
@@ -351,6 +360,14 @@ def _recognise(layer: Any, what: str) -> _Family:
             problems.append(f"`{proj}` is a {type(module).__name__}, not nn.Linear (its forward may change the weight)")
         elif set(dict(module.named_parameters())) - {"weight", "bias"}:
             problems.append(f"`{proj}` holds parameters other than a weight and a bias")
+    if not family.packed and family.k and family.v and not family.attention:
+        k_rows, v_rows = (int(_get(layer, n).weight.shape[0]) for n in (family.k, family.v))
+        if k_rows != v_rows:  # MiMo-V2-Flash's v_head_dim
+            problems.append(f"value heads of another width than the key heads (`{family.v}` gives {v_rows} features, "
+                            f"`{family.k}` {k_rows}: ours has one head_dim for both)")
+    v_scale = getattr(attention, "v_scale", None)
+    if isinstance(v_scale, float | int) and not isinstance(v_scale, bool) and v_scale != 1:
+        problems.append(f"values scaled by a constant as they leave v_proj (`v_scale` = {v_scale:g})")
     unscaled = getattr(attention, "scaling", None) is None and type(getattr(attention, "scale", None)) is not bool
     if not problems and unscaled:
         problems.append("a score scale it keeps under no name from_hf reads (no `scaling`: it scales inside its forward)")
@@ -362,12 +379,19 @@ def _recognise(layer: Any, what: str) -> _Family:
     if rope and not _probe_rotates(layer, _d_in(layer, family)):
         rope = False  # a NoPE layer by what it computes (Flint's full-attention layers)
     layout = _rope_layout(layer, attention) if rope else None
+    reverse = layout == _REVERSED  # nanochat: ours turns q and k with each head's second half negated
+    if reverse:
+        layout = "half"
+        blocked = _reversal_blocked(layer, family, norm_kind)
+        if blocked:
+            raise _refused(layer, [f"halves turned by -angle (as ours turns them with each head's second half "
+                                   f"negated) together with {blocked}"])
     weightless = norm_kind is not None and norm_kind[0] == "weightless"  # (it commutes with the rotation)
     if (rope and norms is not None and norm_kind is not None and not weightless
             and _sees_rotation(layer, norms[0], _d_in(layer, family))):
         raise _refused(layer, [f"a qk-norm after rope (`{norms[0]}` / `{norms[1]}` normalise the turned q and k, "
                                "and their weights do not commute with the rotation; ours normalises before it turns)"])
-    family = dataclasses.replace(family, rope=rope, rope_layout=layout, sinks="sinks" in own)
+    family = dataclasses.replace(family, rope=rope, rope_layout=layout, sinks="sinks" in own, rope_reversed=reverse)
     if norms is None or norm_kind is None:
         return dataclasses.replace(family, label=label)
     if weightless:  # nanochat, Llama 4: over each head's features, no parameter
@@ -377,6 +401,91 @@ def _recognise(layer: Any, what: str) -> _Family:
     head_dim = int(getattr(attention, "head_dim", 0) or 0) or width
     return dataclasses.replace(family, label=label, norms=norms, norm=norm_kind[0], norm_offset=norm_kind[1],
                                norm_scope="head" if width == head_dim else "all")
+
+
+_GATES = ("gate_proj", "g_proj")  # a separate output gate's projection (AFMoE's, Beam's; Laguna's)
+
+
+def _separate_gate(layer: nn.Module, family: _Family) -> tuple[str, list[str]]:
+    """A separate output gate ours expresses as ``output_gate`` (AFMoE's ``gate_proj``: an
+    ``nn.Linear`` of the model width to as many outputs as ``q_proj``, biased as q_proj is,
+    and ``sigmoid(gate)`` multiplying the merged heads before the output projection, by
+    what the layer computes: ``_gate_probe``); ("", []) where the layer has none, else
+    ("", what refuses it)."""
+    name = next((n for n in _GATES if _child(layer, n) is not None), "")
+    if not name or family.packed or family.kv_shared or family.values_from_keys or family.attention:
+        return "", []
+    module, q = _get(layer, name), _get(layer, family.q)
+    problems = []
+    if not _is_linear(module) or set(dict(module.named_parameters())) - {"weight", "bias"}:
+        return "", [f"an output gate `{name}` that is a {type(module).__name__}, not nn.Linear"]
+    rows, q_rows = int(module.weight.shape[0]), int(q.weight.shape[0])
+    if rows != q_rows:
+        problems.append(f"an output gate of {rows} values per token (`{name}`; q_proj gives {q_rows}: ours gates each "
+                        "query feature, not each head)")
+    if (module.bias is None) != (q.bias is None):
+        problems.append(f"an output gate `{name}` {'with' if module.bias is not None else 'without'} a bias where q_proj "
+                        f"has {'none' if q.bias is None else 'one'} (ours' gate bias is W_query's)")
+    if "gate_bias" in dict(layer.named_parameters(recurse=False)):  # (not probed: it is added after gate_proj)
+        problems.append("a gate bias per head (`gate_bias`, Beam's: ours' gate bias is W_query's, one per feature)")
+    own = dict(layer.named_parameters(recurse=False))
+    kind = "" if "gate_bias" in own else _gate_probe(layer, family, name)  # (Beam's is added after gate_proj)
+    if kind:
+        problems.insert(0, kind)
+    return ("", problems) if problems else (name, [])
+
+
+def _gate_probe(layer: nn.Module, family: _Family, name: str) -> str:
+    """What the gate ``name`` does to the layer's output, on a probe with its outputs forced
+    to 0, 30 and -30 (a forward hook): ours' (``sigmoid(gate)`` times the merged heads, then
+    the output projection, whose bias alone is left at -30) scales ``out - o_proj(0)`` by
+    1/2 at 0 and 1 at 30.  "" where it does (or the probe cannot call the layer: the
+    self-check after the port decides), else what it does, in words."""
+    weight = next(layer.parameters(), None)
+    if weight is None or weight.is_meta:
+        return ""
+    attention = _attention_of(layer)
+    x = _probe_input(layer, _d_in(layer, family))
+    mask = _probe_mask(x, None, bool(getattr(attention, "is_causal", True)))
+    found = []
+    try:
+        embeddings = _probe_rotary(layer, attention, x) if "position_embeddings" in _forward_takes(attention) else None
+    except Exception:  # noqa: BLE001 - no rotary embedding to build
+        embeddings = None
+    for value in (0.0, 30.0, -30.0):
+        handle = _get(layer, name).register_forward_hook(lambda _m, _a, out, v=value: torch.full_like(out, v))
+        try:
+            found.append(_hf_forward(layer, x, mask, embeddings).float())
+        except Exception:  # noqa: BLE001 - a call convention the probe does not know
+            return ""
+        finally:
+            handle.remove()
+    with torch.no_grad():
+        width = int(_get(layer, family.o).weight.shape[1])
+        silent = _get(layer, family.o)(torch.zeros(1, 1, width, dtype=x.dtype, device=x.device))[0, 0].float()
+    half, whole, none = (f - silent for f in found)
+    tol = 1e-5 * max(float(whole.abs().max()), 1e-6)
+    if float((half - 0.5 * whole).abs().max()) <= tol and float(none.abs().max()) <= tol:
+        return ""
+    ratio = float((half * whole).sum() / (whole * whole).sum().clamp_min(1e-30))
+    return (f"an output gate `{name}` that is not sigmoid(gate) times the heads (its output at a gate of 0 is "
+            f"{ratio:.3g} of that at 30, not 0.5; softplus's is 0.0231)")
+
+
+def _reversal_blocked(layer: nn.Module, family: _Family, norm_kind: tuple[str, bool] | None) -> str:
+    """What keeps ours from turning a layer's halves by -angle (``_flip_halves``: separate
+    q/k projections of the layer's heads, a qk-norm none or RMS), in words ("" if nothing)."""
+    if norm_kind is not None and norm_kind[0] == "layer":
+        return "a qk-norm that centres (a LayerNorm: negated features change its mean)"
+    if family.packed or not family.k or family.values_from_keys:
+        return "a packed q/k/v, keys shared or keys as values"
+    config = _config(_attention_of(layer))
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    q_rows, k_rows = (int(_get(layer, n).weight.shape[0]) for n in (family.q, family.k))
+    if family.gate or q_rows * kv_heads != k_rows * heads:
+        return "an output gate, or query heads of another width than the keys'"
+    return ""
 
 
 _PROBE_TOKENS = 4
@@ -593,7 +702,16 @@ def _apply_probe(layer: nn.Module, attention: Any) -> str | None:
         want = apply_rope(q, positions, dataclasses.replace(rope, layout=layout), inv_freq=rope.inv_freq)
         if any(torch.allclose(t, want, atol=1e-5, rtol=1e-5) for t in turned):
             return layout
+    sign = torch.ones(head_dim)  # nanochat's: the halves by -angle, D R(angle) D with D negating the second half
+    width = rotary_dim(rope, head_dim)
+    sign[width // 2:width] = -1.0
+    want = sign * apply_rope(sign * q, positions, dataclasses.replace(rope, layout="half"), inv_freq=rope.inv_freq)
+    if any(torch.allclose(t, want, atol=1e-5, rtol=1e-5) for t in turned):
+        return _REVERSED
     return "neither"
+
+
+_REVERSED = "half, by -angle"  # _apply_probe's word for nanochat's rotation (ours: _flip_halves)
 
 
 def _rope_layout(layer: nn.Module, attention: Any) -> str | None:
@@ -607,7 +725,7 @@ def _rope_layout(layer: nn.Module, attention: Any) -> str | None:
     if _complex_rotary(layer, attention):  # Llama 4: q viewed as complex pairs (x[2i], x[2i + 1]) times freqs_cis
         return "interleaved"
     by_apply = _apply_probe(layer, attention)
-    if by_apply in LAYOUTS:
+    if by_apply in LAYOUTS or by_apply == _REVERSED:
         return by_apply
     by_turn = _rotate_half_layout(layer)
     if by_apply is None and (by_turn is None or by_turn in LAYOUTS):
@@ -836,6 +954,11 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
                         "position past it)")
     takes = _forward_takes(attention)
     problems += [m for arg, m in _FORWARD_REFUSALS.items() if arg in takes and m not in problems]
+    layer_type = _layer_type(layer, attention)
+    if ("attention_scaling" in takes and isinstance(rope_parameters, Mapping) and layer_type in rope_parameters
+            and rope_parameters[layer_type] is None):  # Beam's full-attention layers
+        problems.append("a query scale by position that its model builds and passes in on its layers without rope "
+                        "(its forward takes attention_scaling: Beam's scalable softmax)")
     if type(getattr(attention, "block_size", None)) is int and hasattr(attention, "num_random_blocks"):
         problems.append(f"block-sparse attention (BigBird's: blocks of {attention.block_size} keys, "
                         f"{attention.num_random_blocks} of them random)")
@@ -1049,6 +1172,7 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         kv_width = int(k.weight.shape[0]) // kv_heads
         if width == 2 * heads * kv_width:  # Qwen3-Next / Qwen3.5: each head's queries, then its gate
             gate, width = True, width // 2
+        gate = gate or bool(family.gate)  # AFMoE: a gate_proj of q_proj's width beside it
     else:
         heads, kv_heads, head_dim = _packed_heads(layer, _get(layer, family.attention), family)
         width, qkv_bias = heads * head_dim, _get(layer, family.packed).bias is not None
@@ -1147,7 +1271,7 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
         names["out_proj.bias"] = f"{family.o}.bias"
     if family.packed is None:
         for ours, theirs in (("W_query", family.q), ("W_key", family.k), ("W_value", family.v)):
-            if not theirs:  # Gemma 4's keys as values: no v_proj, no W_value
+            if not theirs or (ours == "W_query" and family.gate):  # keys as values: no v_proj; a gate: below
                 continue
             names[f"{ours}.weight"] = f"{theirs}.weight"
             if options["qkv_bias"]:
@@ -1178,7 +1302,51 @@ def _hf_state(layer: nn.Module, family: _Family, options: Mapping[str, Any], spe
                                   None if bias is None else as_numpy(bias.detach()),
                                   layout=family.layout, packing=family.packing)
         state.update({k: v for k, v in parts.items() if k.startswith("W_")})
+    if family.gate:  # AFMoE: each head's q_proj rows, then its gate_proj rows (Qwen3-Next's q_proj order)
+        for part in ("weight", "bias") if options["qkv_bias"] else ("weight",):
+            state[f"W_query.{part}"] = _interleave(params[f"{family.q}.{part}"].detach(),
+                                                   params[f"{family.gate}.{part}"].detach(), options["num_heads"])
+    if family.rope_reversed:
+        state.update(_flip_halves(state, family, options, spec))
     return state
+
+
+def _interleave(q: torch.Tensor, gate: torch.Tensor, heads: int) -> torch.Tensor:
+    """q_proj's and a separate gate's rows (or biases), head by head: (H, D, ...) each ->
+    (H * 2D, ...), each head's queries then its gate (``_split_gate`` undoes it)."""
+    return torch.cat((q.reshape(heads, -1, *q.shape[1:]), gate.reshape(heads, -1, *gate.shape[1:])), dim=1).reshape(
+        -1, *q.shape[1:])
+
+
+def _split_gate(w_query: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_query's rows (or bias) of an output gate -> (q_proj's, the gate's)."""
+    per_head = w_query.reshape(heads, -1, *w_query.shape[1:])
+    width = per_head.shape[1] // 2
+    return (per_head[:, :width].reshape(-1, *w_query.shape[1:]), per_head[:, width:].reshape(-1, *w_query.shape[1:]))
+
+
+def _flip_halves(state: Mapping[str, torch.Tensor], family: _Family, options: Mapping[str, Any],
+                 spec: Any) -> dict[str, torch.Tensor]:
+    """W_query's and W_key's rows (and biases) with the second half of each head's turned
+    features negated (its own inverse, exact).  nanochat turns the halves (x1, x2) by
+    -angle, ``(x1 cos + x2 sin, x2 cos - x1 sin)`` = ``D R(angle) D`` with
+    ``D = diag(1, -1)``: ours turns ``D q`` by +angle, which is nanochat's turned q with its
+    second half negated, the same floating point operations; a score is a sum of products
+    of q's and k's features, in which each negated factor meets a negated factor
+    (``(-a)(-b) = ab`` exactly), and a weightless (or elementwise-weighted) RMS norm sums
+    squares: both are nanochat's, bit for bit.  The values are not turned: not flipped."""
+    head_dim = int(spec.head_dim or 0)
+    turned = rotary_dim(spec.rope, head_dim)
+    sign = torch.ones(head_dim, dtype=torch.float32)
+    sign[turned // 2:turned] = -1.0
+    out = {}
+    for name, heads in (("W_query", options["num_heads"]), ("W_key", options["num_kv_heads"] or options["num_heads"])):
+        for part in ("weight", "bias"):
+            value = state.get(f"{name}.{part}")
+            if value is not None:
+                rows = sign.to(value.device).repeat(heads).reshape(-1, *([1] * (value.dim() - 1)))
+                out[f"{name}.{part}"] = torch.where(rows < 0, -value, value)
+    return out
 
 
 def hf_rules(layer: nn.Module) -> list[Rule]:
@@ -1201,6 +1369,11 @@ def hf_rules(layer: nn.Module) -> list[Rule]:
         # the same parameter names on both sides: our declared map as it is
         return rules_for("MultiHeadLatentAttention", _hf_latent.options(layer))
     family = _family(layer, "hf_rules")
+    if family.rope_reversed:
+        raise ValueError(f"hf_rules: the {type(layer).__name__} turns its halves the other way (by -angle): ours holds "
+                         "its q_proj / k_proj rows with the second half of each head's turned features negated, which "
+                         "no weight-map step expresses (from_hf and to_hf port it; to_flax(from_hf(layer)) gives the "
+                         "Flax twin)")
     options = _options(layer, family)
     names = _names(family, options)  # ours -> theirs
     rules: list[Rule] = []
@@ -1210,6 +1383,13 @@ def hf_rules(layer: nn.Module) -> list[Rule]:
             continue
         conv1d = family.layout == "in_out" and theirs.endswith(".weight")  # (in, out): the kernel's layout
         rules.append(Rule(theirs, rule.flax_path, () if conv1d else rule.steps))
+    if family.gate:  # q_proj's and gate_proj's rows, head by head, into one W_query kernel (and bias)
+        heads, width = options["num_heads"], int(_get(layer, family.q).weight.shape[0]) // options["num_heads"]
+        per_head = (SplitAxis(0, (heads, width)), Concat(1, 2), MergeAxes(0, (heads, 2 * width)))
+        rules.append(Rule([f"{family.q}.weight", f"{family.gate}.weight"], ("W_query", "kernel"),
+                          (*per_head, Transpose())))
+        if options["qkv_bias"]:
+            rules.append(Rule([f"{family.q}.bias", f"{family.gate}.bias"], ("W_query", "bias"), per_head))
     if family.packed is not None:
         roles = ("W_query", "W_key", "W_value")
         bias = options["qkv_bias"]
@@ -1238,8 +1418,10 @@ def hf_children(layer: nn.Module) -> dict[str, tuple[str, str | None]]:
         return {name: (name, None) for name, child in layer.named_children() if isinstance(child, nn.Module)}
     family = _family(layer, "hf_children")
     roles = [(family.o, "out_proj")]
-    if family.packed is None:
-        roles += [(family.q, "W_query"), *(((family.k, "W_key"),) if family.k else ()),
+    if family.packed is None:  # (a gate's W_query is q_proj's and gate_proj's rows; a reversed rotation's W_query
+        #                         and W_key have each head's turned second half negated: no one counterpart)
+        roles += [*(((family.q, "W_query"),) if not (family.gate or family.rope_reversed) else ()),
+                  *(((family.k, "W_key"),) if family.k and not family.rope_reversed else ()),
                   *(((family.v, "W_value"),) if family.v else ())]  # (a kv_shared layer: q alone)
     children: dict[str, tuple[str, str | None]] = {theirs: (ours, None) for theirs, ours in roles}
     norms = None if family.norms is None else family.norms[:1] if family.kv_shared else family.norms
@@ -1319,6 +1501,10 @@ def from_hf(layer: nn.Module) -> Any:
     qk-norm after rope, a packing ours does not split ...), for cross-attention, q/k/v with
     some biases but not all, and what ``rope_from_hf`` cannot read.
     """
+    from torch_attention import _hf_v4
+
+    if _hf_v4.is_v4(layer):  # DeepSeek-V4's attention: CompressedAttention
+        return _hf_v4.from_hf(layer)
     if _latent(layer):
         from torch_attention import _hf_latent
 
@@ -1446,6 +1632,13 @@ def _hf_arrays(ours: MultiHeadAttention, family: _Family, options: Mapping[str, 
         arrays[f"{family.packed}.weight"] = torch.from_numpy(np.array(packed["qkv_weight"]))
         if packed["qkv_bias"] is not None:
             arrays[f"{family.packed}.bias"] = torch.from_numpy(np.array(packed["qkv_bias"]))
+    if family.rope_reversed:
+        flipped = _flip_halves(own, family, options, ours.spec)
+        arrays.update({theirs: flipped[mine] for mine, theirs in _names(family, options).items() if mine in flipped})
+    if family.gate:
+        for part in ("weight", "bias") if options["qkv_bias"] else ("weight",):
+            arrays[f"{family.q}.{part}"], arrays[f"{family.gate}.{part}"] = _split_gate(own[f"W_query.{part}"],
+                                                                                       options["num_heads"])
     return arrays
 
 
@@ -1464,8 +1657,10 @@ def to_hf(ours: MultiHeadAttention | MultiHeadLatentAttention, layer: nn.Module)
     layer (Qwen3.5's, Qwen3-Next's, Kimi's) takes our ``GatedDeltaNet`` /
     ``KimiDeltaAttention``: ``_hf_delta.to_hf``.
     """
-    from torch_attention import _hf_delta
+    from torch_attention import _hf_delta, _hf_v4
 
+    if _hf_v4.is_v4(layer):  # DeepSeek-V4's attention: CompressedAttention
+        return _hf_v4.to_hf(ours, layer)  # type: ignore[arg-type]
     if _hf_delta.layout(layer) is not None:
         return _hf_delta.to_hf(ours, layer)
     if _latent(layer):

@@ -732,3 +732,97 @@ def test_olmo_s_clip_qkv_ports_and_a_clamp_after_the_qk_norm_is_refused() -> Non
     _against_layer(layer, ours, rotary)
     with pytest.raises(ValueError, match=r"does not compute what the OlmoeAttention computes .*clip_qkv=0.5"):
         from_hf(_hf_layer("olmoe", "OlmoeAttention", tf.OlmoeConfig(**gqa)))
+
+
+def _afmoe(attention_bias: bool = False, seed: int = 0) -> Any:
+    """An AFMoE sliding (rope) layer: q_proj, k_proj, v_proj, o_proj, a sigmoid gate_proj of
+    q_proj's width, per-head RMS qk-norms (window 16: wider than _against_layer's 6 tokens)."""
+    import transformers as tf
+
+    config = tf.AfmoeConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=8,
+                            num_hidden_layers=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                            attention_bias=attention_bias)
+    return _hf_layer("afmoe", "AfmoeAttention", config, seed=seed)
+
+
+@needs_torch
+def test_a_separate_sigmoid_gate_is_our_output_gate_interleaved_per_head() -> None:
+    """AFMoE's ``gate_proj`` (``o_proj(attn * sigmoid(gate_proj(x)))``) is our output gate:
+    W_query holds each head's q_proj rows, then its gate_proj rows (Qwen3-Next's q_proj
+    order).  Ours computes the layer's output; to_hf splits the rows back bit for bit;
+    ``hf_rules`` interleaves them into the Flax twin's kernel (what our declared map gives
+    it from ours) and back, bit for bit."""
+    import torch
+
+    from attention_spec.interop.conversion import rules_for
+    from attention_spec.interop.specs import apply_specs
+    from torch_attention._hf import hf_children, hf_rules
+    from torch_attention.interop import from_hf, to_hf
+
+    layer = _afmoe()
+    ours = from_hf(layer)
+    assert ours.spec.output_gate and ours.spec.rope is not None and ours.spec.qk_norm == "rms"
+    w_query = ours.W_query.weight.detach().reshape(HEADS, 16, HIDDEN)
+    assert torch.equal(w_query[:, :8].reshape(-1, HIDDEN), layer.q_proj.weight.detach())
+    assert torch.equal(w_query[:, 8:].reshape(-1, HIDDEN), layer.gate_proj.weight.detach())
+    _against_layer(layer, ours, sys.modules[type(layer).__module__].AfmoeRotaryEmbedding(layer.config))
+    other = _afmoe(seed=5)
+    to_hf(ours, other)
+    _bit_equal(_state(other), _state(layer))
+    theirs = {n: p.detach().numpy() for n, p in layer.named_parameters()}
+    rules = hf_rules(layer)
+    moved = apply_specs(theirs, rules, "to_flax")
+    twin = apply_specs({n: v.detach().numpy() for n, v in ours.state_dict().items()},
+                       rules_for("MultiHeadAttention", ours.config), "to_flax")
+    assert sorted(moved) == sorted(twin) and all(np.array_equal(moved[p], twin[p]) for p in twin)
+    back = apply_specs(moved, rules, "to_torch")
+    assert sorted(back) == sorted(theirs) and all(np.array_equal(back[n], theirs[n]) for n in theirs)
+    assert "q_proj" not in hf_children(layer) and hf_children(layer)["k_proj"] == ("W_key", None)
+    with pytest.raises(ValueError, match=r"an output gate `gate_proj` without a bias where q_proj has one"):
+        from_hf(_afmoe(attention_bias=True))
+
+
+def _nanochat(seed: int = 0) -> Any:
+    import transformers as tf
+
+    config = tf.NanoChatConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                               num_hidden_layers=2)
+    return _hf_layer("nanochat", "NanoChatAttention", config, seed=seed)
+
+
+@needs_torch
+def test_a_rotation_by_minus_the_angle_is_ours_with_each_head_s_second_half_negated() -> None:
+    """nanochat's ``rotate_half`` is ``cat(x2, -x1)``: it turns the halves by -angle,
+    ``D R D`` with ``D`` negating the second half.  Ours holds q_proj's and k_proj's rows
+    with each head's second half negated (``D q``) and turns them by +angle: its turned q is
+    nanochat's with the second half negated, bit for bit, and every score (each negated
+    factor meeting a negated one) and the weightless RMS norm are nanochat's; the layer's
+    output to float32 parity (it norms after rope, ours before).  to_hf negates back, bit
+    for bit; ``hf_rules`` refuses by name (no step negates rows)."""
+    import torch
+
+    from torch_attention._hf import hf_children, hf_rules
+    from torch_attention.functional import apply_rope
+    from torch_attention.interop import from_hf, to_hf
+
+    layer = _nanochat()
+    ours = from_hf(layer)
+    d = HIDDEN // HEADS
+    sign = torch.ones(d)
+    sign[d // 2:] = -1.0
+    assert torch.equal(ours.W_query.weight.detach(), layer.q_proj.weight.detach() * sign.repeat(HEADS)[:, None])
+    assert torch.equal(ours.W_key.weight.detach(), layer.k_proj.weight.detach() * sign.repeat(KV_HEADS)[:, None])
+    module = sys.modules[type(layer).__module__]
+    rotary = module.NanoChatRotaryEmbedding(layer.config)
+    positions = torch.arange(FIRST_POSITION, FIRST_POSITION + SEQ)[None]
+    q = torch.randn(1, HEADS, SEQ, d, generator=torch.Generator().manual_seed(3))
+    cos, sin = rotary(q.transpose(1, 2), positions)
+    assert torch.equal(sign * apply_rope(sign * q, positions, ours.spec.rope),
+                       module.apply_rotary_pos_emb(q, q, cos, sin)[0])
+    _against_layer(layer, ours, rotary)
+    other = _nanochat(seed=5)
+    to_hf(ours, other)
+    _bit_equal(_state(other), _state(layer))
+    assert set(hf_children(layer)) == {"v_proj", "o_proj"}
+    with pytest.raises(ValueError, match=r"hf_rules: the NanoChatAttention turns its halves the other way"):
+        hf_rules(layer)

@@ -230,13 +230,18 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              # 2026's mechanisms: chunks, query scales, weightless norms, keys as values, a value norm, proportional
              # rope, linear attention (the gated delta rule, KDA) beside softmax or latent layers
              "llama4_text", "ministral3", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
-             "kimi_linear")
+             "kimi_linear",
+             # a separate sigmoid gate_proj as our output gate (rows interleaved per head), halves turned by -angle
+             "afmoe", "nanochat")
 MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
                "bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
                "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
                "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
                "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
-               "big_bird": "block-sparse attention"}
+               "big_bird": "block-sparse attention",
+               "laguna": "an output gate of 4 values per token", "beam": "a gate bias per head",
+               "mimo_v2_flash": "value heads of another width than the key heads",
+               "bitnet": "a norm of the attention output before its projection (attn_sub_norm)"}
 
 
 @needs_torch

@@ -415,6 +415,70 @@ CASES = [
         lambda fw: mha(fw, query_scale=(0.1, 4, 1)),
         lambda fw, m: m(fw.randn(2, 5, 8), context=fw.randn(2, 4, 8)),
     ),
+    # Gemma 4's KV shared across layers (kv_shared: another layer's keys and values as kv=)
+    ErrorCase(
+        "kv_shared-not-bool", TypeError, re.escape("kv_shared must be a bool; got int 1"),
+        lambda fw: mha(fw, kv_shared=1),
+    ),
+    ErrorCase(
+        "kv_shared-kdim", ValueError,
+        re.escape("kv_shared=True takes another layer's keys and values (kv=): kdim must be None; got kdim=6"),
+        lambda fw: mha(fw, kv_shared=True, kdim=6),
+    ),
+    ErrorCase(
+        "kv_shared-values_from_keys", ValueError,
+        re.escape("kv_shared=True takes another layer's keys and values (kv=): values_from_keys must be False; "
+                  "got values_from_keys=True"),
+        lambda fw: mha(fw, kv_shared=True, values_from_keys=True),
+    ),
+    ErrorCase(
+        "kv_shared-v_norm", ValueError,
+        re.escape("kv_shared=True takes another layer's keys and values (kv=): v_norm must be None; "
+                  "got v_norm='rms'"),
+        lambda fw: mha(fw, kv_shared=True, v_norm="rms"),
+    ),
+    ErrorCase(
+        "kv_shared-call-without-kv", ValueError,
+        re.escape("a module built with kv_shared=True computes no keys or values: its call needs kv="),
+        lambda fw: mha(fw, kv_shared=True), lambda fw, m: m(fw.randn(2, 5, 8)),
+    ),
+    ErrorCase(
+        "kv_shared-return_kv", ValueError,
+        re.escape("return_kv=True returns the keys and values the call computes; a module built with "
+                  "kv_shared=True computes none (its kv= are another layer's)"),
+        lambda fw: mha(fw, kv_shared=True),
+        lambda fw, m: m(fw.randn(2, 5, 8), kv=(fw.randn(2, 2, 5, 4), fw.randn(2, 2, 5, 4)), return_kv=True),
+    ),
+    ErrorCase(
+        "kv_shared-context", ValueError,
+        re.escape("kv= is another layer's self-attention keys and values: context must be None"),
+        lambda fw: mha(fw, kv_shared=True),
+        lambda fw, m: m(fw.randn(2, 5, 8), context=fw.randn(2, 5, 8),
+                        kv=(fw.randn(2, 2, 5, 4), fw.randn(2, 2, 5, 4))),
+    ),
+    ErrorCase(
+        "kv_shared-kv-one-array", TypeError,
+        re.escape("kv must be a (keys, values) pair, as a return_kv=True call returns it, or the storing "
+                  "layer's KVCache; got one array"),
+        lambda fw: mha(fw, kv_shared=True), lambda fw, m: m(fw.randn(2, 5, 8), kv=fw.randn(2, 2, 5, 4)),
+    ),
+    ErrorCase(
+        "kv_shared-kv-shape", ValueError,
+        re.escape("kv does not fit this module: keys (2, 2, 4, 4), values (2, 2, 4, 4); expected keys and "
+                  "values of shape (2, 2, 5, 4)"),
+        lambda fw: mha(fw, kv_shared=True),
+        lambda fw, m: m(fw.randn(2, 5, 8), kv=(fw.randn(2, 2, 4, 4), fw.randn(2, 2, 4, 4))),
+    ),
+    ErrorCase(
+        "kv-without-kv_shared", ValueError,
+        re.escape("kv= takes another layer's keys and values, for a MultiHeadAttention built with "
+                  "kv_shared=True; this MultiHeadAttention computes its own"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), kv=(fw.randn(2, 2, 5, 4), fw.randn(2, 2, 5, 4))),
+    ),
+    ErrorCase(
+        "return_kv-not-bool", TypeError, re.escape("return_kv must be a bool; got int 1"),
+        mha, lambda fw, m: m(fw.randn(2, 5, 8), return_kv=1),
+    ),
     # ---- masks
     ErrorCase(
         "mask-does-not-broadcast-heads", ValueError,
