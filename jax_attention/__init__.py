@@ -6,6 +6,7 @@ the same numbers out for the same weights.  Masks are bool, ``True`` = may atten
 
 from jax_attention import functional, interop, masks, parallel
 from jax_attention.causal import CausalAttention, Head
+from jax_attention.compressed import CompressedAttention, CompressedCache
 from jax_attention.delta_net import DeltaCache, GatedDeltaNet, KimiDeltaAttention
 from jax_attention.functional import KVCache, attention_weights, dot_product_attention
 from jax_attention.latent import MultiHeadLatentAttention
@@ -25,6 +26,8 @@ from jax_attention.simplified import SimplifiedAttention
 
 __all__ = [
     "CausalAttention",
+    "CompressedAttention",
+    "CompressedCache",
     "DeltaCache",
     "GatedDeltaNet",
     "KimiDeltaAttention",

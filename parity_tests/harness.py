@@ -240,7 +240,7 @@ def _flax_deterministic(module: Any) -> bool:
 
 
 def _twin_class(package: Any, name: str) -> Any:
-    if name not in VARIANTS and name not in DELTA_LAYERS:
+    if name not in VARIANTS and name not in DELTA_LAYERS and name != "CompressedAttention":  # DeepSeek-V4's
         raise ValueError(
             f"{name} is not one of this library's modules ({', '.join(VARIANTS)}); "
             "for your own modules pass param_map= to check_parity / assert_parity"

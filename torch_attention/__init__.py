@@ -6,6 +6,7 @@ the same numbers out for the same weights.  Masks are bool, ``True`` = may atten
 
 from torch_attention import functional, interop, masks, parallel
 from torch_attention.causal import CausalAttention, Head
+from torch_attention.compressed import CompressedAttention, CompressedCache
 from torch_attention.delta_net import DeltaCache, GatedDeltaNet, KimiDeltaAttention
 from torch_attention.functional import KVCache, attention_weights, dot_product_attention
 from torch_attention.latent import MultiHeadLatentAttention
@@ -25,6 +26,8 @@ from torch_attention.simplified import SimplifiedAttention
 
 __all__ = [
     "CausalAttention",
+    "CompressedAttention",
+    "CompressedCache",
     "DeltaCache",
     "GatedDeltaNet",
     "KimiDeltaAttention",

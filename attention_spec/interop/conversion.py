@@ -119,6 +119,10 @@ def module_rules(module: Any) -> list[Rule]:
 
     if is_delta_layer(module):
         return delta_rules(type(module).__name__, delta_config(module))
+    from attention_spec.interop.compressed import compressed_rules, is_compressed_layer
+
+    if is_compressed_layer(module):  # DeepSeek-V4's attention: its declared map
+        return compressed_rules(module.config)
     spec = getattr(module, "spec", None)
     if isinstance(spec, AttentionConfig):
         return rules_for(spec.variant, spec)
