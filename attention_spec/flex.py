@@ -22,7 +22,7 @@ import numpy as np
 
 from attention_spec import mods as library
 from attention_spec.arrays import FLOAT_DTYPES, as_shape, check_sinks, dtype_name
-from attention_spec.geometry import reach
+from attention_spec.geometry import Reach, reach, unanchored
 from attention_spec.masks import check_dropout_mask
 from attention_spec.mods import Mod
 from attention_spec.options import CallOptions, check_dropout_rate, check_scale
@@ -486,14 +486,16 @@ def untraced_part(mod: Any, traced: Callable[[Any], bool]) -> Any:
             return mod
         if traced(mod.offset) or (mod.left is None and mod.right is None and mod.chunk is None):
             return None
-        return library.CallMask(mod.offset, mod.left, mod.right, chunk=mod.chunk)
+        if not isinstance(mod.chunk_origin, int) and traced(mod.chunk_origin):  # chunks from an unknown origin
+            return library.CallMask(mod.offset, *reach(unanchored(Reach(window=(mod.left, mod.right), chunk=mod.chunk))))
+        return library.CallMask(mod.offset, mod.left, mod.right, chunk=mod.chunk, chunk_origin=mod.chunk_origin)
     if isinstance(mod, Mod):
         return None if any(traced(a) for a in mod.arrays) else mod
     return mod
 
 
 def call_mods(options: CallOptions, *, offset: Any, mask: Any, bias: Any, lengths: Any,
-              segments: Any) -> tuple[Any, Any]:
+              segments: Any, chunk_origin: Any = 0) -> tuple[Any, Any]:
     """(score_mod, mask_mod) of a module call on the flex path: the call's own options and
     arrays (its band at ``offset``, lengths, mask, same-segment mask; soft cap and bias:
     ``library.CallMask`` / ``CallScore``) together with the module's mods seen at key
@@ -505,7 +507,7 @@ def call_mods(options: CallOptions, *, offset: Any, mask: Any, bias: Any, length
     own_mask = None
     if (left is not None or right is not None or options.chunk is not None
             or any(a is not None for a in (lengths, mask, segments))):
-        own_mask = library.CallMask(offset, left, right, lengths, mask, segments, options.chunk)
+        own_mask = library.CallMask(offset, left, right, lengths, mask, segments, options.chunk, chunk_origin)
     user_mask = library.positioned(options.mask_mod, offset)
     mask_mod = user_mask if own_mask is None else own_mask if user_mask is None else library.and_masks(
         own_mask, user_mask)

@@ -726,14 +726,16 @@ class CallMask(Mod):
     ``attention_spec.geometry``): the band ``left <= kv_idx - (q_idx + offset) <= right``
     (None: unbounded), keys before ``lengths[b]``, a dense ``mask`` (B', H', T', S') and
     the same-segment mask ``segments`` (B, 1, T, S), each where the call has it, and
-    (``chunk``) keys in the query's chunk of key positions."""
+    (``chunk``) keys in the query's chunk of key positions, counted from ``chunk_origin``
+    (an int, or one per example)."""
 
     kind: ClassVar[str] = "mask"
     maker: ClassVar[str] = "the call's mask"
-    _array_fields: ClassVar[tuple[str, ...]] = ("offset", "lengths", "mask", "segments")
+    _array_fields: ClassVar[tuple[str, ...]] = ("offset", "lengths", "mask", "segments", "chunk_origin")
     _axes: ClassVar[dict[str, tuple[str | None, ...]]] = {"offset": ("b",), "lengths": ("b",),
                                                          "mask": ("b", "h", "q", "kv"),
-                                                         "segments": ("b", "h", "q", "kv")}
+                                                         "segments": ("b", "h", "q", "kv"),
+                                                         "chunk_origin": ("b",)}
     _broadcast: ClassVar[tuple[str, ...]] = ("mask", "segments")
     offset: Any = 0
     left: int | None = None
@@ -742,11 +744,13 @@ class CallMask(Mod):
     mask: Any = None
     segments: Any = None
     chunk: int | None = None
+    chunk_origin: Any = 0
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         from attention_spec.geometry import visible, within_length
 
-        seen = visible(kv_idx, _shifted(q_idx, self.offset, b), self.left, self.right, self.chunk)
+        origin = _like(self.chunk_origin, b)[b] if _is_array(self.chunk_origin) else self.chunk_origin
+        seen = visible(kv_idx, _shifted(q_idx, self.offset, b), self.left, self.right, self.chunk, origin)
         if self.lengths is not None:
             ok = within_length(kv_idx, _like(self.lengths, b)[b])
             seen = ok if seen is None else seen & ok

@@ -6,7 +6,7 @@ query sees zeroed (``structure``).  The private half of ``functional``'s checks.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,9 @@ from attention_spec.geometry import (
     band_chunk,
     band_reach,
     bounded,
+    check_chunk_origin,
     key_range,
+    unanchored,
     visible,
     within_length,
 )
@@ -144,6 +146,23 @@ def _offset_form(q_offset: Any, batch: int) -> Array:
     return jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (batch,))
 
 
+def canonical_chunk_origin(chunk_origin: Any, chunk: int | None, q_shape: tuple[int, ...]) -> int | Array:
+    """Where each example's chunks start (``attention_spec.geometry.check_chunk_origin``):
+    a Python int (static: 0 .. chunk - 1, the same chunks), or int32 (B,) when it differs
+    per example.  None -> 0."""
+    if chunk_origin is None:
+        return 0
+    if not isinstance(chunk_origin, (jax.Array, np.ndarray)) and not hasattr(chunk_origin, "__len__"):
+        ok = not isinstance(chunk_origin, bool) and hasattr(chunk_origin, "__index__")
+        check_chunk_origin(None, "int" if ok else type(chunk_origin).__name__, 0, chunk)
+        return int(chunk_origin) % cast(int, chunk)
+    array = chunk_origin if isinstance(chunk_origin, jax.Array) else np.asarray(chunk_origin)
+    if chunk is not None and len(q_shape) != 4:
+        raise ValueError(rank_message("chunk_origin", q_shape))
+    check_chunk_origin(tuple(array.shape), dtype_name(array.dtype), q_shape[0], chunk)
+    return _offset_form(array, q_shape[0])
+
+
 def canonical_segments(
     segment_ids: Any, kv_segment_ids: Any, q_shape: tuple[int, ...], kv_len: int
 ) -> Array | None:
@@ -183,6 +202,7 @@ class Call(NamedTuple):
     segments: Array | None = None
     sinks: Array | None = None
     dropout_mask: Array | None = None  # given as a list or NumPy array: checked as given
+    chunk_origin: int | Array = 0  # where each example's chunks start: an int, or (B,) integers
 
 
 class Operands(NamedTuple):
@@ -212,7 +232,7 @@ def canonical_sinks(sinks: Any, q_shape: tuple[int, ...], dtype: Any, normalizat
 def canonicalise(
     q: Any, k: Any, v: Any, options: CallOptions, *, mask: Any = None, bias: Any = None, kv_lengths: Any = None,
     dropout_mask: Any = None, q_offset: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
-    sinks: Any = None,
+    sinks: Any = None, chunk_origin: Any = None,
 ) -> Call:
     """Every check of a call's arrays, in ``dot_product_attention``'s order, before any
     work, and the arrays canonicalised: q, k and v in ``options.layout`` (read for their
@@ -240,20 +260,22 @@ def canonicalise(
     offset = canonical_q_offset(q_offset, options.alignment, q_shape, kv_len)
     segments = canonical_segments(segment_ids, kv_segment_ids, q_shape, kv_len)
     sinks = canonical_sinks(sinks, q_shape, q.dtype, options.normalization)
-    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
+    origin = canonical_chunk_origin(chunk_origin, options.chunk, q_shape)
+    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask, origin)
 
 
 def assemble(
     q_shape: tuple[int, ...], kv_len: int, dtype: Any, options: CallOptions, *, mask: Array | None = None,
     bias: Array | None = None, kv_lengths: Any = None, dropout_mask: Any = None, q_offset: Any = None,
-    segment_ids: Any = None, kv_segment_ids: Any = None, sinks: Any = None,
+    segment_ids: Any = None, kv_segment_ids: Any = None, sinks: Any = None, chunk_origin: Any = None,
 ) -> Call:
     """The ``Call`` of a module's attention, whose inputs its planner has checked
     (``attention_spec.planning.plan_call``): the forms ``canonicalise`` makes, without
     its checks.  q is (B, H, T, D) of ``dtype``; ``mask`` and ``bias`` are canonical at
     rank 4; ``kv_lengths`` (B,) integers; ``q_offset`` None (``options.alignment``), an
     int, or (B,) integers; segment ids (B, T) and (B, S) (None: the queries'); ``sinks``
-    (H,)."""
+    (H,); ``chunk_origin`` None (0) or (B,) integers (the module's chunks at its
+    positions, ``attention_spec.geometry.chunk_origin``)."""
     batch = q_shape[0]
     if kv_lengths is not None:
         kv_lengths = _lengths_form(kv_lengths, batch, kv_len)
@@ -269,7 +291,8 @@ def assemble(
         sinks = jnp.asarray(sinks).astype(compute_dtype(dtype))
     if dropout_mask is not None:
         dropout_mask = jnp.asarray(dropout_mask)
-    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
+    origin = 0 if chunk_origin is None or options.chunk is None else _offset_form(chunk_origin, batch)
+    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask, origin)
 
 
 def heads_first(q: Any, k: Any, v: Any, layout: str) -> tuple[Any, Any, Any]:
@@ -282,21 +305,25 @@ def heads_first(q: Any, k: Any, v: Any, layout: str) -> tuple[Any, Any, Any]:
                  for t in (q, k, v))  # type: ignore[return-value]
 
 
-def band(q_len: int, kv_len: int, offset: int | Array, reach: Band, ndim: int, start: int = 0) -> Array | None:
+def band(q_len: int, kv_len: int, offset: int | Array, reach: Band, ndim: int, start: int = 0,
+         origin: int | Array = 0) -> Array | None:
     """bool, ``ndim`` dimensions: key j (at key position start + j) is visible from
-    query i (at key position i + offset) within ``reach`` (causal, window, chunk); None
-    if every key is.  ``start``: a block's first key (a chunk reads absolute positions)."""
+    query i (at key position i + offset) within ``reach`` (causal, window, chunk, its
+    chunks counted from ``origin``, an int or (B,)); None if every key is.  ``start``: a
+    block's first key (a chunk reads absolute positions)."""
     static = offset if isinstance(offset, int) else None
     left, right = band_reach(q_len, kv_len, None if static is None else static - start, reach)
-    chunk = band_chunk(q_len, kv_len, static, reach, start)
+    chunk = band_chunk(q_len, kv_len, static, reach, start, origin if isinstance(origin, int) else None)
     if left is None and right is None and chunk is None:
         return None
     if isinstance(offset, int):
         position = jnp.arange(q_len)[:, None] + offset  # (T, 1)
     else:  # (B,) -> (B, 1, T, 1)
         position = (jnp.arange(q_len)[None, :] + offset[:, None])[:, None, :, None]
+    if not isinstance(origin, int):  # (B,) -> (B, 1, 1, 1), the positions at rank 4
+        origin, position = origin[:, None, None, None], expand_to(position, 4)
     keys = (jnp.arange(kv_len) + start).reshape((1,) * (position.ndim - 1) + (kv_len,))
-    return expand_to(visible(keys, position, left, right, chunk), ndim)
+    return expand_to(visible(keys, position, left, right, chunk, origin), ndim)
 
 
 def length_mask(kv_lengths: Array, kv_len: int, ndim: int) -> Array:
@@ -358,6 +385,14 @@ def structure(q: Any, k: Array, v: Array, call: Call, structural: bool, layout: 
         mask = combine_masks(mask, call.segments)
     if call.bias is not None:  # a -inf entry blocks its key, as a mask does (``bias_allows``)
         mask = combine_masks(mask, bias_allows(call.bias))
+    origin = call.chunk_origin
+    if reach.chunk is not None and not (isinstance(origin, int) and origin == 0):  # chunks from each origin: dense
+        if band_chunk(q_len, kv_len, offset if isinstance(offset, int) else None, reach, 0,
+                      origin if isinstance(origin, int) else None) is not None:
+            mask = combine_masks(mask, band(q_len, kv_len, offset, Reach(chunk=reach.chunk), q.ndim, origin=origin))
+            reach = unanchored(reach)
+        else:
+            reach = Reach(reach.causal, reach.window)
     if not isinstance(offset, int) or (not structural and (reach.window is not None or reach.chunk is not None
                                                            or (reach.causal and offset))):
         mask = combine_masks(mask, band(q_len, kv_len, offset, reach, q.ndim))

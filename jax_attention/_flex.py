@@ -313,7 +313,8 @@ def run_call(q: Array, k: Array, v: Array, call: Any, *, scale: float) -> Array:
     without one never comes here: ``attention_spec.flex.mod_blockers``).  q (B, H, T, D),
     k and v (B, Hkv, S, D)."""
     score_mod, mask_mod = spec.call_mods(call.options, offset=call.offset, mask=call.mask, bias=call.bias,
-                                         lengths=call.kv_lengths, segments=call.segments)
+                                         lengths=call.kv_lengths, segments=call.segments,
+                                         chunk_origin=call.chunk_origin)
     block_mask = None
     if mask_mod is not None:
         block_mask = _call_block_mask(mask_mod, q.shape[0], q.shape[1], q.shape[2], k.shape[2])

@@ -125,7 +125,9 @@ def _plain(q: Any, k: Any, v: Any, call: Call) -> bool:
         return False
     offset, causal, window = call.offset, call.options.causal, call.options.window
     static = offset if isinstance(offset, int) else None
-    if band_chunk(q.shape[-2], k.shape[-2], static, call.options) is not None:
+    origin = call.chunk_origin
+    if band_chunk(q.shape[-2], k.shape[-2], static, call.options, 0,
+                  origin if isinstance(origin, int) else None) is not None:
         return False
     if static is not None and window is None and not (causal and offset):
         return True

@@ -121,6 +121,7 @@ def route(
     window: tuple[int | None, int | None] | None = None, chunk: int | None = None, alignment: str = "top_left",
     q_offset: Any = None,
     segment_ids: Any = None, kv_segment_ids: Any = None, sinks: Array | None = None, layout: str = "bhsd",
+    chunk_origin: Any = None,
 ) -> Route:
     """The route ``dot_product_attention`` takes for these arguments (the same keywords):
     ``Route(path, kernel, reasons)``, the path (``"reference"``, ``"fused"`` or
@@ -154,7 +155,8 @@ def _checked(given: dict[str, Any]) -> Call:
 # dot_product_attention's keywords by where they go: the options, the arrays (rng and
 # precision go to the run).
 _OPTIONS = tuple(name for name in KEYWORD_FIELDS if name != "training")
-_ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks")
+_ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks",
+           "chunk_origin")
 
 
 def route_of(q: Array | jax.ShapeDtypeStruct, k: Array | jax.ShapeDtypeStruct, v: Array | jax.ShapeDtypeStruct,
@@ -206,6 +208,7 @@ def dot_product_attention(
     kv_segment_ids: Any = None,
     sinks: Array | None = None,
     layout: str = "bhsd",
+    chunk_origin: Any = None,
 ) -> Array | tuple[Array, Array]:
     """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv),
     or, with ``layout="bshd"``, over q (..., T, H, D), k (..., S, Hkv, D), v (..., S, Hkv, Dv)
@@ -248,10 +251,17 @@ def dot_product_attention(
         p - left .. p + right; None on a side is unbounded (with ``causal`` the right
         side is at most 0).  See ``check_window``.
       chunk: chunked local attention (Llama 4's ``attention_chunk_size``): the query at
-        key position p attends only to keys j with ``j // chunk == p // chunk``, on top of
-        ``causal``, ``window`` and the masks.  See ``check_chunk``.  The library's CPU
-        kernel has none: it declines a chunked call (``"auto"`` passes it by, an explicit
-        ``"fused"`` runs on XLA's kernel, the chunks a dense mask).
+        key position p attends only to keys j with ``(j - o) // chunk == (p - o) // chunk``,
+        o the example's ``chunk_origin``, on top of ``causal``, ``window`` and the masks.
+        See ``check_chunk``.  The library's CPU kernel has none: it declines a chunked
+        call (``"auto"`` passes it by, an explicit ``"fused"`` runs on XLA's kernel, the
+        chunks a dense mask).
+      chunk_origin: where the chunks start counting, the key position of each example's
+        token 0 (a left-padded row's first real token, as ``transformers`` counts Llama
+        4's chunks): an int or integers of shape (B,); None (0) by default.  Needs
+        ``chunk``, and q of shape (B, H, T, D) for an array.  An origin that differs per
+        example makes the chunks a dense mask on every path (the blockwise path still
+        skips the blocks beyond ``chunk - 1`` keys of each query).
       alignment: where query 0 sits among the keys for ``causal`` and ``window``:
         ``"top_left"`` (key 0) or ``"bottom_right"`` (key S - T: the last query sees
         the last key, as when decoding after S - T cached keys).

@@ -38,6 +38,7 @@ def attention(
     score_mod: Any = None,
     mask_mod: Any = None,
     chunk: int | None = None,
+    chunk_origin: int | np.ndarray = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """q (..., T, D), k (..., S, D), v (..., S, Dv) -> out (..., T, Dv), weights (..., T, S).
 
@@ -52,7 +53,8 @@ def attention(
     int, or one int per example, shape (B,)); ``causal`` blocks keys j > p and
     ``window=(left, right)`` (inclusive, None = unbounded on that side) blocks keys
     outside p - left .. p + right; ``chunk`` C (chunked local attention) blocks keys of
-    another chunk of C key positions (j // C != p // C).  ``segment_ids`` (B, T) and ``kv_segment_ids`` (B, S)
+    another chunk of C key positions counted from ``chunk_origin`` o (an int, or one per
+    example, (B,)): (j - o) // C != (p - o) // C.  ``segment_ids`` (B, T) and ``kv_segment_ids`` (B, S)
     (default: ``segment_ids``) block keys of another segment.  Grouped-query attention:
     k and v (..., Hkv, S, D) with Hkv dividing q's H; query head h reads kv head
     h // (H // Hkv).  Per-example options index the first axis (B).
@@ -81,7 +83,7 @@ def attention(
     left, right = window if window is not None else (None, None)
     if causal:
         right = 0 if right is None else min(right, 0)
-    offsets = np.asarray(offset)
+    offsets, origins = np.asarray(offset), np.asarray(chunk_origin)
     seg_q = None if segment_ids is None else np.asarray(segment_ids)
     seg_k = seg_q if kv_segment_ids is None else np.asarray(kv_segment_ids)
     allowed = np.ones((*lead, t_len, s_len), dtype=bool)
@@ -97,6 +99,7 @@ def attention(
         kv_idx = idx if groups == 1 else idx[:-1] + (idx[-1] // groups,)  # its key/value head
         idx64 = tuple(np.int64(n) for n in idx)
         shift = int(offsets) if offsets.ndim == 0 else int(offsets[idx[0]])  # key position of query 0
+        o = int(origins) if origins.ndim == 0 else int(origins[idx[0]])  # where its chunks start
         for i in range(t_len):  # each query
             p = i + shift  # its key position
             masked = (~allowed[idx + (i,)]).tolist()  # the mask's verdict on each key
@@ -108,7 +111,7 @@ def attention(
                     masked[j]
                     or (right is not None and j - p > right)
                     or (left is not None and p - j > left)
-                    or (chunk is not None and j // chunk != p // chunk)
+                    or (chunk is not None and (j - o) // chunk != (p - o) // chunk)
                     or (seg_q is not None and seg_k is not None and seg_q[idx[0], i] != seg_k[idx[0], j])
                 )
                 # a -inf bias entry blocks its key as a mask does (the library's rule)
@@ -249,6 +252,7 @@ def forward(
     *,
     kv: tuple[np.ndarray, np.ndarray] | None = None,
     return_kv: bool = False,
+    selection: np.ndarray | None = None,
 ) -> Any:
     """The oracle for one module: (out, weights) for x (B, T, d_in) or (T, d_in).
 
@@ -271,7 +275,9 @@ def forward(
     at its position p, after rope and qk-norm.  ``return_kv``: (out, weights, (k, v)), the
     keys and values (B, Hkv, T, D) attended over (normed, rotated); ``kv`` (a
     ``kv_shared`` module's): those of another layer, in place of its own (only q is
-    projected, normed, rotated and scaled).
+    projected, normed, rotated and scaled).  Sparse attention (``index_topk``): the
+    indexer's choice in float64 (``reference_sparse``), or ``selection`` (bool (B, T, T),
+    True = selected) in its place.
     """
     from attention_spec.registry import variant as declaration
 
@@ -280,7 +286,7 @@ def forward(
         result = forward(variant, config, params, x[None], mask, keep, bias,
                          None if positions is None else np.asarray(positions)[None],
                          kv=None if kv is None else (np.asarray(kv[0])[None], np.asarray(kv[1])[None]),
-                         return_kv=return_kv)
+                         return_kv=return_kv, selection=None if selection is None else np.asarray(selection)[None])
         if return_kv:
             return result[0][0], result[1][0], (result[2][0][0], result[2][1][0])
         return result[0][0], result[1][0]
@@ -307,7 +313,7 @@ def forward(
               "sinks": params.get("sinks") if options.get("sinks") else None,
               "score_mod": options.get("score_mod"), "mask_mod": options.get("mask_mod")}
     if decl.heads == "latent":  # multi-head latent attention: its own projections
-        return _latent(options, params, x, positions, common)
+        return _latent(options, params, x, positions, common, selection)
     projections = [p for p in decl.projections if p.exists(options)]
     by_role: dict[str, np.ndarray] = {}
     for p in projections:
@@ -363,6 +369,9 @@ def forward(
         q = q * (1.0 + beta * np.log1p(steps.astype(np.float64)))[:, None, :, None]
     scale = options.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if options.get("chunk") is not None and positions is not None:  # chunks at the positions: from each row's 0
+        at = np.broadcast_to(pos, (x.shape[0], x.shape[1]))  # (the last slot of its furthest position, minus it)
+        common = {**common, "chunk_origin": x.shape[1] - 1 - at[:, ::-1].argmax(-1) - at.max(-1)}
     out, weights = attention(q, k, v, scale=scale, **common)
     b, h, n, d = out.shape
     out = out.transpose(0, 2, 1, 3).reshape(b, n, h * d)
@@ -377,7 +386,8 @@ def forward(
 
 
 def _latent(options: Mapping[str, Any], params: Mapping[str, np.ndarray], x: np.ndarray,
-            positions: np.ndarray | None, common: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+            positions: np.ndarray | None, common: dict[str, Any],
+            selection: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Multi-head latent attention (DeepSeek-V2/V3) in float64, keys and values expanded:
     q from ``q_proj`` or ``q_b_proj(rms(q_a_proj(x)))``; ``kv_a_proj_with_mqa(x)`` split into
     the latent (normalised) and one rope key for every head; ``kv_b_proj(latent)`` split per
@@ -389,7 +399,17 @@ def _latent(options: Mapping[str, Any], params: Mapping[str, np.ndarray], x: np.
     if options.get("q_lora_rank") is None:
         q = _linear(params, "q_proj", x)
     else:
-        q = _linear(params, "q_b_proj", _qk_norm(params, "q_a_layernorm", _linear(params, "q_a_proj", x), "rms", eps))
+        q_resid = _qk_norm(params, "q_a_layernorm", _linear(params, "q_a_proj", x), "rms", eps)
+        q = _linear(params, "q_b_proj", q_resid)
+    if options.get("index_topk") is not None:  # sparse attention: the indexer's keys only
+        from parity_tests.reference_sparse import indexer_scores, top_keys, visible_keys
+
+        if selection is None:
+            seen = visible_keys(options, x.shape[0], x.shape[1], common["mask"], common["bias"])
+            selection = top_keys(indexer_scores(options, params, x, q_resid, positions), seen,
+                                 int(options["index_topk"]))
+        chosen = np.asarray(selection, dtype=bool)[:, None]  # (B, 1, T, T)
+        common = {**common, "mask": chosen if common["mask"] is None else np.asarray(common["mask"], bool) & chosen}
     q = _heads(q, heads, nope + rot)  # (B, H, T, nope + rope)
     compressed = _linear(params, "kv_a_proj_with_mqa", x)
     latent = _qk_norm(params, "kv_a_layernorm", compressed[..., :rank], "rms", eps)

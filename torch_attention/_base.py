@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attention_spec import dtype_name
+from attention_spec.geometry import chunk_origin
 from attention_spec.options import (
     VALUES_FROM_KEYS_PAIR,
     check_kv_call,
@@ -330,7 +331,9 @@ class AttentionModule(nn.Module):
         """The attention of a checked call over q (B, H, T, D) and k (B, Hkv, S, D): the
         spec's options and the call's tensors as one value (``functional.assemble``:
         checked once, by ``plan_call``).  The keywords override the module's causal,
-        kv_lengths, alignment and scale, and add a q_offset."""
+        kv_lengths, alignment and scale, and add a q_offset.  A chunked module counts its chunks at the call's
+        ``positions`` (``attention_spec.geometry.chunk_origin``: from each example's
+        position 0), at key slots where it has none (the default positions)."""
         spec = self.spec
         options = module_options(spec, training=self.training, return_weights=return_weights,
                                  implementation=call.implementation, causal=causal, scale=scale, alignment=alignment)
@@ -339,7 +342,18 @@ class AttentionModule(nn.Module):
             kv_lengths=call.kv_lengths if kv_lengths is _FROM_CALL else kv_lengths, dropout_mask=call.dropout_mask,
             q_offset=q_offset, segment_ids=call.segment_ids, kv_segment_ids=call.kv_segment_ids,
             sinks=self.sinks if spec.sinks else None,
+            chunk_origin=self._chunk_origin(call, options, q, k, q_offset),
         )
+
+    def _chunk_origin(self, call: _Call, options: Any, q: Tensor, k: Tensor, q_offset: Any) -> Any:
+        """Where each example's chunks start: None (key slot 0) without chunks or without
+        ``positions``; else from the positions, query 0 at key position ``q_offset`` (a
+        cached step's fill) or where the alignment puts it."""
+        if self.spec.chunk is None or call.positions is None:
+            return None
+        if q_offset is None:
+            q_offset = 0 if options.alignment == "top_left" else k.shape[-2] - q.shape[-2]
+        return chunk_origin(call.positions, q_offset, lambda p: (p.amax(-1), p.shape[-1] - 1 - p.flip(-1).argmax(-1)))
 
     def _attend(self, call: _Call, q: Tensor, k: Tensor, v: Tensor, return_weights: bool, **extra: Any) -> Any:
         return functional.attend(q, k, v, self._attention(call, q, k, return_weights, **extra))

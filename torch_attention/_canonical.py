@@ -5,7 +5,7 @@ to), for every PyTorch path.  Key reach comes from ``attention_spec.geometry``."
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -13,7 +13,17 @@ from torch import Tensor
 
 from attention_spec import check_dropout_mask, check_mask, dtype_name
 from attention_spec.arrays import check_bias, check_sinks, host_array
-from attention_spec.geometry import Band, Reach, band_chunk, band_reach, bounded, visible, within_length
+from attention_spec.geometry import (
+    Band,
+    Reach,
+    band_chunk,
+    band_reach,
+    bounded,
+    check_chunk_origin,
+    unanchored,
+    visible,
+    within_length,
+)
 from attention_spec.geometry import key_range as _key_range
 from attention_spec.masks import (
     check_kv_lengths_array,
@@ -115,6 +125,24 @@ def _offset_form(q_offset: Tensor, batch: int, device: Any) -> Tensor:
     return q_offset.to(device=device, dtype=torch.int64).reshape(-1).expand(batch)
 
 
+def canonical_chunk_origin(chunk_origin: Any, chunk: int | None, q_shape: tuple[int, ...],
+                           device: Any = None) -> int | Tensor:
+    """Where each example's chunks start (``attention_spec.geometry.check_chunk_origin``):
+    a Python int (static: 0 .. chunk - 1, the same chunks), or int64 (B,) when it differs
+    per example.  None -> 0."""
+    if chunk_origin is None:
+        return 0
+    if not isinstance(chunk_origin, (Tensor, np.ndarray)) and not hasattr(chunk_origin, "__len__"):
+        ok = not isinstance(chunk_origin, bool) and hasattr(chunk_origin, "__index__")
+        check_chunk_origin(None, "int" if ok else type(chunk_origin).__name__, 0, chunk)
+        return int(chunk_origin) % cast(int, chunk)
+    array = chunk_origin if isinstance(chunk_origin, Tensor) else torch.as_tensor(np.asarray(chunk_origin))
+    if chunk is not None and len(q_shape) != 4:
+        raise ValueError(rank_message("chunk_origin", q_shape))
+    check_chunk_origin(tuple(array.shape), dtype_name(array.dtype), q_shape[0], chunk)
+    return _offset_form(array, q_shape[0], device)
+
+
 def canonical_segments(
     segment_ids: Any, kv_segment_ids: Any, q_shape: tuple[int, ...], kv_len: int, device: Any = None
 ) -> Tensor | None:
@@ -146,13 +174,14 @@ def _same_segment(seg_q: Tensor, seg_k: Tensor, device: Any) -> Tensor:
 
 
 def _band(q_len: int, kv_len: int, offset: int | Tensor, reach: Band, ndim: int, device: Any = None,
-          start: int = 0) -> Tensor | None:
+          start: int = 0, origin: int | Tensor = 0) -> Tensor | None:
     """bool, ``ndim`` dimensions: key j (at key position start + j) is visible from
-    query i (at key position i + offset) within ``reach`` (causal, window, chunk); None
-    if every key is.  ``start``: a block's first key (a chunk reads absolute positions)."""
+    query i (at key position i + offset) within ``reach`` (causal, window, chunk, its
+    chunks counted from ``origin``, an int or (B,)); None if every key is.  ``start``: a
+    block's first key (a chunk reads absolute positions)."""
     static = offset if isinstance(offset, int) else None
     left, right = band_reach(q_len, kv_len, None if static is None else static - start, reach)
-    chunk = band_chunk(q_len, kv_len, static, reach, start)
+    chunk = band_chunk(q_len, kv_len, static, reach, start, origin if isinstance(origin, int) else None)
     if left is None and right is None and chunk is None:
         return None
     rows = torch.arange(q_len, device=device)
@@ -160,7 +189,11 @@ def _band(q_len: int, kv_len: int, offset: int | Tensor, reach: Band, ndim: int,
         position = rows[:, None] + offset  # (T, 1)
     else:  # (B,) -> (B, 1, T, 1)
         position = (rows[None, :] + offset[:, None])[:, None, :, None]
-    band = visible(torch.arange(start, start + kv_len, device=device), position, left, right, chunk)
+    keys = torch.arange(start, start + kv_len, device=device)
+    if not isinstance(origin, int):  # (B,) -> (B, 1, 1, 1), the positions at rank 4
+        origin, position = origin[:, None, None, None], position.reshape((1,) * (4 - position.dim()) + position.shape)
+        keys = keys.reshape(1, 1, 1, kv_len)
+    band = visible(keys, position, left, right, chunk, origin)
     return band.reshape((1,) * (ndim - band.dim()) + tuple(band.shape))
 
 
@@ -201,6 +234,7 @@ class Call(NamedTuple):
     segments: Tensor | None = None
     sinks: Tensor | None = None
     dropout_mask: Tensor | None = None  # given as a list or NumPy array: checked as given
+    chunk_origin: int | Tensor = 0  # where each example's chunks start: an int, or (B,) integers
 
 
 class Operands(NamedTuple):
@@ -220,14 +254,15 @@ class Operands(NamedTuple):
 def assemble(
     q: Tensor, kv_len: int, options: CallOptions, *, mask: Tensor | None = None, bias: Tensor | None = None,
     kv_lengths: Tensor | None = None, dropout_mask: Any = None, q_offset: Any = None, segment_ids: Any = None,
-    kv_segment_ids: Any = None, sinks: Tensor | None = None,
+    kv_segment_ids: Any = None, sinks: Tensor | None = None, chunk_origin: Any = None,
 ) -> Call:
     """The ``Call`` of a module's attention, whose inputs its planner has checked
     (``attention_spec.planning.plan_call``): the forms ``canonicalise`` makes, on q's
     device, without its checks.  q is (B, H, T, D); ``mask`` and ``bias`` are canonical at
     rank 4; ``kv_lengths`` (B,) integers; ``q_offset`` None (``options.alignment``), an
     int, or (B,) integers; segment ids (B, T) and (B, S) (None: the queries'); ``sinks``
-    (H,)."""
+    (H,); ``chunk_origin`` None (0) or (B,) integers (the module's chunks at its
+    positions, ``attention_spec.geometry.chunk_origin``)."""
     batch, device = q.shape[0], q.device
     if bias is not None:
         bias = bias.to(device)
@@ -244,7 +279,8 @@ def assemble(
         sinks = sinks.to(device)
     if dropout_mask is not None:
         dropout_mask = torch.as_tensor(dropout_mask, device=device)
-    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
+    origin = 0 if chunk_origin is None or options.chunk is None else _offset_form(chunk_origin, batch, device)
+    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask, origin)
 
 
 def heads_first(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -258,7 +294,7 @@ def heads_first(q: Tensor, k: Tensor, v: Tensor, layout: str) -> tuple[Tensor, T
 def canonicalise(
     q: Tensor, k: Tensor, v: Tensor, options: CallOptions, *, mask: Any = None, bias: Any = None,
     kv_lengths: Any = None, dropout_mask: Any = None, q_offset: Any = None, segment_ids: Any = None,
-    kv_segment_ids: Any = None, sinks: Any = None,
+    kv_segment_ids: Any = None, sinks: Any = None, chunk_origin: Any = None,
 ) -> Call:
     """Every check of a call's tensors, in ``dot_product_attention``'s order, before any
     work, and the tensors canonicalised on q's device: q, k and v in ``options.layout``
@@ -291,7 +327,8 @@ def canonicalise(
         sinks = sinks if isinstance(sinks, Tensor) else torch.as_tensor(sinks)
         check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), q_shape, options.normalization)
         sinks = sinks.to(q.device)
-    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask)
+    origin = canonical_chunk_origin(chunk_origin, options.chunk, q_shape, q.device)
+    return Call(options, mask, bias, kv_lengths, offset, segments, sinks, dropout_mask, origin)
 
 
 class Structure(NamedTuple):
@@ -322,6 +359,15 @@ def structure(q: Tensor, k: Tensor, v: Tensor, call: Call, path: str) -> Structu
         mask = combine_masks(mask, _bias_allows(call.bias))
     if call.segments is not None:
         mask = combine_masks(mask, call.segments)
+    origin, q_len, kv_len = call.chunk_origin, q.shape[-2], k.shape[-2]
+    if reach.chunk is not None and not (isinstance(origin, int) and origin == 0):  # chunks from each origin: dense
+        if band_chunk(q_len, kv_len, offset if isinstance(offset, int) else None, reach, 0,
+                      origin if isinstance(origin, int) else None) is not None:
+            mask = combine_masks(mask, _band(q_len, kv_len, offset, Reach(chunk=reach.chunk), q.dim(), q.device,
+                                             origin=origin))
+            reach = unanchored(reach)
+        else:
+            reach = Reach(reach.causal, reach.window)
     if not isinstance(offset, int) or (path != "blockwise" and (reach.window is not None or reach.chunk is not None
                                                                  or (reach.causal and offset))):
         mask = combine_masks(mask, _band(q.shape[-2], k.shape[-2], offset, reach, q.dim(), q.device))

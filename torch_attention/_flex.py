@@ -460,7 +460,8 @@ def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Ten
     without one never comes here: ``attention_spec.flex.mod_blockers``).  q (B, H, T, D),
     k and v (B, Hkv, S, D)."""
     score_mod, mask_mod = spec.call_mods(call.options, offset=call.offset, mask=call.mask, bias=call.bias,
-                                         lengths=call.kv_lengths, segments=call.segments)
+                                         lengths=call.kv_lengths, segments=call.segments,
+                                         chunk_origin=call.chunk_origin)
     block_mask = None
     if mask_mod is not None:
         reads_b, reads_h = spec.mask_reads(mask_mod)

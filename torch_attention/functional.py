@@ -118,6 +118,7 @@ def route(
     kv_segment_ids: Any = None,
     sinks: Tensor | None = None,
     layout: str = "bhsd",
+    chunk_origin: Any = None,
 ) -> Route:
     """The route ``dot_product_attention`` takes for this call: ``Route(path, kernel,
     reasons)``, with path ``"reference"``, ``"fused"`` or ``"blockwise"``, kernel
@@ -141,7 +142,8 @@ def _checked(given: dict[str, Any]) -> Call:
 
 
 # dot_product_attention's keywords that are tensors (or lists or NumPy arrays of values).
-_ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks")
+_ARRAYS = ("mask", "bias", "kv_lengths", "dropout_mask", "q_offset", "segment_ids", "kv_segment_ids", "sinks",
+           "chunk_origin")
 
 
 def route_of(q: Tensor, k: Tensor, v: Tensor, call: Call) -> Route:
@@ -183,6 +185,7 @@ def dot_product_attention(
     kv_segment_ids: Any = None,
     sinks: Tensor | None = None,
     layout: str = "bhsd",
+    chunk_origin: Any = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over q (..., H, T, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, T, Dv),
     or, with ``layout="bshd"``, over q (..., T, H, D), k (..., S, Hkv, D), v (..., S, Hkv, Dv)
@@ -221,8 +224,15 @@ def dot_product_attention(
         p - left .. p + right; None on a side is unbounded (with ``causal`` the right
         side is at most 0).  See ``check_window``.
       chunk: chunked local attention (Llama 4's ``attention_chunk_size``): the query at
-        key position p attends only to keys j with ``j // chunk == p // chunk``, on top of
-        ``causal``, ``window`` and the masks.  See ``check_chunk``.
+        key position p attends only to keys j with ``(j - o) // chunk == (p - o) // chunk``,
+        o the example's ``chunk_origin``, on top of ``causal``, ``window`` and the masks.
+        See ``check_chunk``.
+      chunk_origin: where the chunks start counting, the key position of each example's
+        token 0 (a left-padded row's first real token, as ``transformers`` counts Llama
+        4's chunks): an int or integers of shape (B,); None (0) by default.  Needs
+        ``chunk``, and q of shape (B, H, T, D) for an array.  An origin that differs per
+        example makes the chunks a dense mask on every path (the blockwise path still
+        skips the blocks beyond ``chunk - 1`` keys of each query).
       alignment: where query 0 sits among the keys for ``causal`` and ``window``:
         ``"top_left"`` (key 0) or ``"bottom_right"`` (key S - T: the last query sees
         the last key, as when decoding after S - T cached keys).

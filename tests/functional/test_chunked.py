@@ -1,6 +1,7 @@
 """Chunked local attention (``chunk=C``, Llama 4's ``attention_chunk_size``): the query at
-key position p sees key j only where ``j // C == p // C``, on top of causal, a window,
-lengths, masks and segments (``attention_spec.geometry``).
+key position p sees key j only where ``(j - o) // C == (p - o) // C``, o the example's
+chunk origin (``chunk_origin=``, 0 by default; a module's from its ``positions=``), on
+top of causal, a window, lengths, masks and segments (``attention_spec.geometry``).
 
 (a) The geometry: ``key_range`` / ``key_range_traced`` of every block of rows against
     brute force (the blocks the blockwise paths compute, and those every row sees whole).
@@ -8,10 +9,14 @@ lengths, masks and segments (``attention_spec.geometry``).
     auto) against the float64 loop oracle, output and gradients, and twin against twin:
     chunks that do and do not divide the lengths, with and without a window, fewer
     queries than keys aligned bottom-right, per-example offsets, grouped heads, lengths
-    and segments.  The route: ``auto`` passes the CPU kernel by naming the chunk.
+    and segments; a left-padded batch, each row's chunks from its first real token
+    (``chunk_origin`` per example: the chunks a dense mask), on every path, and a static
+    origin beside a window.  The route: ``auto`` passes the CPU kernel by naming the chunk.
 (c) Modules: ``MultiHeadAttention(chunk=)`` with a score mod (the flex path) in both
     twins against the oracle; cached decoding (a prompt, then one-token steps across
-    chunk boundaries) equal to the whole sequence in both twins.
+    chunk boundaries) equal to the whole sequence in both twins; a left-padded batch at
+    ``generate``'s positions (chunks counted from each row's first real token), whole,
+    on the flex path and decoded, in both twins against the oracle.
 (d) Rings in this process (a group of one, a mesh of one device; zigzag: two pieces in
     different chunks) equal ``dot_product_attention``, output and gradients, in both twins
     (the rings over 2..8 devices run in ``tests/distributed``, on the same geometry).
@@ -92,6 +97,20 @@ def test_visible_reads_positions_not_lags() -> None:
     assert visible(keys, queries, None, None) is None
 
 
+def test_chunk_origins_are_read_at_each_rows_last_furthest_position() -> None:
+    """``chunk_origin``: the key slot of a row's position 0, read where its positions are
+    largest (the last such slot: ``generate`` gives pads 1, a row of two real tokens ends
+    at 1 too), the queries at ``start`` (a cache's fill) onward."""
+    from attention_spec.geometry import chunk_origin
+
+    def furthest(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return p.max(-1), p.shape[-1] - 1 - p[:, ::-1].argmax(-1)
+
+    positions = np.array([[0, 1, 2, 3, 4], [1, 1, 1, 0, 1], [1, 0, 1, 2, 3], [-2, -1, 0, 1, 2]])
+    np.testing.assert_array_equal(chunk_origin(positions, 0, furthest), [0, 3, 1, 2])
+    np.testing.assert_array_equal(chunk_origin(np.array([[9], [5]]), np.array([12, 7]), furthest), [3, 2])
+
+
 # --------------------------------------------------------------------------- (b) the paths
 
 # name: (T, S, H, Hkv, the call's options, the oracle's, lengths)
@@ -109,10 +128,29 @@ SCENARIOS: dict[str, tuple[int, int, int, int, dict[str, Any], dict[str, Any], l
     "segments-C3": (10, 10, 2, 1, {"chunk": 3, "segment_ids": np.array([[0] * 6 + [1] * 4, [0] * 10])},
                     {"chunk": 3, "segment_ids": np.array([[0] * 6 + [1] * 4, [0] * 10])}, [10, 8]),
 }
+_ROTATED = list(SCENARIOS)
+_LEFT_PADDED = (np.arange(14)[None, :] >= np.array([0, 3])[:, None])[:, None, None, :]  # row 1: 3 pads
+SCENARIOS.update({
+    # a left-padded batch, causal: row 1's chunks from its first real token (slot 3), as
+    # transformers counts Llama 4's; grouped heads
+    "left-padded-origins-C4": (14, 14, 2, 1, {"causal": True, "chunk": 4, "chunk_origin": np.array([0, 3]),
+                                              "mask": _LEFT_PADDED},
+                               {"causal": True, "chunk": 4, "chunk_origin": np.array([0, 3]), "mask": _LEFT_PADDED},
+                               None),
+    # a static origin (7: chunks start at 2, 7, 12, ...), not causal, a window narrower on
+    # the right than the chunk, per-example offsets, lengths
+    "origin-7-window-offsets-C5": (9, 16, 2, 2, {"chunk": 5, "chunk_origin": 7, "window": (6, 2),
+                                                 "q_offset": np.array([0, 6])},
+                                   {"chunk": 5, "chunk_origin": 7, "window": (6, 2), "offset": np.array([0, 6])},
+                                   [16, 13]),
+})
 TORCH_PATHS = ("reference", "fused", "blockwise", "auto")
 JAX_PATHS = ("reference", "fused", "blockwise", "blockwise-tiles", "auto")
-# JAX compiles a program per (scenario, path): each path once, the scenarios in rotation
-JAX_RUNS = [(list(SCENARIOS)[i % len(SCENARIOS)], path) for i, path in enumerate(JAX_PATHS)]
+# JAX compiles a program per (scenario, path): each path once, the scenarios in rotation;
+# the left-padded batch on every path, the static origin on the blockwise path
+JAX_RUNS = ([(_ROTATED[i % len(_ROTATED)], path) for i, path in enumerate(JAX_PATHS)]
+            + [("left-padded-origins-C4", path) for path in JAX_PATHS]
+            + [("origin-7-window-offsets-C5", "blockwise")])
 
 
 @functools.cache
@@ -132,7 +170,11 @@ def _call(name: str) -> dict[str, Any]:
 def _expected(name: str) -> dict[str, np.ndarray]:
     t, s, _, _, _, oracle, lengths = SCENARIOS[name]
     q, k, v, cot = _inputs(name)
-    mask = None if lengths is None else (np.arange(s)[None, :] < np.array(lengths)[:, None])[:, None, None, :]
+    oracle = dict(oracle)
+    mask = oracle.pop("mask", None)
+    if lengths is not None:
+        valid = (np.arange(s)[None, :] < np.array(lengths)[:, None])[:, None, None, :]
+        mask = valid if mask is None else mask & valid
     scale = 1.0 / math.sqrt(q.shape[-1])
     out, weights = reference.attention(q, k, v, scale=scale, mask=mask, **oracle)
     return {"output": out, **oracle_gradients(q, k, v, weights, cot, scale)}
@@ -265,25 +307,33 @@ def test_module_on_the_flex_path_in_both_twins() -> None:
     _ok(compare("jax flex", twin, expected, ORACLE["float32"], ("ours", "oracle")))
 
 
-def _decode(module: Any, x: np.ndarray, prompt: int, fw: str) -> np.ndarray:
+def _decode(module: Any, x: np.ndarray, prompt: int, fw: str, *, mask: np.ndarray | None = None,
+            positions: np.ndarray | None = None) -> np.ndarray:
     """A prompt of ``prompt`` tokens, then one token a step, from an empty cache (Flax:
-    jitted steps, two programs: the prompt's and a step's)."""
+    jitted steps, two programs: the prompt's and a step's); with ``mask``, the key mask
+    (B, 1, 1, 12) of the whole cache at every step (a left-padded prompt's pads False),
+    and each step's ``positions`` cut from (B, T)."""
     cache = module.init_cache(x.shape[0], 12)
+    keys = None if mask is None else np.pad(mask, [(0, 0)] * 3 + [(0, 12 - mask.shape[-1])], constant_values=True)
     outs = []
     if fw == "jax":
         from flax import nnx
 
-        step = nnx.jit(lambda m, part, c: m(part, cache=c))
+        step = nnx.jit(lambda m, part, c, k, p: m(part, k, cache=c, **({} if p is None else {"positions": p})))
     for start, stop in [(0, prompt), *((i, i + 1) for i in range(prompt, x.shape[1]))]:
+        at = None if positions is None else positions[:, start:stop]
         if fw == "torch":
             import torch
 
-            out, cache = module(torch.tensor(x[:, start:stop], dtype=torch.float32), cache=cache)
+            out, cache = module(torch.tensor(x[:, start:stop], dtype=torch.float32),
+                                None if keys is None else torch.from_numpy(keys), cache=cache,
+                                **({} if at is None else {"positions": torch.from_numpy(at)}))
             outs.append(out.detach().double().numpy())
         else:
             import jax.numpy as jnp
 
-            out, cache = step(module, jnp.asarray(x[:, start:stop], jnp.float32), cache)
+            out, cache = step(module, jnp.asarray(x[:, start:stop], jnp.float32), cache,
+                              None if keys is None else jnp.asarray(keys), None if at is None else jnp.asarray(at))
             outs.append(np.asarray(out, np.float64))
     return np.concatenate(outs, axis=1)
 
@@ -307,6 +357,79 @@ def test_decoding_across_chunk_boundaries_equals_the_whole_sequence() -> None:
     _ok(compare("whole", whole, expected, ORACLE["float32"], ("ours", "oracle")))
     _ok(compare("torch decode", torch_steps, whole, PARITY["float32"], ("steps", "whole")))
     _ok(compare("jax decode", jax_steps, expected, ORACLE["float32"], ("steps", "oracle")))
+
+
+PADDED_LEN, PADS = 11, 3  # the second row left-padded by 3: its tokens 0.. at slots 3..
+
+
+@functools.cache
+def _rotating_module(**extra: Any) -> Any:
+    """Chunks of 4 with rope (a module that takes ``positions=``), grouped heads."""
+    import torch
+
+    import torch_attention as ta
+    from attention_spec.rope import RopeConfig
+
+    torch.manual_seed(11)
+    return ta.MultiHeadAttention(D_IN, D_IN, 32, 0.0, HEADS, num_kv_heads=1, chunk=4, rope=RopeConfig(),
+                                 **extra).eval()
+
+
+def _left_padded() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (2, 11, 8), the key mask (2, 1, 1, 11) and ``generate``'s positions (real tokens
+    counted from 0, pads at 1)."""
+    from parity_tests.causal_lm import generate_positions
+
+    real = np.ones((2, PADDED_LEN), np.int64)
+    real[1, :PADS] = 0
+    return _x(PADDED_LEN), real.astype(bool)[:, None, None, :], generate_positions(real)
+
+
+def _padded_oracle(module: Any) -> np.ndarray:
+    x, mask, positions = _left_padded()
+    params = {k: v.detach().numpy() for k, v in module.state_dict().items()}
+    return reference.forward("MultiHeadAttention", module.spec.options(), params, x, mask, positions=positions)[0]
+
+
+@needs_both
+def test_a_left_padded_module_counts_chunks_from_each_rows_first_token() -> None:
+    """At ``generate``'s positions, row 1's chunks are its tokens 0..3, 4..7 (slots 3..6,
+    7..10), not slots 0..3, 4..7 (positions 0..10 count the pads: another function, the
+    check that the positions matter).  Both twins equal the oracle, whole (PyTorch) and on
+    the flex path (an ALiBi score mod: the chunk a part of the call's mask mod, its origin
+    per example; Flax under ``nnx.jit``, the origin traced), and a left-padded prompt of 6
+    decoded a token at a time (the cache's keys at slots, each step's origin from its
+    position; Flax jitted) equals the oracle in both."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from attention_spec import mods
+    from parity_tests.harness import to_flax
+
+    x, mask, positions = _left_padded()
+    plain, flex = _rotating_module(), _rotating_module(score_mod=mods.alibi(np.array([0.5, 0.25], np.float32)))
+    expected = {"plain": _padded_oracle(plain), "flex": _padded_oracle(flex)}
+    at_slots = reference.forward("MultiHeadAttention", plain.spec.options(),
+                                 {k: v.detach().numpy() for k, v in plain.state_dict().items()}, x, mask,
+                                 positions=np.broadcast_to(np.arange(PADDED_LEN), (2, PADDED_LEN)) - np.array([[0], [3]]))[0]
+    assert np.abs(at_slots[1, PADS:] - expected["plain"][1, PADS:]).max() < 1e-12  # rope and chunks: the same
+    counted = reference.forward("MultiHeadAttention", plain.spec.options(),
+                                {k: v.detach().numpy() for k, v in plain.state_dict().items()}, x, mask,
+                                positions=np.broadcast_to(np.arange(PADDED_LEN), (2, PADDED_LEN)))[0]
+    assert np.abs(counted[1, 4:] - expected["plain"][1, 4:]).max() > 0.05  # pads counted: slots' chunks
+    call = nnx.jit(lambda m, x_, mask_, p_: m(x_, mask_, positions=p_))
+    with full_precision():
+        for name, module in (("plain", plain), ("flex", flex)):
+            got = module(torch.tensor(x, dtype=torch.float32), torch.from_numpy(mask),
+                         positions=torch.from_numpy(positions)).detach().double().numpy()
+            _ok(compare(f"torch {name}", got, expected[name], ORACLE["float32"], ("ours", "oracle")))
+        twin = np.asarray(call(to_flax(flex), jnp.asarray(x, jnp.float32), jnp.asarray(mask), jnp.asarray(positions)),
+                          np.float64)  # (the plain path's whole call: the decoded prompt's, below)
+        _ok(compare("jax flex", twin, expected["flex"], ORACLE["float32"], ("ours", "oracle")))
+        for fw, module in (("torch", plain), ("jax", to_flax(plain))):
+            steps = _decode(module, x, 6, fw, mask=mask, positions=positions)
+            _ok(compare(f"{fw} decode", steps, expected["plain"], ORACLE["float32"], ("steps", "oracle")))
 
 
 # --------------------------------------------------------------------------- (d) rings

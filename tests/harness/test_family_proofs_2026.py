@@ -13,15 +13,17 @@ parameter's gradient at 512 positions, AdamW steps and greedy decoding with one 
 per layer (``parity_tests.causal_lm.greedy``); ``locate_divergence`` finds the clean
 port clean with no ``module_map`` and names a bug planted in one layer.
 
-Llama 4 is proven on an unpadded batch of 512, Gemma 4 on a left-padded one.  Left
-padding and Llama 4's chunks disagree: ``transformers`` counts each example's chunks from
-its first real token (``chunked_overlay``: ``(kv_idx - left_padding) // C``), ours from
-key slot 0 (``attention_spec.geometry``: the chunk is ``j // C`` at the key's slot, not at
-``positions=``), so a left-padded row's chunk boundaries sit ``pads`` slots apart;
-``test_llama4_chunks_under_left_padding_are_counted_from_slot_0`` pins the disagreement
-(until the geometry counts chunks at the keys' positions) and that an unpadded row agrees.
-Llama 4's temperature tuning scales at the slot (``arange + past_seen_tokens``, pads
-counted) in both, the NoPE layer taking no ``positions=``."""
+Both are proven on a left-padded batch of 512.  ``transformers`` counts a left-padded
+row's Llama 4 chunks from its first real token (``chunked_overlay``: ``(kv_idx -
+left_padding) // C``), whatever positions rotate it; ours counts them at ``positions=``
+(``attention_spec.geometry.chunk_origin``: from each row's position 0), so the Llama 4
+port gives its chunked layer the positions ``generate`` gives (real tokens counted from
+0, ``generate_positions``), where Hugging Face's forward rotates at slots 0 .. T - 1:
+the same rotation of each query against each key, up to rounding (measured: the model's
+logits move by 4.2e-6 of 4.5 between the two in transformers itself).
+``test_llama4_chunks_under_left_padding_are_counted_from_each_rows_first_token`` shows
+the layer alone.  Llama 4's temperature tuning scales at the slot (``arange +
+past_seen_tokens``, pads counted) in both, the NoPE layer taking no ``positions=``."""
 
 from __future__ import annotations
 
@@ -152,9 +154,12 @@ class _CausalLM(nnx.Module):
     def head(self, hidden: jax.Array) -> jax.Array:
         raise NotImplementedError
 
+    def positions(self, ids: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
+        return jnp.arange(ids.shape[1])[None]  # Hugging Face's: 0 .. T-1
+
     def __call__(self, ids: jax.Array, attention_mask: jax.Array | None = None) -> dict[str, jax.Array]:
         mask = None if attention_mask is None else jnp.asarray(attention_mask)[:, None, None, :].astype(bool)
-        x, positions = self.model.embed_tokens(ids), jnp.arange(ids.shape[1])[None]  # Hugging Face's: 0 .. T-1
+        x, positions = self.model.embed_tokens(ids), self.positions(ids, attention_mask)
         for layer in self.model.layers:
             x = layer(x, mask, positions)
         return {"logits": self.head(self.model.norm(x))}
@@ -260,6 +265,14 @@ class _Llama4ForCausalLM(_CausalLM):
     def head(self, hidden: jax.Array) -> jax.Array:
         return self.lm_head(hidden)
 
+    def positions(self, ids: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
+        """``generate``'s positions (``generate_positions``): the chunks are counted at them,
+        from each row's first real token, as Hugging Face's mask counts them."""
+        if attention_mask is None:
+            return super().positions(ids, attention_mask)
+        real = jnp.asarray(attention_mask).astype(jnp.int32)
+        return jnp.where(real != 0, jnp.cumsum(real, axis=-1) - 1, 1)
+
 
 def _llama4_config() -> Any:
     import transformers
@@ -293,14 +306,16 @@ def test_a_whole_llama4_port_with_chunks_and_a_nope_layer_is_proven_in_one_call(
     """``from_hf`` reads layer 0 as chunked (16) with a weightless qk-norm and rope, layer 1
     as NoPE with temperature tuning (``QueryScale(0.1, 32, 1)``: the scale is 1 + 0.1 *
     log(17) at slot 511); the router's and the experts' weights are paired by name and
-    shape.  An unpadded batch (see the module's docstring)."""
+    shape.  The batch's second row left-padded by 37, no multiple of the chunk (16): its
+    chunks counted from its first real token, as Hugging Face's (see the module's
+    docstring)."""
     _, flax, rules = llama4
     first, second = (layer.self_attn.spec for layer in flax.model.layers)
     assert (first.chunk, first.qk_norm, first.qk_norm_weight, first.rope is None) == (CHUNK, "rms", False, False)
     assert (second.chunk, second.rope, tuple(second.query_scale)) == (None, None, (0.1, 32, 1))
     mapped = {r.torch_names[0]: r.flax_paths[0] for r in rules}
     assert mapped["model.layers.1.feed_forward.experts.gate_up_proj"][-2:] == ("experts", "gate_up_proj")
-    _proven(llama4, 0, {"model.layers.1.feed_forward.router", "model.layers.1.feed_forward.experts",
+    _proven(llama4, PADS, {"model.layers.1.feed_forward.router", "model.layers.1.feed_forward.experts",
                         "model.layers.0.feed_forward.shared_expert", "model.layers.0.self_attn.o_proj",
                         "model.layers.1.self_attn"})
 
@@ -312,29 +327,33 @@ def test_a_llama4_nudged_query_in_the_chunked_layer_is_named_at_that_projection(
               ("model", "layers", 0, "self_attn", "W_query"))
 
 
-def test_llama4_chunks_under_left_padding_are_counted_from_slot_0(llama4: tuple[Any, Any, list[Any]]) -> None:
+def test_llama4_chunks_under_left_padding_are_counted_from_each_rows_first_token(
+        llama4: tuple[Any, Any, list[Any]]) -> None:
     """The chunked layer alone on the left-padded batch of 512 (the second row padded by
-    37, no multiple of 16): the unpadded row agrees with ``transformers``' layer, and so
-    does the padded row up to slot 47 (its first chunk ends there in both: ours spans
-    slots 32 .. 47, pads 32 .. 36 masked; Hugging Face's spans its tokens 0 .. 15, slots
-    37 .. 52); from slot 48 on they part (our next chunk begins, Hugging Face's first
-    goes on).  Were the geometry to count chunks at the keys' positions (``positions=``,
-    which count real tokens only), they would agree."""
+    37, no multiple of 16), at ``generate``'s positions: both rows agree with
+    ``transformers``' layer under its chunked mask (its rope at slots 0..511) at every real
+    row, past 400 included: the padded row's first chunk is its tokens 0 .. 15 (slots 37
+    .. 52) in both.  At positions counting slots (0..511 for both rows) its chunks would
+    start at slot 0: from slot 48 on (the first boundary after 37) every row differs."""
     from transformers.masking_utils import create_chunked_causal_mask
+
+    from parity_tests.causal_lm import generate_positions
 
     hf, flax, _ = llama4
     x, mask = np.random.default_rng(1).standard_normal((2, LONG, WIDTH)).astype(np.float32), _mask(PADS)
-    parting = -(-PADS // CHUNK) * CHUNK  # 48: our chunk of slot 37 ends before it
-    t_x, positions = torch.from_numpy(x), torch.arange(LONG)[None]
+    t_x, slots = torch.from_numpy(x), torch.arange(LONG)[None]
     with torch.no_grad():
         hf_mask = create_chunked_causal_mask(config=hf.config, inputs_embeds=t_x, attention_mask=torch.from_numpy(mask),
-                                             cache=None, position_ids=positions)
-        want = hf.model.layers[0].self_attn(t_x, hf.model.rotary_emb(t_x, positions), hf_mask)[0].numpy()
-    got = np.asarray(flax.model.layers[0].self_attn(jnp.asarray(x), jnp.asarray(mask)[:, None, None, :].astype(bool),
-                                                    positions=jnp.arange(LONG)[None]))
+                                             cache=None, position_ids=slots)
+        want = hf.model.layers[0].self_attn(t_x, hf.model.rotary_emb(t_x, slots), hf_mask)[0].numpy()
+    layer, keys = flax.model.layers[0].self_attn, jnp.asarray(mask)[:, None, None, :].astype(bool)
+    got = np.asarray(layer(jnp.asarray(x), keys, positions=jnp.asarray(generate_positions(mask))))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[1, PADS:parting], want[1, PADS:parting], rtol=1e-5, atol=1e-5)
-    assert np.abs(got[1, parting:] - want[1, parting:]).max(axis=-1).min() > 1e-3  # every later row differs
+    np.testing.assert_allclose(got[1, PADS:], want[1, PADS:], rtol=1e-5, atol=1e-5)
+    at_slots = np.asarray(layer(jnp.asarray(x), keys, positions=jnp.arange(LONG)[None]))
+    parting = -(-PADS // CHUNK) * CHUNK  # 48
+    np.testing.assert_allclose(at_slots[1, PADS:parting], want[1, PADS:parting], rtol=1e-5, atol=1e-5)
+    assert np.abs(at_slots[1, parting:] - want[1, parting:]).max(axis=-1).min() > 1e-3
 
 
 # --------------------------------------------------------------------------- Gemma 4
