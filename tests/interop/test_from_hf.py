@@ -734,7 +734,7 @@ def test_olmo_s_clip_qkv_ports_and_a_clamp_after_the_qk_norm_is_refused() -> Non
         from_hf(_hf_layer("olmoe", "OlmoeAttention", tf.OlmoeConfig(**gqa)))
 
 
-def _afmoe(attention_bias: bool = False, seed: int = 0) -> Any:
+def _afmoe(attention_bias: bool = False, seed: int = 0, layer_idx: int = 0) -> Any:
     """An AFMoE sliding (rope) layer: q_proj, k_proj, v_proj, o_proj, a sigmoid gate_proj of
     q_proj's width, per-head RMS qk-norms (window 16: wider than _against_layer's 6 tokens)."""
     import transformers as tf
@@ -742,7 +742,7 @@ def _afmoe(attention_bias: bool = False, seed: int = 0) -> Any:
     config = tf.AfmoeConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=8,
                             num_hidden_layers=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
                             attention_bias=attention_bias)
-    return _hf_layer("afmoe", "AfmoeAttention", config, seed=seed)
+    return _hf_layer("afmoe", "AfmoeAttention", config, layer_idx, seed=seed)
 
 
 @needs_torch
@@ -780,13 +780,21 @@ def test_a_separate_sigmoid_gate_is_our_output_gate_interleaved_per_head() -> No
     assert "q_proj" not in hf_children(layer) and hf_children(layer)["k_proj"] == ("W_key", None)
     with pytest.raises(ValueError, match=r"an output gate `gate_proj` without a bias where q_proj has one"):
         from_hf(_afmoe(attention_bias=True))
+    nope = _afmoe(layer_idx=1)  # its full-attention layers turn nothing (rope on the sliding ones only)
+    gated = from_hf(nope)
+    assert gated.spec.output_gate and gated.spec.rope is None and gated.spec.window is None
+    x = torch.sin(0.7 * torch.arange(2 * 6 * HIDDEN, dtype=torch.float32)).reshape(2, 6, HIDDEN)
+    causal = torch.full((6, 6), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        want = nope(x, position_embeddings=None, attention_mask=causal)[0]
+        torch.testing.assert_close(gated(x), want, rtol=PARITY["float32"].rtol, atol=PARITY["float32"].atol)
 
 
 def _nanochat(seed: int = 0) -> Any:
     import transformers as tf
 
     config = tf.NanoChatConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                               num_hidden_layers=2)
+                               num_hidden_layers=2, attention_bias=True)  # (the biases' halves negated too)
     return _hf_layer("nanochat", "NanoChatAttention", config, seed=seed)
 
 
@@ -812,6 +820,8 @@ def test_a_rotation_by_minus_the_angle_is_ours_with_each_head_s_second_half_nega
     sign[d // 2:] = -1.0
     assert torch.equal(ours.W_query.weight.detach(), layer.q_proj.weight.detach() * sign.repeat(HEADS)[:, None])
     assert torch.equal(ours.W_key.weight.detach(), layer.k_proj.weight.detach() * sign.repeat(KV_HEADS)[:, None])
+    assert torch.equal(ours.W_query.bias.detach(), layer.q_proj.bias.detach() * sign.repeat(HEADS))
+    assert torch.equal(ours.W_value.bias.detach(), layer.v_proj.bias.detach())
     module = sys.modules[type(layer).__module__]
     rotary = module.NanoChatRotaryEmbedding(layer.config)
     positions = torch.arange(FIRST_POSITION, FIRST_POSITION + SEQ)[None]
