@@ -17,10 +17,28 @@ The absorbed form (DeepSeek's inference) never expands keys or values: ``kv_b_pr
 key part folds into the query (``q_nope @ W_uk``: (B, H, T, kv_lora_rank)) and its
 value part into the output (``(weights @ c) @ W_uv``), so the heads attend over the
 latent itself, one key/value head for all (keys ``concat(c, k_rope)``, values ``c``).
+
+Sparse attention (DSA: DeepSeek-V3.2, GLM-5), ``index_topk`` set: an indexer of its own
+projections scores every key for every query and keeps each query's top ``index_topk``
+visible keys; the attention runs on those only (a bool mask, True = selected, joining the
+call's mask: whatever else hides a key still hides it).  As ``transformers``'
+``DeepseekV32Indexer`` (q_resid = rms(q_a_proj(x)), the queries' low-rank input)::
+
+    iq = wq_b(q_resid) per head                           (B, T, Hi, Di)
+    ik = k_norm(wk(x))                                    (B, S, Di), a LayerNorm; one key for all heads
+    iq, ik: RoPE on their first qk_rope_head_dim features (index_rope_layout: V3.2 "half",
+            GLM-5 "interleaved"), at the main rope's frequencies; the rest pass
+    score[t, s] = sum_h w[t, h] * relu(iq[t, h] . ik[s] * Di ** -0.5),
+                  w = weights_proj(x) * Hi ** -0.5        in float32 (iq, ik, w cast up)
+    selected = top index_topk of score over the visible keys (-inf elsewhere)
+
+The selection is not differentiated (as ``transformers``' ``torch.no_grad``); a decoding
+cache holds the indexer's keys after each token's latent (``cache_widths``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -42,6 +60,78 @@ def check_latent_widths(spec: Any) -> int:
     if spec.q_lora_rank is not None:
         check_positive_int("q_lora_rank", spec.q_lora_rank)
     return int(spec.qk_rope_head_dim)
+
+
+INDEX_ROPE_LAYOUTS = ("half", "interleaved")
+
+
+def check_indexer(spec: Any) -> None:
+    """The indexer options of a latent attention config: ``index_topk`` None (dense: then
+    no other ``index_*`` option is set) or a positive int, which needs ``index_n_heads``
+    and ``index_head_dim`` (positive ints, the head at least ``qk_rope_head_dim`` wide: its
+    rope slice) and ``q_lora_rank`` (the indexer's queries read the queries' low-rank
+    input); ``index_rope_layout`` ``"half"`` or ``"interleaved"``.  Raises TypeError /
+    ValueError."""
+    if spec.index_rope_layout not in INDEX_ROPE_LAYOUTS:
+        raise ValueError(f"index_rope_layout must be one of {INDEX_ROPE_LAYOUTS}; got {spec.index_rope_layout!r}")
+    if spec.index_topk is None:
+        for name in ("index_n_heads", "index_head_dim"):
+            if getattr(spec, name) is not None:
+                raise ValueError(f"{name} is the sparse attention indexer's: it needs index_topk")
+        if spec.index_rope_layout != "half":
+            raise ValueError("index_rope_layout is the sparse attention indexer's: it needs index_topk")
+        return
+    check_positive_int("index_topk", spec.index_topk)
+    for name in ("index_n_heads", "index_head_dim"):
+        if getattr(spec, name) is None:
+            raise ValueError(f"index_topk (sparse attention) needs {name}")
+        check_positive_int(name, getattr(spec, name))
+    if spec.q_lora_rank is None:
+        raise ValueError("index_topk (sparse attention) needs q_lora_rank: the indexer's queries read "
+                         "q_a_layernorm(q_a_proj(x))")
+    if spec.index_head_dim < spec.qk_rope_head_dim:
+        raise ValueError(f"index_head_dim must be >= qk_rope_head_dim {spec.qk_rope_head_dim} (its rope slice); "
+                         f"got {spec.index_head_dim}")
+
+
+def indexer_layers(spec: Any) -> tuple[tuple[str, str, int, int], ...]:
+    """The indexer's layers, ``(name, kind, fan_in, fan_out)`` with ``transformers``' names
+    (the submodule ``indexer``): ``wq_b`` (q_lora_rank -> index_n_heads * index_head_dim),
+    ``wk`` (d_in -> index_head_dim), ``weights_proj`` (d_in -> index_n_heads), linear
+    without bias; ``k_norm`` a LayerNorm of ``index_head_dim`` (weight and bias; kind
+    ``"layer"``, fan_in = fan_out = its width).  None without ``index_topk``."""
+    if getattr(spec, "index_topk", None) is None:
+        return ()
+    heads, width = int(spec.index_n_heads), int(spec.index_head_dim)
+    return (("wq_b", "linear", int(spec.q_lora_rank), heads * width), ("wk", "linear", int(spec.d_in), width),
+            ("k_norm", "layer", width, width), ("weights_proj", "linear", int(spec.d_in), heads))
+
+
+def indexer_rope(spec: Any) -> Any:
+    """The indexer's rope: the module's (its frequencies, scaling and attention factor),
+    turning the first ``rotary_dim`` features (the main rope's, over ``qk_rope_head_dim``)
+    of an ``index_head_dim`` head in ``index_rope_layout``; None without rope."""
+    from attention_spec.rope import rotary_dim
+
+    if spec.rope is None:
+        return None
+    dim = rotary_dim(spec.rope, int(spec.qk_rope_head_dim))
+    return dataclasses.replace(spec.rope, rotary_dim=dim, partial_rotary_factor=None, layout=spec.index_rope_layout)
+
+
+SELECT_KEYS_ONLY_SPARSE = "select_keys is sparse attention's (the indexer's choice): the module has no index_topk"
+SELECTION_ONLY_SPARSE = "selection= is the sparse attention indexer's choice of keys: the module has no index_topk"
+
+
+def check_selection(shape: tuple[int, ...], dtype: str, expected: tuple[int, ...], sparse: bool) -> None:
+    """A call's ``selection=`` (the keys each query may attend to, replacing the indexer's
+    top-k: another layer's, GLM-5's shared layers, or the harness's): bool, ``expected``
+    (B, T, S) (unbatched: (T, S)), for a module with an indexer only."""
+    if not sparse:
+        raise ValueError(SELECTION_ONLY_SPARSE)
+    if dtype != "bool" or tuple(shape) != tuple(expected):
+        raise ValueError(f"selection must be a bool array of shape {tuple(expected)} (True = selected); "
+                         f"got {dtype} {tuple(shape)}")
 
 
 def check_norm_eps(eps: Any) -> float:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
 
 from attention_spec.flex import check_module_mods
-from attention_spec.latent import check_latent_widths, check_norm_eps
+from attention_spec.latent import check_indexer, check_latent_widths, check_norm_eps
 from attention_spec.options import (
     check_alignment,
     check_chunk,
@@ -324,7 +324,10 @@ REGISTRY: dict[str, Variant] = {
              Option("context_length", None, True), Option("dropout", 0.0, True),
              Option("attention_bias", False, True), Option("norm_eps", 1e-6, True), Option("rope", None, True),
              Option("query_scale", None, True),  # Mistral 4's llama_4_scaling_beta (an options.QueryScale)
-             *_common(causal=True)),
+             *_common(causal=True),
+             # DeepSeek-V3.2 / GLM-5's sparse attention (DSA): an indexer keeps each query's top keys
+             Option("index_topk", None, True), Option("index_n_heads", None, True),
+             Option("index_head_dim", None, True), Option("index_rope_layout", "half", True)),
             projections=_LATENT,
             has_dropout=True,
             heads="latent",
@@ -434,7 +437,12 @@ class LatentWidths:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    norm_eps: float = 1e-6  # q_a_layernorm's and kv_a_layernorm's
+    norm_eps: float = 1e-6  # q_a_layernorm's and kv_a_layernorm's (and the indexer's k_norm)
+    # the indexer of sparse attention (DSA; attention_spec.latent.check_indexer): None = dense
+    index_topk: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_rope_layout: str = "half"  # its rope's layout (DeepSeek-V3.2: "half", GLM-5: "interleaved")
 
 
 # Each subject's record, by the config's field that holds it; every option's subject.
@@ -518,6 +526,10 @@ class AttentionConfig:
         qk_rope_head_dim: int | None
         v_head_dim: int | None
         norm_eps: float
+        index_topk: int | None
+        index_n_heads: int | None
+        index_head_dim: int | None
+        index_rope_layout: str
 
     def __init__(self, variant: str, widths: Widths | None = None, layers: Layers | None = None,
                  scoring: Scoring | None = None, qk: QKTransforms | None = None, latent: LatentWidths | None = None,
@@ -570,6 +582,7 @@ class AttentionConfig:
         if decl.heads == "latent":
             head_dim = check_latent_widths(self)
             set_(self, "norm_eps", check_norm_eps(self.norm_eps))
+            check_indexer(self)
         if "dropout" in exposed:
             set_(self, "dropout", check_dropout_rate(self.dropout))
         if "scale" in exposed:
@@ -715,9 +728,10 @@ class AttentionConfig:
     def cache_widths(self) -> tuple[int, int, int]:
         """A KV cache's (heads, key width, value width): ``(kv_heads, head_dim, head_dim)``;
         latent attention caches one latent (``kv_lora_rank``) and one rope key
-        (``qk_rope_head_dim``) a token, in the key and value fields."""
-        if self.declaration.heads == "latent":
-            return 1, cast(int, self.kv_lora_rank), cast(int, self.qk_rope_head_dim)
+        (``qk_rope_head_dim``) a token, in the key and value fields; with an indexer (DSA)
+        the key field holds the latent then the indexer's key (``index_head_dim``)."""
+        if self.declaration.heads == "latent":  # (with an indexer: its key after the latent)
+            return 1, cast(int, self.kv_lora_rank) + (self.index_head_dim or 0), cast(int, self.qk_rope_head_dim)
         return self.kv_heads, cast(int, self.head_dim), cast(int, self.head_dim)
 
     def qk_norms(self) -> tuple[tuple[str, str, int], ...]:

@@ -12,12 +12,70 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from attention_spec.latent import cache_bytes_per_token, check_latent_call, softmax_scale
+from attention_spec import dtype_name
+from attention_spec.latent import (
+    SELECT_KEYS_ONLY_SPARSE,
+    cache_bytes_per_token,
+    check_latent_call,
+    check_selection,
+    indexer_layers,
+    indexer_rope,
+    softmax_scale,
+)
 from torch_attention import functional
 from torch_attention._base import AttentionModule, _Call, _unbatch
 from torch_attention._cache import new_cache, prefix, restored_on_failure
+from torch_attention._canonical import _band, _bias_allows, _length_mask
 from torch_attention._projections import split_heads
-from torch_attention._qk import normalise
+from torch_attention._qk import normalise, rotate
+from torch_attention.masks import _and_masks
+
+
+class Indexer(nn.Module):
+    """Sparse attention's (DSA) indexer, ``transformers``' ``DeepseekV32Indexer``'s layers
+    and names (``attention_spec.latent.indexer_layers``): ``wq_b``, ``wk``, the LayerNorm
+    ``k_norm`` (epsilon ``norm_eps``), ``weights_proj``.  Its work is the latent
+    attention's (``MultiHeadLatentAttention._index_inputs``)."""
+
+    def __init__(self, spec: Any, factory: dict[str, Any]) -> None:
+        super().__init__()
+        for name, kind, fan_in, fan_out in indexer_layers(spec):
+            layer = (nn.LayerNorm(fan_in, eps=spec.norm_eps, **factory) if kind == "layer"
+                     else nn.Linear(fan_in, fan_out, bias=False, **factory))
+            setattr(self, name, layer)
+
+
+def index_scores(iq: Tensor, ik: Tensor, w: Tensor) -> Tensor:
+    """The indexer's scores, as ``transformers``' (in float32 at least: float64 stays):
+    iq (B, Hi, T, Di) and ik (B, 1, S, Di) turned, w (B, T, Hi) already times Hi ** -0.5 ->
+    ``sum_h w[t, h] * relu(iq[h, t] . ik[s] * Di ** -0.5)`` (B, T, S)."""
+    work = torch.promote_types(iq.dtype, torch.float32)
+    scores = torch.relu(torch.matmul(iq.to(work), ik.to(work).transpose(-1, -2)) * iq.shape[-1] ** -0.5)
+    # (B, T, 1, Hi) @ (B, T, Hi, S) -> (B, T, S): the heads summed by their weights
+    return torch.matmul(w.to(work).unsqueeze(-2), scores.transpose(1, 2)).squeeze(-2)
+
+
+def visible_keys(call: functional.Call, q_len: int, kv_len: int, device: Any) -> Tensor | None:
+    """(B or 1, T, S) bool: the keys the attention of ``call`` lets each query see (its
+    mask, a -inf bias, segments, causal / window, lengths), a key seen by any head; None
+    if every key is.  What the indexer chooses among."""
+    mask = _and_masks(call.mask, None if call.bias is None else _bias_allows(call.bias), call.segments,
+                      _band(q_len, kv_len, call.offset, call.options, 4, device),
+                      None if call.kv_lengths is None else _length_mask(call.kv_lengths, kv_len, 4))
+    return None if mask is None else mask.expand(*mask.shape[:2], q_len, kv_len).any(dim=1)
+
+
+def top_keys(scores: Tensor, visible: Tensor | None, topk: int) -> tuple[Tensor, Tensor]:
+    """The indexer's choice: scores (B, T, S) -inf where not ``visible``, and each query's
+    top ``min(topk, S)`` of them, as bool (B, T, S) (True = selected, visible only).  Equal
+    scores go to the earlier key (a stable sort; ``jax.lax.top_k``'s order): the ReLU makes
+    exact ties (0) common, and both twins and the oracle break them alike."""
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    chosen.scatter_(-1, order[..., : min(topk, scores.shape[-1])], True)
+    return scores, chosen if visible is None else chosen & visible
 
 
 class MultiHeadLatentAttention(AttentionModule):
@@ -49,6 +107,18 @@ class MultiHeadLatentAttention(AttentionModule):
     output, the heads reading the latent itself), the same numbers up to rounding.
     ``init_cache`` holds the latent and the turned rope key, ``kv_lora_rank +
     qk_rope_head_dim`` numbers a token (``cache_bytes_per_token``).
+
+    Sparse attention (DSA; DeepSeek-V3.2, GLM-5): ``index_topk`` (with ``index_n_heads``,
+    ``index_head_dim`` and ``q_lora_rank``) adds the submodule ``indexer``
+    (``transformers``' names: ``wq_b``, ``wk``, the LayerNorm ``k_norm``,
+    ``weights_proj``), which scores every visible key for every query
+    (``attention_spec.latent``: float32, ReLU, per-head weights, its own rope in
+    ``index_rope_layout``) and keeps each query's top ``index_topk``; the attention (every
+    path, absorbed or not) reads that choice as a mask beside the call's own.  The choice
+    is not differentiated.  A call's ``selection`` (bool (B, T, S), True = selected; S =
+    T, or the cache's max_len) replaces it (another layer's choice: GLM-5's shared
+    layers; the harness's).  ``select_keys`` returns the choice and the scores.  The
+    cache holds the indexer's key after each token's latent.
     """
 
     variant = "MultiHeadLatentAttention"
@@ -76,12 +146,18 @@ class MultiHeadLatentAttention(AttentionModule):
         softcap: float | None = None,
         window: tuple[int | None, int | None] | None = None,
         alignment: str = "top_left",
+        index_topk: int | None = None,
+        index_n_heads: int | None = None,
+        index_head_dim: int | None = None,
+        index_rope_layout: str = "half",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(locals(), dtype=dtype, device=device)
         for name, width in self.spec.latent_norms():  # weight ones, as Hugging Face's
             setattr(self, name, nn.RMSNorm(width, eps=self.spec.norm_eps, dtype=dtype, device=device))
+        if self.spec.index_topk is not None:
+            self.indexer = Indexer(self.spec, {"dtype": dtype, "device": device})
         self.softmax_scale = softmax_scale(self.spec)
 
     def forward(  # type: ignore[override]
@@ -100,21 +176,51 @@ class MultiHeadLatentAttention(AttentionModule):
         cache: Any = None,
         positions: Any = None,
         absorb: bool = False,
+        selection: Any = None,
     ) -> Any:
         """As every variant's call (``AttentionModule.forward``), self-attention only;
         ``absorb=True`` attends in the absorbed form.  A ``cache`` from ``init_cache``
-        takes x's latent and rope key; returns ``(out, cache)``."""
+        takes x's latent and rope key; returns ``(out, cache)``.  ``selection`` (sparse
+        attention only): the keys each query attends to, in place of the indexer's."""
         check_latent_call(context, absorb)
         call = self._prepare(x, mask, dropout_mask, kv_lengths, implementation, bias, segment_ids=segment_ids,
                              kv_segment_ids=kv_segment_ids, cache=cache, return_weights=return_weights,
                              positions=positions)
+        chosen = self._checked_selection(selection, call)
         if call.cache is not None:
-            return self._run_cached(call, return_weights, absorb)
-        return _unbatch(self._run(call, return_weights, absorb), call.batched)
+            return self._run_cached(call, return_weights, absorb, chosen)
+        return _unbatch(self._run(call, return_weights, absorb, chosen), call.batched)
+
+    def select_keys(self, x: Tensor, *, positions: Any = None) -> tuple[Tensor, Tensor]:
+        """Sparse attention's choice for x (B, T, d_in) or (T, d_in), no cache: the keys
+        each query attends to, bool (B, T, T) (True = selected), and the indexer's scores
+        (B, T, T) in float32 (float64 stays), -inf at the keys the module's structure
+        hides (causal, window).  Not differentiated.  Raises ValueError without an indexer."""
+        if self.spec.index_topk is None:
+            raise ValueError(SELECT_KEYS_ONLY_SPARSE)
+        call = self._prepare(x, None, None, None, None, positions=positions)
+        with torch.no_grad():
+            q, _, _, q_resid = self._latent_inputs(call.x, call.implementation, call.positions)
+            iq, ik, w = self._index_inputs(call.x, q_resid, call.implementation, call.positions)
+            scores, chosen = self._choose(call, q, iq, ik, w)
+        return (chosen, scores) if call.batched else (chosen[0], scores[0])
+
+    def _checked_selection(self, selection: Any, call: _Call) -> Tensor | None:
+        """A call's ``selection`` checked (``check_selection``) -> (B, 1, T, S) on x's device."""
+        if selection is None:
+            return None
+        batch, seq = call.x.shape[0], call.x.shape[1]
+        keys = seq if call.cache is None else int(call.cache.key.shape[2])
+        expected = (batch, seq, keys) if call.batched else (seq, keys)
+        shape = tuple(getattr(selection, "shape", ()))
+        check_selection(shape, dtype_name(selection.dtype) if isinstance(selection, Tensor) else type(selection).__name__,
+                        expected, self.spec.index_topk is not None)
+        chosen = selection.to(call.x.device)
+        return (chosen if call.batched else chosen[None])[:, None]
 
     def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> functional.KVCache:
         """An empty latent cache: ``key`` holds the normalised latent (batch_size, 1,
-        max_len, kv_lora_rank), ``value`` the turned rope key (batch_size, 1, max_len,
+        max_len, kv_lora_rank; sparse attention: then the indexer's key, index_head_dim more), ``value`` the turned rope key (batch_size, 1, max_len,
         qk_rope_head_dim), zeros in ``dtype`` (None: the module's); ``lengths`` the fill.
         Raises as ``AttentionModule.init_cache``."""
         return new_cache(self, batch_size, max_len, dtype)  # (the widths: spec.cache_widths())
@@ -137,10 +243,12 @@ class MultiHeadLatentAttention(AttentionModule):
 
     def _latent_inputs(
         self, x: Tensor, implementation: str, positions: Tensor | None, start: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """x (B, T, d_in) -> q (B, H, T, qk_head_dim) with its rope part turned, the
-        normalised latent (B, 1, T, kv_lora_rank), the turned rope key (B, 1, T, rope)."""
+        normalised latent (B, 1, T, kv_lora_rank), the turned rope key (B, 1, T, rope),
+        and the queries' low-rank input (B, T, q_lora_rank) (None without q_lora_rank)."""
         spec = self.spec
+        q_a = None
         if spec.q_lora_rank is None:
             q = self._linear(self._proj("q_proj"), x, implementation)
         else:
@@ -153,7 +261,39 @@ class MultiHeadLatentAttention(AttentionModule):
         q_rope, k_rope = self._rotate(q_rope, k_rope.unsqueeze(1), positions, start)
         # Mistral 4: the whole query (nope and rope parts) scaled by position, after rope
         q, k_rope = self._scale_queries(torch.cat((q_nope, q_rope), dim=-1), k_rope, positions, start)
-        return q, latent.unsqueeze(1), k_rope
+        return q, latent.unsqueeze(1), k_rope, q_a
+
+    def _index_inputs(self, x: Tensor, q_resid: Any, implementation: str, positions: Tensor | None,
+                      start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The indexer's queries (B, Hi, T, Di) and key (B, 1, T, Di), turned by its rope
+        (``indexer_rope``), and its head weights (B, T, Hi) times Hi ** -0.5, in float32
+        at least."""
+        spec, indexer = self.spec, cast(Any, self.indexer)
+        iq = split_heads(self._linear(indexer.wq_b, q_resid, implementation), cast(int, spec.index_n_heads))
+        norm = cast(nn.LayerNorm, indexer.k_norm)
+        ik = normalise(self._linear(indexer.wk, x, implementation), norm.weight, spec.norm_eps, centre=True,
+                       bias=norm.bias).unsqueeze(1)
+        iq, ik = rotate(indexer_rope(spec), iq, ik, positions, start)
+        w = self._linear(indexer.weights_proj, x, implementation)
+        return iq, ik, w.to(torch.promote_types(w.dtype, torch.float32)) * cast(int, spec.index_n_heads) ** -0.5
+
+    def _choose(self, call: _Call, q: Tensor, iq: Tensor, ik: Tensor, w: Tensor,
+                **extra: Any) -> tuple[Tensor, Tensor]:
+        """The indexer's scores (B, T, S) and choice (B, T, S) among the keys the call's
+        attention (``extra``: a cached step's lengths and offset) lets each query see."""
+        attention = self._attention(call, q, ik, False, **extra)
+        visible = visible_keys(attention, q.shape[-2], ik.shape[-2], q.device)
+        return top_keys(index_scores(iq, ik, w), visible, cast(int, self.spec.index_topk))
+
+    def _sparse(self, call: _Call, q: Tensor, index: tuple[Tensor, Tensor, Tensor] | None, chosen: Tensor | None,
+                **extra: Any) -> _Call:
+        """The call with the selection (given, else the indexer's) joined to its mask."""
+        if chosen is None:
+            if index is None:
+                return call
+            with torch.no_grad():  # the choice is not differentiated (transformers': no_grad)
+                chosen = self._choose(call, q, *index, **extra)[1][:, None]
+        return call._replace(mask=chosen if call.mask is None else call.mask & chosen)
 
     def _mix(self, call: _Call, q: Tensor, latent: Tensor, k_rope: Tensor, return_weights: bool, absorb: bool,
              **extra: Any) -> Any:
@@ -191,21 +331,33 @@ class MultiHeadLatentAttention(AttentionModule):
         merged = self._linear(self._proj("o_proj"), out.transpose(1, 2).reshape(b, num_tokens, h * dv), implementation)
         return (merged, result[1]) if return_weights else merged
 
-    def _run(self, call: _Call, return_weights: bool, absorb: bool = False) -> Any:  # type: ignore[override]
-        q, latent, k_rope = self._latent_inputs(call.x, call.implementation, call.positions)
+    def _run(self, call: _Call, return_weights: bool, absorb: bool = False,  # type: ignore[override]
+             chosen: Tensor | None = None) -> Any:
+        q, latent, k_rope, q_resid = self._latent_inputs(call.x, call.implementation, call.positions)
+        index = None
+        if self.spec.index_topk is not None and chosen is None:
+            index = self._index_inputs(call.x, q_resid, call.implementation, call.positions)
+        call = self._sparse(call, q, index, chosen)
         return self._out(self._mix(call, q, latent, k_rope, return_weights, absorb), return_weights,
                          call.implementation)
 
-    def _run_cached(self, call: _Call, return_weights: bool, absorb: bool = False) -> Any:  # type: ignore[override]
-        """A decode step: x's latent and rope key appended to the cache, then x attends to
-        every filled position (keys and values rebuilt from the cache, or absorbed), query
-        t of example b at key position lengths[b] + t."""
+    def _run_cached(self, call: _Call, return_weights: bool, absorb: bool = False,  # type: ignore[override]
+                    chosen: Tensor | None = None) -> Any:
+        """A decode step: x's latent and rope key (and the indexer's key, after the latent)
+        appended to the cache, then x attends to every filled position (keys and values
+        rebuilt from the cache, or absorbed; sparse: the indexer's choice among them),
+        query t of example b at key position lengths[b] + t."""
         cache = call.cache
         batch, seq = call.x.shape[0], call.x.shape[1]
+        rank, sparse = cast(int, self.spec.kv_lora_rank), self.spec.index_topk is not None
         lengths = call.kv_lengths if call.kv_lengths is not None else torch.full(
             (batch,), seq, dtype=torch.int64, device=call.x.device)
         start = cache.lengths.clone()
-        q, latent, k_rope = self._latent_inputs(call.x, call.implementation, call.positions, start)
+        q, latent, k_rope, q_resid = self._latent_inputs(call.x, call.implementation, call.positions, start)
+        index = None
+        if sparse:
+            index = self._index_inputs(call.x, q_resid, call.implementation, call.positions, start)
+            latent = torch.cat((latent, index[1].to(latent.dtype)), dim=-1)  # (B, 1, T, rank + Di)
         with restored_on_failure(cache, seq):  # (a failure after the write puts the cache back)
             cache = functional.append_to_cache(cache, latent, k_rope, lengths.to(q.device))
             filled = int(cache.lengths.max())  # eager: attend over the filled prefix only
@@ -218,8 +370,13 @@ class MultiHeadLatentAttention(AttentionModule):
             q_offset: Tensor | int = start
             if bool((start == start[0]).all()) and bool((lengths == seq).all()):
                 q_offset, kv_lengths = int(start[0]), None  # one fill for all: a static offset
-            result = self._mix(call, q, latents, rope_keys, return_weights, absorb, kv_lengths=kv_lengths,
-                               q_offset=q_offset, alignment="top_left")
+            extra: dict[str, Any] = {"kv_lengths": kv_lengths, "q_offset": q_offset, "alignment": "top_left"}
+            if sparse:  # the indexer's keys of every filled position, after the latents
+                latents, index_keys = latents[..., :rank], latents[..., rank:]
+                index = None if index is None else (index[0], index_keys, index[2])
+                call = self._sparse(call, q, index if chosen is None else None,
+                                    None if chosen is None else chosen[..., :filled], **extra)
+            result = self._mix(call, q, latents, rope_keys, return_weights, absorb, **extra)
             if return_weights:  # zero weights on the unfilled positions: (B, H, T, max_len), as the twin's
                 out, weights = self._out(result, True, call.implementation)
                 return out, torch.nn.functional.pad(weights, (0, cache.key.shape[2] - filled)), cache

@@ -28,6 +28,7 @@ from attention_spec.interop.numpy_arrays import (
     flatten_paths,
 )
 from attention_spec.interop.specs import Rule, linear_rules, run_rules
+from attention_spec.latent import indexer_layers
 from attention_spec.registry import REGISTRY, AttentionConfig, make_config
 from attention_spec.registry import VARIANTS as REGISTRY_VARIANTS
 from attention_spec.registry import variant as _variant
@@ -107,6 +108,13 @@ def rules_for(
     for name, width in spec.latent_norms():  # latent attention's RMSNorms: weight <-> scale
         path = (*prefix, name)
         rules.append(Rule(".".join(map(str, (*path, "weight"))), (*path, "scale"), (), ((width,),)))
+    for name, kind, fan_in, width in indexer_layers(spec):  # sparse attention's indexer (DSA)
+        path = (*prefix, "indexer", name)
+        dotted = ".".join(map(str, path))
+        if kind == "layer":  # its LayerNorm: weight <-> scale, bias <-> bias
+            rules += [Rule(f"{dotted}.{t}", (*path, f), (), ((width,),)) for t, f in (("weight", "scale"), ("bias", "bias"))]
+        else:
+            rules += linear_rules(dotted, path, bias=False, shape=(width, fan_in))
     if spec.sinks:  # one logit per query head, the same (num_heads,) array
         rules.append(Rule(".".join(map(str, (*prefix, "sinks"))), (*prefix, "sinks"), (), ((spec.num_heads,),)))
     return rules
