@@ -158,6 +158,24 @@ CACHE_FIELDS = ("keys", "buffer_kv", "buffer_gate", "entries", "overlap_kv", "ov
                 "index_buffer_gate", "index_entries", "index_overlap_kv", "index_overlap_gate")
 
 
+SELECTION_ONLY_CSA = (f"{NAME}: selection= is the choice of CSA's indexer (compression='csa'); this layer has "
+                      "none")
+
+
+def check_compressed_selection(g: CompressedGeometry, batch: int, tokens: int, length: int, shape: Any,
+                               dtype: str) -> None:
+    """A call's ``selection=`` (the compressed entries each query attends to, in place of
+    the indexer's choice): bool (B, T, W), W the entries after the call, ``(length + T)
+    // rate``; only with ``compression="csa"``."""
+    if g.compression != "csa":
+        raise ValueError(SELECTION_ONLY_CSA)
+    assert g.compress_rate is not None
+    want = (batch, tokens, (length + tokens) // g.compress_rate)
+    if tuple(as_shape(shape)) != want or dtype != "bool":
+        raise ValueError(f"{NAME}: selection must be bool (B, T, W) = {want} (W: the compressed entries after "
+                         f"the call); got {dtype} {tuple(as_shape(shape))}")
+
+
 def check_compressed_call(g: CompressedGeometry, x_shape: Any, x_dtype: str, compute: str,
                           cache: Any) -> tuple[int, int, int]:
     """A call, before any work: x (B, T, d_in), T >= 1, in the module's compute dtype;

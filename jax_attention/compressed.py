@@ -22,10 +22,12 @@ from jax import Array
 from attention_spec.arrays import dtype_name
 from attention_spec.compressed import (
     CACHE_FIELDS,
+    SELECTION_ONLY_CSA,
     CompressedGeometry,
     cache_shapes,
     check_compressed_call,
     check_compressed_options,
+    check_compressed_selection,
 )
 from attention_spec.options import check_positive_int
 from attention_spec.rope import RopeConfig
@@ -187,12 +189,18 @@ class CompressedAttention(nnx.Module):
                               (tuple(getattr(cache, n).shape), dtype_name(getattr(cache, n).dtype))
                               for n in CACHE_FIELDS}
 
-    def __call__(self, x: Array, *, cache: CompressedCache | None = None) -> Array | tuple[Array, CompressedCache]:
+    def __call__(self, x: Array, *, cache: CompressedCache | None = None,
+                 selection: Array | None = None) -> Array | tuple[Array, CompressedCache]:
         """x (B, T, d_in) in the module's compute dtype -> (B, T, d_in); with ``cache``
-        ``(out, new_cache)`` (the PyTorch twin's ``forward``)."""
+        ``(out, new_cache)``; ``selection`` (CSA) in place of the indexer's choice (the
+        PyTorch twin's ``forward``)."""
         g = self.geometry
         batch, tokens, start = check_compressed_call(g, tuple(x.shape), dtype_name(x.dtype), self._compute(),
                                                      self._fields(cache))
+        if selection is not None:
+            check_compressed_selection(g, batch, tokens, start, tuple(getattr(selection, "shape", ())),
+                                       dtype_name(selection.dtype) if hasattr(selection, "dtype")
+                                       else type(selection).__name__)
         given, cache = cache, cache if cache is not None else self.init_cache(batch)
         positions = jnp.arange(start, start + tokens)
         cos, sin = rope_cos_sin(positions[None], self.rope, g.head_dim, dtype=x.dtype)  # (1, T, r/2)
@@ -216,9 +224,10 @@ class CompressedAttention(nnx.Module):
             visible = jnp.broadcast_to(_visible(positions, entries.shape[1], g)[None],
                                        (batch, tokens, entries.shape[1]))
             if g.compression == "csa":
-                selected, index_state = self._select(x, q_res, positions, cache, cos, sin)
+                scores, index_state = self._scores(x, q_res, positions, cache, cos, sin)
                 new.update({"index_" + n: t for n, t in zip(_STATE, index_state, strict=True)})
-                visible = visible & selected
+                chosen = self._choose(scores, positions) if selection is None else jnp.asarray(selection)
+                visible = visible & chosen
             attended = jnp.concatenate([keys, entries[:, None]], axis=2)                     # (B, 1, P + T + W, D)
             mask = jnp.concatenate([mask, visible[:, None]], axis=-1)
         o = cast(Array, dot_product_attention(q, attended, attended, mask=mask, sinks=self.sinks[...],
@@ -233,10 +242,38 @@ class CompressedAttention(nnx.Module):
         kept = min(keys.shape[2], g.window - 1)
         return out, CompressedCache(start + tokens, keys[:, :, keys.shape[2] - kept:], **new)
 
-    def _select(self, x: Array, q_res: Array, positions: Array, cache: CompressedCache, cos: Array,
+    def select_keys(self, x: Array, *, cache: CompressedCache | None = None) -> tuple[Array, Array]:
+        """CSA's choice for x after ``cache`` and the indexer's scores (the PyTorch twin's
+        ``select_keys``)."""
+        g = self.geometry
+        if g.compression != "csa":
+            raise ValueError(SELECTION_ONLY_CSA)
+        batch, tokens, start = check_compressed_call(g, tuple(x.shape), dtype_name(x.dtype), self._compute(),
+                                                     self._fields(cache))
+        cache = cache if cache is not None else self.init_cache(batch)
+        positions = jnp.arange(start, start + tokens)
+        cos, sin = rope_cos_sin(positions[None], self.rope, g.head_dim, dtype=x.dtype)
+        q_res = rms_norm(self.q_a_proj(x), self.q_a_norm.scale[...], g.norm_eps)
+        scores, _ = self._scores(x, q_res, positions, cache, cos, sin)
+        scores = jax.lax.stop_gradient(scores)
+        return self._choose(scores, positions), scores
+
+    def _choose(self, scores: Array, positions: Array) -> Array:
+        """Each query's top ``index_topk`` visible entries of ``scores`` (B, T, W), bool."""
+        g = self.geometry
+        assert g.index_topk is not None and g.compress_rate is not None
+        count = scores.shape[-1]
+        if count == 0:
+            return jnp.zeros(scores.shape, bool)
+        chosen = jax.lax.top_k(jax.lax.stop_gradient(scores), min(g.index_topk, count))[1]  # (B, T, k)
+        threshold = ((positions + 1) // g.compress_rate)[None, :, None]
+        chosen = jnp.where(chosen < threshold, chosen, count)
+        return jnp.any(chosen[..., None] == jnp.arange(count)[None, None, None], axis=-2)  # (B, T, W)
+
+    def _scores(self, x: Array, q_res: Array, positions: Array, cache: CompressedCache, cos: Array,
                 sin: Array) -> tuple[Array, tuple[Any, ...]]:
-        """The indexer's choice, (B, T, W) bool, and its compressor's new state (the
-        PyTorch twin's ``_select``)."""
+        """The indexer's entries and scores (B, T, W), -inf where hidden, and its
+        compressor's new state (the PyTorch twin's ``_scores``)."""
         g = self.geometry
         assert g.index_heads is not None and g.index_head_dim is not None and g.index_topk is not None
         ix = self.compressor.indexer
@@ -251,17 +288,8 @@ class CompressedAttention(nnx.Module):
         scores = jax.nn.relu(scores) * g.index_head_dim ** -0.5
         weights = ix.scorer.weights_proj(x).astype(work) * g.index_heads ** -0.5             # (B, T, IH)
         scores = jnp.sum(scores * weights[..., None], axis=2)                               # (B, T, W)
-        count = entries.shape[1]
-        if count == 0:
-            return jnp.zeros(scores.shape, bool), state
-        visible = _visible(positions, count, g)[None]                                      # (1, T, W)
-        scores = jnp.where(visible, jax.lax.stop_gradient(scores), -jnp.inf)
-        chosen = jax.lax.top_k(scores, min(g.index_topk, count))[1]                          # (B, T, k)
-        assert g.compress_rate is not None
-        threshold = ((positions + 1) // g.compress_rate)[None, :, None]
-        chosen = jnp.where(chosen < threshold, chosen, count)
-        selected = jnp.any(chosen[..., None] == jnp.arange(count)[None, None, None], axis=-2)                 # (B, T, W)
-        return selected, state
+        visible = _visible(positions, entries.shape[1], g)[None]                           # (1, T, W)
+        return jnp.where(visible, scores, -jnp.inf), state
 
 
 _STATE = ("buffer_kv", "buffer_gate", "entries", "overlap_kv", "overlap_gate")

@@ -17,7 +17,7 @@ import numpy as np
 
 from parity_tests.reference import attention
 
-__all__ = ["forward"]
+__all__ = ["forward", "selection_of"]
 
 
 def _rms(t: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
@@ -74,7 +74,7 @@ def _compress(x: np.ndarray, p: Mapping[str, np.ndarray], prefix: str, width: in
     return _rope(entries, np.arange(length // rate) * rate, config)
 
 
-def selection(params: Mapping[str, Any], config: Mapping[str, Any], x: Any) -> tuple[np.ndarray, np.ndarray]:
+def selection_of(params: Mapping[str, Any], config: Mapping[str, Any], x: Any) -> tuple[np.ndarray, np.ndarray]:
     """``csa``'s indexer in float64: (the chosen entries (B, T, W) bool, the scores
     (B, T, W), -inf where an entry is not visible)."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
@@ -101,8 +101,10 @@ def selection(params: Mapping[str, Any], config: Mapping[str, Any], x: Any) -> t
     return chosen, scores
 
 
-def forward(params: Mapping[str, Any], config: Mapping[str, Any], x: Any) -> np.ndarray:
-    """x (B, T, d_in), the whole sequence from position 0 -> out (B, T, d_in), float64."""
+def forward(params: Mapping[str, Any], config: Mapping[str, Any], x: Any, selection: Any = None) -> np.ndarray:
+    """x (B, T, d_in), the whole sequence from position 0 -> out (B, T, d_in), float64.
+    ``selection`` (CSA): bool (B, T, W), the entries each query attends to in place of the
+    oracle's own choice (those it cannot see yet stay hidden)."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     x = np.asarray(x, np.float64)
     batch, length = x.shape[:2]
@@ -123,7 +125,7 @@ def forward(params: Mapping[str, Any], config: Mapping[str, Any], x: Any) -> np.
         visible = np.arange(count)[None] < ((positions + 1) // config["compress_rate"])[:, None]
         seen = np.broadcast_to(visible[None], (batch, length, count))
         if csa:
-            seen = seen & selection(params, config, x)[0]
+            seen = seen & (selection_of(params, config, x)[0] if selection is None else np.asarray(selection, bool))
         keys = np.concatenate([kv, entries[:, None]], axis=2)
         mask = np.concatenate([mask, seen[:, None]], axis=-1)
     out, _ = attention(q, keys, keys, scale=dim ** -0.5, mask=mask, sinks=p["sinks"])

@@ -36,10 +36,12 @@ from torch import Tensor, nn
 from attention_spec.arrays import dtype_name
 from attention_spec.compressed import (
     CACHE_FIELDS,
+    SELECTION_ONLY_CSA,
     CompressedGeometry,
     cache_shapes,
     check_compressed_call,
     check_compressed_options,
+    check_compressed_selection,
 )
 from attention_spec.options import check_positive_int
 from attention_spec.rope import RopeConfig
@@ -205,14 +207,22 @@ class CompressedAttention(nn.Module):
 
     # ------------------------------------------------------------------ the call
 
-    def forward(self, x: Tensor, *, cache: CompressedCache | None = None) -> Tensor | tuple[Tensor, CompressedCache]:
+    def forward(self, x: Tensor, *, cache: CompressedCache | None = None,
+                selection: Tensor | None = None) -> Tensor | tuple[Tensor, CompressedCache]:
         """x (B, T, d_in) in the module's dtype -> (B, T, d_in); with ``cache`` (a
         ``CompressedCache``) ``(out, new_cache)``, x continuing the cached tokens.  Token
-        t sits at position ``cache.length + t`` (0 + t without a cache).  Raises
-        ValueError / TypeError (one text with the JAX twin) before any work."""
+        t sits at position ``cache.length + t`` (0 + t without a cache).  ``selection``
+        (CSA only): bool (B, T, W), the compressed entries each query attends to in place
+        of the indexer's choice (the entries it cannot see yet stay hidden), W those after
+        the call (``select_keys`` gives the indexer's).  Raises ValueError / TypeError (one
+        text with the JAX twin) before any work."""
         g = self.geometry
         batch, tokens, start = check_compressed_call(g, tuple(x.shape), dtype_name(x.dtype),
                                                      dtype_name(self.kv_proj.weight.dtype), self._fields(cache))
+        if selection is not None:
+            check_compressed_selection(g, batch, tokens, start, tuple(getattr(selection, "shape", ())),
+                                       dtype_name(selection.dtype) if isinstance(selection, Tensor)
+                                       else type(selection).__name__)
         given, cache = cache, cache if cache is not None else self.init_cache(batch)
         device = x.device
         positions = torch.arange(start, start + tokens, device=device)
@@ -236,9 +246,10 @@ class CompressedAttention(nn.Module):
             new.update({n: t for n, t in zip(_STATE, state, strict=True)})
             visible = _visible(positions, entries.shape[1], g)[None].expand(batch, tokens, entries.shape[1])
             if g.compression == "csa":
-                selected, index_state = self._select(x, q_res, positions, cache, cos, sin)
+                scores, index_state = self._scores(x, q_res, positions, cache, cos, sin)
                 new.update({"index_" + n: t for n, t in zip(_STATE, index_state, strict=True)})
-                visible = visible & selected
+                chosen = self._choose(scores, positions) if selection is None else selection.to(x.device)
+                visible = visible & chosen
             attended = torch.cat([keys, entries[:, None]], dim=2)                           # (B, 1, P + T + W, D)
             mask = torch.cat([mask, visible[:, None]], dim=-1)
         o = cast(Tensor, dot_product_attention(q, attended, attended, mask=mask, sinks=self.sinks,
@@ -253,11 +264,44 @@ class CompressedAttention(nn.Module):
         kept = min(keys.shape[2], g.window - 1)
         return out, CompressedCache(start + tokens, keys[:, :, keys.shape[2] - kept:], **new)
 
-    def _select(self, x: Tensor, q_res: Tensor, positions: Tensor, cache: CompressedCache, cos: Tensor,
+    def select_keys(self, x: Tensor, *, cache: CompressedCache | None = None) -> tuple[Tensor, Tensor]:
+        """CSA's choice for x (B, T, d_in) after ``cache`` (None: from position 0): the
+        compressed entries each query attends to, bool (B, T, W), and the indexer's scores
+        (B, T, W) in float32 (float64 stays), -inf at the entries a query cannot see yet.
+        Not differentiated.  Raises ValueError without an indexer, and what the call
+        raises."""
+        g = self.geometry
+        if g.compression != "csa":
+            raise ValueError(SELECTION_ONLY_CSA)
+        batch, tokens, start = check_compressed_call(g, tuple(x.shape), dtype_name(x.dtype),
+                                                     dtype_name(self.kv_proj.weight.dtype), self._fields(cache))
+        cache = cache if cache is not None else self.init_cache(batch)
+        positions = torch.arange(start, start + tokens, device=x.device)
+        cos, sin = rope_cos_sin(positions[None], self.rope, g.head_dim, dtype=x.dtype)
+        with torch.no_grad():
+            q_res = rms_norm(self.q_a_proj(x), self.q_a_norm.weight, g.norm_eps)
+            scores, _ = self._scores(x, q_res, positions, cache, cos, sin)
+            return self._choose(scores, positions), scores
+
+    def _choose(self, scores: Tensor, positions: Tensor) -> Tensor:
+        """Each query's top ``index_topk`` visible entries of ``scores`` (B, T, W), bool."""
+        g = self.geometry
+        assert g.index_topk is not None and g.compress_rate is not None
+        batch, tokens, count = scores.shape
+        if count == 0:
+            return scores.new_zeros(scores.shape, dtype=torch.bool)
+        chosen = scores.detach().topk(min(g.index_topk, count), dim=-1).indices             # (B, T, k)
+        threshold = ((positions + 1) // g.compress_rate)[None, :, None]
+        chosen = torch.where(chosen < threshold, chosen, torch.full_like(chosen, count))
+        selected = torch.zeros((batch, tokens, count + 1), dtype=torch.bool, device=scores.device)
+        selected.scatter_(-1, chosen, True)
+        return selected[..., :count]
+
+    def _scores(self, x: Tensor, q_res: Tensor, positions: Tensor, cache: CompressedCache, cos: Tensor,
                 sin: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """The indexer: its entries (its own compressor, at index_head_dim), its scores
-        and each query's top ``index_topk`` visible entries, (B, T, W) bool; and its
-        compressor's new state.  Not differentiated (a bool)."""
+        """The indexer: its entries (its own compressor, at index_head_dim) and its
+        scores (B, T, W), -inf at the entries a query cannot see yet; and its compressor's
+        new state."""
         g = self.geometry
         assert g.index_heads is not None and g.index_head_dim is not None and g.index_topk is not None
         ix = self.compressor.indexer
@@ -271,18 +315,8 @@ class CompressedAttention(nn.Module):
         scores = torch.relu(scores) * g.index_head_dim ** -0.5
         weights = ix.scorer.weights_proj(x).to(work) * g.index_heads ** -0.5                 # (B, T, IH)
         scores = (scores * weights[..., None]).sum(dim=2)                                   # (B, T, W)
-        count = entries.shape[1]
-        if count == 0:
-            return scores.new_zeros(scores.shape, dtype=torch.bool), state
-        visible = _visible(positions, count, g)[None]                                      # (1, T, W)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        chosen = scores.detach().topk(min(g.index_topk, count), dim=-1).indices             # (B, T, k)
-        assert g.compress_rate is not None
-        threshold = ((positions + 1) // g.compress_rate)[None, :, None]
-        chosen = torch.where(chosen < threshold, chosen, torch.full_like(chosen, count))
-        selected = torch.zeros((batch, tokens, count + 1), dtype=torch.bool, device=x.device)
-        selected.scatter_(-1, chosen, True)
-        return selected[..., :count], state
+        visible = _visible(positions, entries.shape[1], g)[None]                           # (1, T, W)
+        return scores.masked_fill(~visible, float("-inf")), state
 
 
 _STATE = ("buffer_kv", "buffer_gate", "entries", "overlap_kv", "overlap_gate")

@@ -166,9 +166,9 @@ def test_against_the_oracle(layer_type: str) -> None:
     assert np.abs(got - expected).max() < FLOAT32
     assert np.abs(got64 - expected).max() < FLOAT64
     if layer_type == "compressed_sparse_attention":
-        from parity_tests.reference_compressed import selection
+        from parity_tests.reference_compressed import selection_of
 
-        chosen, scores = selection(_params(ours), ours.config, x)
+        chosen, scores = selection_of(_params(ours), ours.config, x)
         for b, t in np.ndindex(*chosen.shape[:2]):
             live = np.sort(scores[b, t][np.isfinite(scores[b, t])])[::-1]
             if 0 < ours.geometry.index_topk < live.size:  # the kept and the first left out apart
@@ -316,6 +316,56 @@ def test_weights_move_bit_exactly() -> None:
         to_hf(ta.MultiHeadAttention(D_IN, D_IN, None, 0.0, HEADS), m.DeepseekV4Attention(layer.config, 0))
 
 
+def test_selections_that_tie_are_told_from_divergences() -> None:
+    """CSA with weights drawn at random (not ``_untie``d): the indexer's ReLU gives many
+    scores of exactly 0, so the twins and the oracle choose differently among tied
+    entries; ``parity_tests.selection.compare_selections`` calls every difference a tie
+    (the margin at the k-th entry within the scores' rounding) and the scores equal; run
+    on one side's choice (``selection=``) the twins and the oracle agree at the float32
+    tolerance.  A planted bug in the indexer (its queries' projection nudged by 1e-3)
+    shows as scores beyond their rounding: a divergence."""
+    import torch
+    from flax import nnx
+
+    from parity_tests import to_flax
+    from parity_tests.reference_compressed import forward, selection_of
+    from parity_tests.selection import compare_selections
+
+    layer, ours = _layers("compressed_sparse_attention")
+    module = copy.deepcopy(ours)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.5)
+    twin = to_flax(module)
+    x = np.random.default_rng(5).standard_normal((2, 24, D_IN)).astype(np.float32)
+    xt = torch.from_numpy(x)
+    chosen_t, scores_t = module.select_keys(xt)
+    chosen_f, scores_f = nnx.jit(lambda m, x: m.select_keys(x))(twin, x)
+    chosen_o, scores_o = selection_of(_params(module), module.config, x)
+    topk = module.geometry.index_topk
+    visible = np.isfinite(scores_o)
+    assert ((scores_o == 0) & visible).sum() > 10  # ties on purpose: exact zeros among the visible entries
+    for other, other_scores in ((np.asarray(chosen_f), np.asarray(scores_f)), (chosen_o, scores_o)):
+        report = compare_selections(chosen_t.numpy(), other, scores_t.numpy(), other_scores, topk)
+        assert report.ok, report.summary()
+        assert all(d.tie for d in report.differences)
+    with torch.no_grad():
+        out_t = module(xt, selection=chosen_t).numpy()
+    out_f = np.asarray(nnx.jit(lambda m, x, s: m(x, selection=s))(twin, x, chosen_t.numpy()))
+    assert np.abs(out_t - out_f).max() < FLOAT32
+    assert np.abs(out_t - forward(_params(module), module.config, x, selection=chosen_t.numpy())).max() < FLOAT32
+    for run in (lambda s: module(xt, selection=torch.from_numpy(s)), lambda s: twin(x, selection=s)):
+        with pytest.raises(ValueError, match=r"selection must be bool \(B, T, W\) = \(2, 24, 6\)"):
+            run(np.ones((2, 24, 6), np.int32))
+    bugged = copy.deepcopy(module)
+    with torch.no_grad():
+        bugged.compressor.indexer.q_b_proj.weight.add_(1e-3)
+    chosen_b, scores_b = bugged.select_keys(xt)
+    report = compare_selections(chosen_b.numpy(), np.asarray(chosen_f), scores_b.numpy(), np.asarray(scores_f), topk)
+    assert not report.ok and report.score_error > report.score_rounding
+
+
 ROPE_KW = {"theta": 10000.0, "rotary_dim": ROPE_DIM, "layout": "interleaved"}
 BAD_OPTIONS = [
     ({"o_groups": 3}, ValueError, r"num_heads \* head_dim \(64\) must be a multiple of o_groups \(3\)"),
@@ -368,12 +418,13 @@ def test_bad_calls_refused_alike() -> None:
     x = _x(2, 5)
     expected = [(ValueError, r"x of shape \(batch, tokens, d_in=32\)"), (TypeError, "compute dtype float32; got float64"),
                 (ValueError, "must be a CompressedCache"), (ValueError, r"init_cache\(batch_size=2\)"),
-                (ValueError, "got buffer_kv None")]
+                (ValueError, "got buffer_kv None"), (ValueError, "selection= is the choice of CSA's indexer")]
 
     def calls(module: Any, other: Any, wrap: Any) -> list[Any]:
         return [lambda: module(wrap(np.zeros((2, 5, 8), np.float32))), lambda: module(wrap(x.astype(np.float64))),
                 lambda: module(wrap(x), cache="cache"), lambda: module(wrap(x), cache=module.init_cache(3)),
-                lambda: module(wrap(x), cache=other.init_cache(2))]
+                lambda: module(wrap(x), cache=other.init_cache(2)),
+                lambda: module(wrap(x), selection=wrap(np.ones((2, 5, 0), bool)))]
 
     torch_calls = calls(_layers("heavily_compressed_attention")[1], _layers("sliding_attention")[1], torch.from_numpy)
     flax_calls = calls(_twin("heavily_compressed_attention"), _twin("sliding_attention"), np.asarray)
