@@ -11,7 +11,10 @@ type (``"main"`` for a sliding layer, ``"compress"`` for the others: transformer
 (``DeepseekV4RotaryEmbedding``'s float32 buffer, carried as the rope's ``inv_freq``).  Our
 parameters carry transformers' names, so the weights copy one to one by name, exactly.
 What our layer does not compute is refused by name before a weight is read: attention
-dropout in training, a layer type we do not know.
+dropout in training, a layer type we do not know, and parameters in two dtypes (a
+checkpoint loaded in bfloat16 keeps its norms, sinks and position biases in float32,
+``_keep_in_fp32_modules_strict``; ours holds one dtype, so such a layer is ported cast to
+one, ``layer.float()`` exactly).
 """
 
 from __future__ import annotations
@@ -90,9 +93,14 @@ def config_of(layer: Any) -> dict[str, Any]:
 def from_hf(layer: nn.Module) -> CompressedAttention:
     """Our ``CompressedAttention`` with ``layer``'s weights (exact copies, by name), in its
     dtype and mode.  Raises ValueError naming what ours does not compute."""
-    keywords = config_of(layer)
     theirs = layer.state_dict()
     weight = theirs["q_a_proj.weight"]
+    others = sorted(n for n, t in theirs.items() if t.dtype != weight.dtype)
+    if others:  # transformers' checkpoints keep the norms, sinks and position biases in float32
+        raise _refuse(layer, f"{', '.join(others)} are in another dtype than its {weight.dtype} weights (ours holds "
+                             "one dtype: rounding them would change the numbers); port it cast to one dtype "
+                             "(layer.float() is exact)")
+    keywords = config_of(layer)
     ours = CompressedAttention(**keywords, dtype=weight.dtype, device=weight.device)
     mine = ours.state_dict()
     if set(mine) != set(theirs):

@@ -312,6 +312,10 @@ def test_weights_move_bit_exactly() -> None:
     assert all(torch.equal(a, fresh.state_dict()[n]) for n, a in layer.state_dict().items())
     with pytest.raises(ValueError, match="its compression is 'csa', ours 'hca'"):
         to_hf(_layers("heavily_compressed_attention")[1], m.DeepseekV4Attention(layer.config, 0))
+    mixed = copy.deepcopy(layer).to(torch.bfloat16)
+    mixed.sinks.data = mixed.sinks.data.float()
+    with pytest.raises(ValueError, match="sinks are in another dtype than its torch.bfloat16 weights"):
+        ta.interop.from_hf(mixed)
     with pytest.raises(TypeError, match="takes our CompressedAttention; got MultiHeadAttention"):
         to_hf(ta.MultiHeadAttention(D_IN, D_IN, None, 0.0, HEADS), m.DeepseekV4Attention(layer.config, 0))
 
