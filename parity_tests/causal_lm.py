@@ -215,6 +215,14 @@ def _alike(layers: Any) -> bool:
         return False
 
 
+def _init_cache(layer: Any, batch: int, max_len: int) -> Any:
+    """A layer's empty cache: its own ``init_cache(batch, max_len)`` where it has one (a
+    hybrid model's layers: a linear-attention layer's cache is its conv and recurrent
+    state, no KV cache), else its ``self_attn``'s."""
+    own = getattr(layer, "init_cache", None)
+    return own(batch, max_len) if callable(own) else layer.self_attn.init_cache(batch, max_len)
+
+
 def greedy(model: Any, ids: Any, attention_mask: Any, steps: int, *,
            head: Callable[[Any, Any], Any] | None = None) -> Any:
     """Greedy decoding of ``steps`` tokens with one KV cache per attention layer, as
@@ -226,9 +234,10 @@ def greedy(model: Any, ids: Any, attention_mask: Any, steps: int, *,
     ``check_causal_lm_parity``'s ``flax_decode``.
 
     The port is named as Hugging Face's ``*ForCausalLM``: ``model.model.embed_tokens(ids)``,
-    ``model.model.layers`` (each with ``self_attn.init_cache(batch, max_len)`` and
-    ``step(x, mask, positions, cache) -> (x, cache)``, the layer on new tokens with its
-    cache), ``model.model.norm``, then ``head(model, hidden) -> logits`` (default:
+    ``model.model.layers`` (each with ``self_attn.init_cache(batch, max_len)``, or an
+    ``init_cache(batch, max_len)`` of its own: a hybrid model's linear-attention layer
+    caches no keys, and ``step(x, mask, positions, cache) -> (x, cache)``, the layer on new
+    tokens with its cache), ``model.model.norm``, then ``head(model, hidden) -> logits`` (default:
     ``model.lm_head(hidden)``, or ``model.model.embed_tokens.attend(hidden)`` where the
     port has no ``lm_head``: a tied head; a function defined once, not a new lambda per
     call, or each call compiles again).  The steps run under ``nnx.jit``: one program per
@@ -243,7 +252,7 @@ def greedy(model: Any, ids: Any, attention_mask: Any, steps: int, *,
     inner = model.model
     per_layer = _alike(list(inner.layers))
     batch, prompt = np.shape(ids)
-    caches = [layer.self_attn.init_cache(batch, prompt + steps) for layer in inner.layers]
+    caches = [_init_cache(layer, batch, prompt + steps) for layer in inner.layers]
     real = jnp.asarray(as_numpy(attention_mask)).astype(bool)
     keys = jnp.concatenate([real, jnp.ones((batch, steps), bool)], axis=1)[:, None, None, :]  # (B, 1, 1, max_len)
     tokens, positions = jnp.asarray(as_numpy(ids)), jnp.asarray(generate_positions(attention_mask))

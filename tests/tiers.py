@@ -96,6 +96,16 @@ QUICK_STAND_INS: dict[str, str] = {
                     "test_llama4_chunks_under_left_padding_are_counted_from_each_rows_first_token",
                     "test_a_whole_gemma4_port_with_sliding_and_full_layers_of_two_widths_is_proven_in_one_call",
                     "test_a_gemma4_nudged_query_in_the_full_layer_is_named_at_that_projection")},
+    # issue 57: the hybrid proofs (Qwen3.5, Kimi Linear: each whole model ported, proven at 512
+    # positions, a planted bug named; the delta rule's compile and eager run) stand in for by
+    # the Qwen3.5 linear-attention layer written there, a left-padded prompt and steps (3 s)
+    **{H + "test_hybrid_proofs.py::" + name:
+       H + "test_hybrid_proofs.py::test_the_qwen3_5_linear_layer_written_here_agrees_with_transformers_on_a_left_"
+           "padded_prompt_and_steps"
+       for name in ("test_a_whole_qwen3_5_port_with_a_gated_delta_layer_is_proven_in_one_call",
+                    "test_a_qwen3_5_nudged_gate_in_the_linear_layer_is_named_at_that_projection",
+                    "test_a_whole_kimi_linear_port_with_a_kda_layer_beside_latent_attention_is_proven_in_one_call",
+                    "test_a_kimi_nudged_query_in_the_kda_layer_is_named_at_that_projection")},
     H + "test_divergence.py::test_a_scale_moved_out_of_the_embedding_is_a_boundary_mismatch_not_a_divergence":
         H + "test_divergence.py::test_a_scale_split_across_modules_is_searched_past_in_a_small_model",
     H + "test_divergence.py::test_a_bug_behind_a_boundary_mismatch_is_still_named":

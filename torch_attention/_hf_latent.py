@@ -14,7 +14,8 @@ place: the same scores (q and k alike), so the same outputs.
 
 DeepSeek-V3.2's and GLM-5's sparse attention (``DeepseekV32Attention``,
 ``GlmMoeDsaAttention``): the layer's ``indexer`` (``wq_b``, ``wk``, the LayerNorm ``k_norm``,
-``weights_proj``, the same names in ours) gives ``index_topk``, ``index_n_heads``,
+``weights_proj``, the same names in ours) gives ``index_topk``, ``index_heads`` (its config's
+``index_n_heads``; the name ``CompressedAttention`` has too),
 ``index_head_dim``, and the layout of its rope, which its forward fixes: half-split for
 DeepSeek-V3.2's indexer, interleaved for GLM-5's (``_INDEX_ROPE_LAYOUTS``, by the indexer's
 class: the config does not say).  Refused by name: a GLM-5 layer that reuses the previous
@@ -41,7 +42,7 @@ from torch_attention.latent import MultiHeadLatentAttention
 # The options that decide how a latent layer computes (not dropout or the path).
 _BEHAVIOUR = ("d_in", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
               "q_lora_rank", "attention_bias", "norm_eps", "causal", "softcap", "window", "query_scale",
-              "index_topk", "index_n_heads", "index_head_dim", "index_rope_layout")
+              "index_topk", "index_heads", "index_head_dim", "index_rope_layout")
 
 
 # What a latent layer holds that ours computes (the same names as ours).
@@ -102,7 +103,7 @@ def _index_options(layer: Any) -> dict[str, Any]:
     indexer = getattr(layer, "_modules", {}).get("indexer")
     if indexer is None:
         return {}
-    return {"index_topk": int(indexer.index_topk), "index_n_heads": int(indexer.n_heads),
+    return {"index_topk": int(indexer.index_topk), "index_heads": int(indexer.n_heads),
             "index_head_dim": int(indexer.head_dim), "index_rope_layout": _INDEX_ROPE_LAYOUTS[type(indexer).__name__]}
 
 
