@@ -62,7 +62,7 @@ from attention_spec.parallel import (
 )
 from attention_spec.rope import RopeConfig, check_rope, check_rope_call
 from jax_attention import _online_softmax, functional
-from jax_attention._canonical import Operands, float0
+from jax_attention._canonical import Operands, canonical_chunk_origin, float0
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
 
@@ -99,6 +99,7 @@ def ring_attention(
     rope: RopeConfig | None = None,
     positions: Any = None,
     chunk: int | None = None,
+    chunk_origin: Any = None,
 ) -> Array:
     """Attention over sequences sharded along ``mesh``'s ``axis_name``:
     q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, T, Dv), sharded like q.
@@ -136,6 +137,9 @@ def ring_attention(
       chunk: chunked local attention (``check_chunk``): a query sees only the keys of
         its own chunk of ``chunk`` global positions (of the original order), with
         ``causal`` too where given.
+      chunk_origin: where the chunks start counting, the global position of each
+        example's token 0 (a left-padded row's first real token): an int or integers
+        (B,), as ``functional.dot_product_attention``'s (replicated on the mesh); None: 0.
 
     Raises ``ValueError`` (the same texts as the PyTorch twin where they overlap) for a
     layout that is not one of the two, a mesh without ``axis_name``, q/k/v that are not
@@ -160,16 +164,19 @@ def ring_attention(
         sinks = jnp.asarray(sinks)
         check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), tuple(q.shape), "softmax")
     check_ring_rope(q_len, kv_len, rope, positions is not None)
+    origin = canonical_chunk_origin(chunk_origin, chunk, tuple(q.shape))
     if rope is not None:
         q, k = _turned(q, k, rope, positions, ring_size, layout)
+    anchored = not (isinstance(origin, int) and origin == 0)  # chunks from an origin per example
     ring = _Ring(axis_name, ring_size, layout, q_piece, kv_piece, causal, lengths is not None,
-                 functional.resolve_scale(scale, head_dim), sinks is not None, chunk)
+                 functional.resolve_scale(scale, head_dim), sinks is not None, chunk, anchored)
     sharded, replicated = PartitionSpec(None, None, axis_name, None), PartitionSpec()
     local = _shard_map(
-        _ring_function(ring), mesh=mesh, in_specs=(sharded, sharded, sharded, replicated), out_specs=sharded,
+        _ring_function(ring), mesh=mesh, in_specs=(sharded, sharded, sharded, replicated, replicated),
+        out_specs=sharded,
     )
     ops = Operands(lengths=jnp.zeros((batch,), jnp.int32) if lengths is None else lengths, sinks=sinks)
-    return local(q, k, v, ops)
+    return local(q, k, v, ops, jnp.broadcast_to(jnp.asarray(origin, jnp.int32), (batch,)))
 
 
 def _turned(q: Array, k: Array, rope: RopeConfig, positions: Any, ring_size: int, layout: str) -> tuple[Array, Array]:
@@ -210,29 +217,32 @@ class _Ring(NamedTuple):
     scale: float
     has_sinks: bool  # sinks given (else the function's operands hold none)
     chunk: int | None = None  # chunked local attention: the chunk's width in global positions
+    anchored: bool = False  # the chunks counted from each example's origin (else from 0)
 
 
 @functools.lru_cache(maxsize=64)
 def _ring_function(ring: _Ring) -> Any:
-    """The per-device function (q, k, v, ops) -> out of one ring, with its backward;
-    ``ops`` holds int32 ``lengths`` (B,) (zeros where the ring is not ``padded``) and the
-    ``sinks`` (H,), None where the ring ``has_sinks`` not.  The operands' cotangent is an
-    ``Operands``: none for the lengths, and for the sinks this device's rows' share:
-    ``shard_map`` sums the cotangents of a replicated input over the devices."""
+    """The per-device function (q, k, v, ops, origin) -> out of one ring, with its
+    backward; ``ops`` holds int32 ``lengths`` (B,) (zeros where the ring is not
+    ``padded``) and the ``sinks`` (H,), None where the ring ``has_sinks`` not; ``origin``
+    int32 (B,), where each example's chunks start (read where the ring is ``anchored``).
+    The operands' cotangent is an ``Operands``: none for the lengths, and for the sinks
+    this device's rows' share: ``shard_map`` sums the cotangents of a replicated input
+    over the devices."""
 
     @jax.custom_vjp
-    def attend(q: Array, k: Array, v: Array, ops: Operands) -> Array:
-        return _forward(ring, q, k, v, ops)[0]
+    def attend(q: Array, k: Array, v: Array, ops: Operands, origin: Array) -> Array:
+        return _forward(ring, q, k, v, ops, origin)[0]
 
-    def forward(q: Array, k: Array, v: Array, ops: Operands) -> tuple[Array, tuple[Any, ...]]:
-        out, stats = _forward(ring, q, k, v, ops)
-        return out, (q, k, v, ops, out, stats)
+    def forward(q: Array, k: Array, v: Array, ops: Operands, origin: Array) -> tuple[Array, tuple[Any, ...]]:
+        out, stats = _forward(ring, q, k, v, ops, origin)
+        return out, (q, k, v, ops, origin, out, stats)
 
     def backward(residuals: tuple[Any, ...], d_out: Array) -> tuple[Any, ...]:
-        q, k, v, ops, out, stats = residuals
-        dq, dk, dv = _backward(ring, q, k, v, cast(Array, ops.lengths), out, stats, d_out)
+        q, k, v, ops, origin, out, stats = residuals
+        dq, dk, dv = _backward(ring, q, k, v, cast(Array, ops.lengths), origin, out, stats, d_out)
         d_sinks = _sink_grad(ring, ops, out, stats, d_out) if ring.has_sinks else None
-        return dq, dk, dv, Operands(lengths=float0(ops.lengths), sinks=d_sinks)
+        return dq, dk, dv, Operands(lengths=float0(ops.lengths), sinks=d_sinks), float0(origin)
 
     attend.defvjp(forward, backward)
     return attend
@@ -256,11 +266,17 @@ def _key_blocks(n: int) -> int:
     return next(b for b in range(min(n, KEY_BLOCK), 0, -1) if n % b == 0)
 
 
-def _allowed(ring: _Ring, q_pos: Array, k_pos: Array, lengths: Array) -> Array | None:
-    """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
+def _allowed(ring: _Ring, q_pos: Array, k_pos: Array, lengths: Array, origin: Array) -> Array | None:
+    """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all),
+    the chunks counted from ``origin`` (B,) where the ring is ``anchored``."""
     allowed = None
     if ring.causal or ring.chunk is not None:  # the keys within reach of each query (``attention_spec.geometry``)
-        allowed = visible(k_pos[None, :], q_pos[:, None], *reach(Reach(causal=ring.causal)), ring.chunk)[None, None]
+        left, right = reach(Reach(causal=ring.causal))
+        if ring.anchored:
+            allowed = visible(k_pos[None, None, None, :], q_pos[None, None, :, None], left, right, ring.chunk,
+                              origin[:, None, None, None])
+        else:
+            allowed = visible(k_pos[None, :], q_pos[:, None], left, right, ring.chunk)[None, None]
     if ring.padded:
         valid = within_length(k_pos[None, :], lengths[:, None])[:, None, None, :]
         allowed = valid if allowed is None else allowed & valid
@@ -306,7 +322,8 @@ def _scores(q: Array, k: Array) -> Array:
     return ungroup_rows(_mm(group_rows(q, k.shape[1]), jnp.swapaxes(k, -2, -1)), q.shape[1])
 
 
-def _forward(ring: _Ring, q: Array, k: Array, v: Array, ops: Operands) -> tuple[Array, tuple[Array, Array]]:
+def _forward(ring: _Ring, q: Array, k: Array, v: Array, ops: Operands, origin: Array
+             ) -> tuple[Array, tuple[Array, Array]]:
     """One device's forward, ``ops`` as ``_ring_function`` takes them: out (B, H, L, Dv)
     in v's dtype, and the row statistics (B, H, L) in the compute dtype: the maximum of
     the unscaled scores (0 for a row with nothing to attend to) and the sum of
@@ -331,7 +348,8 @@ def _forward(ring: _Ring, q: Array, k: Array, v: Array, ops: Operands) -> tuple[
             for kv_b, k_chunk in zip(_pieces(kv.astype(ct), ring.kv_piece), k_chunks, strict=True):
                 update = functools.partial(_fold, ring, q=q_a, kv=kv_b, width=width,
                                            q_pos=_positions(q_chunk, ring.q_piece),
-                                           k_pos=_positions(k_chunk, ring.kv_piece), lengths=lengths)
+                                           k_pos=_positions(k_chunk, ring.kv_piece), lengths=lengths,
+                                           origin=origin)
                 states[a] = _unless_hidden(ring, q_chunk, k_chunk, update, states[a])
         if step < ring.size - 1:
             kv = jax.lax.ppermute(kv, ring.axis_name, _next(ring))
@@ -375,7 +393,7 @@ def _sink_grad(ring: _Ring, ops: Operands, out: Array, stats: tuple[Array, Array
 
 def _fold(
     ring: _Ring, state: tuple[Array, Array, Array], *, q: Array, kv: Array, width: int, q_pos: Array,
-    k_pos: Array, lengths: Array,
+    k_pos: Array, lengths: Array, origin: Array,
 ) -> tuple[Array, Array, Array]:
     """Online softmax: the state (m, l, acc) of queries q (B, H, Tq, D) after also seeing
     the keys and values kv (B, Hkv, Tk, D + Dv) at global positions ``k_pos``."""
@@ -385,7 +403,7 @@ def _fold(
         m, row_sum, acc = carry
         kv_blk, pos = xs
         scores = _scores(q, kv_blk[..., :width])  # unscaled: m is their maximum
-        allowed = _allowed(ring, q_pos, pos, lengths)
+        allowed = _allowed(ring, q_pos, pos, lengths, origin)
         if allowed is not None:
             scores = jnp.where(allowed, scores, -jnp.inf)
 
@@ -401,8 +419,8 @@ def _fold(
 
 
 def _backward(
-    ring: _Ring, q: Array, k: Array, v: Array, lengths: Array, out: Array, stats: tuple[Array, Array],
-    d_out: Array,
+    ring: _Ring, q: Array, k: Array, v: Array, lengths: Array, origin: Array, out: Array,
+    stats: tuple[Array, Array], d_out: Array,
 ) -> tuple[Array, Array, Array]:
     """One device's backward: dq, dk, dv for its own q, k, v (in their dtypes), from the
     forward's row statistics (maximum, sum)."""
@@ -427,7 +445,8 @@ def _backward(
             for b, k_chunk in enumerate(k_chunks):
                 update = functools.partial(_grads, ring, row=row, kv=kv_pieces[b], width=width,
                                            q_pos=_positions(q_chunk, ring.q_piece),
-                                           k_pos=_positions(k_chunk, ring.kv_piece), lengths=lengths)
+                                           k_pos=_positions(k_chunk, ring.kv_piece), lengths=lengths,
+                                           origin=origin)
                 d_queries[a], dkv_pieces[b] = _unless_hidden(
                     ring, q_chunk, k_chunk, update, (d_queries[a], dkv_pieces[b])
                 )
@@ -443,7 +462,7 @@ def _backward(
 
 def _grads(
     ring: _Ring, grads: tuple[Array, Array], *, row: tuple[Array, ...], kv: Array, width: int,
-    q_pos: Array, k_pos: Array, lengths: Array,
+    q_pos: Array, k_pos: Array, lengths: Array, origin: Array,
 ) -> tuple[Array, Array]:
     """``grads`` = (dq (B, H, Tq, D), d_kv (B, Hkv, Tk, D + Dv)), each plus the part from
     queries ``row`` (q, dO, row max, 1 / row sum, delta) attending to kv (B, Hkv, Tk, D + Dv),
@@ -456,7 +475,7 @@ def _grads(
         kv_blk, pos = xs
         k_blk, v_blk = kv_blk[..., :width], kv_blk[..., width:]
         scores = _scores(q, k_blk)  # (B, H, Tq, block), unscaled
-        allowed = _allowed(ring, q_pos, pos, lengths)
+        allowed = _allowed(ring, q_pos, pos, lengths, origin)
         if allowed is not None:
             scores = jnp.where(allowed, scores, -jnp.inf)
         p = _online_softmax.probabilities(scores, row_max, ring.scale) * inv_sum

@@ -57,7 +57,7 @@ from attention_spec.parallel import (
 )
 from attention_spec.rope import RopeConfig, check_rope, check_rope_call, needs_seq_len
 from torch_attention import functional
-from torch_attention._canonical import Operands
+from torch_attention._canonical import Operands, canonical_chunk_origin
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag"]
 
@@ -93,6 +93,7 @@ def ring_attention(
     rope: RopeConfig | None = None,
     positions: Any = None,
     chunk: int | None = None,
+    chunk_origin: Any = None,
 ) -> Tensor:
     """Attention over sequences split across the ranks of ``group`` (None: the default
     group): this rank's q (B, H, T/N, D), k (B, Hkv, S/N, D), v (B, Hkv, S/N, Dv) -> its
@@ -128,6 +129,9 @@ def ring_attention(
       chunk: chunked local attention (``check_chunk``): a query sees only the keys of
         its own chunk of ``chunk`` global positions (of the original order), with
         ``causal`` too where given.
+      chunk_origin: where the chunks start counting, the global position of each
+        example's token 0 (a left-padded row's first real token): an int or integers
+        (B,), as ``functional.dot_product_attention``'s (the same on every rank); None: 0.
 
     Raises ``ValueError`` (the same texts as the JAX twin where they overlap) for a
     layout that is not one of the two, q/k/v that are not (B, H or Hkv, T/N or S/N, D)
@@ -152,10 +156,12 @@ def ring_attention(
     if sinks is not None:
         sinks = (sinks if isinstance(sinks, Tensor) else torch.as_tensor(sinks)).to(q.device)
     positions = _check_extras(q, (q_local * size, kv_local * size), sinks, rope, positions)
+    origin = canonical_chunk_origin(chunk_origin, chunk, tuple(q.shape), q.device)
     ring = _Ring(
         group, size, rank, dist.get_global_rank(group, (rank + 1) % size),
         dist.get_global_rank(group, (rank - 1) % size), layout, q_piece, kv_piece, causal,
         functional.resolve_scale(scale, head_dim), chunk,
+        None if isinstance(origin, int) and origin == 0 else torch.as_tensor(origin, device=q.device).expand(batch),
     )
     if rope is not None:
         q, k = _turned(ring, q, k, rope, positions)
@@ -213,6 +219,7 @@ class _Ring(NamedTuple):
     causal: bool
     scale: float
     chunk: int | None = None  # chunked local attention: the chunk's width in global positions
+    origin: Tensor | None = None  # (B,): where each example's chunks start (None: at 0)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -268,10 +275,14 @@ def _key_blocks(n: int) -> int:
 
 
 def _allowed(ring: _Ring, q_pos: Tensor, k_pos: Tensor, lengths: Tensor | None) -> Tensor | None:
-    """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all)."""
+    """(B or 1, 1, Tq, Tk) bool, True = may attend, from global positions (None: all),
+    the chunks counted from the ring's ``origin`` (B,) where it has one."""
     allowed = None
     left, right = reach(Reach(ring.causal))
-    if left is not None or right is not None or ring.chunk is not None:  # ``attention_spec.geometry``
+    if ring.origin is not None:  # ``attention_spec.geometry``, at each example's origin
+        allowed = visible(k_pos[None, None, None, :], q_pos[None, None, :, None], left, right, ring.chunk,
+                          ring.origin[:, None, None, None])
+    elif left is not None or right is not None or ring.chunk is not None:  # ``attention_spec.geometry``
         allowed = visible(k_pos[None, :], q_pos[:, None], left, right, ring.chunk)[None, None]
     if lengths is not None:
         valid = within_length(k_pos[None, :], lengths[:, None])[:, None, None, :]

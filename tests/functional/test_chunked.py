@@ -18,9 +18,11 @@ top of causal, a window, lengths, masks and segments (``attention_spec.geometry`
     ``generate``'s positions (chunks counted from each row's first real token), whole,
     on the flex path and decoded, in both twins against the oracle.
 (d) Rings in this process (a group of one, a mesh of one device; zigzag: two pieces in
-    different chunks) equal ``dot_product_attention``, output and gradients, in both twins
+    different chunks; from 0 and from a chunk origin) equal ``dot_product_attention``,
+    output and gradients, in both twins
     (the rings over 2..8 devices run in ``tests/distributed``, on the same geometry).
-(e) Bad input and refusals: one text in both twins; exporters refuse the chunk by name.
+(e) Bad input and refusals (a bad chunk, a bad chunk origin): one text in both twins;
+    exporters refuse the chunk by name.
 (f) transformers' own Llama 4: its chunked causal mask (``masking_utils``) is our
     geometry's, and ``Llama4TextAttention`` (a chunked rope layer, tiny) equals ours at
     positions 0..447, output and input gradients, in both twins.
@@ -226,7 +228,8 @@ def test_twins_agree(name: str, path: str) -> None:
 def test_blockwise_skips_the_keys_outside_the_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of 128 rows, chunks of 128, causal: the second block computes its 128 keys,
     not the 256 that causal alone leaves it (and chunks of 64 the same: one block spans
-    two of them)."""
+    two of them).  Chunks of 64 from an origin per example (a dense band): the keys
+    within 63 of the block's rows, 65..255 for the second."""
     import torch
 
     from torch_attention import _blockwise
@@ -245,6 +248,10 @@ def test_blockwise_skips_the_keys_outside_the_chunks(monkeypatch: pytest.MonkeyP
         widths.clear()
         dot_product_attention(q, q, q, causal=True, chunk=chunk, implementation="blockwise")
         assert widths == expected, chunk
+    widths.clear()
+    q2 = torch.randn(2, 1, 256, 4)
+    dot_product_attention(q2, q2, q2, causal=True, chunk=64, chunk_origin=torch.tensor([0, 5]), implementation="blockwise")
+    assert widths == [128, 191]
 
 
 @needs_jax
@@ -445,8 +452,9 @@ def _ring_inputs() -> dict[str, np.ndarray]:
 @needs_torch
 def test_torch_ring_over_chunks_equals_one_process(tmp_path: Path) -> None:
     """The PyTorch ring in this process (a group of one), zigzag: its two pieces
-    (positions 0..7 and 8..15) meet across chunks of 5, causal and not: output and
-    gradients equal ``dot_product_attention``'s."""
+    (positions 0..7 and 8..15) meet across chunks of 5, causal and not, and causal from
+    an origin of 3 (``chunk_origin``, a left-padded row's): output and gradients equal
+    ``dot_product_attention``'s."""
     import torch
     import torch.distributed as dist
 
@@ -459,17 +467,17 @@ def test_torch_ring_over_chunks_equals_one_process(tmp_path: Path) -> None:
     group = dist.new_group([dist.get_rank()])
     try:
         inputs = _ring_inputs()
-        for causal in (True, False):
+        for causal, origin in ((True, None), (False, None), (True, torch.tensor([3]))):
             mine = [torch.tensor(inputs[n], requires_grad=True) for n in "qkv"]
             whole = [torch.tensor(inputs[n], requires_grad=True) for n in "qkv"]
-            out = ring_attention(*mine, group=group, causal=causal, chunk=5, layout="zigzag")
-            want = dot_product_attention(*whole, causal=causal, chunk=5, implementation="reference")
+            out = ring_attention(*mine, group=group, causal=causal, chunk=5, layout="zigzag", chunk_origin=origin)
+            want = dot_product_attention(*whole, causal=causal, chunk=5, implementation="reference", chunk_origin=origin)
             for o in (out, want):
                 (o * torch.from_numpy(inputs["c"])).sum().backward()
             for name, a, b in zip(("out", "dq", "dk", "dv"), [out, *(t.grad for t in mine)],
                                   [want, *(t.grad for t in whole)], strict=True):
                 np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), atol=1e-5, rtol=0,
-                                           err_msg=f"{name} causal={causal}")
+                                           err_msg=f"{name} causal={causal} origin={origin}")
     finally:
         dist.destroy_process_group(group)
         if started:
@@ -480,8 +488,8 @@ def test_torch_ring_over_chunks_equals_one_process(tmp_path: Path) -> None:
 def test_jax_ring_over_chunks_equals_one_device() -> None:
     """The JAX ring in this process (one device: JAX's device count is fixed at import;
     the eight-device rings run in ``tests/distributed``), zigzag: its two pieces
-    (positions 0..7 and 8..15) meet across chunks of 5, causal: the output equals
-    ``dot_product_attention``'s.  (Its backward reads the same ``_allowed`` as its
+    (positions 0..7 and 8..15) meet across chunks of 5, causal, from 0 and from an
+    origin of 3 (``chunk_origin``): the output equals ``dot_product_attention``'s.  (Its backward reads the same ``_allowed`` as its
     forward; the ring's gradients over chunks are checked on PyTorch's, above: the
     backward's compile would cost this file seconds more.)"""
     import jax
@@ -494,16 +502,23 @@ def test_jax_ring_over_chunks_equals_one_device() -> None:
     q, k, v, _ = (jnp.asarray(a) for a in _ring_inputs().values())
     mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
 
-    def ring(q_: Any, k_: Any, v_: Any) -> Any:
+    def ring(q_: Any, k_: Any, v_: Any, origin: Any) -> Any:
         z = functools.partial(to_zigzag, ring_size=1)
-        return ring_attention(z(q_), z(k_), z(v_), mesh=mesh, axis_name="seq", causal=True, chunk=5, layout="zigzag")
+        return ring_attention(z(q_), z(k_), z(v_), mesh=mesh, axis_name="seq", causal=True, chunk=5, layout="zigzag",
+                              chunk_origin=origin)
 
-    def one(q_: Any, k_: Any, v_: Any) -> Any:
-        return to_zigzag(dot_product_attention(q_, k_, v_, causal=True, chunk=5, implementation="reference"), 1)
+    def one(q_: Any, k_: Any, v_: Any, origin: Any) -> Any:
+        return to_zigzag(dot_product_attention(q_, k_, v_, causal=True, chunk=5, implementation="reference",
+                                               chunk_origin=origin), 1)
 
-    with full_precision():
-        got, want = jax.jit(ring)(q, k, v), one(q, k, v)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    for origin in (None, jnp.array([3])):
+        with full_precision():
+            got, want = jax.jit(ring)(q, k, v, origin), one(q, k, v, origin)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0, err_msg=str(origin))
+        if origin is None:
+            at_zero = got
+    assert np.abs(np.asarray(got) - np.asarray(at_zero)).max() > 0.1  # the origin moves the chunks
+    got = at_zero
     unchunked = dot_product_attention(q, k, v, causal=True, implementation="reference")
     assert np.abs(np.asarray(got) - np.asarray(unchunked)).max() > 0.1  # the chunks bite
 
@@ -543,6 +558,20 @@ def test_bad_chunks_raise_one_text_in_both_twins(chunk: Any, kind: type) -> None
                  lambda: ja.MultiHeadAttention(8, 8, 8, 0.0, 2, chunk=chunk, rngs=nnx.Rngs(0))):
         with pytest.raises(kind, match="^chunk must be None or an int >= 1"):
             make()
+
+
+@needs_both
+@pytest.mark.parametrize("options, kind, text", [
+    ({"chunk_origin": 2}, ValueError, "chunk_origin is where chunk='s chunks start; it needs chunk"),
+    ({"chunk": 2, "chunk_origin": 1.5}, TypeError,
+     "chunk_origin must hold integers (the key position of each example's token 0); got float"),
+    ({"chunk": 2, "chunk_origin": np.array([0.0])}, TypeError,
+     "chunk_origin must hold integers (the key position of each example's token 0); got dtype float64"),
+    ({"chunk": 2, "chunk_origin": np.array([1, 2])}, ValueError,
+     "chunk_origin must be an int or have shape (batch,) = (1,); got shape (2,)"),
+])
+def test_bad_chunk_origins_raise_one_text_in_both_twins(options: dict[str, Any], kind: type, text: str) -> None:
+    assert {_errors(fw, **options) for fw in ("torch", "jax")} == {(kind, text)}
 
 
 @needs_both
