@@ -239,8 +239,8 @@ def _flax_whole(layer_type: str) -> np.ndarray:
 @pytest.mark.parametrize("layer_type", TYPES)
 def test_twins_agree(layer_type: str) -> None:
     """The Flax twin (``to_flax``, under ``nnx.jit``) equals the PyTorch module and the
-    oracle; its gradients (of x and every parameter) equal PyTorch's (HCA and CSA, the
-    compressors' paths)."""
+    oracle; its gradients (of x and every parameter) equal PyTorch's (CSA: the window, both
+    compressors' overlapping windows, the indexer's parameters getting none)."""
     import jax
     import torch
     from flax import nnx
@@ -251,7 +251,7 @@ def test_twins_agree(layer_type: str) -> None:
     with torch.no_grad():
         assert np.abs(got - ours(torch.from_numpy(x)).numpy()).max() < FLOAT32
     assert np.abs(got - expected).max() < FLOAT32
-    if layer_type == "sliding_attention":
+    if layer_type != "compressed_sparse_attention":  # CSA's gradients run through every part HCA's do
         return
     cot = np.random.default_rng(3).standard_normal(x.shape).astype(np.float32)
 
@@ -368,6 +368,61 @@ def test_selections_that_tie_are_told_from_divergences() -> None:
     chosen_b, scores_b = bugged.select_keys(xt)
     report = compare_selections(chosen_b.numpy(), np.asarray(chosen_f), scores_b.numpy(), np.asarray(scores_f), topk)
     assert not report.ok and report.score_error > report.score_rounding
+
+
+def _ours_in_their_place(layer: Any) -> Any:
+    """Our ``CompressedAttention`` (``from_hf``) where a ``DeepseekV4DecoderLayer`` calls its
+    ``self_attn``: the whole sequence without transformers' cache; with it, a call at
+    position 0 starts our own cache and later calls continue it."""
+    from torch import nn
+
+    from torch_attention.interop import from_hf
+
+    class Ours(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ours, self.state = from_hf(layer), None
+
+        def forward(self, hidden_states: Any, position_embeddings: Any = None, position_ids: Any = None,
+                    attention_mask: Any = None, cache: Any = None, **kwargs: Any) -> tuple[Any, None]:
+            if cache is None:
+                return self.ours(hidden_states), None
+            if int(position_ids[0, 0]) == 0:
+                self.state = self.ours.init_cache(hidden_states.shape[0])
+            out, self.state = self.ours(hidden_states, cache=self.state)
+            return out, None
+
+    return Ours()
+
+
+def test_a_tiny_deepseek_v4_model_with_our_attention_gives_its_logits_and_tokens() -> None:
+    """A tiny ``DeepseekV4ForCausalLM`` (its hyper-connections and MoE, one layer of each
+    attention type) with each ``self_attn`` replaced by ours: the logits of 2 x 44 tokens,
+    then ``generate``'s 8 greedy steps (ours on its own cache: windows close, CSA's indexer
+    chooses among new entries), equal transformers'."""
+    import torch
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    config = _hf_config("sliding_attention")
+    config.num_hidden_layers, config.layer_types, config.mlp_layer_types = 3, list(TYPES), ["moe"] * 3
+    config.hc_mult = 2
+    torch.manual_seed(4)
+    model = m.DeepseekV4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".self_attn." in name or name.startswith("lm_head"):
+                p.normal_(0.0, 0.5)
+    ours = copy.deepcopy(model)
+    for layer in ours.model.layers:
+        layer.self_attn = _ours_in_their_place(layer.self_attn)
+    ids = torch.randint(0, 64, (2, 44))
+    options = {"max_new_tokens": 8, "do_sample": False, "output_logits": True, "return_dict_in_generate": True,
+               "attention_mask": torch.ones_like(ids), "pad_token_id": 0}
+    with torch.no_grad():
+        assert (model(ids).logits - ours(ids).logits).abs().max().item() < FLOAT32
+        theirs, mine = model.generate(ids, **options), ours.generate(ids, **options)
+    assert torch.equal(theirs.sequences, mine.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(theirs.logits, mine.logits, strict=True)) < FLOAT32
 
 
 ROPE_KW = {"theta": 10000.0, "rotary_dim": ROPE_DIM, "layout": "interleaved"}
