@@ -67,7 +67,7 @@ INDEX_ROPE_LAYOUTS = ("half", "interleaved")
 
 def check_indexer(spec: Any) -> None:
     """The indexer options of a latent attention config: ``index_topk`` None (dense: then
-    no other ``index_*`` option is set) or a positive int, which needs ``index_n_heads``
+    no other ``index_*`` option is set) or a positive int, which needs ``index_heads``
     and ``index_head_dim`` (positive ints, the head at least ``qk_rope_head_dim`` wide: its
     rope slice) and ``q_lora_rank`` (the indexer's queries read the queries' low-rank
     input); ``index_rope_layout`` ``"half"`` or ``"interleaved"``.  Raises TypeError /
@@ -75,14 +75,14 @@ def check_indexer(spec: Any) -> None:
     if spec.index_rope_layout not in INDEX_ROPE_LAYOUTS:
         raise ValueError(f"index_rope_layout must be one of {INDEX_ROPE_LAYOUTS}; got {spec.index_rope_layout!r}")
     if spec.index_topk is None:
-        for name in ("index_n_heads", "index_head_dim"):
+        for name in ("index_heads", "index_head_dim"):
             if getattr(spec, name) is not None:
                 raise ValueError(f"{name} is the sparse attention indexer's: it needs index_topk")
         if spec.index_rope_layout != "half":
             raise ValueError("index_rope_layout is the sparse attention indexer's: it needs index_topk")
         return
     check_positive_int("index_topk", spec.index_topk)
-    for name in ("index_n_heads", "index_head_dim"):
+    for name in ("index_heads", "index_head_dim"):
         if getattr(spec, name) is None:
             raise ValueError(f"index_topk (sparse attention) needs {name}")
         check_positive_int(name, getattr(spec, name))
@@ -96,13 +96,13 @@ def check_indexer(spec: Any) -> None:
 
 def indexer_layers(spec: Any) -> tuple[tuple[str, str, int, int], ...]:
     """The indexer's layers, ``(name, kind, fan_in, fan_out)`` with ``transformers``' names
-    (the submodule ``indexer``): ``wq_b`` (q_lora_rank -> index_n_heads * index_head_dim),
-    ``wk`` (d_in -> index_head_dim), ``weights_proj`` (d_in -> index_n_heads), linear
+    (the submodule ``indexer``): ``wq_b`` (q_lora_rank -> index_heads * index_head_dim),
+    ``wk`` (d_in -> index_head_dim), ``weights_proj`` (d_in -> index_heads), linear
     without bias; ``k_norm`` a LayerNorm of ``index_head_dim`` (weight and bias; kind
     ``"layer"``, fan_in = fan_out = its width).  None without ``index_topk``."""
     if getattr(spec, "index_topk", None) is None:
         return ()
-    heads, width = int(spec.index_n_heads), int(spec.index_head_dim)
+    heads, width = int(spec.index_heads), int(spec.index_head_dim)
     return (("wq_b", "linear", int(spec.q_lora_rank), heads * width), ("wk", "linear", int(spec.d_in), width),
             ("k_norm", "layer", width, width), ("weights_proj", "linear", int(spec.d_in), heads))
 

@@ -326,7 +326,7 @@ REGISTRY: dict[str, Variant] = {
              Option("query_scale", None, True),  # Mistral 4's llama_4_scaling_beta (an options.QueryScale)
              *_common(causal=True),
              # DeepSeek-V3.2 / GLM-5's sparse attention (DSA): an indexer keeps each query's top keys
-             Option("index_topk", None, True), Option("index_n_heads", None, True),
+             Option("index_topk", None, True), Option("index_heads", None, True),
              Option("index_head_dim", None, True), Option("index_rope_layout", "half", True)),
             projections=_LATENT,
             has_dropout=True,
@@ -440,7 +440,7 @@ class LatentWidths:
     norm_eps: float = 1e-6  # q_a_layernorm's and kv_a_layernorm's (and the indexer's k_norm)
     # the indexer of sparse attention (DSA; attention_spec.latent.check_indexer): None = dense
     index_topk: int | None = None
-    index_n_heads: int | None = None
+    index_heads: int | None = None
     index_head_dim: int | None = None
     index_rope_layout: str = "half"  # its rope's layout (DeepSeek-V3.2: "half", GLM-5: "interleaved")
 
@@ -527,7 +527,7 @@ class AttentionConfig:
         v_head_dim: int | None
         norm_eps: float
         index_topk: int | None
-        index_n_heads: int | None
+        index_heads: int | None
         index_head_dim: int | None
         index_rope_layout: str
 

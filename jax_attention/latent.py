@@ -106,7 +106,7 @@ class MultiHeadLatentAttention(AttentionModule):
     latent and the turned rope key, ``kv_lora_rank + qk_rope_head_dim`` numbers a token,
     fixed shapes: a jitted decode step compiles once.  dtypes as ``MultiHeadAttention``.
 
-    Sparse attention (DSA): ``index_topk`` (with ``index_n_heads``, ``index_head_dim``,
+    Sparse attention (DSA): ``index_topk`` (with ``index_heads``, ``index_head_dim``,
     ``q_lora_rank``) adds the submodule ``indexer`` (``wq_b``, ``wk``, ``k_norm``,
     ``weights_proj``) whose top-k choice of keys the attention reads as a mask, as the
     PyTorch twin's; ``selection`` replaces it; ``select_keys`` returns it and the scores;
@@ -139,7 +139,7 @@ class MultiHeadLatentAttention(AttentionModule):
         window: tuple[int | None, int | None] | None = None,
         alignment: str = "top_left",
         index_topk: int | None = None,
-        index_n_heads: int | None = None,
+        index_heads: int | None = None,
         index_head_dim: int | None = None,
         index_rope_layout: str = "half",
         dtype: Any = None,
@@ -266,13 +266,13 @@ class MultiHeadLatentAttention(AttentionModule):
         (``indexer_rope``), and its head weights (B, T, Hi) times Hi ** -0.5, in float32
         at least."""
         spec, indexer = self.spec, cast(Any, self.indexer)
-        iq = split_heads(self._linear(indexer.wq_b, q_resid, implementation), cast(int, spec.index_n_heads))
+        iq = split_heads(self._linear(indexer.wq_b, q_resid, implementation), cast(int, spec.index_heads))
         norm = indexer.k_norm
         ik = normalise(self._linear(indexer.wk, x, implementation), norm.scale[...], spec.norm_eps, centre=True,
                        bias=norm.bias[...])[:, None]
         iq, ik = rotate(indexer_rope(spec), iq, ik, positions, start)
         w = self._linear(indexer.weights_proj, x, implementation)
-        return iq, ik, w.astype(jnp.promote_types(w.dtype, jnp.float32)) * cast(int, spec.index_n_heads) ** -0.5
+        return iq, ik, w.astype(jnp.promote_types(w.dtype, jnp.float32)) * cast(int, spec.index_heads) ** -0.5
 
     def _choose(self, call: _Call, q: Array, iq: Array, ik: Array, w: Array, **extra: Any) -> tuple[Array, Array]:
         """The indexer's scores (B, T, S) and choice (B, T, S) among the keys the call's

@@ -27,7 +27,7 @@ def indexer_scores(options: Mapping[str, Any], params: Mapping[str, np.ndarray],
     from attention_spec.latent import indexer_rope
     from parity_tests.reference import _heads, _linear, _qk_norm, rope
 
-    heads, width = int(options["index_n_heads"]), int(options["index_head_dim"])
+    heads, width = int(options["index_heads"]), int(options["index_head_dim"])
     iq = _heads(_linear(params, "indexer.wq_b", q_resid), heads, width)  # (B, Hi, T, Di)
     ik = _qk_norm(params, "indexer.k_norm", _linear(params, "indexer.wk", x), "layer",
                   float(options["norm_eps"]))[:, None]  # (B, 1, T, Di)

@@ -108,7 +108,7 @@ class MultiHeadLatentAttention(AttentionModule):
     ``init_cache`` holds the latent and the turned rope key, ``kv_lora_rank +
     qk_rope_head_dim`` numbers a token (``cache_bytes_per_token``).
 
-    Sparse attention (DSA; DeepSeek-V3.2, GLM-5): ``index_topk`` (with ``index_n_heads``,
+    Sparse attention (DSA; DeepSeek-V3.2, GLM-5): ``index_topk`` (with ``index_heads``,
     ``index_head_dim`` and ``q_lora_rank``) adds the submodule ``indexer``
     (``transformers``' names: ``wq_b``, ``wk``, the LayerNorm ``k_norm``,
     ``weights_proj``), which scores every visible key for every query
@@ -147,7 +147,7 @@ class MultiHeadLatentAttention(AttentionModule):
         window: tuple[int | None, int | None] | None = None,
         alignment: str = "top_left",
         index_topk: int | None = None,
-        index_n_heads: int | None = None,
+        index_heads: int | None = None,
         index_head_dim: int | None = None,
         index_rope_layout: str = "half",
         dtype: torch.dtype | None = None,
@@ -269,13 +269,13 @@ class MultiHeadLatentAttention(AttentionModule):
         (``indexer_rope``), and its head weights (B, T, Hi) times Hi ** -0.5, in float32
         at least."""
         spec, indexer = self.spec, cast(Any, self.indexer)
-        iq = split_heads(self._linear(indexer.wq_b, q_resid, implementation), cast(int, spec.index_n_heads))
+        iq = split_heads(self._linear(indexer.wq_b, q_resid, implementation), cast(int, spec.index_heads))
         norm = cast(nn.LayerNorm, indexer.k_norm)
         ik = normalise(self._linear(indexer.wk, x, implementation), norm.weight, spec.norm_eps, centre=True,
                        bias=norm.bias).unsqueeze(1)
         iq, ik = rotate(indexer_rope(spec), iq, ik, positions, start)
         w = self._linear(indexer.weights_proj, x, implementation)
-        return iq, ik, w.to(torch.promote_types(w.dtype, torch.float32)) * cast(int, spec.index_n_heads) ** -0.5
+        return iq, ik, w.to(torch.promote_types(w.dtype, torch.float32)) * cast(int, spec.index_heads) ** -0.5
 
     def _choose(self, call: _Call, q: Tensor, iq: Tensor, ik: Tensor, w: Tensor,
                 **extra: Any) -> tuple[Tensor, Tensor]:

@@ -37,6 +37,12 @@ TINY: dict[str, Any] = {
 TINY_FOR: dict[str, dict[str, Any]] = {
     "kimi_linear": {"linear_num_heads": 4, "linear_head_dim": 8, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 8, "v_head_dim": 8},
+    # DSA (sparse attention): its indexer keeps every key (index_topk = the sweep's 64 tokens), since
+    # the ReLU's exact ties (0) go either way in torch.topk; the choice itself is checked against the
+    # layers in tests/modules/test_sparse_attention.py, ties told apart (parity_tests.selection)
+    **{t: {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+           "qk_nope_head_dim": 8, "v_head_dim": 8, "index_topk": 64, "index_head_dim": 16, "index_n_heads": 4}
+       for t in ("deepseek_v32", "glm_moe_dsa")},
 }
 MIXERS = ("self_attn", "attn", "attention", "self_attention", "linear_attn", "mixer", "mamba", "conv",
           "temporal_block")
@@ -83,7 +89,7 @@ class _AsHF:
     after, RoBERTa-PreLayerNorm's ``LayerNorm`` before and the residual after."""
 
     @staticmethod
-    def wrap(ours: Any, native: Any, positions: Any, gives: type = tuple) -> Any:
+    def wrap(ours: Any, native: Any, positions: Any, gives: type = tuple, arity: int = 2) -> Any:
         from torch import nn
 
         from torch_attention._hf import _recognise
@@ -110,7 +116,7 @@ class _AsHF:
                     out = out + hidden_states
                 if gives is list:
                     return [out, None]
-                return (out, None) if gives is tuple else out
+                return (out, *(None,) * (arity - 1)) if gives is tuple else out  # (GLM-5's: out, None, None)
 
         return Port()
 
@@ -163,9 +169,11 @@ def _verdict(model_type: str) -> tuple[str, str, float | None]:
     ids = torch.randint(0, 64, (1, POSITIONS[1] - POSITIONS[0]), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(*POSITIONS)[None]
     gives: dict[int, type] = {}  # what each layer returns: a tuple, a list (GPT-1's) or a tensor; the port too
+    arity: dict[int, int] = {}  # how many things a tuple holds
 
     def note(module: Any, _args: Any, out: Any) -> None:
         gives.setdefault(id(module), type(out))
+        arity.setdefault(id(module), len(out) if isinstance(out, tuple) else 2)
 
     hooks = [child.register_forward_hook(note) for _, _, child, _ in ports]
     try:
@@ -175,7 +183,8 @@ def _verdict(model_type: str) -> tuple[str, str, float | None]:
                 hook.remove()
             for layer, name, child, ours in ports:
                 kind = gives.get(id(child), tuple)
-                setattr(layer, name, _AsHF.wrap(ours, child, positions, kind if kind in (list, tuple) else object))
+                setattr(layer, name, _AsHF.wrap(ours, child, positions, kind if kind in (list, tuple) else object,
+                                                arity.get(id(child), 2)))
             got = model(input_ids=ids, position_ids=positions).logits
     except Exception as e:  # noqa: BLE001 - reported with the family
         return "not built", f"the native forward failed here: {type(e).__name__}: {str(e).splitlines()[0][:160]}", None
@@ -230,7 +239,7 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              # 2026's mechanisms: chunks, query scales, weightless norms, keys as values, a value norm, proportional
              # rope, linear attention (the gated delta rule, KDA) beside softmax or latent layers
              "llama4_text", "ministral3", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
-             "kimi_linear",
+             "kimi_linear", "deepseek_v32", "glm_moe_dsa",
              # a separate sigmoid gate_proj as our output gate (rows interleaved per head), halves turned by -angle
              "afmoe", "nanochat")
 MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",

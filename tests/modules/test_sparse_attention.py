@@ -28,7 +28,7 @@ B, T, FIRST, TOPK = 2, 24, 480, 8
 CONFIG: dict[str, Any] = {
     "d_in": 32, "num_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
     "q_lora_rank": 16, "rope": RopeConfig(theta=10000.0, layout="interleaved"), "index_topk": TOPK,
-    "index_n_heads": 4, "index_head_dim": 16,
+    "index_heads": 4, "index_head_dim": 16,
 }
 POSITIONS = (FIRST + 5 * np.arange(B)[:, None] + np.arange(T)[None]).astype(np.int64)
 
@@ -101,7 +101,7 @@ def test_the_indexer_has_transformers_names_in_both_twins(pair: Any) -> None:
     from attention_spec.interop.conversion import rules_for
 
     torch_m, flax_m, _, _ = pair
-    heads, width, d_in = CONFIG["index_n_heads"], CONFIG["index_head_dim"], CONFIG["d_in"]
+    heads, width, d_in = CONFIG["index_heads"], CONFIG["index_head_dim"], CONFIG["d_in"]
     indexer = {k: tuple(v.shape) for k, v in torch_m.state_dict().items() if k.startswith("indexer.")}
     assert indexer == {"indexer.wq_b.weight": (heads * width, CONFIG["q_lora_rank"]),
                        "indexer.wk.weight": (width, d_in), "indexer.k_norm.weight": (width,),
@@ -279,13 +279,13 @@ def test_scores_tied_on_purpose_are_reported_as_ties_and_a_planted_bug_diverges(
 
 @needs_torch
 @pytest.mark.parametrize("options,text", [
-    ({"index_topk": 8}, "index_topk (sparse attention) needs index_n_heads"),
-    ({"index_topk": 0, "index_n_heads": 2, "index_head_dim": 16}, "index_topk must be >= 1; got 0"),
-    ({"index_n_heads": 2}, "index_n_heads is the sparse attention indexer's: it needs index_topk"),
-    ({"index_topk": 8, "index_n_heads": 2, "index_head_dim": 4}, "index_head_dim must be >= qk_rope_head_dim 8"),
-    ({"index_topk": 8, "index_n_heads": 2, "index_head_dim": 16, "q_lora_rank": None},
+    ({"index_topk": 8}, "index_topk (sparse attention) needs index_heads"),
+    ({"index_topk": 0, "index_heads": 2, "index_head_dim": 16}, "index_topk must be >= 1; got 0"),
+    ({"index_heads": 2}, "index_heads is the sparse attention indexer's: it needs index_topk"),
+    ({"index_topk": 8, "index_heads": 2, "index_head_dim": 4}, "index_head_dim must be >= qk_rope_head_dim 8"),
+    ({"index_topk": 8, "index_heads": 2, "index_head_dim": 16, "q_lora_rank": None},
      "index_topk (sparse attention) needs q_lora_rank"),
-    ({"index_topk": 8, "index_n_heads": 2, "index_head_dim": 16, "index_rope_layout": "spiral"},
+    ({"index_topk": 8, "index_heads": 2, "index_head_dim": 16, "index_rope_layout": "spiral"},
      "index_rope_layout must be one of"),
 ])
 def test_a_bad_indexer_option_has_one_error_text(options: dict[str, Any], text: str) -> None:
