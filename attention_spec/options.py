@@ -22,6 +22,9 @@ IMPLEMENTATIONS = ("auto", "reference", "fused", "blockwise")
 ALIGNMENTS = ("top_left", "bottom_right")
 QK_NORMS = ("rms", "layer")
 QK_NORM_SCOPES = ("head", "all")
+QK_NORM_POSITIONS = ("before_rope", "after_rope")
+OUTPUT_GATE_ACTIVATIONS = ("sigmoid", "softplus")
+OUT_NORMS = ("rms",)
 ATTENTION_LAYOUTS = ("bhsd", "bshd")
 
 
@@ -125,6 +128,38 @@ def check_qk_norm_offset(qk_norm: str | None, offset: Any) -> float:
     if offset != 0 and qk_norm is None:
         raise ValueError(f"qk_norm_offset={offset!r} needs qk_norm ('rms' or 'layer')")
     return float(offset)
+
+
+def check_qk_norm_position(qk_norm: str | None, position: Any) -> str:
+    """``qk_norm_position``: where the qk-norm runs, ``"before_rope"`` (on the projections,
+    before the head split and rope: Qwen3, OLMo 2, Gemma 3) or ``"after_rope"`` (on the
+    turned q and k: HunYuan's ``query_layernorm`` / ``key_layernorm``); anything but the
+    default needs ``qk_norm``."""
+    _one_of("qk_norm_position", position, QK_NORM_POSITIONS)
+    if position != "before_rope" and qk_norm is None:
+        raise ValueError(f"qk_norm_position={position!r} needs qk_norm ('rms' or 'layer')")
+    return position
+
+
+def check_output_gate(output_gate: bool, activation: Any, per_head: Any) -> tuple[str, bool]:
+    """``output_gate_activation`` (``"sigmoid"``: Qwen3-Next, AFMoE; ``"softplus"``: Laguna,
+    computed in float32 at least) and ``output_gate_per_head`` (True: one gate value per
+    head, W_query's ``head_dim + 1`` rows a head, Laguna's per-head ``g_proj``; False: one
+    per feature); anything but the defaults needs ``output_gate=True``."""
+    _one_of("output_gate_activation", activation, OUTPUT_GATE_ACTIVATIONS)
+    if not isinstance(per_head, bool):
+        raise TypeError(f"output_gate_per_head must be a bool; got {type(per_head).__name__} {per_head!r}")
+    if not output_gate and (activation != "sigmoid" or per_head):
+        given = f"output_gate_activation={activation!r}" if activation != "sigmoid" else "output_gate_per_head=True"
+        raise ValueError(f"{given} needs output_gate=True")
+    return activation, per_head
+
+
+def check_out_norm(out_norm: Any) -> str | None:
+    """``out_norm`` (BitNet's ``attn_sub_norm``): None (off) or ``"rms"``, an RMSNorm with a
+    weight (``out_norm``) of the merged heads (``num_heads * head_dim``, after any output
+    gate) before ``out_proj``, epsilon ``qk_norm_eps``."""
+    return None if out_norm is None else _one_of("out_norm", out_norm, OUT_NORMS)
 
 
 def check_clip_qkv(clip_qkv: Any) -> float | None:

@@ -43,10 +43,13 @@ from attention_spec.options import (
     check_mask_strategy,
     check_normalization,
     check_optional_width,
+    check_out_norm,
     check_out_width,
+    check_output_gate,
     check_positive_int,
     check_qk_norm,
     check_qk_norm_offset,
+    check_qk_norm_position,
     check_qk_norm_weight,
     check_query_scale,
     check_scale,
@@ -295,15 +298,19 @@ REGISTRY: dict[str, Variant] = {
              # OLMo's clip_qkv (q, k, v clamped to [-c, c]); Qwen3-Next's output gate (W_query also
              # gives a gate per head, interleaved as q_proj's; the merged heads times its sigmoid)
              Option("clip_qkv", None, True), Option("output_gate", False, True),
+             # Laguna's gate: softplus, one value per head (W_query's head_dim + 1 rows a head)
+             Option("output_gate_activation", "sigmoid", True), Option("output_gate_per_head", False, True),
              # qk-norm: Qwen3's / Phi's per-head q_norm and k_norm, OLMo 2's across heads
              Option("qk_norm", None, True), Option("qk_norm_scope", "head", True), Option("qk_norm_eps", 1e-6, True),
              Option("qk_norm_offset", 0.0, True),  # Gemma 3: scale by 1 + weight
+             Option("qk_norm_position", "before_rope", True),  # HunYuan: "after_rope"
              # nanochat's / Llama 4's weightless qk-norm; Gemma 4's value norm and keys as values;
              # Llama 4's / Ministral 3's queries scaled by position (an options.QueryScale)
              Option("qk_norm_weight", True, True), Option("v_norm", None, True),
              Option("values_from_keys", False, True), Option("query_scale", None, True),
              # Gemma 4's num_kv_shared_layers: no W_key / W_value / k_norm, another layer's kv=
              Option("kv_shared", False, True),
+             Option("out_norm", None, True),  # BitNet's attn_sub_norm: an RMSNorm of the merged heads
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              Option("sinks", False, True),  # gpt-oss's attention sinks: one learned logit per head
              # flex attention's mods (attention_spec.mods), applied to this module's scores
@@ -378,6 +385,10 @@ class Layers:
     # W_query gives queries and a gate per head (2 * head_dim rows a head: the head's
     # queries, then its gate, as Qwen3-Next's q_proj); the merged heads times sigmoid(gate)
     output_gate: bool = False
+    output_gate_activation: str = "sigmoid"  # "softplus": Laguna's (in float32 at least)
+    output_gate_per_head: bool = False  # one gate value per head: W_query's head_dim + 1 rows a head
+    # an RMSNorm with a weight (``out_norm``) of the merged heads before out_proj (BitNet's attn_sub_norm)
+    out_norm: str | None = None
     # no W_value: the values are W_key's output before k-norm and rope (Gemma 4's attention_k_eq_v)
     values_from_keys: bool = False
     # no W_key / W_value / k_norm: the call takes another layer's keys and values (Gemma 4's
@@ -422,6 +433,7 @@ class QKTransforms:
     qk_norm_eps: float = 1e-6
     qk_norm_offset: float = 0.0
     qk_norm_weight: bool = True  # False: a weightless RMS norm (nanochat, Llama 4), no q_norm / k_norm
+    qk_norm_position: str = "before_rope"  # "after_rope": on the turned q and k (HunYuan)
     v_norm: str | None = None  # Gemma 4: "rms", a weightless RMS norm of each value head (qk_norm_eps)
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
     query_scale: Any = None  # an options.QueryScale: queries times 1 + beta log1p(floor((p + offset) / floor))
@@ -517,6 +529,10 @@ class AttentionConfig:
         qk_norm_eps: float
         qk_norm_offset: float
         qk_norm_weight: bool
+        qk_norm_position: str
+        output_gate_activation: str
+        output_gate_per_head: bool
+        out_norm: str | None
         v_norm: str | None
         rope: Any
         query_scale: Any
@@ -612,6 +628,12 @@ class AttentionConfig:
             _, _, eps = check_qk_norm(self.qk_norm, self.qk_norm_scope, self.qk_norm_eps)
             set_(self, "qk_norm_eps", eps)
             set_(self, "qk_norm_offset", check_qk_norm_offset(self.qk_norm, self.qk_norm_offset))
+        if "qk_norm_position" in exposed:
+            check_qk_norm_position(self.qk_norm, self.qk_norm_position)
+        if "output_gate_activation" in exposed:
+            check_output_gate(self.output_gate, self.output_gate_activation, self.output_gate_per_head)
+        if "out_norm" in exposed:
+            check_out_norm(self.out_norm)
         if "qk_norm_weight" in exposed:
             check_qk_norm_weight(self.qk_norm, self.qk_norm_weight, self.qk_norm_offset)
             check_v_norm(self.v_norm)
@@ -693,8 +715,8 @@ class AttentionConfig:
         if self.declaration.heads == "latent":
             return self.latent_fan_out(role)
         width = self.width
-        if role == "query" and self.output_gate and width is not None:
-            return 2 * width
+        if role == "query" and self.output_gate and width is not None:  # each head's queries, then its gate
+            return width + (self.num_heads if self.output_gate_per_head else width)
         if role == "out":
             return self.d_out if self.out_features is None else self.out_features
         if role in ("key", "value") and width is not None and self.kv_heads != self.num_heads:
@@ -747,6 +769,18 @@ class AttentionConfig:
             for name, role in (("q_norm", "query"), ("k_norm", "key"))
             if role == "query" or not self.kv_shared  # a kv_shared module's keys come normed
         )
+
+    def gate_width(self) -> int:
+        """An output gate's features a head (W_query's rows after each head's queries): 1
+        with ``output_gate_per_head``, else ``head_dim``; 0 without a gate."""
+        if not self.output_gate:
+            return 0
+        return 1 if self.output_gate_per_head else cast(int, self.head_dim)
+
+    def out_norms(self) -> tuple[tuple[str, int], ...]:
+        """The norm of the merged heads this config creates, ``(name, width)``:
+        ``("out_norm", num_heads * head_dim)`` with ``out_norm``, else none."""
+        return (("out_norm", cast(int, self.width)),) if self.out_norm is not None else ()
 
     def options(self) -> dict[str, Any]:
         """The constructor keywords, in signature order: ``cls(**config.options())``

@@ -36,6 +36,7 @@ from jax_attention._qk import (
     check_positions,
     norm_of,
     normalise_qk,
+    normalise_turned,
     qk_norm_layers,
     rotate,
     scale_queries,
@@ -169,6 +170,9 @@ class AttentionModule(nnx.Module):
                     if proj.exists(spec) else None)
         for name, norm in qk_norm_layers(spec, dtype=dtype, param_dtype=param_dtype, rngs=cast(nnx.Rngs, rngs)).items():
             setattr(self, name, norm)
+        for name, width in spec.out_norms():  # BitNet's attn_sub_norm: a scale of ones, as the PyTorch twin
+            setattr(self, name, nnx.RMSNorm(width, epsilon=spec.qk_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                                            rngs=cast(nnx.Rngs, rngs)))
         if spec.sinks:  # zeros: each head starts with a sink of logit 0, as the PyTorch twin
             self.sinks = nnx.Param(jnp.zeros((spec.num_heads,), param_dtype))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
@@ -408,6 +412,10 @@ class AttentionModule(nnx.Module):
 
     def _rotate(self, q: Array, k: Array, positions: Array | None, start: Array | None = None) -> tuple[Array, Array]:
         return rotate(self.spec.rope, q, k, positions, start)
+
+    def _normalise_turned(self, q: Array, k: Array, positions: Array | None,
+                          start: Array | None = None) -> tuple[Array, Array]:
+        return normalise_turned(self, q, k, positions, start)
 
     def _scale_queries(self, q: Array, k: Array, positions: Array | None,
                        start: Array | None = None) -> tuple[Array, Array]:

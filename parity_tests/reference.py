@@ -267,7 +267,11 @@ def forward(
     or (1, T); None: 0..T-1), in float64 (``rope``).  ``clip_qkv`` clamps the three
     projections' outputs (biases added) to [-c, c] before anything else; ``output_gate``
     reads W_query's output as each head's queries then its gate (2 * head_dim a head) and
-    multiplies the merged heads by sigmoid(gate) before ``out_proj``.  ``values_from_keys``:
+    multiplies the merged heads by sigmoid(gate) before ``out_proj`` (``output_gate_activation=
+    "softplus"``: by softplus(gate); ``output_gate_per_head``: one gate value a head, W_query's
+    D + 1 outputs a head); ``out_norm="rms"``: the merged heads (gated) RMS-normed with the
+    weight ``out_norm.weight`` before ``out_proj``; ``qk_norm_position="after_rope"``: the
+    qk-norm (with its weight) of the turned q and k.  ``values_from_keys``:
     the values are W_key's output (clamped) before k-norm and rope; ``v_norm="rms"``: each
     value head RMS-normed, no weight; ``qk_norm_weight=False``: q and k RMS-normed without
     weight after rope, where the families norm them (the twins norm before: a rotation
@@ -332,14 +336,15 @@ def forward(
     if shared and kv is None:
         raise ValueError("the oracle of a kv_shared module takes kv=(k, v), another layer's")
     gate = None
-    if options.get("output_gate"):  # Qwen3-Next: each head's 2D outputs of W_query, queries then gate
-        q_and_gate = _heads(by_role["query"], int(options["num_heads"]))  # (B, H, T, 2D)
-        half = q_and_gate.shape[-1] // 2
+    if options.get("output_gate"):  # Qwen3-Next: each head's outputs of W_query, queries then gate
+        q_and_gate = _heads(by_role["query"], int(options["num_heads"]))  # (B, H, T, D + G)
+        queries = q_and_gate.shape[-1] - 1 if options.get("output_gate_per_head") else q_and_gate.shape[-1] // 2
         by_role["query"], gate = (np.ascontiguousarray(part.transpose(0, 2, 1, 3)).reshape(*x.shape[:2], -1)
-                                  for part in (q_and_gate[..., :half], q_and_gate[..., half:]))
+                                  for part in (q_and_gate[..., :queries], q_and_gate[..., queries:]))
     weightless = options.get("qk_norm") is not None and options.get("qk_norm_weight") is False
+    after = options.get("qk_norm_position", "before_rope") == "after_rope"  # HunYuan: on the turned q and k
     for name, role in (("q_norm", "query"), ("k_norm", "key")):
-        if options.get("qk_norm") is not None and not weightless and not (shared and role == "key"):
+        if options.get("qk_norm") is not None and not weightless and not after and not (shared and role == "key"):
             by_role[role] = _qk_norm(params, name, by_role[role], options["qk_norm"], options["qk_norm_eps"],
                                      float(options.get("qk_norm_offset", 0.0)))
     if not by_role:  # no projections: queries, keys and values are x itself
@@ -358,6 +363,11 @@ def forward(
     if options.get("rope") is not None:
         q = rope(q, pos, options["rope"])
         k = k if shared else rope(k, pos, options["rope"])
+    if after and not weightless:  # HunYuan: the weighted qk-norm of the turned q and k, merged
+        norm = (options["qk_norm"], options["qk_norm_eps"], float(options.get("qk_norm_offset", 0.0)))
+        q = _heads(_qk_norm(params, "q_norm", _merged(q), *norm), num_heads, head_dim)
+        if not shared:
+            k = _heads(_qk_norm(params, "k_norm", _merged(k), *norm), kv_heads, head_dim)
     if weightless:  # nanochat / Llama 4: after rope, over each head (or all heads together)
         eps, whole = float(options["qk_norm_eps"]), options.get("qk_norm_scope") == "all"
         q = _heads(_rms(_merged(q), eps), num_heads, head_dim) if whole else _rms(q, eps)
@@ -375,8 +385,14 @@ def forward(
     out, weights = attention(q, k, v, scale=scale, **common)
     b, h, n, d = out.shape
     out = out.transpose(0, 2, 1, 3).reshape(b, n, h * d)
-    if gate is not None:  # the merged heads times sigmoid(gate), before out_proj
-        out = out / (1.0 + np.exp(-gate))
+    if gate is not None:  # the merged heads times sigmoid(gate) (softplus: Laguna), before out_proj
+        activated = np.logaddexp(0.0, gate) if options.get("output_gate_activation") == "softplus" else (
+            1.0 / (1.0 + np.exp(-gate)))
+        if options.get("output_gate_per_head"):  # one value a head, over its D features
+            activated = np.repeat(activated, out.shape[-1] // activated.shape[-1], axis=-1)
+        out = out * activated
+    if options.get("out_norm") == "rms":  # BitNet's attn_sub_norm: the merged heads, with a weight
+        out = _qk_norm(params, "out_norm", out, "rms", float(options["qk_norm_eps"]))
     for p in projections:
         if p.role == "out":  # out_features / out_bias: out_proj's (out, in) weight and bias, if any
             if p.has_bias(options) != (f"{p.name}.bias" in params):

@@ -34,6 +34,7 @@ from torch_attention._qk import (
     check_positions,
     norm_of,
     normalise_qk,
+    normalise_turned,
     qk_norm_layers,
     rotate,
     scale_queries,
@@ -163,6 +164,8 @@ class AttentionModule(nn.Module):
             setattr(self, proj.name, new_projection(spec, proj, factory) if proj.exists(spec) else None)
         for name, norm in qk_norm_layers(spec, factory).items():
             setattr(self, name, norm)
+        for name, width in spec.out_norms():  # BitNet's attn_sub_norm: a weight of ones
+            setattr(self, name, nn.RMSNorm(width, eps=spec.qk_norm_eps, **factory))
         if spec.sinks:  # zeros: each head starts with a sink of logit 0 (gpt-oss draws its own)
             self.sinks = nn.Parameter(torch.zeros(spec.num_heads, **factory))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
@@ -397,6 +400,10 @@ class AttentionModule(nn.Module):
 
     def _rotate(self, q: Tensor, k: Tensor, positions: Tensor | None, start: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return rotate(self.spec.rope, q, k, positions, start)
+
+    def _normalise_turned(self, q: Tensor, k: Tensor, positions: Tensor | None,
+                          start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return normalise_turned(self, q, k, positions, start)
 
     def _scale_queries(self, q: Tensor, k: Tensor, positions: Tensor | None,
                        start: Tensor | None = None) -> tuple[Tensor, Tensor]:

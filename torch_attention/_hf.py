@@ -32,7 +32,7 @@ from torch import nn
 from attention_spec.interop.conversion import as_numpy, rules_for
 from attention_spec.interop.huggingface import window_from_hf
 from attention_spec.interop.packing import pack_state_dict, packed_state_dict
-from attention_spec.interop.specs import Concat, MergeAxes, Rule, SplitAxis, Transpose, packed_qkv_rules
+from attention_spec.interop.specs import Joined, MergeAxes, Rule, SplitAxis, Transpose, packed_qkv_rules
 from attention_spec.rope import LAYOUTS, RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
@@ -68,6 +68,10 @@ class _Family:
     not_ours: str | None = None  # a sub-module of the layer that ours does not cover (BERT's LayerNorm)
     gate: str = ""  # a separate sigmoid output gate (AFMoE's ``gate_proj``): ours is output_gate, its rows
     #                 interleaved with q_proj's per head in W_query (``_interleave``)
+    gate_activation: str = "sigmoid"  # the gate's activation, by a probe ("softplus": Laguna's g_proj)
+    gate_per_head: bool = False  # one gate value a head (Laguna's per-head g_proj: num_heads rows)
+    norm_after_rope: bool = False  # a weighted qk-norm of the turned q and k (HunYuan's query_layernorm)
+    out_norm: str = ""  # an RMSNorm of the merged heads before the output projection (BitNet's attn_sub_norm)
     rope_reversed: bool = False  # nanochat: halves turned by -angle; ours holds q/k rows with the second half
     #                 of each head's turned features negated (``_flip_halves``), which turns them so exactly
 
@@ -112,7 +116,6 @@ _KNOWN_EXTRAS = {
     "v_norm": "a value norm",
     "gate_proj": "an output gate (gate_proj)", "g_proj": "an output gate (g_proj)",
     "q_gate_proj": "an output gate (q_gate_proj)",
-    "attn_sub_norm": "a norm of the attention output before its projection (attn_sub_norm)",
     "o_norm": "a norm of the attention output before its projection (o_norm)",
     "qk_norm": "a weightless qk-norm (qk_norm: L2)",
     "experts": "a mixture of attention experts",
@@ -334,12 +337,17 @@ def _recognise(layer: Any, what: str) -> _Family:
     v_norm = _child(layer, "v_norm")  # Gemma 4: a weightless RMS norm of each value head
     if v_norm is not None and _norm_kind(v_norm) == ("weightless", False):
         family = dataclasses.replace(family, v_norm=True)
-    gate, gate_problems = _separate_gate(layer, family)
+    gate, gate_problems, gate_kind = _separate_gate(layer, family)
     problems += gate_problems
     if gate:
-        family = dataclasses.replace(family, gate=gate)
+        family = dataclasses.replace(family, gate=gate, gate_activation=gate_kind[0], gate_per_head=gate_kind[1])
+    out_norm, out_problems = _out_norm(layer, family)
+    problems += out_problems
+    if out_norm:
+        family = dataclasses.replace(family, out_norm=out_norm)
     covered = {family.o, *((family.packed,) if family.packed else (family.q, family.k, family.v)), *(norms or ()),
-               *(("v_norm",) if family.v_norm else ()), *((gate,) if gate else ()),
+               *(("v_norm",) if family.v_norm else ()), *((gate,) if gate else ()), *((out_norm,) if out_norm else ()),
+               *((_OUT_NORM,) if out_problems else ()),
                *(_GATES if gate_problems else ())}  # (a gate refused above is named once)
     if family.not_ours:
         covered.update((family.not_ours.split(".")[0], family.o.split(".")[0]))  # BERT's `output`: dense and the rest
@@ -387,11 +395,14 @@ def _recognise(layer: Any, what: str) -> _Family:
             raise _refused(layer, [f"halves turned by -angle (as ours turns them with each head's second half "
                                    f"negated) together with {blocked}"])
     weightless = norm_kind is not None and norm_kind[0] == "weightless"  # (it commutes with the rotation)
-    if (rope and norms is not None and norm_kind is not None and not weightless
-            and _sees_rotation(layer, norms[0], _d_in(layer, family))):
-        raise _refused(layer, [f"a qk-norm after rope (`{norms[0]}` / `{norms[1]}` normalise the turned q and k, "
-                               "and their weights do not commute with the rotation; ours normalises before it turns)"])
-    family = dataclasses.replace(family, rope=rope, rope_layout=layout, sinks="sinks" in own, rope_reversed=reverse)
+    # HunYuan: a weighted qk-norm of the turned q and k (qk_norm_position="after_rope")
+    after = bool(rope and norms is not None and norm_kind is not None and not weightless
+                 and _sees_rotation(layer, norms[0], _d_in(layer, family)))
+    if after and reverse:
+        raise _refused(layer, ["halves turned by -angle (as ours turns them with each head's second half negated) "
+                               "together with a qk-norm after rope"])
+    family = dataclasses.replace(family, rope=rope, rope_layout=layout, sinks="sinks" in own, rope_reversed=reverse,
+                                 norm_after_rope=after)
     if norms is None or norm_kind is None:
         return dataclasses.replace(family, label=label)
     if weightless:  # nanochat, Llama 4: over each head's features, no parameter
@@ -404,46 +415,67 @@ def _recognise(layer: Any, what: str) -> _Family:
 
 
 _GATES = ("gate_proj", "g_proj")  # a separate output gate's projection (AFMoE's, Beam's; Laguna's)
+_OUT_NORM = "attn_sub_norm"  # an RMSNorm of the merged heads before the output projection (BitNet's)
+# The gate activations ours has (``output_gate_activation``), as the probe tells them apart.
+_GATE_ACTIVATIONS = {"sigmoid": lambda v: 1.0 / (1.0 + math.exp(-v)), "softplus": lambda v: math.log1p(math.exp(v))}
 
 
-def _separate_gate(layer: nn.Module, family: _Family) -> tuple[str, list[str]]:
+def _separate_gate(layer: nn.Module, family: _Family) -> tuple[str, list[str], tuple[str, bool]]:
     """A separate output gate ours expresses as ``output_gate`` (AFMoE's ``gate_proj``: an
     ``nn.Linear`` of the model width to as many outputs as ``q_proj``, biased as q_proj is,
-    and ``sigmoid(gate)`` multiplying the merged heads before the output projection, by
-    what the layer computes: ``_gate_probe``); ("", []) where the layer has none, else
-    ("", what refuses it)."""
+    or Laguna's ``g_proj``, one output a head; ``sigmoid(gate)`` or ``softplus(gate)``
+    multiplying the merged heads before the output projection, by what the layer computes:
+    ``_gate_probe``); ("", [], _) where the layer has none, else ("", what refuses it, _);
+    the third is (its activation, whether it has one value a head)."""
+    plain = ("sigmoid", False)
     name = next((n for n in _GATES if _child(layer, n) is not None), "")
     if not name or family.packed or family.kv_shared or family.values_from_keys or family.attention:
-        return "", []
+        return "", [], plain
     module, q = _get(layer, name), _get(layer, family.q)
     problems = []
     if not _is_linear(module) or set(dict(module.named_parameters())) - {"weight", "bias"}:
-        return "", [f"an output gate `{name}` that is a {type(module).__name__}, not nn.Linear"]
+        return "", [f"an output gate `{name}` that is a {type(module).__name__}, not nn.Linear"], plain
     rows, q_rows = int(module.weight.shape[0]), int(q.weight.shape[0])
-    if rows != q_rows:
+    heads = _heads_of(layer)
+    per_head = rows == heads and q_rows != heads  # Laguna's per-head g_proj: one value a head
+    if rows != q_rows and not per_head:
         problems.append(f"an output gate of {rows} values per token (`{name}`; q_proj gives {q_rows}: ours gates each "
-                        "query feature, not each head)")
-    if (module.bias is None) != (q.bias is None):
+                        f"query feature, or each of the {heads} heads)")
+    if per_head and module.bias is not None:
+        problems.append(f"an output gate `{name}` of one value a head with a bias (ours' gate bias is W_query's)")
+    elif (module.bias is None) != (q.bias is None):
         problems.append(f"an output gate `{name}` {'with' if module.bias is not None else 'without'} a bias where q_proj "
                         f"has {'none' if q.bias is None else 'one'} (ours' gate bias is W_query's)")
     if "gate_bias" in dict(layer.named_parameters(recurse=False)):  # (not probed: it is added after gate_proj)
         problems.append("a gate bias per head (`gate_bias`, Beam's: ours' gate bias is W_query's, one per feature)")
     own = dict(layer.named_parameters(recurse=False))
-    kind = "" if "gate_bias" in own else _gate_probe(layer, family, name)  # (Beam's is added after gate_proj)
-    if kind:
-        problems.insert(0, kind)
-    return ("", problems) if problems else (name, [])
+    found = ("sigmoid", "") if "gate_bias" in own else _gate_probe(layer, family, name)  # (Beam's: after gate_proj)
+    if found[1]:
+        problems.insert(0, found[1])
+    return ("", problems, plain) if problems else (name, [], (found[0], per_head))
 
 
-def _gate_probe(layer: nn.Module, family: _Family, name: str) -> str:
+def _heads_of(layer: nn.Module) -> int:
+    """The layer's query heads: its config's ``num_attention_heads``, or its own entry of
+    ``num_attention_heads_per_layer`` (Laguna's heads per layer)."""
+    attention = _attention_of(layer)
+    config = _config(attention)
+    per_layer, index = getattr(config, "num_attention_heads_per_layer", None), getattr(attention, "layer_idx", None)
+    if isinstance(per_layer, list | tuple) and type(index) is int and index < len(per_layer):
+        return int(per_layer[index])
+    return int(config.num_attention_heads)
+
+
+def _gate_probe(layer: nn.Module, family: _Family, name: str) -> tuple[str, str]:
     """What the gate ``name`` does to the layer's output, on a probe with its outputs forced
-    to 0, 30 and -30 (a forward hook): ours' (``sigmoid(gate)`` times the merged heads, then
-    the output projection, whose bias alone is left at -30) scales ``out - o_proj(0)`` by
-    1/2 at 0 and 1 at 30.  "" where it does (or the probe cannot call the layer: the
-    self-check after the port decides), else what it does, in words."""
+    to 0, 30 and -30 (a forward hook): ours' (``act(gate)`` times the merged heads, then the
+    output projection, whose bias alone is left at -30) scales ``out - o_proj(0)`` by
+    ``act(v) / act(30)`` at v (sigmoid: 1/2 at 0; softplus: log(2) / 30).  (the activation,
+    "") where one of ours does (sigmoid also where the probe cannot call the layer: the
+    self-check after the port decides), else ("", what it does, in words)."""
     weight = next(layer.parameters(), None)
     if weight is None or weight.is_meta:
-        return ""
+        return "sigmoid", ""
     attention = _attention_of(layer)
     x = _probe_input(layer, _d_in(layer, family))
     mask = _probe_mask(x, None, bool(getattr(attention, "is_causal", True)))
@@ -457,19 +489,39 @@ def _gate_probe(layer: nn.Module, family: _Family, name: str) -> str:
         try:
             found.append(_hf_forward(layer, x, mask, embeddings).float())
         except Exception:  # noqa: BLE001 - a call convention the probe does not know
-            return ""
+            return "sigmoid", ""
         finally:
             handle.remove()
     with torch.no_grad():
         width = int(_get(layer, family.o).weight.shape[1])
         silent = _get(layer, family.o)(torch.zeros(1, 1, width, dtype=x.dtype, device=x.device))[0, 0].float()
-    half, whole, none = (f - silent for f in found)
+    zero, whole, low = (f - silent for f in found)
     tol = 1e-5 * max(float(whole.abs().max()), 1e-6)
-    if float((half - 0.5 * whole).abs().max()) <= tol and float(none.abs().max()) <= tol:
-        return ""
-    ratio = float((half * whole).sum() / (whole * whole).sum().clamp_min(1e-30))
-    return (f"an output gate `{name}` that is not sigmoid(gate) times the heads (its output at a gate of 0 is "
-            f"{ratio:.3g} of that at 30, not 0.5; softplus's is 0.0231)")
+    for kind, act in _GATE_ACTIVATIONS.items():
+        at_zero, at_low = act(0.0) / act(30.0), act(-30.0) / act(30.0)
+        if float((zero - at_zero * whole).abs().max()) <= tol and float((low - at_low * whole).abs().max()) <= tol:
+            return kind, ""
+    ratio = float((zero * whole).sum() / (whole * whole).sum().clamp_min(1e-30))
+    return "", (f"an output gate `{name}` that is neither sigmoid(gate) nor softplus(gate) times the heads (its output "
+                f"at a gate of 0 is {ratio:.3g} of that at 30, not 0.5 or 0.0231)")
+
+
+def _out_norm(layer: nn.Module, family: _Family) -> tuple[str, list[str]]:
+    """BitNet's ``attn_sub_norm``, an RMSNorm with a weight as wide as the merged heads that
+    the output projection reads, ours' ``out_norm="rms"``; ("", []) where the layer has
+    none, else ("", what refuses it)."""
+    norm = _child(layer, _OUT_NORM)
+    if norm is None or family.attention or family.packed:
+        return "", []
+    what = f"a norm of the attention output before its projection (`{_OUT_NORM}`, {type(norm).__name__})"
+    if "weight" not in dict(norm.named_parameters()):  # Dory's L2 norm
+        return "", [f"{what} without a weight (ours' out_norm is an RMSNorm with one)"]
+    if _norm_kind(norm) != ("rms", False):
+        return "", [f"{what} that is not an RMSNorm with a weight (ours' out_norm)"]
+    width, merged = int(norm.weight.shape[-1]), int(_get(layer, family.o).weight.shape[1])
+    if width != merged:
+        return "", [f"{what} {width} wide, where the merged heads are {merged}"]
+    return _OUT_NORM, []
 
 
 def _reversal_blocked(layer: nn.Module, family: _Family, norm_kind: tuple[str, bool] | None) -> str:
@@ -1153,7 +1205,7 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
     for the heads: ``num_attention_heads`` / ``num_key_value_heads``)."""
     config = _config(_get(layer, family.attention))
     gate = False
-    heads = int(config.num_attention_heads)
+    heads = _heads_of(layer) if not family.attention else int(config.num_attention_heads)
     per_layer = getattr(config, "per_layer_config", None)  # Gemma 4: each layer's own head widths
     index = getattr(_get(layer, family.attention), "layer_idx", None)
     own = per_layer[index] if per_layer is not None and index is not None else config
@@ -1172,7 +1224,7 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         kv_width = int(k.weight.shape[0]) // kv_heads
         if width == 2 * heads * kv_width:  # Qwen3-Next / Qwen3.5: each head's queries, then its gate
             gate, width = True, width // 2
-        gate = gate or bool(family.gate)  # AFMoE: a gate_proj of q_proj's width beside it
+        gate = gate or bool(family.gate)  # AFMoE: a gate_proj of q_proj's width beside it (Laguna: a value a head)
     else:
         heads, kv_heads, head_dim = _packed_heads(layer, _get(layer, family.attention), family)
         width, qkv_bias = heads * head_dim, _get(layer, family.packed).bias is not None
@@ -1182,6 +1234,8 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         "num_kv_heads": None if kv_heads == heads else kv_heads,
         "head_dim": None if head_dim * heads == d_model else head_dim,
         "qkv_bias": qkv_bias, "out_bias": out.bias is not None, **({"output_gate": True} if gate else {}),
+        **({"output_gate_activation": family.gate_activation} if family.gate_activation != "sigmoid" else {}),
+        **({"output_gate_per_head": True} if family.gate_per_head else {}),
     }
 
 
@@ -1224,6 +1278,14 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
                        qk_norm_offset=1.0 if family.norm_offset else 0.0)
         if not family.norm_weight:  # nanochat, Llama 4: no parameter
             options["qk_norm_weight"] = False
+        if family.norm_after_rope:  # HunYuan: the turned q and k normed
+            options["qk_norm_position"] = "after_rope"
+    if family.out_norm:  # BitNet's attn_sub_norm: its epsilon must be the qk-norms' (ours has one, qk_norm_eps)
+        eps = _norm_eps(_get(layer, family.out_norm))
+        if options.get("qk_norm") is not None and eps != options["qk_norm_eps"]:
+            raise _refused(layer, [f"a norm of the merged heads with its own epsilon ({eps:g}; the qk-norms' is "
+                                   f"{options['qk_norm_eps']:g}: ours has one, qk_norm_eps)"])
+        options.update(out_norm="rms", **({} if options.get("qk_norm") is not None else {"qk_norm_eps": eps}))
     options.update(_value_options(layer, family, options))
     query_scale = _query_scale(layer, attention, family)
     if query_scale is not None:
@@ -1265,6 +1327,8 @@ def _query_scale(layer: nn.Module, attention: Any, family: _Family) -> tuple[flo
 def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
     """{our parameter name: HF parameter name} for the weights copied one to one."""
     names = {"out_proj.weight": f"{family.o}.weight"}
+    if family.out_norm:  # BitNet's attn_sub_norm
+        names["out_norm.weight"] = f"{family.out_norm}.weight"
     if family.sinks:
         names["sinks"] = "sinks"
     if options["out_bias"]:
@@ -1318,10 +1382,11 @@ def _interleave(q: torch.Tensor, gate: torch.Tensor, heads: int) -> torch.Tensor
         -1, *q.shape[1:])
 
 
-def _split_gate(w_query: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """W_query's rows (or bias) of an output gate -> (q_proj's, the gate's)."""
+def _split_gate(w_query: torch.Tensor, heads: int, gate_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_query's rows (or bias) of an output gate -> (q_proj's, the gate's): each head's
+    rows, its queries then its ``gate_width`` gate rows (None: half of them)."""
     per_head = w_query.reshape(heads, -1, *w_query.shape[1:])
-    width = per_head.shape[1] // 2
+    width = per_head.shape[1] // 2 if gate_width is None else per_head.shape[1] - gate_width
     return (per_head[:, :width].reshape(-1, *w_query.shape[1:]), per_head[:, width:].reshape(-1, *w_query.shape[1:]))
 
 
@@ -1385,7 +1450,8 @@ def hf_rules(layer: nn.Module) -> list[Rule]:
         rules.append(Rule(theirs, rule.flax_path, () if conv1d else rule.steps))
     if family.gate:  # q_proj's and gate_proj's rows, head by head, into one W_query kernel (and bias)
         heads, width = options["num_heads"], int(_get(layer, family.q).weight.shape[0]) // options["num_heads"]
-        per_head = (SplitAxis(0, (heads, width)), Concat(1, 2), MergeAxes(0, (heads, 2 * width)))
+        gate_width = 1 if family.gate_per_head else width  # Laguna's per-head g_proj: one row a head
+        per_head = (SplitAxis(0, (heads, -1)), Joined(1, (width, gate_width)), MergeAxes(0, (heads, width + gate_width)))
         rules.append(Rule([f"{family.q}.weight", f"{family.gate}.weight"], ("W_query", "kernel"),
                           (*per_head, Transpose())))
         if options["qkv_bias"]:
@@ -1423,6 +1489,8 @@ def hf_children(layer: nn.Module) -> dict[str, tuple[str, str | None]]:
         roles += [*(((family.q, "W_query"),) if not (family.gate or family.rope_reversed) else ()),
                   *(((family.k, "W_key"),) if family.k and not family.rope_reversed else ()),
                   *(((family.v, "W_value"),) if family.v else ())]  # (a kv_shared layer: q alone)
+    if family.out_norm:  # BitNet's attn_sub_norm: the merged heads, (B, T, H * D) on both sides
+        roles.append((family.out_norm, "out_norm"))
     children: dict[str, tuple[str, str | None]] = {theirs: (ours, None) for theirs, ours in roles}
     norms = None if family.norms is None else family.norms[:1] if family.kv_shared else family.norms
     if family.norm_weight and norms is not None and all(_get(layer, n) is not None for n in norms):
@@ -1588,7 +1656,8 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     mine, theirs = ours.spec, want.spec
     fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
               "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "chunk", "alignment",
-              "clip_qkv", "output_gate", "qk_norm_weight", "v_norm", "values_from_keys", "query_scale", "kv_shared")
+              "clip_qkv", "output_gate", "output_gate_activation", "output_gate_per_head", "qk_norm_weight",
+              "qk_norm_position", "out_norm", "v_norm", "values_from_keys", "query_scale", "kv_shared")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]
     if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:
@@ -1637,8 +1706,8 @@ def _hf_arrays(ours: MultiHeadAttention, family: _Family, options: Mapping[str, 
         arrays.update({theirs: flipped[mine] for mine, theirs in _names(family, options).items() if mine in flipped})
     if family.gate:
         for part in ("weight", "bias") if options["qkv_bias"] else ("weight",):
-            arrays[f"{family.q}.{part}"], arrays[f"{family.gate}.{part}"] = _split_gate(own[f"W_query.{part}"],
-                                                                                       options["num_heads"])
+            arrays[f"{family.q}.{part}"], arrays[f"{family.gate}.{part}"] = _split_gate(
+                own[f"W_query.{part}"], options["num_heads"], ours.spec.gate_width())
     return arrays
 
 

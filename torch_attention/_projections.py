@@ -13,10 +13,11 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from attention_spec.registry import AttentionConfig, Projection
 from torch_attention._linear import project as project_linear
-from torch_attention._qk import rms, transform_projected
+from torch_attention._qk import normalise, rms, transform_projected
 
 # --------------------------------------------------------------------------- construction
 
@@ -69,8 +70,8 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
             t = cast(Tensor, projected_keys)
         else:
             t = clip(module._linear(getattr(module, names[role]), inputs, implementation), spec.clip_qkv)
-        if role == "query" and spec.output_gate:  # (B, T, H * 2D) -> queries, gate (B, T, H * D)
-            t, gate = split_gate(t, heads)
+        if role == "query" and spec.output_gate:  # (B, T, H * (D + G)) -> queries, gate (B, T, H * G)
+            t, gate = split_gate(t, heads, spec.gate_width())
         if role == "key":
             projected_keys = t
         if role != "value":
@@ -94,15 +95,19 @@ def split_heads(t: Tensor, heads: int) -> Tensor:
 
 
 def merge(module: Any, out: Tensor, implementation: str, gate: Tensor | None = None) -> Tensor:
-    """Heads (B, H, T, Dv) -> (B, T, H * Dv), times sigmoid(gate) with ``output_gate``
-    (the gate ``project`` split from this call's queries, (B, T, H * D)), mixed by the module's
-    ``out_proj`` (its ``_linear``) where it has one."""
+    """Heads (B, H, T, Dv) -> (B, T, H * Dv), times the activated gate with ``output_gate``
+    (``apply_gate``: the gate ``project`` split from this call's queries, (B, T, H * G)),
+    through ``out_norm`` (an RMSNorm of the merged heads, BitNet's ``attn_sub_norm``) where it
+    has one, mixed by the module's ``out_proj`` (its ``_linear``) where it has one."""
+    spec = module.spec
     b, h, num_tokens, head_dim = out.shape
     # (B, H, T, D) -> (B, T, H, D) -> (B, T, H * D)
     out = out.transpose(1, 2).reshape(b, num_tokens, h * head_dim)
-    if module.spec.output_gate:
+    if spec.output_gate:
         assert gate is not None, "a module with output_gate merges with the gate its project split"
-        out = out * torch.sigmoid(gate)
+        out = apply_gate(spec, out, gate)
+    if spec.out_norm is not None:  # BitNet's attn_sub_norm: over the merged heads, with a weight
+        out = normalise(out, module.out_norm.weight, spec.qk_norm_eps)
     out_proj = getattr(module, "out_proj", None)
     return out if out_proj is None else module._linear(out_proj, out, implementation)  # heads mixed
 
@@ -116,12 +121,30 @@ def clip(t: Tensor, clip_qkv: float | None) -> Tensor:
     return t if clip_qkv is None else t.clamp(-clip_qkv, clip_qkv)
 
 
-def split_gate(t: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-    """W_query's output (B, T, heads * 2D) of a gated module -> queries and gate, each
-    (B, T, heads * D): each head's 2D features are its D queries, then its D gate
-    features (Qwen3-Next's ``q_proj(x).view(B, T, H, 2D).chunk(2, -1)``)."""
-    b, num_tokens, width = t.shape
-    pairs = t.view(b, num_tokens, heads, 2, width // (2 * heads))  # (B, T, H, 2, D)
-    return pairs[..., 0, :].reshape(b, num_tokens, -1), pairs[..., 1, :].reshape(b, num_tokens, -1)
+def split_gate(t: Tensor, heads: int, gate_width: int) -> tuple[Tensor, Tensor]:
+    """W_query's output (B, T, heads * (D + G)) of a gated module -> queries (B, T, heads *
+    D) and gate (B, T, heads * G): each head's features are its D queries, then its G gate
+    features (G = D: Qwen3-Next's ``q_proj(x).view(B, T, H, 2D).chunk(2, -1)``; G = 1:
+    ``output_gate_per_head``, one value a head)."""
+    b, num_tokens, _ = t.shape
+    per_head = t.view(b, num_tokens, heads, -1)  # (B, T, H, D + G)
+    queries = per_head.shape[-1] - gate_width
+    return per_head[..., :queries].reshape(b, num_tokens, -1), per_head[..., queries:].reshape(b, num_tokens, -1)
+
+
+def apply_gate(spec: AttentionConfig, out: Tensor, gate: Tensor) -> Tensor:
+    """The merged heads (B, T, H * D) times the activated gate (B, T, H * G): sigmoid(gate)
+    in the gate's dtype (Qwen3-Next, AFMoE) or softplus(gate) in float32 at least, cast
+    back (Laguna's ``F.softplus(g.float())``); G = 1 (``output_gate_per_head``) scales each
+    head's D features by its one value."""
+    if spec.output_gate_activation == "softplus":
+        activated = F.softplus(gate.to(torch.promote_types(gate.dtype, torch.float32))).to(out.dtype)
+    else:
+        activated = torch.sigmoid(gate)
+    if not spec.output_gate_per_head:
+        return out * activated
+    b, num_tokens, width = out.shape
+    # (B, T, H, D) * (B, T, H, 1) -> (B, T, H * D)
+    return (out.view(b, num_tokens, spec.num_heads, -1) * activated.unsqueeze(-1)).view(b, num_tokens, width)
 
 

@@ -37,8 +37,11 @@ class Transform(NamedTuple):
 
 # In their order; the next transform is one more entry.
 TRANSFORMS = (
-    Transform("projected", lambda spec: spec.qk_norm is not None, "_normalise_qk"),
+    Transform("projected", lambda spec: spec.qk_norm is not None and spec.qk_norm_position == "before_rope",
+              "_normalise_qk"),
     Transform("heads", lambda spec: spec.rope is not None, "_rotate"),
+    Transform("heads", lambda spec: spec.qk_norm is not None and spec.qk_norm_position == "after_rope",
+              "_normalise_turned"),
     Transform("heads", lambda spec: spec.query_scale is not None, "_scale_queries"),
 )
 
@@ -99,6 +102,20 @@ def normalise_qk(spec: AttentionConfig, norm: Any, t: Tensor) -> Tensor:
     layer = spec.qk_norm == "layer"
     return normalise(t, norm.weight, spec.qk_norm_eps, centre=layer, offset=spec.qk_norm_offset,
                      bias=norm.bias if layer else None)
+
+
+def normalise_turned(module: Any, q: Tensor, k: Tensor, positions: Tensor | None = None,
+                     start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """q (B, H, T, D) and k (B, Hkv, S, D) through the module's qk-norm after rope
+    (``qk_norm_position="after_rope"``, HunYuan's): each merged (B, T, heads * D) through the
+    module's ``_normalise_qk`` (the qk-norm's one seam), split back into heads."""
+    def one(role: str, t: Tensor) -> Tensor:
+        b, heads, num_tokens, head_dim = t.shape
+        # (B, heads, T, D) -> (B, T, heads * D) -> normed -> (B, heads, T, D)
+        merged = t.transpose(1, 2).reshape(b, num_tokens, heads * head_dim)
+        return module._normalise_qk(role, merged).view(b, num_tokens, heads, head_dim).transpose(1, 2)
+
+    return one("query", q), one("key", k)
 
 
 def normalise(t: Tensor, weight: Tensor, eps: float, *, centre: bool = False, offset: float = 0.0,

@@ -108,7 +108,14 @@ class MultiHeadAttention(AttentionModule):
     ``2 * num_heads * head_dim`` outputs, each head's ``head_dim`` queries then its
     ``head_dim`` gate features (Hugging Face's ``q_proj`` as it is); the merged heads
     are multiplied by ``sigmoid(gate)`` before ``out_proj``.  With both, the gate is
-    clamped too (it is W_query's output).
+    clamped too (it is W_query's output).  ``output_gate_activation="softplus"`` (Laguna):
+    ``softplus(gate)`` in float32 at least, cast back, instead of the sigmoid;
+    ``output_gate_per_head=True`` (Laguna's per-head ``g_proj``): one gate value a head,
+    ``W_query`` then has ``num_heads * (head_dim + 1)`` outputs, each head's queries then
+    its one gate value, which scales the head's ``head_dim`` features.
+    ``out_norm="rms"`` (BitNet's ``attn_sub_norm``): an RMSNorm with a weight ``out_norm``
+    (``num_heads * head_dim`` wide, ones at first; epsilon ``qk_norm_eps``) of the merged
+    heads, after the gate, before ``out_proj``.
 
     qk-norm: ``qk_norm="rms"`` or ``"layer"`` normalises the projected queries and keys
     (``q_norm``, ``k_norm``: a learnable weight, and a bias for ``"layer"``; ``eps`` =
@@ -116,6 +123,9 @@ class MultiHeadAttention(AttentionModule):
     Qwen3, Phi's ``qk_layernorm``) or over all heads together (``"all"``: OLMo 2).
     ``qk_norm_offset=1.0``: the norms scale by ``1 + weight`` (Gemma 3's RMSNorm; the
     weights then start at zeros).
+    ``qk_norm_position="after_rope"`` (HunYuan's ``query_layernorm`` / ``key_layernorm``):
+    the qk-norm runs on the turned q and k (before any ``query_scale``) instead of on the
+    projections; a cache then holds keys normed after their turn, as HunYuan's.
     ``qk_norm_weight=False`` (nanochat, Llama 4's ``L2Norm``): a weightless RMS norm
     ``x * rsqrt(mean(x^2) + eps)``, no ``q_norm`` / ``k_norm`` parameter (``qk_norm="rms"``
     only; the families norm after rope, which a rotation does not change: the same to
@@ -184,15 +194,19 @@ class MultiHeadAttention(AttentionModule):
         out_bias: bool = True,
         clip_qkv: float | None = None,
         output_gate: bool = False,
+        output_gate_activation: str = "sigmoid",
+        output_gate_per_head: bool = False,
         qk_norm: str | None = None,
         qk_norm_scope: str = "head",
         qk_norm_eps: float = 1e-6,
         qk_norm_offset: float = 0.0,
         qk_norm_weight: bool = True,
+        qk_norm_position: str = "before_rope",
         v_norm: str | None = None,
         values_from_keys: bool = False,
         query_scale: Any = None,
         kv_shared: bool = False,
+        out_norm: str | None = None,
         rope: Any = None,
         sinks: bool = False,
         score_mod: Any = None,

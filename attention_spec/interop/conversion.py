@@ -105,6 +105,9 @@ def rules_for(
         path = (*prefix, name)
         tail = (("weight", "scale"), ("bias", "bias")) if spec.qk_norm == "layer" else (("weight", "scale"),)
         rules += [Rule(".".join(map(str, (*path, t))), (*path, f), (), ((width,),)) for t, f in tail]
+    for name, width in spec.out_norms():  # the merged heads' RMSNorm (out_norm): weight <-> scale
+        path = (*prefix, name)
+        rules.append(Rule(".".join(map(str, (*path, "weight"))), (*path, "scale"), (), ((width,),)))
     for name, width in spec.latent_norms():  # latent attention's RMSNorms: weight <-> scale
         path = (*prefix, name)
         rules.append(Rule(".".join(map(str, (*path, "weight"))), (*path, "scale"), (), ((width,),)))

@@ -356,6 +356,40 @@ CASES = [
         "output_gate-not-bool", TypeError, re.escape("output_gate must be a bool; got int 1"),
         lambda fw: mha(fw, output_gate=1),
     ),
+    # ---- HunYuan's qk-norm after rope, Laguna's gate, BitNet's out_norm (tests/modules/test_norm_placement_and_gates.py)
+    ErrorCase(
+        "qk_norm_position-unknown", ValueError,
+        re.escape("qk_norm_position must be one of 'before_rope', 'after_rope'; got 'after'"),
+        lambda fw: mha(fw, qk_norm="rms", qk_norm_position="after"),
+    ),
+    ErrorCase(
+        "qk_norm_position-without-qk_norm", ValueError,
+        re.escape("qk_norm_position='after_rope' needs qk_norm ('rms' or 'layer')"),
+        lambda fw: mha(fw, qk_norm_position="after_rope"),
+    ),
+    ErrorCase(
+        "output_gate_activation-unknown", ValueError,
+        re.escape("output_gate_activation must be one of 'sigmoid', 'softplus'; got 'relu'"),
+        lambda fw: mha(fw, output_gate=True, output_gate_activation="relu"),
+    ),
+    ErrorCase(
+        "output_gate_activation-without-gate", ValueError,
+        re.escape("output_gate_activation='softplus' needs output_gate=True"),
+        lambda fw: mha(fw, output_gate_activation="softplus"),
+    ),
+    ErrorCase(
+        "output_gate_per_head-not-bool", TypeError, re.escape("output_gate_per_head must be a bool; got int 1"),
+        lambda fw: mha(fw, output_gate=True, output_gate_per_head=1),
+    ),
+    ErrorCase(
+        "output_gate_per_head-without-gate", ValueError,
+        re.escape("output_gate_per_head=True needs output_gate=True"),
+        lambda fw: mha(fw, output_gate_per_head=True),
+    ),
+    ErrorCase(
+        "out_norm-unknown", ValueError, re.escape("out_norm must be one of 'rms'; got 'layer'"),
+        lambda fw: mha(fw, out_norm="layer"),
+    ),
     # ---- 2026's projection mechanisms (tests/modules/test_projection_mechanisms.py)
     ErrorCase(
         "qk_norm_weight-not-bool", TypeError, re.escape("qk_norm_weight must be a bool; got int 0"),
