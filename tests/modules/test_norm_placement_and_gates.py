@@ -1,0 +1,219 @@
+"""HunYuan's qk-norm after rope, Laguna's softplus gate per head and BitNet's norm of the
+merged heads on ``MultiHeadAttention``, both twins.
+
+``qk_norm_position="after_rope"``: the qk-norm (with its weight) runs on the turned q and k,
+not on the projections; a weighted norm does not commute with the rotation, so the two
+placements differ (checked).  ``output_gate_activation="softplus"`` and
+``output_gate_per_head=True``: ``W_query`` has ``head_dim + 1`` rows a head (its queries,
+then one gate value), the merged heads times ``softplus(gate)`` (float32 at least).
+``out_norm="rms"``: an RMSNorm with a weight (``out_norm``) of the merged heads, after the
+gate, before ``out_proj``.
+
+Here: numbers by hand, every path of each twin against the float64 oracle, twin against
+twin with gradients, finite differences of the oracle, cached decoding against the whole
+sequence, the exporters' refusals by name.  Transformers' layers (HunYuan, BitNet, Laguna)
+are in ``tests/interop/test_from_hf_families_more.py``; bad values in the error table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from parity_tests.tolerances import ORACLE, PARITY
+from tests.support import decode_in_steps, mha_oracle, needs_both, random_x
+
+PATHS = ("reference", "fused", "blockwise", "auto")
+# HunYuan's qk-norm after rope with Laguna's softplus gate per head and BitNet's out_norm, grouped heads
+HEADS_GATE: dict[str, Any] = {"num_kv_heads": 2, "qk_norm": "rms", "qk_norm_position": "after_rope",
+                              "output_gate": True, "output_gate_activation": "softplus",
+                              "output_gate_per_head": True, "out_norm": "rms"}
+# a LayerNorm over all heads after rope, a softplus gate per feature (Laguna's "per-element")
+ALL_FEATURES: dict[str, Any] = {"qk_norm": "layer", "qk_norm_scope": "all", "qk_norm_position": "after_rope",
+                                "output_gate": True, "output_gate_activation": "softplus"}
+
+
+def _pair(seed: int = 3, **options: Any) -> tuple[Any, Any]:
+    """A torch MultiHeadAttention (eval, d_in 16, 4 heads of 4, half of each turning) with
+    its norms' weights drawn (a norm of weight 1 commutes with rope), and its Flax twin."""
+    import torch
+
+    import torch_attention
+    from attention_spec.rope import RopeConfig
+    from parity_tests import to_flax
+
+    torch.manual_seed(seed)
+    module = torch_attention.MultiHeadAttention(16, 16, None, 0.0, 4, True, **options,
+                                                rope=RopeConfig(theta=10000.0, partial_rotary_factor=0.5)).eval()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.5 * torch.randn_like(p))
+    return module, to_flax(module)
+
+
+def _positions(batch: int = 2, seq: int = 5) -> np.ndarray:
+    return 401 + np.arange(seq)[None] + 7 * np.arange(batch)[:, None]
+
+
+# --------------------------------------------------------------------------- by hand
+
+
+@needs_both
+def test_a_softplus_gate_per_head_and_the_out_norm_by_hand() -> None:
+    """One head of 2: W_query = arange(6).reshape(3, 2), rows [q0, q1, g] (the head's
+    queries, then its one gate value), W_key = W_value = I, no out_proj.  One token x =
+    [1, 2]: v = [1, 2], gate = 4 + 10 = 14, out = v * softplus(14).  With ``out_norm`` (its
+    weight [2, 3]): out / rms(out) * [2, 3] = [1, 2] / sqrt(2.5) * [2, 3] (the gate's scale
+    cancels, but for the epsilon)."""
+    import jax.numpy as jnp
+    import torch
+
+    import torch_attention
+    from parity_tests import to_flax
+
+    gated = dict(output_gate=True, output_gate_activation="softplus", output_gate_per_head=True)
+    x = np.array([[[1.0, 2.0]]], np.float32)
+    for extra, want in (({}, np.array([1.0, 2.0]) * math.log1p(math.exp(14.0))),
+                        ({"out_norm": "rms", "qk_norm_eps": 1e-12}, np.array([2.0, 6.0]) / math.sqrt(2.5))):
+        m = torch_attention.MultiHeadAttention(2, 2, None, 0.0, 1, False, out_proj=False, **gated, **extra)
+        with torch.no_grad():
+            m.W_query.weight.copy_(torch.arange(6.0).reshape(3, 2))
+            m.W_key.weight.copy_(torch.eye(2))
+            m.W_value.weight.copy_(torch.eye(2))
+            if extra:
+                m.out_norm.weight.copy_(torch.tensor([2.0, 3.0]))
+        assert tuple(m.W_query.weight.shape) == (3, 2)
+        np.testing.assert_allclose(m(torch.from_numpy(x)).detach().numpy()[0, 0], want, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(to_flax(m)(jnp.asarray(x)))[0, 0], want, rtol=1e-6)
+
+
+@needs_both
+def test_the_qk_norm_after_rope_is_not_the_one_before() -> None:
+    """With drawn weights the two placements differ (by far more than rounding), and each
+    twin follows the oracle of its own placement."""
+    import dataclasses
+
+    import torch
+
+    import torch_attention
+
+    after, after_flax = _pair(qk_norm="rms", qk_norm_position="after_rope")
+    before = torch_attention.MultiHeadAttention(**{**after.config, "qk_norm_position": "before_rope"}).eval()
+    before.load_state_dict(after.state_dict())
+    x, positions = random_x((2, 5, 16), 0), _positions()
+    want_after, want_before = mha_oracle(after, x, positions), mha_oracle(before, x, positions)
+    assert np.abs(want_after - want_before).max() > 1e-2 * np.abs(want_after).max()
+    tol = ORACLE["float32"]
+    for module, want in ((after, want_after), (before, want_before)):
+        got = module(torch.from_numpy(x), positions=torch.from_numpy(positions)).detach().numpy()
+        np.testing.assert_allclose(got, want, rtol=tol.rtol, atol=tol.atol)
+    np.testing.assert_allclose(np.asarray(after_flax(x, positions=positions)), want_after, rtol=tol.rtol, atol=tol.atol)
+    assert dataclasses.replace(after.spec, qk_norm_position="before_rope") == before.spec
+
+
+# --------------------------------------------------------------------------- oracle and twin
+
+
+@needs_both
+@pytest.mark.parametrize(("options", "paths"), [(HEADS_GATE, PATHS), (ALL_FEATURES, ("auto",))],
+                         ids=["heads-gate-outnorm", "all-features"])
+def test_every_path_against_the_oracle_and_the_twin(options: dict[str, Any], paths: tuple[str, ...]) -> None:
+    """Each twin's output on every path (the second configuration: ``auto``) against the
+    float64 oracle at positions past 400; output and gradients (input and every
+    parameter) twin against twin on ``auto``."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from parity_tests import check_parity
+
+    torch_m, flax_m = _pair(**options)
+    forward = nnx.jit(lambda m, x, p, path: m(x, positions=p, implementation=path), static_argnames="path")
+    x, positions = random_x((2, 5, 16), 0), _positions()
+    want = mha_oracle(torch_m, x, positions)
+    tol = ORACLE["float32"]
+    for path in paths:
+        got_t = torch_m(torch.from_numpy(x), positions=torch.from_numpy(positions), implementation=path)
+        got_f = forward(flax_m, jnp.asarray(x), jnp.asarray(positions), path=path)
+        np.testing.assert_allclose(got_t.detach().numpy(), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
+        np.testing.assert_allclose(np.asarray(got_f), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
+    report = check_parity(
+        torch_m, flax_m, x, implementation="auto",
+        torch_call=lambda m, *a, **k: m(*a, positions=torch.from_numpy(positions), **k),
+        flax_call=lambda m, *a, **k: m(*a, positions=jnp.asarray(positions), **k))
+    assert report.ok, report
+
+
+@needs_both
+def test_gradients_against_finite_differences_of_the_oracle() -> None:
+    """d sum(out * cot) / dx of the torch twin in float64 against central differences of
+    the float64 oracle, every mechanism at once."""
+    import copy
+
+    import torch
+
+    torch_m, _ = _pair(**HEADS_GATE)
+    m64 = copy.deepcopy(torch_m).double()
+    x = random_x((1, 3, 16), 5).astype(np.float64)
+    positions = np.arange(401, 404)[None]
+    cot = np.random.default_rng(9).standard_normal((1, 3, 16))
+    xt = torch.from_numpy(x).requires_grad_(True)
+    (m64(xt, positions=torch.from_numpy(positions)) * torch.from_numpy(cot)).sum().backward()
+    assert xt.grad is not None
+    h = 1e-6
+    numeric = np.zeros_like(x)
+    for idx in np.ndindex(*x.shape):
+        up, down = x.copy(), x.copy()
+        up[idx] += h
+        down[idx] -= h
+        numeric[idx] = ((mha_oracle(m64, up, positions) - mha_oracle(m64, down, positions)) * cot).sum() / (2 * h)
+    np.testing.assert_allclose(xt.grad.numpy(), numeric, rtol=1e-6, atol=1e-7)
+
+
+@needs_both
+def test_cached_decoding_equals_the_whole_sequence() -> None:
+    """A prompt of 3 then one token at a time, each twin (Flax: jitted steps), equals the
+    whole sequence's forward: the cache holds keys normed after their turn, each step's
+    gate is its own."""
+    import torch
+
+    torch_m, flax_m = _pair(**HEADS_GATE)
+    x = random_x((2, 7, 16), 4)
+    whole = torch_m(torch.from_numpy(x)).detach().numpy()
+    tol = PARITY["float32"]
+    np.testing.assert_allclose(decode_in_steps(torch_m, x, 3, 12), whole, rtol=tol.rtol, atol=tol.atol)
+    np.testing.assert_allclose(decode_in_steps(flax_m, x, 3, 12), whole, rtol=tol.rtol, atol=tol.atol)
+
+
+@needs_both
+def test_the_parameters_and_the_exporters() -> None:
+    """``out_norm`` is one (num_heads * head_dim,) weight under one name in both twins
+    (PyTorch ``out_norm.weight``, Flax ``("out_norm", "scale")``), moved by the declared map;
+    the native exporters name each option they cannot express."""
+    import re
+
+    from flax import nnx
+
+    import jax_attention
+    import torch_attention
+    from jax_attention import interop as jax_interop
+    from torch_attention import interop as torch_interop
+
+    torch_m, flax_m = _pair(**HEADS_GATE)
+    assert tuple(torch_m.out_norm.weight.shape) == tuple(flax_m.out_norm.scale.shape) == (16,)
+    np.testing.assert_array_equal(np.asarray(flax_m.out_norm.scale[...]), torch_m.out_norm.weight.detach().numpy())
+    assert tuple(torch_m.W_query.weight.shape) == (4 * (4 + 1), 16)  # each head's 4 queries, then its gate value
+    for option, value, needs in (("qk_norm_position", "after_rope", {"qk_norm": "rms"}),
+                                 ("output_gate_activation", "softplus", {"output_gate": True}),
+                                 ("out_norm", "rms", {})):
+        ours = torch_attention.MultiHeadAttention(8, 8, None, 0.0, 2, True, causal=False, **needs, **{option: value})
+        with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
+            torch_interop.to_nn_multihead(ours)
+        flax_ours = jax_attention.MultiHeadAttention(8, 8, None, 0.0, 2, True, causal=False, rngs=nnx.Rngs(0),
+                                                     **needs, **{option: value})
+        with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
+            jax_interop.to_nnx_multihead(flax_ours)
