@@ -21,14 +21,22 @@ from typing import Any
 
 import pytest
 
-from tests.support import needs_torch
+from tests.support import needs_both, needs_torch
 
 POSITIONS = (448, 464)
 PORTS = ("cohere", "glm", "gptj", "gpt_bigcode", "persimmon", "openai-gpt", "roberta-prelayernorm",
-         "modernbert-decoder")
+         "modernbert-decoder",
+         # a qk-norm after rope (HunYuan), a norm of the merged heads (BitNet), a softplus gate per head
+         # (Laguna), per element and with its own heads on layer 0 ("laguna-per-element")
+         "hunyuan_v1_dense", "bitnet", "laguna", "laguna-per-element")
+# a port's model type and its config overrides, where its name is not its model type
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "laguna-per-element": ("laguna", {"gating": "per-element", "num_attention_heads_per_layer": [2, 4]}),
+}
 # family -> (config overrides, the text its refusal must hold)
 REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
-    "hunyuan_v1_dense": ({}, "a qk-norm after rope"),
+    "beam": ({}, "a gate bias per head (`gate_bias`"),
+    "dory": ({}, "a parameter no mechanism accounts for: `s_gate`"),
     "bloom": ({}, "ALiBi"),
     "mpt": ({}, "MPT's ALiBi"),
     "codegen": ({}, "in an order ours does not split"),
@@ -90,7 +98,8 @@ def _port(model_type: str) -> dict[str, Any]:
     from torch_attention._hf import _recognise
     from torch_attention.interop import from_hf, to_hf
 
-    model = _model(model_type)
+    model_type, overrides = VARIANTS.get(model_type, (model_type, {}))
+    model = _model(model_type, **overrides)
     layer = _first_layer(model)
     x, kwargs = _captured_call(model, layer)
     ours = from_hf(layer)
@@ -123,7 +132,7 @@ def _port(model_type: str) -> dict[str, Any]:
     written = to_hf(grads, copy.deepcopy(layer))  # our gradients under the layer's names and layouts
     mine_grads = {n: p.detach() for n, p in written.named_parameters()
                   if not (not_ours and n.startswith(not_ours + "."))}
-    return {"out": (got, want), "dx": (got_dx, want_dx), "ours": ours,
+    return {"out": (got, want), "dx": (got_dx, want_dx), "ours": ours, "layer": layer,
             "grads": {n: (g, theirs_grads[n]) for n, g in mine_grads.items()}}
 
 
@@ -167,6 +176,12 @@ def test_the_mechanisms_are_read_from_the_layers(ports: Any) -> None:
     assert specs["persimmon"].qk_norm == "layer" and specs["persimmon"].rope.layout == "half"
     assert specs["openai-gpt"].causal and specs["openai-gpt"].rope is None
     assert specs["modernbert-decoder"].window is None  # layer 0 is global, ModernBERT's first of three
+    assert specs["hunyuan_v1_dense"].qk_norm_position == "after_rope" and specs["hunyuan_v1_dense"].qk_norm == "rms"
+    assert specs["bitnet"].out_norm == "rms" and specs["bitnet"].qk_norm is None
+    assert specs["laguna"].output_gate_activation == "softplus" and specs["laguna"].output_gate_per_head
+    assert specs["laguna"].fan_out("query") == 4 * (8 + 1)  # each head's 8 queries, then its g_proj row
+    per_element = specs["laguna-per-element"]  # layer 0 with 2 heads of its own (num_attention_heads_per_layer)
+    assert per_element.num_heads == 2 and not per_element.output_gate_per_head and per_element.fan_out("query") == 32
 
 
 @needs_torch
@@ -182,3 +197,66 @@ def test_the_others_are_refused_naming_their_mechanism() -> None:
                 from_hf(layer)
             got[model_type] = str(refused.value)
     assert {t: m for t, m in got.items() if REFUSALS[t][1] not in m} == {}
+
+
+@needs_torch
+@pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "bitnet", "laguna", "laguna-per-element"])
+def test_to_hf_writes_the_weights_back_bit_for_bit_and_hf_rules_moves_them(ports: Any, model_type: str) -> None:
+    """to_hf(from_hf(layer)) into a copy of the layer whose weights were changed gives the
+    layer's own weights back, bit for bit (Laguna's g_proj split back from W_query's rows);
+    ``hf_rules`` moves the layer's weights to what our declared map gives the Flax twin, and
+    back, bit for bit; ``hf_children`` pairs the norms."""
+    import numpy as np
+    import torch
+
+    from attention_spec.interop.conversion import rules_for
+    from attention_spec.interop.specs import apply_specs
+    from torch_attention._hf import hf_children, hf_rules
+    from torch_attention.interop import to_hf
+
+    port = ports[model_type]
+    layer, ours = port["layer"], port["ours"]
+    other = copy.deepcopy(layer)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    to_hf(ours, other)
+    theirs = {n: p.detach() for n, p in layer.named_parameters()}
+    written = {n: p.detach() for n, p in other.named_parameters()}
+    assert sorted(written) == sorted(theirs) and [n for n in theirs if not torch.equal(written[n], theirs[n])] == []
+    arrays = {n: v.numpy() for n, v in theirs.items()}
+    moved = apply_specs(arrays, hf_rules(layer), "to_flax")
+    twin = apply_specs({n: v.detach().numpy() for n, v in ours.state_dict().items()},
+                       rules_for("MultiHeadAttention", ours.config), "to_flax")
+    assert sorted(moved) == sorted(twin) and all(np.array_equal(moved[p], twin[p]) for p in twin)
+    back = apply_specs(moved, hf_rules(layer), "to_torch")
+    assert sorted(back) == sorted(arrays) and all(np.array_equal(back[n], arrays[n]) for n in arrays)
+    children = hf_children(layer)
+    spec = ours.spec
+    if spec.qk_norm_position == "after_rope":
+        assert children["query_layernorm"] == ("q_norm", "heads")
+    if spec.out_norm is not None:
+        assert children["attn_sub_norm"] == ("out_norm", None)
+    if spec.output_gate:
+        assert "q_proj" not in children and "g_proj" not in children
+
+
+@needs_both
+@pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "bitnet", "laguna"])
+def test_the_flax_twin_of_the_port_computes_what_ours_does(ports: Any, model_type: str) -> None:
+    """to_flax(from_hf(layer)) against from_hf(layer) at the test's positions: outputs and
+    gradients (input and every parameter), twin against twin."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from parity_tests import check_parity, to_flax
+
+    ours = ports[model_type]["ours"]
+    positions = np.arange(*POSITIONS)[None]
+    x = np.random.default_rng(3).standard_normal((1, POSITIONS[1] - POSITIONS[0], ours.spec.d_in)).astype(np.float32)
+    report = check_parity(
+        ours, to_flax(ours), x, implementation="auto",
+        torch_call=lambda m, *a, **k: m(*a, positions=torch.from_numpy(positions), **k),
+        flax_call=lambda m, *a, **k: m(*a, positions=jnp.asarray(positions), **k))
+    assert report.ok, report

@@ -241,16 +241,17 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              "llama4_text", "ministral3", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
              "kimi_linear", "deepseek_v32", "glm_moe_dsa",
              # a separate sigmoid gate_proj as our output gate (rows interleaved per head), halves turned by -angle
-             "afmoe", "nanochat")
-MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
-               "bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
+             "afmoe", "nanochat",
+             # a qk-norm after rope (HunYuan), a norm of the merged heads (BitNet), a softplus gate per head (Laguna)
+             "hunyuan_v1_dense", "hunyuan_v1_moe", "bitnet", "laguna")
+MUST_REFUSE = {"bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
                "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
                "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
                "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
                "big_bird": "block-sparse attention",
-               "laguna": "an output gate of 4 values per token", "beam": "a gate bias per head",
+               "beam": "a gate bias per head",
                "mimo_v2_flash": "value heads of another width than the key heads",
-               "bitnet": "a norm of the attention output before its projection (attn_sub_norm)"}
+               "dory": "a parameter no mechanism accounts for: `sqk`"}
 
 
 @needs_torch
