@@ -141,18 +141,22 @@ def check_qk_norm_position(qk_norm: str | None, position: Any) -> str:
     return position
 
 
-def check_output_gate(output_gate: bool, activation: Any, per_head: Any) -> tuple[str, bool]:
+def check_output_gate(output_gate: bool, activation: Any, per_head: Any, bias: Any = False) -> tuple[str, bool, bool]:
     """``output_gate_activation`` (``"sigmoid"``: Qwen3-Next, AFMoE; ``"softplus"``: Laguna,
-    computed in float32 at least) and ``output_gate_per_head`` (True: one gate value per
+    computed in float32 at least), ``output_gate_per_head`` (True: one gate value per
     head, W_query's ``head_dim + 1`` rows a head, Laguna's per-head ``g_proj``; False: one
-    per feature); anything but the defaults needs ``output_gate=True``."""
+    per feature) and ``output_gate_bias`` (True: a parameter ``gate_bias`` (num_heads,),
+    each head's one bias added to its gate before the activation: Beam's); anything but
+    the defaults needs ``output_gate=True``."""
     _one_of("output_gate_activation", activation, OUTPUT_GATE_ACTIVATIONS)
-    if not isinstance(per_head, bool):
-        raise TypeError(f"output_gate_per_head must be a bool; got {type(per_head).__name__} {per_head!r}")
-    if not output_gate and (activation != "sigmoid" or per_head):
-        given = f"output_gate_activation={activation!r}" if activation != "sigmoid" else "output_gate_per_head=True"
+    for name, value in (("output_gate_per_head", per_head), ("output_gate_bias", bias)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
+    if not output_gate and (activation != "sigmoid" or per_head or bias):
+        given = (f"output_gate_activation={activation!r}" if activation != "sigmoid" else
+                 "output_gate_per_head=True" if per_head else "output_gate_bias=True")
         raise ValueError(f"{given} needs output_gate=True")
-    return activation, per_head
+    return activation, per_head, bias
 
 
 def check_out_norm(out_norm: Any) -> str | None:
@@ -332,11 +336,27 @@ class QueryScale(NamedTuple):
     ``q * (1 + beta * log1p(floor((p + offset) / floor)))``, exactly 1 while p + offset <
     floor.  Llama 4's attention temperature tuning is ``QueryScale(attn_scale,
     floor_scale, 1)``; Ministral 3 / Mistral 4's ``llama_4_scaling_beta`` is
-    ``QueryScale(beta, original_max_position_embeddings, 0)``."""
+    ``QueryScale(beta, original_max_position_embeddings, 0)``.  With
+    ``query_scale_kind="power"`` the factor is ``(1 + (p + offset) / floor) ** beta`` instead
+    (``exp(beta * log1p((p + offset) / floor))``, no flooring: Beam's scalable softmax on its
+    NoPE layers is ``QueryScale(0.1, 2048, 1)`` of that kind)."""
 
     beta: float
     floor: int
     offset: int = 0
+
+
+QUERY_SCALE_KINDS = ("log", "power")
+
+
+def check_query_scale_kind(query_scale: QueryScale | None, kind: Any) -> str:
+    """``query_scale_kind``: ``"log"`` (Llama 4's, Ministral 3's) or ``"power"`` (Beam's
+    scalable softmax), the form of the factor ``query_scale`` gives; ``"power"`` needs a
+    ``query_scale``."""
+    _one_of("query_scale_kind", kind, QUERY_SCALE_KINDS)
+    if kind != "log" and query_scale is None:
+        raise ValueError(f"query_scale_kind={kind!r} needs query_scale (a QueryScale(beta, floor, offset))")
+    return kind
 
 
 def check_query_scale(query_scale: Any) -> QueryScale | None:

@@ -52,6 +52,7 @@ from attention_spec.options import (
     check_qk_norm_position,
     check_qk_norm_weight,
     check_query_scale,
+    check_query_scale_kind,
     check_scale,
     check_softcap,
     check_v_norm,
@@ -300,6 +301,7 @@ REGISTRY: dict[str, Variant] = {
              Option("clip_qkv", None, True), Option("output_gate", False, True),
              # Laguna's gate: softplus, one value per head (W_query's head_dim + 1 rows a head)
              Option("output_gate_activation", "sigmoid", True), Option("output_gate_per_head", False, True),
+             Option("output_gate_bias", False, True),  # Beam's gate_bias: one a head, added before the sigmoid
              # qk-norm: Qwen3's / Phi's per-head q_norm and k_norm, OLMo 2's across heads
              Option("qk_norm", None, True), Option("qk_norm_scope", "head", True), Option("qk_norm_eps", 1e-6, True),
              Option("qk_norm_offset", 0.0, True),  # Gemma 3: scale by 1 + weight
@@ -308,6 +310,7 @@ REGISTRY: dict[str, Variant] = {
              # Llama 4's / Ministral 3's queries scaled by position (an options.QueryScale)
              Option("qk_norm_weight", True, True), Option("v_norm", None, True),
              Option("values_from_keys", False, True), Option("query_scale", None, True),
+             Option("query_scale_kind", "log", True),  # Beam's scalable softmax: "power"
              # Gemma 4's num_kv_shared_layers: no W_key / W_value / k_norm, another layer's kv=
              Option("kv_shared", False, True),
              Option("out_norm", None, True),  # BitNet's attn_sub_norm: an RMSNorm of the merged heads
@@ -387,6 +390,7 @@ class Layers:
     output_gate: bool = False
     output_gate_activation: str = "sigmoid"  # "softplus": Laguna's (in float32 at least)
     output_gate_per_head: bool = False  # one gate value per head: W_query's head_dim + 1 rows a head
+    output_gate_bias: bool = False  # a parameter gate_bias (num_heads,) added to each head's gate (Beam's)
     # an RMSNorm with a weight (``out_norm``) of the merged heads before out_proj (BitNet's attn_sub_norm)
     out_norm: str | None = None
     # no W_value: the values are W_key's output before k-norm and rope (Gemma 4's attention_k_eq_v)
@@ -437,6 +441,7 @@ class QKTransforms:
     v_norm: str | None = None  # Gemma 4: "rms", a weightless RMS norm of each value head (qk_norm_eps)
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
     query_scale: Any = None  # an options.QueryScale: queries times 1 + beta log1p(floor((p + offset) / floor))
+    query_scale_kind: str = "log"  # "power": times (1 + (p + offset) / floor) ** beta (Beam's scalable softmax)
 
 
 @dataclass(frozen=True)
@@ -532,10 +537,12 @@ class AttentionConfig:
         qk_norm_position: str
         output_gate_activation: str
         output_gate_per_head: bool
+        output_gate_bias: bool
         out_norm: str | None
         v_norm: str | None
         rope: Any
         query_scale: Any
+        query_scale_kind: str
         q_lora_rank: int | None
         kv_lora_rank: int | None
         qk_nope_head_dim: int | None
@@ -631,7 +638,8 @@ class AttentionConfig:
         if "qk_norm_position" in exposed:
             check_qk_norm_position(self.qk_norm, self.qk_norm_position)
         if "output_gate_activation" in exposed:
-            check_output_gate(self.output_gate, self.output_gate_activation, self.output_gate_per_head)
+            check_output_gate(self.output_gate, self.output_gate_activation, self.output_gate_per_head,
+                              self.output_gate_bias)
         if "out_norm" in exposed:
             check_out_norm(self.out_norm)
         if "qk_norm_weight" in exposed:
@@ -642,6 +650,8 @@ class AttentionConfig:
                             v_norm=self.v_norm)
         if "query_scale" in exposed:
             set_(self, "query_scale", check_query_scale(self.query_scale))
+        if "query_scale_kind" in exposed:
+            check_query_scale_kind(self.query_scale, self.query_scale_kind)
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)
             check_rope_widths(self.d_in, self.kdim, self.vdim)  # self-attention only: keys from x

@@ -173,6 +173,8 @@ class AttentionModule(nnx.Module):
         for name, width in spec.out_norms():  # BitNet's attn_sub_norm: a scale of ones, as the PyTorch twin
             setattr(self, name, nnx.RMSNorm(width, epsilon=spec.qk_norm_eps, dtype=dtype, param_dtype=param_dtype,
                                             rngs=cast(nnx.Rngs, rngs)))
+        if spec.output_gate_bias:  # Beam's gate_bias: zeros, as the PyTorch twin
+            self.gate_bias = nnx.Param(jnp.zeros((spec.num_heads,), param_dtype))
         if spec.sinks:  # zeros: each head starts with a sink of logit 0, as the PyTorch twin
             self.sinks = nnx.Param(jnp.zeros((spec.num_heads,), param_dtype))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
@@ -419,7 +421,7 @@ class AttentionModule(nnx.Module):
 
     def _scale_queries(self, q: Array, k: Array, positions: Array | None,
                        start: Array | None = None) -> tuple[Array, Array]:
-        return scale_queries(self.spec.query_scale, q, k, positions, start)
+        return scale_queries(self.spec.query_scale, q, k, positions, start, self.spec.query_scale_kind)
 
 
 # The options read back, one read-only property each: ``m.d_in`` is ``m.spec.d_in``.

@@ -174,7 +174,7 @@ def merge(module: Any, out: Array, implementation: str, gate: Array | None = Non
     out = out.transpose(0, 2, 1, 3).reshape(b, num_tokens, h * head_dim)
     if spec.output_gate:
         assert gate is not None, "a module with output_gate merges with the gate its project split"
-        out = apply_gate(spec, out, gate)
+        out = apply_gate(spec, out, gate, module.gate_bias[...] if spec.output_gate_bias else None)
     if spec.out_norm is not None:  # BitNet's attn_sub_norm: over the merged heads, with a weight
         out = normalise(out, module.out_norm.scale[...], spec.qk_norm_eps)
     out_proj = getattr(module, "out_proj", None)
@@ -210,11 +210,17 @@ def softplus(t: Array) -> Array:
     return jnp.where(t > 20.0, t, jnp.log1p(jnp.exp(jnp.minimum(t, 20.0))))
 
 
-def apply_gate(spec: AttentionConfig, out: Array, gate: Array) -> Array:
+def apply_gate(spec: AttentionConfig, out: Array, gate: Array, bias: Array | None = None) -> Array:
     """The merged heads (B, T, H * D) times the activated gate (B, T, H * G): sigmoid(gate)
     in the gate's dtype (Qwen3-Next, AFMoE) or softplus(gate) in float32 at least, cast
     back (Laguna's ``F.softplus(g.float())``); G = 1 (``output_gate_per_head``) scales each
-    head's D features by its one value."""
+    head's D features by its one value.  ``bias`` (H,) (``output_gate_bias``, Beam's
+    ``gate_bias``): each head's added to its G gate features first."""
+    if bias is not None:
+        b, num_tokens, width = gate.shape
+        # (B, T, H, G) + (1, 1, H, 1) -> (B, T, H * G)
+        gate = (gate.reshape(b, num_tokens, spec.num_heads, -1) + bias.astype(gate.dtype).reshape(1, 1, -1, 1)
+                ).reshape(b, num_tokens, width)
     if spec.output_gate_activation == "softplus":
         activated = softplus(gate.astype(jnp.promote_types(gate.dtype, jnp.float32))).astype(out.dtype)
     else:

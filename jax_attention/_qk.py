@@ -193,16 +193,22 @@ def rotate(rope: RopeConfig | None, q: Array, k: Array, positions: Array | None,
 
 
 def scale_queries(query_scale: QueryScale | None, q: Array, k: Array, positions: Array | None,
-                  start: Array | None = None) -> tuple[Array, Array]:
+                  start: Array | None = None, kind: str = "log") -> tuple[Array, Array]:
     """q (B, H, T, D) times ``1 + beta * log1p(floor((p + offset) / floor))`` at each
     query's position p (``positions``; None: ``start`` + 0..T-1, rope's positions),
     the floor in integers, the scale in float32 at least, the product cast back to q's
-    dtype (Llama 4's order); k unchanged.  Unchanged without a query scale."""
+    dtype (Llama 4's order); ``kind="power"`` (``query_scale_kind``): times ``exp(beta * log1p((p + offset) /
+    floor))`` (Beam's scalable softmax, as its ``compute_attention_scaling``); k unchanged.
+    Unchanged without a query scale."""
     if query_scale is None:
         return q, k
     at = query_positions(q, positions, start)
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     at = jnp.asarray(at)
+    if kind == "power":
+        steps = (at.astype(jnp.promote_types(at.dtype, jnp.int32)) + query_scale.offset).astype(dtype) / query_scale.floor
+        power = jnp.exp(query_scale.beta * jnp.log1p(steps))  # (B or 1, T)
+        return (q.astype(dtype) * power[:, None, :, None]).astype(q.dtype), k
     floors = jnp.floor_divide(at.astype(jnp.promote_types(at.dtype, jnp.int32)) + query_scale.offset,
                               query_scale.floor)
     factor = 1.0 + query_scale.beta * jnp.log1p(floors.astype(dtype))  # (B or 1, T)

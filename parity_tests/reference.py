@@ -276,7 +276,8 @@ def forward(
     value head RMS-normed, no weight; ``qk_norm_weight=False``: q and k RMS-normed without
     weight after rope, where the families norm them (the twins norm before: a rotation
     keeps the norm); ``query_scale``: q times 1 + beta log1p(floor((p + offset) / floor))
-    at its position p, after rope and qk-norm.  ``return_kv``: (out, weights, (k, v)), the
+    at its position p, after rope and qk-norm (``query_scale_kind="power"``: times (1 + (p + offset) /
+    floor) ** beta).  ``return_kv``: (out, weights, (k, v)), the
     keys and values (B, Hkv, T, D) attended over (normed, rotated); ``kv`` (a
     ``kv_shared`` module's): those of another layer, in place of its own (only q is
     projected, normed, rotated and scaled).  Sparse attention (``index_topk``): the
@@ -374,9 +375,9 @@ def forward(
         if not shared:
             k = _heads(_rms(_merged(k), eps), kv_heads, head_dim) if whole else _rms(k, eps)
     if options.get("query_scale") is not None:  # Llama 4's temperature tuning, Ministral 3's beta
-        beta, floor, offset = options["query_scale"]
-        steps = np.floor_divide(np.broadcast_to(pos, (x.shape[0], x.shape[1])).astype(np.int64) + offset, floor)
-        q = q * (1.0 + beta * np.log1p(steps.astype(np.float64)))[:, None, :, None]
+        factor = _query_factor(options["query_scale"], np.broadcast_to(pos, (x.shape[0], x.shape[1])),
+                               options.get("query_scale_kind", "log"))
+        q = q * factor[:, None, :, None]
     scale = options.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if options.get("chunk") is not None and positions is not None:  # chunks at the positions: from each row's 0
@@ -386,6 +387,9 @@ def forward(
     b, h, n, d = out.shape
     out = out.transpose(0, 2, 1, 3).reshape(b, n, h * d)
     if gate is not None:  # the merged heads times sigmoid(gate) (softplus: Laguna), before out_proj
+        if options.get("output_gate_bias"):  # Beam: each head's gate_bias over its gate features
+            per_head = gate.reshape(*gate.shape[:2], int(options["num_heads"]), -1)
+            gate = (per_head + np.asarray(params["gate_bias"], np.float64)[:, None]).reshape(gate.shape)
         activated = np.logaddexp(0.0, gate) if options.get("output_gate_activation") == "softplus" else (
             1.0 / (1.0 + np.exp(-gate)))
         if options.get("output_gate_per_head"):  # one value a head, over its D features
@@ -437,10 +441,8 @@ def _latent(options: Mapping[str, Any], params: Mapping[str, np.ndarray], x: np.
         q = np.concatenate((q[..., :nope], rope(q[..., nope:], pos, config)), axis=-1)
         k_rope = rope(k_rope, pos, config)
     if options.get("query_scale") is not None:  # Mistral 4: the whole query, after rope
-        beta, floor, offset = options["query_scale"]
         at = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
-        steps = np.floor_divide(np.broadcast_to(at, (x.shape[0], x.shape[1])).astype(np.int64) + offset, floor)
-        q = q * (1.0 + beta * np.log1p(steps.astype(np.float64)))[:, None, :, None]
+        q = q * _query_factor(options["query_scale"], np.broadcast_to(at, (x.shape[0], x.shape[1])))[:, None, :, None]
     k = np.concatenate((kv[..., :nope], np.broadcast_to(k_rope, (*kv.shape[:3], rot))), axis=-1)
     scale = options.get("scale")
     if scale is None:
@@ -450,6 +452,16 @@ def _latent(options: Mapping[str, Any], params: Mapping[str, np.ndarray], x: np.
     out, weights = attention(q, k, kv[..., nope:], scale=float(scale), **common)
     b, h, n, d = out.shape
     return _linear(params, "o_proj", out.transpose(0, 2, 1, 3).reshape(b, n, h * d)), weights
+
+
+def _query_factor(query_scale: Any, positions: np.ndarray, kind: str = "log") -> np.ndarray:
+    """The queries' factor at positions p (B, T), in float64: ``1 + beta log1p(floor((p +
+    offset) / floor))``, or for ``query_scale_kind="power"`` ``(1 + (p + offset) / floor) ** beta``."""
+    beta, floor, offset = query_scale
+    at = positions.astype(np.int64) + offset
+    if kind == "power":
+        return (1.0 + at.astype(np.float64) / floor) ** beta
+    return 1.0 + beta * np.log1p(np.floor_divide(at, floor).astype(np.float64))
 
 
 def _rms(t: np.ndarray, eps: float) -> np.ndarray:

@@ -166,6 +166,8 @@ class AttentionModule(nn.Module):
             setattr(self, name, norm)
         for name, width in spec.out_norms():  # BitNet's attn_sub_norm: a weight of ones
             setattr(self, name, nn.RMSNorm(width, eps=spec.qk_norm_eps, **factory))
+        if spec.output_gate_bias:  # Beam's gate_bias: zeros, as its initialisation
+            self.gate_bias = nn.Parameter(torch.zeros(spec.num_heads, **factory))
         if spec.sinks:  # zeros: each head starts with a sink of logit 0 (gpt-oss draws its own)
             self.sinks = nn.Parameter(torch.zeros(spec.num_heads, **factory))
         if spec.has_dropout and spec.declaration.heads != "wrapper":  # a wrapper's heads drop
@@ -407,7 +409,7 @@ class AttentionModule(nn.Module):
 
     def _scale_queries(self, q: Tensor, k: Tensor, positions: Tensor | None,
                        start: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        return scale_queries(self.spec.query_scale, q, k, positions, start)
+        return scale_queries(self.spec.query_scale, q, k, positions, start, self.spec.query_scale_kind)
 
 
 # The options read back, one read-only property each: ``m.d_in`` is ``m.spec.d_in``.

@@ -70,6 +70,7 @@ class _Family:
     #                 interleaved with q_proj's per head in W_query (``_interleave``)
     gate_activation: str = "sigmoid"  # the gate's activation, by a probe ("softplus": Laguna's g_proj)
     gate_per_head: bool = False  # one gate value a head (Laguna's per-head g_proj: num_heads rows)
+    gate_bias: bool = False  # one bias a head added to the gate (Beam's gate_bias)
     norm_after_rope: bool = False  # a weighted qk-norm of the turned q and k (HunYuan's query_layernorm)
     out_norm: str = ""  # an RMSNorm of the merged heads before the output projection (BitNet's attn_sub_norm)
     rope_reversed: bool = False  # nanochat: halves turned by -angle; ours holds q/k rows with the second half
@@ -145,8 +146,12 @@ def _nope(layer: Any) -> bool:
     the family's forward decides: SmolLM3 and Llama 4 by ``use_rope``
     (``config.no_rope_layers[layer_idx]``); Cohere 2 (and Cohere 2 MoE unless
     ``force_rope``) only on its sliding layers; Exaone 4, Exaone-MoE and Kolibri when the
-    config has a window, only on the sliding layers."""
+    config has a window, only on the sliding layers; Beam where its layer type's rope
+    parameters are None (its full-attention layers)."""
     if getattr(layer, "use_rope", True) is False or getattr(layer, "use_rope", 1) == 0:
+        return True
+    params = getattr(_config(layer), "rope_parameters", None)  # Beam: a layer type whose rope parameters are None
+    if isinstance(params, Mapping) and params.get(_layer_type(layer, layer), {}) is None:
         return True
     model_type = str(getattr(getattr(layer, "config", None), "model_type", ""))
     if model_type in ("cohere2", "cohere2_moe"):
@@ -340,7 +345,8 @@ def _recognise(layer: Any, what: str) -> _Family:
     gate, gate_problems, gate_kind = _separate_gate(layer, family)
     problems += gate_problems
     if gate:
-        family = dataclasses.replace(family, gate=gate, gate_activation=gate_kind[0], gate_per_head=gate_kind[1])
+        family = dataclasses.replace(family, gate=gate, gate_activation=gate_kind[0], gate_per_head=gate_kind[1],
+                                     gate_bias="gate_bias" in own)
     out_norm, out_problems = _out_norm(layer, family)
     problems += out_problems
     if out_norm:
@@ -358,7 +364,7 @@ def _recognise(layer: Any, what: str) -> _Family:
             continue
         problems.append(f"{_KNOWN_EXTRAS.get(child_name.split('.')[-1], 'a sub-module no mechanism accounts for')}: "
                         f"`{child_name}` ({type(child).__name__})")
-    for p in sorted(own - {"sinks", *(("gate_bias",) if gate_problems else ())}):
+    for p in sorted(own - {"sinks", *(("gate_bias",) if gate_problems or family.gate_bias else ())}):
         problems.append(f"a parameter no mechanism accounts for: `{p}`")
     for proj in (family.o, family.packed) if family.packed else (family.q, family.k, family.v, family.o):
         if not proj:  # Gemma 4's keys as values: no v_proj
@@ -441,15 +447,17 @@ def _separate_gate(layer: nn.Module, family: _Family) -> tuple[str, list[str], t
     if rows != q_rows and not per_head:
         problems.append(f"an output gate of {rows} values per token (`{name}`; q_proj gives {q_rows}: ours gates each "
                         f"query feature, or each of the {heads} heads)")
+    own = dict(layer.named_parameters(recurse=False))
+    gate_bias = own.get("gate_bias")  # Beam's: one a head, added to gate_proj's output
+    if gate_bias is not None and tuple(gate_bias.shape) != (heads,):
+        problems.append(f"a gate bias of shape {tuple(gate_bias.shape)} (`gate_bias`; ours' output_gate_bias is one "
+                        f"a head, ({heads},))")
     if per_head and module.bias is not None:
         problems.append(f"an output gate `{name}` of one value a head with a bias (ours' gate bias is W_query's)")
     elif (module.bias is None) != (q.bias is None):
         problems.append(f"an output gate `{name}` {'with' if module.bias is not None else 'without'} a bias where q_proj "
                         f"has {'none' if q.bias is None else 'one'} (ours' gate bias is W_query's)")
-    if "gate_bias" in dict(layer.named_parameters(recurse=False)):  # (not probed: it is added after gate_proj)
-        problems.append("a gate bias per head (`gate_bias`, Beam's: ours' gate bias is W_query's, one per feature)")
-    own = dict(layer.named_parameters(recurse=False))
-    found = ("sigmoid", "") if "gate_bias" in own else _gate_probe(layer, family, name)  # (Beam's: after gate_proj)
+    found = _gate_probe(layer, family, name)
     if found[1]:
         problems.insert(0, found[1])
     return ("", problems, plain) if problems else (name, [], (found[0], per_head))
@@ -484,14 +492,22 @@ def _gate_probe(layer: nn.Module, family: _Family, name: str) -> tuple[str, str]
         embeddings = _probe_rotary(layer, attention, x) if "position_embeddings" in _forward_takes(attention) else None
     except Exception:  # noqa: BLE001 - no rotary embedding to build
         embeddings = None
+    gate_bias = dict(layer.named_parameters(recurse=False)).get("gate_bias")  # Beam's: 0 for the probe
+    kept = None if gate_bias is None else gate_bias.detach().clone()
     for value in (0.0, 30.0, -30.0):
         handle = _get(layer, name).register_forward_hook(lambda _m, _a, out, v=value: torch.full_like(out, v))
         try:
+            if gate_bias is not None:
+                with torch.no_grad():
+                    gate_bias.zero_()
             found.append(_hf_forward(layer, x, mask, embeddings).float())
         except Exception:  # noqa: BLE001 - a call convention the probe does not know
             return "sigmoid", ""
         finally:
             handle.remove()
+            if gate_bias is not None:
+                with torch.no_grad():
+                    gate_bias.copy_(kept)
     with torch.no_grad():
         width = int(_get(layer, family.o).weight.shape[1])
         silent = _get(layer, family.o)(torch.zeros(1, 1, width, dtype=x.dtype, device=x.device))[0, 0].float()
@@ -619,6 +635,9 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
         kwargs["shared_kv_states"] = {_layer_type(layer, layer): _probe_kv(layer, x)} if reuses else {}
     if "position_ids" in _forward_takes(layer):  # Ministral 3 scales its queries by position
         kwargs["position_ids"] = torch.arange(offset, offset + x.shape[1], device=x.device)[None]
+    scaling = _model_scaling(layer)
+    if callable(scaling):  # Beam's NoPE layers: the query scale its model computes from the positions
+        kwargs["attention_scaling"] = scaling(torch.arange(offset, offset + x.shape[1], device=x.device)[None])
     training = layer.training
     layer.eval()
     try:
@@ -1006,11 +1025,11 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
                         "position past it)")
     takes = _forward_takes(attention)
     problems += [m for arg, m in _FORWARD_REFUSALS.items() if arg in takes and m not in problems]
-    layer_type = _layer_type(layer, attention)
-    if ("attention_scaling" in takes and isinstance(rope_parameters, Mapping) and layer_type in rope_parameters
-            and rope_parameters[layer_type] is None):  # Beam's full-attention layers
+    scaling = _model_scaling(layer)
+    if scaling is not None and _scalable_softmax(scaling) is None:
         problems.append("a query scale by position that its model builds and passes in on its layers without rope "
-                        "(its forward takes attention_scaling: Beam's scalable softmax)")
+                        f"(its forward takes attention_scaling, from `{getattr(scaling, '__name__', scaling)}`), which "
+                        "is not Beam's scalable softmax, (1 + (p + 1) / 2048) ** 0.1")
     if type(getattr(attention, "block_size", None)) is int and hasattr(attention, "num_random_blocks"):
         problems.append(f"block-sparse attention (BigBird's: blocks of {attention.block_size} keys, "
                         f"{attention.num_random_blocks} of them random)")
@@ -1022,6 +1041,40 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
         problems.append("an output bias returned apart, for its decoder layer to add (`dense_bias`: its forward "
                         "returns three values)")
     return problems
+
+
+_SCALABLE_SOFTMAX = (0.1, 2048, 1)  # Beam's: (1 + (p + 1) / 2048) ** 0.1, query_scale_kind="power"
+
+
+def _model_scaling(layer: nn.Module) -> Any:
+    """The function with which the layer's model computes the ``attention_scaling`` its
+    forward takes on its layers without rope (Beam's ``compute_attention_scaling``:
+    position_ids -> a query factor (B, 1, T, 1)); ``"unknown"`` where the module has none,
+    None where the layer takes no such scale."""
+    attention = _attention_of(layer)
+    rope_parameters = getattr(_config(attention), "rope_parameters", None)
+    layer_type = _layer_type(layer, attention)
+    if not ("attention_scaling" in _forward_takes(attention) and isinstance(rope_parameters, Mapping)
+            and layer_type in rope_parameters and rope_parameters[layer_type] is None):
+        return None
+    found = getattr(sys.modules[type(layer).__module__], "compute_attention_scaling", None)
+    return found if callable(found) else "unknown"
+
+
+def _scalable_softmax(scaling: Any) -> tuple[float, int, int] | None:
+    """Ours' ``query_scale`` for a model's ``attention_scaling`` function, where it computes
+    Beam's scalable softmax, ``(1 + (p + 1) / 2048) ** 0.1`` (probed at positions 0 ..
+    100000 against float64, within float32's rounding); None where it does not."""
+    if not callable(scaling):
+        return None
+    positions = torch.tensor([[0, 1, 5, 447, 2047, 2048, 4095, 10000, 100000]])
+    try:
+        got = scaling(positions).double().reshape(-1)
+    except Exception:  # noqa: BLE001 - a function the probe cannot call is not Beam's
+        return None
+    beta, floor, offset = _SCALABLE_SOFTMAX
+    want = (1.0 + (positions.double().reshape(-1) + offset) / floor) ** beta
+    return _SCALABLE_SOFTMAX if got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-6, atol=0)) else None
 
 
 def hf_families_table(verdicts: Mapping[str, tuple[str, str, float | None]]) -> str:
@@ -1236,6 +1289,7 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         "qkv_bias": qkv_bias, "out_bias": out.bias is not None, **({"output_gate": True} if gate else {}),
         **({"output_gate_activation": family.gate_activation} if family.gate_activation != "sigmoid" else {}),
         **({"output_gate_per_head": True} if family.gate_per_head else {}),
+        **({"output_gate_bias": True} if family.gate_bias else {}),
     }
 
 
@@ -1290,6 +1344,8 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
     query_scale = _query_scale(layer, attention, family)
     if query_scale is not None:
         options["query_scale"] = query_scale
+        if _scalable_softmax(_model_scaling(layer)) is not None:  # Beam's: (1 + (p + 1) / 2048) ** 0.1
+            options["query_scale_kind"] = "power"
     return options
 
 
@@ -1311,8 +1367,13 @@ def _value_options(layer: nn.Module, family: _Family, options: Mapping[str, Any]
 def _query_scale(layer: nn.Module, attention: Any, family: _Family) -> tuple[float, int, int] | None:
     """The queries' scale by position: Llama 4's temperature tuning on its NoPE layers
     (``attn_temperature_tuning``: ``(attn_scale, floor_scale, 1)``), Ministral 3's /
-    Mistral 4's ``llama_4_scaling_beta`` (``(beta, original_max_position_embeddings, 0)``)."""
+    Mistral 4's ``llama_4_scaling_beta`` (``(beta, original_max_position_embeddings, 0)``),
+    Beam's scalable softmax on its NoPE layers (``(0.1, 2048, 1)``, ``query_scale_kind="power"``:
+    the ``attention_scaling`` its model computes, found by a probe of that function)."""
     config = _config(attention)
+    scalable = _scalable_softmax(_model_scaling(layer))
+    if scalable is not None:  # Beam's NoPE layers: the scale its model passes in as attention_scaling
+        return scalable
     if getattr(config, "attn_temperature_tuning", False) and not family.rope and _nope(attention):
         return float(attention.attn_scale), int(attention.floor_scale), 1
     params = getattr(config, "rope_parameters", None)
@@ -1331,6 +1392,8 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
         names["out_norm.weight"] = f"{family.out_norm}.weight"
     if family.sinks:
         names["sinks"] = "sinks"
+    if family.gate_bias:  # Beam's one gate bias a head
+        names["gate_bias"] = "gate_bias"
     if options["out_bias"]:
         names["out_proj.bias"] = f"{family.o}.bias"
     if family.packed is None:
@@ -1631,7 +1694,8 @@ def _self_check(layer: nn.Module, family: _Family, ours: MultiHeadAttention, cli
     ours.eval()
     try:
         with torch.no_grad():
-            at = spec.rope is not None or offset != _PROBE_OFFSET  # (a NoPE layer's probe: 0.. without a cache)
+            # (a NoPE layer's probe: 0.. without a cache, unless it scales its queries by position)
+            at = spec.rope is not None or spec.query_scale is not None or offset != _PROBE_OFFSET
             kv = {"kv": _probe_kv(layer, x)} if spec.kv_shared else {}  # the keys the layer's probe read
             mine = ours(x, positions=positions, **kv) if at else ours(x, **kv)
     finally:
@@ -1656,7 +1720,8 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     mine, theirs = ours.spec, want.spec
     fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
               "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "chunk", "alignment",
-              "clip_qkv", "output_gate", "output_gate_activation", "output_gate_per_head", "qk_norm_weight",
+              "clip_qkv", "output_gate", "output_gate_activation", "output_gate_per_head", "output_gate_bias",
+              "qk_norm_weight", "query_scale_kind",
               "qk_norm_position", "out_norm", "v_norm", "values_from_keys", "query_scale", "kv_shared")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]

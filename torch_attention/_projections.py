@@ -105,7 +105,7 @@ def merge(module: Any, out: Tensor, implementation: str, gate: Tensor | None = N
     out = out.transpose(1, 2).reshape(b, num_tokens, h * head_dim)
     if spec.output_gate:
         assert gate is not None, "a module with output_gate merges with the gate its project split"
-        out = apply_gate(spec, out, gate)
+        out = apply_gate(spec, out, gate, module.gate_bias if spec.output_gate_bias else None)
     if spec.out_norm is not None:  # BitNet's attn_sub_norm: over the merged heads, with a weight
         out = normalise(out, module.out_norm.weight, spec.qk_norm_eps)
     out_proj = getattr(module, "out_proj", None)
@@ -132,11 +132,16 @@ def split_gate(t: Tensor, heads: int, gate_width: int) -> tuple[Tensor, Tensor]:
     return per_head[..., :queries].reshape(b, num_tokens, -1), per_head[..., queries:].reshape(b, num_tokens, -1)
 
 
-def apply_gate(spec: AttentionConfig, out: Tensor, gate: Tensor) -> Tensor:
+def apply_gate(spec: AttentionConfig, out: Tensor, gate: Tensor, bias: Tensor | None = None) -> Tensor:
     """The merged heads (B, T, H * D) times the activated gate (B, T, H * G): sigmoid(gate)
     in the gate's dtype (Qwen3-Next, AFMoE) or softplus(gate) in float32 at least, cast
     back (Laguna's ``F.softplus(g.float())``); G = 1 (``output_gate_per_head``) scales each
-    head's D features by its one value."""
+    head's D features by its one value.  ``bias`` (H,) (``output_gate_bias``, Beam's
+    ``gate_bias``): each head's added to its G gate features first."""
+    if bias is not None:
+        b, num_tokens, width = gate.shape
+        # (B, T, H, G) + (H, 1) -> (B, T, H * G)
+        gate = (gate.view(b, num_tokens, spec.num_heads, -1) + bias[:, None]).view(b, num_tokens, width)
     if spec.output_gate_activation == "softplus":
         activated = F.softplus(gate.to(torch.promote_types(gate.dtype, torch.float32))).to(out.dtype)
     else:

@@ -188,15 +188,21 @@ def rotate(rope: RopeConfig | None, q: Tensor, k: Tensor, positions: Tensor | No
 
 
 def scale_queries(query_scale: QueryScale | None, q: Tensor, k: Tensor, positions: Tensor | None,
-                  start: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  start: Tensor | None = None, kind: str = "log") -> tuple[Tensor, Tensor]:
     """q (B, H, T, D) times ``1 + beta * log1p(floor((p + offset) / floor))`` at each
     query's position p (``positions``; None: ``start`` + 0..T-1, rope's positions),
     the floor in integers, the scale in float32 at least, the product cast back to q's
-    dtype (Llama 4's order); k unchanged.  Unchanged without a query scale."""
+    dtype (Llama 4's order); ``kind="power"`` (``query_scale_kind``): times ``exp(beta * log1p((p + offset) /
+    floor))`` (Beam's scalable softmax, as its ``compute_attention_scaling``); k unchanged.
+    Unchanged without a query scale."""
     if query_scale is None:
         return q, k
     positions = query_positions(q, positions, start)
     dtype = torch.promote_types(q.dtype, torch.float32)
+    if kind == "power":
+        steps = (positions.to(torch.int64) + query_scale.offset).to(dtype) / query_scale.floor
+        power = torch.exp(query_scale.beta * torch.log1p(steps))  # (B or 1, T)
+        return (q.to(dtype) * power[:, None, :, None]).to(q.dtype), k
     floors = torch.div(positions.to(torch.int64) + query_scale.offset, query_scale.floor, rounding_mode="floor")
     factor = 1.0 + query_scale.beta * torch.log1p(floors.to(dtype))  # (B or 1, T)
     return (q.to(dtype) * factor[:, None, :, None]).to(q.dtype), k

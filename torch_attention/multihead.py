@@ -113,6 +113,8 @@ class MultiHeadAttention(AttentionModule):
     ``output_gate_per_head=True`` (Laguna's per-head ``g_proj``): one gate value a head,
     ``W_query`` then has ``num_heads * (head_dim + 1)`` outputs, each head's queries then
     its one gate value, which scales the head's ``head_dim`` features.
+    ``output_gate_bias=True`` (Beam's ``gate_bias``): a parameter ``gate_bias`` of shape
+    (num_heads,), zeros at first, each head's added to its gate before the activation.
     ``out_norm="rms"`` (BitNet's ``attn_sub_norm``): an RMSNorm with a weight ``out_norm``
     (``num_heads * head_dim`` wide, ones at first; epsilon ``qk_norm_eps``) of the merged
     heads, after the gate, before ``out_proj``.
@@ -135,7 +137,9 @@ class MultiHeadAttention(AttentionModule):
     before k-norm and rope (then ``v_norm``).  ``query_scale=QueryScale(beta, floor,
     offset)`` (``attention_spec.options``; Llama 4's attention temperature tuning,
     Ministral 3's ``llama_4_scaling_beta``): after rope and qk-norm the queries at
-    position p are multiplied by ``1 + beta * log1p(floor((p + offset) / floor))``, at
+    position p are multiplied by ``1 + beta * log1p(floor((p + offset) / floor))``
+    (``query_scale_kind="power"``, Beam's scalable softmax: ``(1 + (p + offset) / floor) **
+    beta``), at
     the call's ``positions=`` (rope's positions; taken without rope too) or, with a cache,
     each example's fill onward; self-attention only.
     Keys and values shared across layers (Gemma 4's ``num_kv_shared_layers``, a layer
@@ -196,6 +200,7 @@ class MultiHeadAttention(AttentionModule):
         output_gate: bool = False,
         output_gate_activation: str = "sigmoid",
         output_gate_per_head: bool = False,
+        output_gate_bias: bool = False,
         qk_norm: str | None = None,
         qk_norm_scope: str = "head",
         qk_norm_eps: float = 1e-6,
@@ -205,6 +210,7 @@ class MultiHeadAttention(AttentionModule):
         v_norm: str | None = None,
         values_from_keys: bool = False,
         query_scale: Any = None,
+        query_scale_kind: str = "log",
         kv_shared: bool = False,
         out_norm: str | None = None,
         rope: Any = None,

@@ -118,6 +118,8 @@ def rules_for(
             rules += [Rule(f"{dotted}.{t}", (*path, f), (), ((width,),)) for t, f in (("weight", "scale"), ("bias", "bias"))]
         else:
             rules += linear_rules(dotted, path, bias=False, shape=(width, fan_in))
+    if spec.output_gate_bias:  # Beam's one gate bias per query head, the same (num_heads,) array
+        rules.append(Rule(".".join(map(str, (*prefix, "gate_bias"))), (*prefix, "gate_bias"), (), ((spec.num_heads,),)))
     if spec.sinks:  # one logit per query head, the same (num_heads,) array
         rules.append(Rule(".".join(map(str, (*prefix, "sinks"))), (*prefix, "sinks"), (), ((spec.num_heads,),)))
     return rules

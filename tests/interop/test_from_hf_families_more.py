@@ -28,14 +28,16 @@ PORTS = ("cohere", "glm", "gptj", "gpt_bigcode", "persimmon", "openai-gpt", "rob
          "modernbert-decoder",
          # a qk-norm after rope (HunYuan), a norm of the merged heads (BitNet), a softplus gate per head
          # (Laguna), per element and with its own heads on layer 0 ("laguna-per-element")
-         "hunyuan_v1_dense", "bitnet", "laguna", "laguna-per-element")
+         "hunyuan_v1_dense", "bitnet", "laguna", "laguna-per-element",
+         # Beam's sigmoid gate_proj with a gate bias per head; its NoPE layer's scalable softmax ("beam-nope")
+         "beam", "beam-nope")
 # a port's model type and its config overrides, where its name is not its model type
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "beam-nope": ("beam", {"layer_types": ["full_attention", "sliding_attention"]}),
     "laguna-per-element": ("laguna", {"gating": "per-element", "num_attention_heads_per_layer": [2, 4]}),
 }
 # family -> (config overrides, the text its refusal must hold)
 REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
-    "beam": ({}, "a gate bias per head (`gate_bias`"),
     "dory": ({}, "a parameter no mechanism accounts for: `s_gate`"),
     "bloom": ({}, "ALiBi"),
     "mpt": ({}, "MPT's ALiBi"),
@@ -117,7 +119,8 @@ def _port(model_type: str) -> dict[str, Any]:
 
     def mine(xi: Any) -> Any:
         inner = getattr(layer, not_ours)(xi) if not_ours else xi  # a pre-norm: the caller's
-        out = ours(inner, positions=positions) if ours.spec.rope is not None else ours(inner)
+        at = ours.spec.rope is not None or ours.spec.query_scale is not None  # (Beam's NoPE layers scale q)
+        out = ours(inner, positions=positions) if at else ours(inner)
         return out + xi if not_ours else out
 
     layer.zero_grad()
@@ -180,6 +183,9 @@ def test_the_mechanisms_are_read_from_the_layers(ports: Any) -> None:
     assert specs["bitnet"].out_norm == "rms" and specs["bitnet"].qk_norm is None
     assert specs["laguna"].output_gate_activation == "softplus" and specs["laguna"].output_gate_per_head
     assert specs["laguna"].fan_out("query") == 4 * (8 + 1)  # each head's 8 queries, then its g_proj row
+    assert specs["beam"].output_gate_bias and specs["beam"].rope is not None and specs["beam"].window == (7, 0)
+    assert specs["beam-nope"].rope is None and specs["beam-nope"].query_scale == (0.1, 2048, 1)
+    assert specs["beam-nope"].query_scale_kind == "power"
     per_element = specs["laguna-per-element"]  # layer 0 with 2 heads of its own (num_attention_heads_per_layer)
     assert per_element.num_heads == 2 and not per_element.output_gate_per_head and per_element.fan_out("query") == 32
 
@@ -200,7 +206,7 @@ def test_the_others_are_refused_naming_their_mechanism() -> None:
 
 
 @needs_torch
-@pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "bitnet", "laguna", "laguna-per-element"])
+@pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "bitnet", "laguna", "laguna-per-element", "beam"])
 def test_to_hf_writes_the_weights_back_bit_for_bit_and_hf_rules_moves_them(ports: Any, model_type: str) -> None:
     """to_hf(from_hf(layer)) into a copy of the layer whose weights were changed gives the
     layer's own weights back, bit for bit (Laguna's g_proj split back from W_query's rows);
@@ -238,11 +244,11 @@ def test_to_hf_writes_the_weights_back_bit_for_bit_and_hf_rules_moves_them(ports
     if spec.out_norm is not None:
         assert children["attn_sub_norm"] == ("out_norm", None)
     if spec.output_gate:
-        assert "q_proj" not in children and "g_proj" not in children
+        assert "q_proj" not in children and "g_proj" not in children and "gate_proj" not in children
 
 
 @needs_both
-@pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "bitnet", "laguna"])
+@pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "laguna", "beam-nope"])
 def test_the_flax_twin_of_the_port_computes_what_ours_does(ports: Any, model_type: str) -> None:
     """to_flax(from_hf(layer)) against from_hf(layer) at the test's positions: outputs and
     gradients (input and every parameter), twin against twin."""

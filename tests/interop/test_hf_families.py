@@ -105,7 +105,8 @@ class _AsHF:
                 self.ours = ours
 
             def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-                rope = getattr(getattr(ours, "spec", None), "rope", None) is not None
+                spec = getattr(ours, "spec", None)  # (a query scale by position takes them without rope: Beam's)
+                rope = getattr(spec, "rope", None) is not None or getattr(spec, "query_scale", None) is not None
                 x = hidden_states
                 if not_ours is not None and not_ours != "output.LayerNorm":  # a pre-norm
                     x = getattr(native, not_ours)(hidden_states)
@@ -243,13 +244,14 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              # a separate sigmoid gate_proj as our output gate (rows interleaved per head), halves turned by -angle
              "afmoe", "nanochat",
              # a qk-norm after rope (HunYuan), a norm of the merged heads (BitNet), a softplus gate per head (Laguna)
-             "hunyuan_v1_dense", "hunyuan_v1_moe", "bitnet", "laguna")
+             "hunyuan_v1_dense", "hunyuan_v1_moe", "bitnet", "laguna",
+             # a sigmoid gate with a bias per head and a scalable softmax (queries scaled by position) on NoPE layers
+             "beam")
 MUST_REFUSE = {"bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
                "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
                "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
                "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
                "big_bird": "block-sparse attention",
-               "beam": "a gate bias per head",
                "mimo_v2_flash": "value heads of another width than the key heads",
                "dory": "a parameter no mechanism accounts for: `sqk`"}
 

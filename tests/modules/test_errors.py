@@ -387,6 +387,24 @@ CASES = [
         lambda fw: mha(fw, output_gate_per_head=True),
     ),
     ErrorCase(
+        "output_gate_bias-without-gate", ValueError, re.escape("output_gate_bias=True needs output_gate=True"),
+        lambda fw: mha(fw, output_gate_bias=True),
+    ),
+    ErrorCase(
+        "output_gate_bias-not-bool", TypeError, re.escape("output_gate_bias must be a bool; got str 'yes'"),
+        lambda fw: mha(fw, output_gate=True, output_gate_bias="yes"),
+    ),
+    ErrorCase(
+        "query_scale_kind-unknown", ValueError,
+        re.escape("query_scale_kind must be one of 'log', 'power'; got 'exp'"),
+        lambda fw: mha(fw, query_scale=(0.1, 2048, 1), query_scale_kind="exp"),
+    ),
+    ErrorCase(
+        "query_scale_kind-without-query_scale", ValueError,
+        re.escape("query_scale_kind='power' needs query_scale (a QueryScale(beta, floor, offset))"),
+        lambda fw: mha(fw, query_scale_kind="power"),
+    ),
+    ErrorCase(
         "out_norm-unknown", ValueError, re.escape("out_norm must be one of 'rms'; got 'layer'"),
         lambda fw: mha(fw, out_norm="layer"),
     ),

@@ -31,9 +31,12 @@ PATHS = ("reference", "fused", "blockwise", "auto")
 HEADS_GATE: dict[str, Any] = {"num_kv_heads": 2, "qk_norm": "rms", "qk_norm_position": "after_rope",
                               "output_gate": True, "output_gate_activation": "softplus",
                               "output_gate_per_head": True, "out_norm": "rms"}
-# a LayerNorm over all heads after rope, a softplus gate per feature (Laguna's "per-element")
+# a LayerNorm over all heads after rope, a softplus gate per feature (Laguna's "per-element");
+# Beam's sigmoid gate with a bias per head and its scalable softmax (here (1 + (p + 1) / 16) ** 0.5)
 ALL_FEATURES: dict[str, Any] = {"qk_norm": "layer", "qk_norm_scope": "all", "qk_norm_position": "after_rope",
                                 "output_gate": True, "output_gate_activation": "softplus"}
+BEAM: dict[str, Any] = {"num_kv_heads": 2, "qk_norm": "rms", "output_gate": True, "output_gate_bias": True,
+                        "query_scale": (0.5, 16, 1), "query_scale_kind": "power"}
 
 
 def _pair(seed: int = 3, **options: Any) -> tuple[Any, Any]:
@@ -50,7 +53,7 @@ def _pair(seed: int = 3, **options: Any) -> tuple[Any, Any]:
                                                 rope=RopeConfig(theta=10000.0, partial_rotary_factor=0.5)).eval()
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name == "gate_bias":  # (gate_bias starts at zeros)
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.5 * torch.randn_like(p))
     return module, to_flax(module)
 
@@ -119,8 +122,8 @@ def test_the_qk_norm_after_rope_is_not_the_one_before() -> None:
 
 
 @needs_both
-@pytest.mark.parametrize(("options", "paths"), [(HEADS_GATE, PATHS), (ALL_FEATURES, ("auto",))],
-                         ids=["heads-gate-outnorm", "all-features"])
+@pytest.mark.parametrize(("options", "paths"), [(HEADS_GATE, PATHS), (ALL_FEATURES, ("auto",)), (BEAM, ("auto",))],
+                         ids=["heads-gate-outnorm", "all-features", "beam"])
 def test_every_path_against_the_oracle_and_the_twin(options: dict[str, Any], paths: tuple[str, ...]) -> None:
     """Each twin's output on every path (the second configuration: ``auto``) against the
     float64 oracle at positions past 400; output and gradients (input and every
@@ -217,3 +220,43 @@ def test_the_parameters_and_the_exporters() -> None:
                                                      **needs, **{option: value})
         with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
             jax_interop.to_nnx_multihead(flax_ours)
+
+
+@needs_both
+def test_a_power_query_scale_by_hand_and_the_gate_bias_by_head() -> None:
+    """``query_scale=QueryScale(beta, floor, offset)`` with ``query_scale_kind="power"`` multiplies the queries at p by
+    ``(1 + (p + offset) / floor) ** beta``: with a zero query and key every score is 0 but
+    for a scaled query of ones at p = 15 (offset 1, floor 16, beta 1: a factor 2), checked
+    through the scores' softmax; ``gate_bias`` is one (num_heads,) parameter in both twins
+    and moves each head's gate (a head's bias of +inf-like 30 opens it, -30 shuts it)."""
+    import jax.numpy as jnp
+    import torch
+
+    import torch_attention
+    from attention_spec.options import QueryScale
+    from parity_tests import to_flax
+
+    m = torch_attention.MultiHeadAttention(2, 2, None, 0.0, 1, False, out_proj=False,
+                                           query_scale=QueryScale(1.0, 16, 1), query_scale_kind="power").eval()
+    with torch.no_grad():
+        m.W_query.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))  # q = [x0, 0]
+        m.W_key.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))  # k = [x0, 0]
+        m.W_value.weight.copy_(torch.eye(2))
+    x = np.array([[[0.0, 1.0], [1.0, 0.0]]], np.float32)  # key 0: k = 0, v = [0, 1]; key 1: k = 1, v = [1, 0]
+    positions = np.array([[14, 15]])
+    score = 2.0 / math.sqrt(2.0)  # query 1 (p = 15): q = 2 * [1, 0], its own key [1, 0], scale 1 / sqrt(2)
+    w = 1.0 / (1.0 + math.exp(-score))  # softmax over the scores [0, score]: key 1's weight
+    want = np.array([[[0.0, 1.0], [w, 1.0 - w]]])
+    np.testing.assert_allclose(m(torch.from_numpy(x), positions=torch.from_numpy(positions)).detach().numpy(), want,
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(to_flax(m)(jnp.asarray(x), positions=jnp.asarray(positions))), want,
+                               rtol=1e-6)
+    gated = torch_attention.MultiHeadAttention(4, 4, None, 0.0, 2, False, out_proj=False, output_gate=True,
+                                               output_gate_bias=True).eval()
+    with torch.no_grad():
+        gated.gate_bias.copy_(torch.tensor([30.0, -30.0]))
+    flax_gated = to_flax(gated)
+    assert tuple(gated.gate_bias.shape) == tuple(flax_gated.gate_bias[...].shape) == (2,)
+    x = random_x((1, 3, 4), 2)
+    for out in (gated(torch.from_numpy(x)).detach().numpy(), np.asarray(flax_gated(jnp.asarray(x)))):
+        assert np.abs(out[..., 2:]).max() < 1e-9 < np.abs(out[..., :2]).min()  # head 1 shut, head 0 open
