@@ -16,6 +16,7 @@ names and layouts by ``to_hf``) of ``sum(out * R)``.  The logits of whole models
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from typing import Any
 
@@ -266,3 +267,29 @@ def test_the_flax_twin_of_the_port_computes_what_ours_does(ports: Any, model_typ
         torch_call=lambda m, *a, **k: m(*a, positions=torch.from_numpy(positions), **k),
         flax_call=lambda m, *a, **k: m(*a, positions=jnp.asarray(positions), **k))
     assert report.ok, report
+
+
+@needs_torch
+def test_to_hf_refuses_the_new_options_by_name_where_the_layer_has_none() -> None:
+    """A Qwen3 layer (a qk-norm before rope, no gate, no norm of the merged heads, no query
+    scale): to_hf of ours with each of HunYuan's, BitNet's, Laguna's and Beam's options names
+    it, and writes nothing."""
+    import torch
+
+    from torch_attention.interop import from_hf, to_hf
+    from torch_attention.multihead import MultiHeadAttention
+
+    layer = _first_layer(_model("qwen3"))
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    config = from_hf(layer).config
+    gate = {"output_gate": True}
+    for extra, named in (({"qk_norm_position": "after_rope"}, "qk_norm_position='after_rope'"),
+                         ({"out_norm": "rms"}, "out_norm='rms'"),
+                         ({**gate, "output_gate_activation": "softplus"}, "output_gate_activation='softplus'"),
+                         ({**gate, "output_gate_per_head": True}, "output_gate_per_head=True"),
+                         ({**gate, "output_gate_bias": True}, "output_gate_bias=True"),
+                         ({"query_scale": (0.1, 2048, 1), "query_scale_kind": "power"}, "query_scale_kind='power'")):
+        ours = MultiHeadAttention(**{**config, **extra})
+        with pytest.raises(ValueError, match=re.escape(f"{named} where the layer has")):
+            to_hf(ours, layer)
+    assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
