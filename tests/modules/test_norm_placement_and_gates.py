@@ -195,21 +195,27 @@ def test_cached_decoding_equals_the_whole_sequence() -> None:
 @needs_both
 def test_the_parameters_and_the_exporters() -> None:
     """``out_norm`` is one (num_heads * head_dim,) weight under one name in both twins
-    (PyTorch ``out_norm.weight``, Flax ``("out_norm", "scale")``), moved by the declared map;
-    the native exporters name each option they cannot express."""
+    (PyTorch ``out_norm.weight``, Flax ``("out_norm", "scale")``), moved by the declared map
+    both ways (``gate_bias`` too); the native exporters name each option they cannot express."""
     import re
 
+    import torch
     from flax import nnx
 
     import jax_attention
     import torch_attention
     from jax_attention import interop as jax_interop
+    from parity_tests import to_torch
     from torch_attention import interop as torch_interop
 
     torch_m, flax_m = _pair(**HEADS_GATE)
     assert tuple(torch_m.out_norm.weight.shape) == tuple(flax_m.out_norm.scale.shape) == (16,)
     np.testing.assert_array_equal(np.asarray(flax_m.out_norm.scale[...]), torch_m.out_norm.weight.detach().numpy())
     assert tuple(torch_m.W_query.weight.shape) == (4 * (4 + 1), 16)  # each head's 4 queries, then its gate value
+    for options in (HEADS_GATE, BEAM):  # to_torch(to_flax(m)) is m, bit for bit (out_norm, gate_bias included)
+        module, twin = _pair(**options)
+        back, mine = to_torch(twin).state_dict(), module.state_dict()
+        assert sorted(back) == sorted(mine) and all(torch.equal(back[k], mine[k]) for k in mine)
     for option, value, needs in (("qk_norm_position", "after_rope", {"qk_norm": "rms"}),
                                  ("output_gate_activation", "softplus", {"output_gate": True}),
                                  ("out_norm", "rms", {})):
