@@ -132,12 +132,16 @@ def device_slug(env: dict[str, Any]) -> str:
 
 # AMD's CPU family (and, in family 0x19, model ranges) of each Zen generation.
 _ZEN_19H = (("zen3", ((0x00, 0x0F), (0x20, 0x5F))), ("zen4", ((0x10, 0x1F), (0x60, 0xAF))))
+# Intel's server cores (family 6) by model: a virtual machine's "Intel(R) Xeon(R) Processor"
+_XEON_6H = {0x55: "skylake-sp", 0x6A: "ice-lake-sp", 0x6C: "ice-lake-d", 0x8F: "sapphire-rapids",
+            0xCF: "emerald-rapids", 0xAD: "granite-rapids", 0xAE: "granite-rapids-d"}
 
 
 def cpu_generation() -> str | None:
     """The CPU's generation where /proc/cpuinfo tells it and the model name may not (a
-    virtual machine's "AMD EPYC"): ``zen3``, ``zen4`` or ``zen5`` for AMD (CPU family
-    0x19 by model, 0x1A); None otherwise."""
+    virtual machine's "AMD EPYC", "Intel(R) Xeon(R) Processor"): ``zen3``, ``zen4`` or
+    ``zen5`` for AMD (CPU family 0x19 by model, 0x1A), Intel's server cores by model
+    (``sapphire-rapids``, ``emerald-rapids``, ...); None otherwise."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -148,11 +152,14 @@ def cpu_generation() -> str | None:
                 fields[key.strip()] = value.strip()
     except OSError:
         return None
-    if fields.get("vendor_id") != "AuthenticAMD":
-        return None
+    vendor = fields.get("vendor_id")
     try:
         family, model = int(fields["cpu family"]), int(fields["model"])
     except (KeyError, ValueError):
+        return None
+    if vendor == "GenuineIntel":
+        return _XEON_6H.get(model) if family == 6 else None
+    if vendor != "AuthenticAMD":
         return None
     if family == 0x1A:
         return "zen5"
