@@ -38,6 +38,15 @@ output leaf as it returns it (``x + 0`` is ``x``), and ``jax.grad`` differentiat
 scalar with respect to those zeros.  Both are the same quantities, so the twins'
 cotangents compare leaf for leaf.
 
+Sparse attention (DSA).  Each sparse layer's choice of keys is recorded in both models
+(this library's ``_choose`` in either twin, wrapped on the instance; ``transformers``'
+indexer by a hook, its scores read from the ``topk`` call its forward makes), and the Flax
+model's layers run on the PyTorch model's choice, so that a tie within the scores'
+rounding, which two correct implementations break differently, changes no number compared
+after it; the choices are compared apart from the numbers (``SelectionFinding``,
+``parity_tests.selection.compare_selections``), and one that differs beyond the rounding
+is the divergence, at that layer, unless a module that returned before it diverges.
+
 The models run eagerly (no ``jax.jit``, so that each call can be recorded) in
 ``full_precision()``; put both in the mode to compare (``eval()`` for no dropout) first.
 For backward the Flax model runs a second time, under ``jax.grad``: it must call the same
@@ -1435,7 +1444,8 @@ def locate_divergence(
     Flax module must compute what the PyTorch module of its name computes.
 
     Returns a ``DivergenceReport``: ``first`` (None when nothing diverges: ``ok``), every
-    module pair with its errors, ``boundaries``, ``backward_note`` (why backward was not
+    module pair with its errors, ``boundaries``, ``selections`` (each sparse layer's
+    choices of keys compared), ``backward_note`` (why backward was not
     checked, when it was not), ``str()`` a table.  Raises TypeError for a malformed
     ``module_map``, ValueError for a dtype without a tolerance (unless rtol and atol are
     given), and whatever the models raise.

@@ -236,7 +236,8 @@ def test_scores_tied_at_the_relus_zero_are_reported_as_ties_not_a_divergence() -
         hf.model.layers[0].self_attn.indexer.wq_b.weight.zero_()
     port = ported(hf, _V32ForCausalLM(hf))
     ids = lm_ids(SHORT, VOCAB)
-    report = locate_divergence(hf, port[1], ids, torch_call=hf_logits, flax_call=flax_logits)
+    # forward only: check_causal_lm_parity below proves the gradients on transformers' choice
+    report = locate_divergence(hf, port[1], ids, torch_call=hf_logits, flax_call=flax_logits, backward=False)
     assert report.ok, str(report)
     tied = report.selections[0]
     assert tied.ties_only and tied.report.differences and tied.report.score_error == 0.0, str(report)
