@@ -176,6 +176,20 @@ def check_compressed_selection(g: CompressedGeometry, batch: int, tokens: int, l
                          f"the call); got {dtype} {tuple(as_shape(shape))}")
 
 
+def check_compressed_mask(mask: Any) -> None:
+    """A call's ``mask=``: refused whatever it holds (None passes).  DeepSeek-V4's attention
+    has no padding mask here: its compressors pool every ``compress_rate`` consecutive
+    tokens and its cache counts tokens from 0, so a left-padded row's pads would enter its
+    compressed entries and its positions; batch rows of one length (no padding) only."""
+    if mask is not None:
+        raise ValueError(NO_MASK)
+
+
+NO_MASK = (f"{NAME} takes no mask (no padding: its compressors pool every compress_rate consecutive tokens, pads "
+           "included, and token t sits at position cache.length + t); call it on rows of one length, without "
+           "padding")
+
+
 def check_compressed_call(g: CompressedGeometry, x_shape: Any, x_dtype: str, compute: str,
                           cache: Any) -> tuple[int, int, int]:
     """A call, before any work: x (B, T, d_in), T >= 1, in the module's compute dtype;

@@ -26,6 +26,7 @@ from attention_spec.compressed import (
     CompressedGeometry,
     cache_shapes,
     check_compressed_call,
+    check_compressed_mask,
     check_compressed_options,
     check_compressed_selection,
 )
@@ -189,11 +190,12 @@ class CompressedAttention(nnx.Module):
                               (tuple(getattr(cache, n).shape), dtype_name(getattr(cache, n).dtype))
                               for n in CACHE_FIELDS}
 
-    def __call__(self, x: Array, *, cache: CompressedCache | None = None,
+    def __call__(self, x: Array, mask: Any = None, *, cache: CompressedCache | None = None,
                  selection: Array | None = None) -> Array | tuple[Array, CompressedCache]:
         """x (B, T, d_in) in the module's compute dtype -> (B, T, d_in); with ``cache``
         ``(out, new_cache)``; ``selection`` (CSA) in place of the indexer's choice (the
-        PyTorch twin's ``forward``)."""
+        PyTorch twin's ``forward``; ``mask`` refused by name: no padding)."""
+        check_compressed_mask(mask)
         g = self.geometry
         batch, tokens, start = check_compressed_call(g, tuple(x.shape), dtype_name(x.dtype), self._compute(),
                                                      self._fields(cache))

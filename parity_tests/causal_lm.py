@@ -39,7 +39,13 @@ from typing import Any
 import numpy as np
 
 from attention_spec.interop.numpy_arrays import as_numpy
-from parity_tests.divergence import DivergenceReport, locate_divergence
+from parity_tests.divergence import (
+    DivergenceReport,
+    SelectionFinding,
+    compare_choices,
+    locate_divergence,
+    same_choices,
+)
 from parity_tests.harness import Finding, ParityReport, check_parity, compare, full_precision
 from parity_tests.tolerances import PARITY
 from parity_tests.training import TrainingReport, check_training_parity
@@ -64,14 +70,29 @@ class CausalLMReport:
     decoding: list[Finding] = field(default_factory=list)
     tokens_agree: bool | None = None
     divergence: DivergenceReport | None = None
+    selections: list[SelectionFinding] = field(default_factory=list)  # sparse attention's choices of keys
 
     @property
     def ok(self) -> bool:
         return (self.logits.ok and (self.training is None or self.training.ok)
-                and all(f.ok for f in self.decoding) and self.tokens_agree is not False)
+                and all(f.ok for f in self.decoding) and self.tokens_agree is not False
+                and all(s.ok for s in self.selections))
+
+    @property
+    def same_selection(self) -> bool:
+        """Whether the logits and gradients were compared with the Flax model on the
+        PyTorch model's choice of keys (some sparse layer's choices differ)."""
+        return any(s.differs for s in self.selections)
 
     def message(self) -> str:
-        lines = [f"logits and gradients: {self.logits.message()}"]
+        lines = []
+        if self.selections:
+            differ = [s for s in self.selections if s.differs]
+            lines.append(f"choices of keys: {len(self.selections)} sparse layer calls, {len(differ)} differ"
+                         + (" (logits and gradients compared with the Flax model on PyTorch's choice)"
+                            if differ else ""))
+            lines += [s.text() for s in differ]
+        lines.append(f"logits and gradients: {self.logits.message()}")
         if self.training is not None:
             lines.append(f"training: {self.training.message()}")
         if self.decoding:
@@ -347,6 +368,15 @@ def check_causal_lm_parity(
         ``generate``'s positions).
       locate: on failure, run ``locate_divergence`` on the ids without padding.
 
+    Sparse attention (DSA): every sparse layer's choice of keys is compared first
+    (``compare_choices``, on ``ids`` and the mask: which layer, how many queries chose
+    other keys, ties within the scores' rounding told from divergences, in ``selections``
+    and the message); where any differ, the logits and every gradient are compared with the
+    Flax model on the PyTorch model's choice (``same_choices``), so a tie changes no number
+    compared, and a choice beyond the rounding fails the report.  The training steps and the
+    decoding run each side on its own choice (the weights, and the tokens, change the
+    choice): a tie there shows as their failure, beside the choices reported.
+
     Returns a ``CausalLMReport`` (raises nothing when the proofs fail).  Raises ValueError
     for ``decode_steps`` without ``flax_decode``, an attention mask of another shape than
     the ids, and what the harness calls raise.
@@ -367,8 +397,16 @@ def check_causal_lm_parity(
     f_call = flax_call or _flax_logits
     real = None if mask is None else mask.astype(bool)
     inputs = [np_ids] if mask is None else [np_ids, mask]
-    report = CausalLMReport(check_parity(torch_model, flax_model, *inputs, param_map=rules, rows=real,
-                                         torch_call=t_call, flax_call=f_call))
+    # sparse attention: each layer's choice of keys compared apart from the numbers; where
+    # some differ (a tie within the scores' rounding goes either way), the logits and
+    # gradients are compared with the Flax model on the PyTorch model's choice
+    findings, choices = compare_choices(torch_model, flax_model, *inputs, torch_call=t_call, flax_call=f_call)
+    if not any(s.differs for s in findings):
+        choices = []
+    with same_choices(flax_model, choices):
+        logits = check_parity(torch_model, flax_model, *inputs, param_map=rules, rows=real,
+                              torch_call=t_call, flax_call=f_call)
+    report = CausalLMReport(logits, selections=findings)
     if steps:
         x, y = np_ids[:, :-1].astype(np.float32), np_ids[:, 1:].astype(np.float32)  # ids exact below 2**24
         kept = None if real is None else real[:, :-1]

@@ -38,6 +38,15 @@ output leaf as it returns it (``x + 0`` is ``x``), and ``jax.grad`` differentiat
 scalar with respect to those zeros.  Both are the same quantities, so the twins'
 cotangents compare leaf for leaf.
 
+Sparse attention (DSA).  Each sparse layer's choice of keys is recorded in both models
+(this library's ``_choose`` in either twin, wrapped on the instance; ``transformers``'
+indexer by a hook, its scores read from the ``topk`` call its forward makes), and the Flax
+model's layers run on the PyTorch model's choice, so that a tie within the scores'
+rounding, which two correct implementations break differently, changes no number compared
+after it; the choices are compared apart from the numbers (``SelectionFinding``,
+``parity_tests.selection.compare_selections``), and one that differs beyond the rounding
+is the divergence, at that layer, unless a module that returned before it diverges.
+
 The models run eagerly (no ``jax.jit``, so that each call can be recorded) in
 ``full_precision()``; put both in the mode to compare (``eval()`` for no dropout) first.
 For backward the Flax model runs a second time, under ``jax.grad``: it must call the same
@@ -59,7 +68,8 @@ from attention_spec.interop.numpy_arrays import as_numpy
 from parity_tests.harness import _is_float, _numpy_source, compare, full_precision, module_dtype
 from parity_tests.tolerances import GRAD_PARITY, PARITY, Tolerance
 
-__all__ = ["Boundary", "Divergence", "DivergenceReport", "ModulePair", "locate_divergence"]
+__all__ = ["Boundary", "Divergence", "DivergenceReport", "ModulePair", "SelectionFinding", "compare_choices",
+           "locate_divergence", "same_choices"]
 
 Path = tuple[str, ...]  # a leaf's place in a pytree: keys and indices as text
 
@@ -128,7 +138,10 @@ class Boundary:
 class Divergence:
     """Where the twins part: the innermost module whose inputs agree and whose output does
     not (``direction="forward"``), or whose output cotangent agrees and whose input
-    cotangent does not (``"backward"``); ``max_rel`` is the error that fails there."""
+    cotangent does not (``"backward"``), or a sparse attention layer whose indexer chose
+    other keys than the other side's beyond the scores' rounding (``"selection"``: a tie
+    is not one; ``SelectionFinding``); ``max_rel`` is the error that fails there (for a
+    selection: the scores' largest difference relative to their largest magnitude)."""
 
     torch_name: str
     flax_path: tuple[Any, ...]
@@ -136,6 +149,64 @@ class Divergence:
     direction: str
     max_rel: float
     note: str = ""
+
+
+@dataclass(frozen=True)
+class SelectionFinding:
+    """One sparse attention layer's choices of keys compared (``parity_tests.selection``):
+    the layer (PyTorch name, Flax path, call), ``report`` (which queries chose different
+    keys, by how many, the margin at the k-th key against the scores' rounding; None: only
+    one side chose, or the choices' shapes differ, ``note`` says which), ``score_rel``
+    (the scores' largest difference relative to their largest magnitude) and the layer's
+    output at the queries whose choice agrees (``agreeing``).  The Flax model runs on the
+    PyTorch model's choice (``locate_divergence(same_selection=True)``), so every row of
+    the layer, and every module after it, compares at the normal tolerance; at the
+    agreeing queries that choice was the Flax layer's own too.  ``at``: how many PyTorch
+    module calls had returned when the choice was made."""
+
+    torch_name: str
+    flax_path: tuple[Any, ...]
+    call: int
+    report: Any = None  # parity_tests.selection.SelectionReport
+    score_rel: float = 0.0
+    agreeing: Error = NOT_COMPARED
+    at: int = 0
+    note: str = ""
+
+    @property
+    def differs(self) -> bool:
+        """Whether the two choices differ (or could not be compared)."""
+        return self.report is None or bool(self.report.differences)
+
+    @property
+    def ok(self) -> bool:
+        """No difference beyond the scores' rounding (ties go either way), the scores
+        within their rounding, and the output at the agreeing queries within tolerance."""
+        return self.report is not None and self.report.ok and self.agreeing.ok is not False
+
+    @property
+    def ties_only(self) -> bool:
+        """The choices differ, every difference a tie within the scores' rounding."""
+        return self.differs and self.ok
+
+    def text(self) -> str:
+        name = f"{self.torch_name or '(root)'}{f' (call {self.call})' if self.call else ''}"
+        if self.report is None:
+            return f"{name}: {self.note}"
+        report = self.report
+        what = report.summary().splitlines()[0]
+        if self.ties_only:
+            what += ": ties, both right"
+        elif not self.ok and report.divergent:
+            what += ": DIVERGES"
+        if self.agreeing.ok is not None:
+            kept = report.queries - len(report.differences)
+            verdict = "agrees" if self.agreeing.ok else "DIFFERS"
+            what += (f"; at the {kept} queries whose choice agrees the layer's output {verdict} "
+                     f"(max rel err {self.agreeing.max_rel:.1e})")
+        shown = [f"    {line.strip()}" for line in report.summary().splitlines()[1:4]]
+        more = len(report.differences) - len(shown)
+        return "\n".join([f"  {name}: {what}", *shown, *([f"    ... {more} more"] if more > 0 else [])])
 
 
 @dataclass
@@ -150,6 +221,7 @@ class DivergenceReport:
     flax_only: list[str] = field(default_factory=list)
     backward_note: str = ""  # why backward was not checked, when it was not
     boundaries: list[Boundary] = field(default_factory=list)  # modules split otherwise, searched past
+    selections: list[SelectionFinding] = field(default_factory=list)  # sparse attention's choices of keys
 
     @property
     def ok(self) -> bool:
@@ -238,6 +310,20 @@ class _Record:
     overwritten: bool = False  # torch: an output written in place after the module returned it
 
 
+@dataclass
+class _Selection:
+    """One sparse attention layer's choice of keys as one framework made it (its own, even
+    where it then ran on a forced one): the layer's name, the how-manieth call, how many
+    module calls had returned before it (``at``), the choice (B, T, S) bool and the scores
+    it chose by (-inf at the keys hidden from a query)."""
+
+    name: tuple[Any, ...]
+    call: int
+    at: int
+    chosen: np.ndarray
+    scores: np.ndarray
+
+
 class _Recorder:
     """The call stack of one run: ``enter`` when a module receives its arguments and
     ``exit`` when it returns, each giving back the arguments / output to use instead
@@ -249,6 +335,8 @@ class _Recorder:
         self.keep_values = keep_values
         self._stack: list[int] = []
         self._exits = 0
+        self.selections: list[_Selection] = []  # sparse attention's choices of keys, in call order
+        self.forced: Mapping[str, Sequence[np.ndarray]] = {}  # {layer: the choice to run on, per call}
 
     def enter(self, name: tuple[Any, ...], tree: Any) -> Any:
         index = len(self.records)
@@ -344,15 +432,20 @@ def _instrument_attention(module: Any, name: tuple[Any, ...], recorder: _Recorde
     qk-norms recorded as the submodules ``W_query`` ... ``out_proj``, ``rope`` and the
     norms' names, by wrapping ``_linear`` / ``_rotate`` / ``_normalise_qk`` on the
     instance.  Returns the attributes set, for ``_uninstrument``."""
+    from attention_spec.latent import indexer_layers
+
     spec = module.spec
     linear, rotate, normalise = module._linear, module._rotate, module._normalise_qk
     rms = getattr(module, "_rms", None)  # latent attention's own RMSNorms, by name
+    indexer = getattr(module, "indexer", None)  # sparse attention's, its projections named as transformers'
+    indexed = [] if indexer is None else [n for n, kind, _, _ in indexer_layers(spec) if kind == "linear"]
 
     def _linear(layer: Any, inputs: Any, implementation: str) -> Any:
-        child = next((p.name for p in spec.declaration.projections if getattr(module, p.name, None) is layer), None)
+        child = next(((p.name,) for p in spec.declaration.projections if getattr(module, p.name, None) is layer),
+                     next((("indexer", n) for n in indexed if getattr(indexer, n) is layer), None))
         if child is None:  # not one of the declared projections: not a submodule to name
             return linear(layer, inputs, implementation)
-        return recorder.around((*name, child), (inputs,), lambda xs: linear(layer, xs[0], implementation))
+        return recorder.around((*name, *child), (inputs,), lambda xs: linear(layer, xs[0], implementation))
 
     def _rotate(q: Any, k: Any, positions: Any, start: Any = None) -> Any:
         if spec.rope is None:
@@ -371,9 +464,45 @@ def _instrument_attention(module: Any, name: tuple[Any, ...], recorder: _Recorde
     wrappers = {"_linear": _linear, "_rotate": _rotate, "_normalise_qk": _normalise_qk}
     if rms is not None:
         wrappers["_rms"] = _rms
+    if indexer is not None:
+        wrappers["_choose"] = _choosing(module._choose, name, recorder)
     for attribute, function in wrappers.items():
         object.__setattr__(module, attribute, function)
     return list(wrappers)
+
+
+def _choosing(choose: Any, name: tuple[Any, ...], recorder: _Recorder) -> Any:
+    """Sparse attention's ``_choose`` (either twin), its choice recorded (``_Selection``)
+    and, where the recorder holds one for this layer and call (``forced``: the other
+    framework's), replaced by that one of the same shape: the layer then attends to the
+    keys the other side chose, so that its outputs, and everything after them, compare at
+    the normal tolerance whatever the choices (a tie within the scores' rounding goes
+    either way)."""
+    calls = [0]
+
+    def _choose(call: Any, q: Any, iq: Any, ik: Any, w: Any, **extra: Any) -> Any:
+        scores, chosen = choose(call, q, iq, ik, w, **extra)
+        k, calls[0] = calls[0], calls[0] + 1
+        if recorder.keep_values:
+            recorder.selections.append(_Selection(name, k, recorder._exits, np.array(as_numpy(chosen), bool),
+                                                  np.array(as_numpy(scores), np.float64)))
+        forced = recorder.forced.get(_dotted(name), ())
+        if k < len(forced) and forced[k].shape == tuple(chosen.shape):
+            chosen = _like(chosen, forced[k])
+        return scores, chosen
+
+    return _choose
+
+
+def _like(template: Any, values: np.ndarray) -> Any:
+    """``values`` as an array of ``template``'s framework (and device)."""
+    if type(template).__module__.startswith("torch"):
+        import torch
+
+        return torch.as_tensor(values, device=template.device)
+    import jax.numpy as jnp
+
+    return jnp.asarray(values)
 
 
 def _uninstrument(instrumented: list[tuple[Any, list[str]]]) -> None:
@@ -403,11 +532,63 @@ def _torch_hooks(model: Any, recorder: _Recorder) -> Iterator[None]:
                 lambda m, a, k, out: recorder.exit(out), with_kwargs=True))
             if isinstance(module, AttentionModule):
                 instrumented.append((module, _instrument_attention(module, name, recorder)))
+            elif type(module).__name__ in _HF_INDEXERS and name:
+                handles += _hf_indexer_hooks(module, name, recorder)
         yield
     finally:
         for handle in handles:
             handle.remove()
         _uninstrument(instrumented)
+
+
+# transformers' DSA indexers (``torch_attention._hf_latent``): each returns its top-k key
+# indices (B, T, k) and keeps the scores it chose them by to itself
+_HF_INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
+
+
+def _hf_indexer_hooks(module: Any, name: tuple[str, ...], recorder: _Recorder) -> list[Any]:
+    """A ``transformers`` indexer's choice recorded as its attention layer's (``name``
+    without ``indexer``): the scores are the tensor its forward takes the top k of (a
+    ``TorchFunctionMode`` for the duration of the forward sees that ``topk`` call), the
+    choice its indices as bool (B, T, S).  Scores at the mask's finite minimum (an
+    additive mask) count as hidden (-inf), and a hidden key it kept (a query that sees
+    fewer than k keys) as not chosen."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _Scores(TorchFunctionMode):
+        seen: Any = None
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in (torch.topk, torch.Tensor.topk) and args:
+                self.seen = args[0]
+            return func(*args, **(kwargs or {}))
+
+    modes: list[Any] = []
+    calls = [0]
+
+    def before(m: Any, args: Any) -> None:
+        modes.append(_Scores())
+        modes[-1].__enter__()
+
+    def after(m: Any, args: Any, out: Any) -> None:
+        mode = modes.pop()
+        mode.__exit__(None, None, None)
+        if mode.seen is None or not isinstance(out, torch.Tensor):
+            return
+        scores = np.array(as_numpy(mode.seen.detach().float()), np.float64)
+        scores[scores <= -1e30] = -np.inf  # (float32's minimum, added by an additive mask)
+        chosen = np.zeros(scores.shape, bool)
+        np.put_along_axis(chosen, np.array(as_numpy(out)).astype(np.int64), True, axis=-1)
+        k, calls[0] = calls[0], calls[0] + 1
+        recorder.selections.append(_Selection(name[:-1], k, recorder._exits, chosen & np.isfinite(scores), scores))
+
+    class _Cleanup:  # a forward that raised left its mode entered
+        def remove(self) -> None:
+            while modes:
+                modes.pop().__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(before), module.register_forward_hook(after), _Cleanup()]
 
 
 def _own_call(cls: type) -> Any:
@@ -487,8 +668,10 @@ def _flax_inputs(model: Any, inputs: Sequence[Any]) -> list[Any]:
     ]
 
 
-def _run_flax(model: Any, xs: Sequence[Any], call: Any, deltas: list[Any] | None = None) -> tuple[_FlaxRecorder, Any]:
+def _run_flax(model: Any, xs: Sequence[Any], call: Any, deltas: list[Any] | None = None,
+              forced: Mapping[str, Sequence[np.ndarray]] | None = None) -> tuple[_FlaxRecorder, Any]:
     recorder = _FlaxRecorder(deltas)
+    recorder.forced = forced or {}
     with _flax_calls(model, recorder):
         out = model(*xs) if call is None else call(model, *xs)
     return recorder, out
@@ -554,7 +737,7 @@ def _flax_cotangents(model: Any, xs: Sequence[Any], call: Any, recorder: _FlaxRe
     deltas = [(zeros(r.in_nodes), zeros(r.out_nodes)) for r in recorder.records]
 
     def loss(deltas: list[Any]) -> Any:
-        again, out = _run_flax(model, xs, call, deltas)
+        again, out = _run_flax(model, xs, call, deltas, recorder.forced)
         if len(again.records) != len(recorder.records):
             raise RuntimeError("the Flax model made a different number of module calls the second time it ran")
         leaves, _ = again.tree.flatten(out)
@@ -942,6 +1125,160 @@ def _backward_errors(pairs: Sequence[ModulePair], matched: Sequence[tuple[int, i
         pair.input_cotangent = _compare_inputs(t[ti].in_cots, f[fi].in_cots, GRAD_PARITY, rtol, atol, stream, layout)
 
 
+# --------------------------------------------------------------------------- selections
+
+def _forced(selections: Sequence[_Selection], mapping: Mapping[str, str]) -> dict[str, list[np.ndarray]]:
+    """The PyTorch model's choices, by the Flax layer that runs on them, call by call."""
+    forced: dict[str, list[np.ndarray]] = {}
+    for sel in selections:
+        forced.setdefault(_flax_key(_dotted(sel.name), mapping), []).append(sel.chosen)
+    return forced
+
+
+def _agreeing_rows(rows: np.ndarray, t: Sequence[tuple[Path, Any]], f: Sequence[tuple[Path, Any]],
+                   rtol: float | None, atol: float | None) -> Error:
+    """A layer's first output (by path) of shape (B, T, ...) in both, at the ``rows``
+    (B, T) only."""
+    t, f = sorted(t, key=lambda leaf: leaf[0]), sorted(f, key=lambda leaf: leaf[0])
+    for (_, a), (_, b) in zip(t, f, strict=False):
+        if (a is not None and b is not None and a.shape == b.shape and a.shape[:2] == rows.shape
+                and np.issubdtype(a.dtype, np.inexact)):
+            return _compare_arrays([("output at the agreeing queries", a[rows], b[rows])], PARITY, rtol, atol)
+    return NOT_COMPARED
+
+
+def _selection_findings(t_rec: _Recorder, f_rec: _Recorder, mapping: Mapping[str, str],
+                        pairs: Sequence[ModulePair], matched: Sequence[tuple[int, int]], rtol: float | None,
+                        atol: float | None) -> list[SelectionFinding]:
+    """Each sparse layer's two choices compared (``compare_selections``, at the layer's
+    ``index_topk``: the number of keys the PyTorch side kept for a query that sees more),
+    in the PyTorch model's order; a layer that chose on one side only is a finding
+    without a report."""
+    from parity_tests.selection import compare_selections
+
+    flax = {(_dotted(s.name), s.call): s for s in f_rec.selections}
+    pair_of = {(p.torch_name, p.call): i for i, p in enumerate(pairs)}
+    findings, used = [], set()
+    for sel in t_rec.selections:
+        name = _dotted(sel.name)
+        key = (_flax_key(name, mapping), sel.call)
+        other = flax.get(key)
+        path = tuple(key[0].split(".")) if key[0] else ()
+        if other is None:
+            findings.append(SelectionFinding(name, path, sel.call, at=sel.at,
+                                             note="only the PyTorch model chose keys here (the Flax layer has no indexer)"))
+            continue
+        used.add(key)
+        if other.chosen.shape != sel.chosen.shape:
+            findings.append(SelectionFinding(name, other.name, sel.call, at=sel.at,
+                                             note=f"the choices' shapes differ: torch {sel.chosen.shape}, "
+                                                  f"flax {other.chosen.shape}"))
+            continue
+        visible = np.isfinite(sel.scores)
+        topk = int(max(sel.chosen.sum(-1).max(initial=0), 1))
+        report = compare_selections(sel.chosen, other.chosen, sel.scores, other.scores, topk)
+        scale = float(np.abs(sel.scores[visible]).max(initial=0.0))
+        agreeing = NOT_COMPARED
+        index = pair_of.get((name, sel.call))
+        if index is not None:
+            ti, fi = matched[index]
+            rows = ~(sel.chosen != other.chosen).any(-1)
+            agreeing = _agreeing_rows(rows, t_rec.records[ti].outputs, f_rec.records[fi].outputs, rtol, atol)
+        findings.append(SelectionFinding(name, other.name, sel.call, report,
+                                         report.score_error / scale if scale > 0 else report.score_error,
+                                         agreeing, sel.at))
+    findings += [SelectionFinding("", s.name, s.call, at=s.at,
+                                  note=f"only the Flax model chose keys at {_dotted(s.name) or '(root)'}")
+                 for s in f_rec.selections if (_dotted(s.name), s.call) not in used]
+    return findings
+
+
+def _first_with_selections(first: Divergence | None, findings: Sequence[SelectionFinding],
+                           pairs: Sequence[ModulePair]) -> Divergence | None:
+    """The numeric first divergence, or a choice of keys that diverges (not a tie) where it
+    was made before that module returned."""
+    bad = [s for s in findings if not s.ok]
+    if not bad:
+        return first
+    chosen = min(bad, key=lambda s: s.at)
+    if first is not None:
+        pair = next((p for p in pairs if (p.torch_name, p.call) == (first.torch_name, first.call)), None)
+        if pair is not None and pair.exit_order < chosen.at:
+            return first
+    what = chosen.note if chosen.report is None else chosen.report.summary().splitlines()[0]
+    return Divergence(chosen.torch_name, chosen.flax_path, chosen.call, "selection", chosen.score_rel,
+                      f"the indexer chose other keys: {what}")
+
+
+def _sparse_classes(flax_model: Any) -> set[type]:
+    """The classes of the Flax model's sparse attention modules (``index_topk``)."""
+    from flax import nnx
+
+    from jax_attention._base import AttentionModule
+
+    return {type(m) for _, m in nnx.iter_modules(flax_model)
+            if isinstance(m, AttentionModule) and getattr(m.spec, "index_topk", None) is not None
+            and hasattr(m, "_choose")}
+
+
+def compare_choices(torch_model: Any, flax_model: Any, *inputs: Any, torch_call: Any = None, flax_call: Any = None,
+                    module_map: Mapping[str, Any] | None = None) -> tuple[list[SelectionFinding], list[np.ndarray]]:
+    """Every sparse attention layer's choice of keys in both models, once each, eagerly, as
+    ``locate_divergence`` compares them (the Flax model on the PyTorch model's choices, so
+    each layer's inputs agree): the findings, and the PyTorch model's choices in the order
+    its layers made them (``same_choices``' argument).  Both empty where the PyTorch model
+    chose none."""
+    if not _sparse_classes(flax_model):  # (nothing to compare: no model run)
+        return [], []
+    mapping = _check_module_map(module_map)
+    declared, _ = _declared_pairs(torch_model, flax_model, mapping)
+    mapping = {**declared, **mapping}
+    with full_precision():
+        t_rec, _ = _run_torch(torch_model, inputs, torch_call, False)
+        if not t_rec.selections:
+            return [], []
+        f_rec, _ = _run_flax(flax_model, _flax_inputs(flax_model, inputs), flax_call,
+                             forced=_forced(t_rec.selections, mapping))
+    return _selection_findings(t_rec, f_rec, mapping, [], [], None, None), [s.chosen for s in t_rec.selections]
+
+
+@contextlib.contextmanager
+def same_choices(flax_model: Any, choices: Sequence[np.ndarray]) -> Iterator[None]:
+    """For the duration, the Flax model's sparse attention layers run on ``choices`` (bool
+    (B, T, S) each, in the order the layers choose), whether called eagerly or traced
+    (``jax.jit``, ``nnx.split``: the classes' ``_choose`` is wrapped, the k-th call of a
+    run taking the k-th choice, counted afresh each run through the model); a choice of
+    another shape is not used."""
+    classes = _sparse_classes(flax_model)
+    if not choices or not classes:
+        yield
+        return
+    count = [0]
+    saved = {cls: cls.__dict__.get("_choose") for cls in classes}
+
+    def wrapped(cls: type) -> Any:
+        choose = next(c.__dict__["_choose"] for c in cls.__mro__ if "_choose" in c.__dict__)
+
+        def _choose(self: Any, *args: Any, **kwargs: Any) -> Any:
+            scores, chosen = choose(self, *args, **kwargs)
+            forced = choices[count[0] % len(choices)]
+            count[0] += 1
+            return scores, (_like(chosen, forced) if forced.shape == tuple(chosen.shape) else chosen)
+
+        return _choose
+
+    try:
+        for cls in classes:
+            type.__setattr__(cls, "_choose", wrapped(cls))
+        yield
+    finally:
+        for cls, own in saved.items():
+            if own is None:
+                type.__delattr__(cls, "_choose")
+            else:
+                type.__setattr__(cls, "_choose", own)
+
+
 # --------------------------------------------------------------------------- showing
 
 def _headline(report: DivergenceReport) -> str:
@@ -951,9 +1288,15 @@ def _headline(report: DivergenceReport) -> str:
         what = "forward and backward" if report.backward_checked else "forward"
         split = len(report.boundaries)
         but = f", but for {split} boundary mismatch{'es' if split > 1 else ''} (below)" if split else ""
-        return f"no divergence: {len(report.pairs)} module calls agree {what}{but}{unchecked}"
+        tied = sum(s.ties_only for s in report.selections)
+        ties = (f"; {tied} sparse layer{'s' if tied > 1 else ''} chose other keys by ties within the scores' "
+                "rounding (both right; the Flax model ran on PyTorch's choice: below)") if tied else ""
+        return f"no divergence: {len(report.pairs)} module calls agree {what}{but}{ties}{unchecked}"
     call = f", call {first.call}" if first.call else ""
     note = f" ({first.note})" if first.note else ""
+    if first.direction == "selection":
+        return (f"first divergence: the choice of keys at {first.torch_name or '(root)'}{call} (flax "
+                f"{first.flax_path}; sparse attention): scores max rel err {first.max_rel:.2e}{note}{unchecked}")
     return (f"first divergence {first.direction} at {first.torch_name or '(root)'}{call} "
             f"(flax {first.flax_path}): max rel err {first.max_rel:.2e}{note}{unchecked}")
 
@@ -988,6 +1331,9 @@ def _table(report: DivergenceReport) -> str:
         lines.append(f"  {mark} {name:<{width}}  " + "  ".join(f"{e.text():>10}" for e in errors)
                      + {">>": "   <- first", "~~": "   <- boundary"}.get(mark, ""))
         notes += [f"  {pair.torch_name or '(root)'}: {e.note}" for e in errors if e.note]
+    if report.selections:
+        lines += ["", "choices of keys (sparse attention; the Flax model ran on the PyTorch model's choice):"]
+        lines += [s.text() for s in report.selections]
     if report.boundaries:
         lines += ["", "boundary mismatches (searched past; each module must compute what the original's module "
                   "of its name computes, Hugging Face's for a transformers model: move the work into it):"]
@@ -1051,6 +1397,7 @@ def locate_divergence(
     atol: float | None = None,
     plot: Any = None,
     seed: int = 0,
+    same_selection: bool = True,
 ) -> DivergenceReport:
     """Where a PyTorch model and its Flax NNX port part, module by module.
 
@@ -1072,6 +1419,13 @@ def locate_divergence(
       rtol, atol: override the harness's tolerances (``PARITY`` forward, ``GRAD_PARITY``
         backward, per dtype), both relative to each array's largest magnitude.
       plot: a path: the errors against depth drawn there (matplotlib).
+      same_selection: sparse attention (DSA): the Flax model's layers run on the keys the
+        PyTorch model's layers chose (our twin's or ``transformers``' indexer), each
+        layer's own choice compared with it apart from the numbers (``selections``:
+        ``parity_tests.selection.compare_selections``), so that a tie within the scores'
+        rounding, which goes either way, changes no number compared after it.  A choice
+        that differs beyond the rounding is the divergence (``direction="selection"``)
+        where no module that returned before it diverges.  False: each side its own.
 
     Every call of every submodule is compared: a module called several times is paired
     call by call.  Inputs are compared leaf by leaf in order (positional arguments, then
@@ -1090,7 +1444,8 @@ def locate_divergence(
     Flax module must compute what the PyTorch module of its name computes.
 
     Returns a ``DivergenceReport``: ``first`` (None when nothing diverges: ``ok``), every
-    module pair with its errors, ``boundaries``, ``backward_note`` (why backward was not
+    module pair with its errors, ``boundaries``, ``selections`` (each sparse layer's
+    choices of keys compared), ``backward_note`` (why backward was not
     checked, when it was not), ``str()`` a table.  Raises TypeError for a malformed
     ``module_map``, ValueError for a dtype without a tolerance (unless rtol and atol are
     given), and whatever the models raise.
@@ -1101,11 +1456,13 @@ def locate_divergence(
     with full_precision():
         t_rec, t_out = _run_torch(torch_model, inputs, torch_call, backward)
         xs = _flax_inputs(flax_model, inputs)
-        f_rec, f_out = _run_flax(flax_model, xs, flax_call)
+        forced = _forced(t_rec.selections, mapping) if same_selection else {}
+        f_rec, f_out = _run_flax(flax_model, xs, flax_call, forced=forced)
         pairs, matched, torch_only, flax_only = _pair(t_rec.records, f_rec.records, mapping)
         _forward_errors(pairs, matched, t_rec.records, f_rec.records, rtol, atol, layouts)
         bounds = _boundaries(pairs, _outputs_agree(t_rec.tree, t_out, f_rec.tree, f_out, rtol, atol))
-        first = _first_forward(pairs, bounds)
+        selections = _selection_findings(t_rec, f_rec, mapping, pairs, matched, rtol, atol)
+        first = _first_with_selections(_first_forward(pairs, bounds), selections, pairs)
         checked = backward and first is None
         if checked:
             projections = _projections(t_rec.tree, t_out, seed)
@@ -1115,14 +1472,14 @@ def locate_divergence(
             first = _first_backward(pairs, bounds)
     if not backward:
         why = "backward not checked: backward=False"
-    elif first is not None and first.direction == "forward":
+    elif first is not None and first.direction in ("forward", "selection"):
         why = (f"backward not checked: the forward parts at {first.torch_name or '(root)'}, and every "
                "cotangent that reaches it would differ from there back")
     else:
         why = ""
     named = None if first is None else (first.torch_name, first.call)
     boundaries = [b for b in bounds.values() if (b.torch_name, b.call) != named]
-    report = DivergenceReport(pairs, first, checked, torch_only, flax_only, why, boundaries)
+    report = DivergenceReport(pairs, first, checked, torch_only, flax_only, why, boundaries, selections)
     if plot is not None:
         dtype = module_dtype(torch_model, [x for x in inputs if _is_array(x)])
         forward, gradient = (PARITY.get(dtype, PARITY["float32"]).rtol, GRAD_PARITY.get(dtype, GRAD_PARITY["float32"]).rtol)

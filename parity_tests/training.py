@@ -36,6 +36,10 @@ arithmetic, with the same defaults made explicit on both sides):
 
 Decisions:
 
+- No gradient, no step.  A PyTorch parameter that a step gives no gradient at all (None:
+  computed under ``no_grad``, as ``transformers``' DSA indexer is) is skipped by its
+  optimiser, weight decay included; JAX gives it a zero gradient, which optax's AdamW
+  would still decay, so the Flax side's update of that parameter is dropped that step.
 - Copies.  Neither module passed in is changed: PyTorch trains a ``copy.deepcopy``, Flax
   works on its split parameter state functionally.  The trained pair is returned in the
   report (``report.torch_module``, ``report.flax_module``; for a Linen model
@@ -433,6 +437,7 @@ class _TorchStepper:
         self.dtype = getattr(torch, dtype)
         self.call = call
         self.rows = None if rows is None else torch.from_numpy(rows)
+        self.untouched: set[str] = set()  # the parameters the last step gave no gradient
 
     def step(self, x: np.ndarray, target: np.ndarray | None, kwargs: dict[str, Any]) -> float:
         """One step (gradient, optimiser update) on a batch; returns the loss before it."""
@@ -444,6 +449,9 @@ class _TorchStepper:
         output = self.module(x_t, **kwargs) if self.call is None else self.call(self.module, x_t, **kwargs)
         value = self.loss(*_kept_rows(_first(output), target_t, self.rows))
         value.backward()
+        # no gradient at all (None: computed under no_grad, transformers' DSA indexer): the
+        # optimiser leaves the parameter alone, weight decay included
+        self.untouched = {n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None}
         self.optimizer.step()
         return float(value.detach())
 
@@ -508,28 +516,37 @@ class _FlaxStepper:
         import jax.numpy as jnp
         import optax
 
-        def flax_step(params: Any, opt_state: Any, x: Any, target: Any, arrays: dict[str, Any]) -> Any:
+        def flax_step(params: Any, opt_state: Any, x: Any, target: Any, arrays: dict[str, Any], moving: Any) -> Any:
             def objective(p: Any) -> Any:
                 return loss(*_kept_rows(_first(self.apply(p, x, {**arrays, **static})), target, self.rows))
 
             value, grads = jax.value_and_grad(objective)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
+            updates = jax.tree.map(lambda u, m: u * m.astype(u.dtype), updates, moving)
             return optax.apply_updates(params, updates), opt_state, value
 
         self.tx = tx
         self.dtype = getattr(jnp, dtype)
         self._step = jax.jit(flax_step)
 
-    def step(self, x: np.ndarray, target: np.ndarray | None, arrays: dict[str, Any]) -> float:
-        """One step on a batch (the optimiser state made on the first); returns the loss
-        before it."""
+    def step(self, x: np.ndarray, target: np.ndarray | None, arrays: dict[str, Any],
+             frozen: set[tuple[Any, ...]] | frozenset[tuple[Any, ...]] = frozenset()) -> float:
+        """One step on a batch (the optimiser state made on the first), the parameters at
+        ``frozen`` paths left as they are (PyTorch's side gave them no gradient: its
+        optimiser skips them, where optax would decay them); returns the loss before it."""
+        import jax
         import jax.numpy as jnp
 
         if self.opt_state is None:
             self.opt_state = self.tx.init(self.params)
         x_j = jnp.asarray(x).astype(self.dtype)
         target_j = None if target is None else jnp.asarray(target).astype(self.dtype)
-        self.params, self.opt_state, value = self._step(self.params, self.opt_state, x_j, target_j, arrays)
+
+        def path(keys: Any) -> tuple[Any, ...]:  # a key path as flat() names it (no ``.value``)
+            return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys if hasattr(k, "key") or hasattr(k, "idx"))
+
+        moving = jax.tree_util.tree_map_with_path(lambda keys, _: jnp.asarray(path(keys) not in frozen), self.params)
+        self.params, self.opt_state, value = self._step(self.params, self.opt_state, x_j, target_j, arrays, moving)
         return float(value)
 
     def store(self, report: TrainingReport, deterministic: bool | None) -> None:
@@ -595,7 +612,9 @@ def _train(
             t_kwargs, f_arrays = _step_keywords(static, mask_np, keep)
             x_src, tgt_src = _source(x_np), None if target_np is None else _source(target_np)
             t_value = torch_side.step(x_src, tgt_src, t_kwargs)
-            f_value = flax_side.step(x_src, tgt_src, f_arrays)
+            frozen = {p for r in rules if r.torch_names and all(n in torch_side.untouched for n in r.torch_names)
+                      for p in r.flax_paths}
+            f_value = flax_side.step(x_src, tgt_src, f_arrays, frozen)
             report.steps.append(_compare_step(k + 1, torch_side, flax_side, (t_value, f_value), rules, tol))
     return report
 

@@ -223,3 +223,73 @@ def shared_program(key: tuple[Any, ...], build: Any) -> Any:
     if key not in _PROGRAMS:
         _PROGRAMS[key] = build()
     return _PROGRAMS[key]
+
+
+# --------------------------------------------------------------------------- whole-model proofs
+# (tests/harness/test_family_proofs_2026.py, test_hybrid_proofs.py, test_sparse_proofs.py)
+
+
+def lm_ids(seq: int, vocab: int, batch: int = 2, seed: int = 0) -> np.ndarray:
+    """Token ids (batch, seq), int64, uniform over ``vocab``, from ``seed``."""
+    return np.random.default_rng(seed).integers(0, vocab, size=(batch, seq), dtype=np.int64)
+
+
+def left_padded(seq: int, pads: int, batch: int = 2) -> np.ndarray:
+    """Hugging Face's attention mask (batch, seq), 1 = token: the last row left-padded by
+    ``pads`` (0s first), the others whole."""
+    mask = np.ones((batch, seq), np.int64)
+    mask[-1, :pads] = 0
+    return mask
+
+
+def hf_logits(m: Any, ids: Any) -> Any:
+    """A ``transformers`` causal LM's logits: ``locate_divergence``'s ``torch_call``."""
+    return m(input_ids=ids).logits
+
+
+def flax_logits(m: Any, ids: Any) -> Any:
+    """A Flax port's logits (its ``"logits"``): ``locate_divergence``'s ``flax_call``."""
+    return m(ids)["logits"]
+
+
+def ported(hf: Any, flax: Any) -> tuple[Any, Any, list[Any]]:
+    """(hf, flax, the weight map): ``infer_param_map``'s rules, the weights copied by them."""
+    from parity_tests import copy_params, infer_param_map
+
+    rules = infer_param_map(hf, flax)
+    copy_params(hf, flax, rules)
+    return hf, flax, rules
+
+
+def assert_named_at(report: Any, torch_name: str, flax_path: tuple[Any, ...], direction: str = "forward") -> None:
+    """A ``DivergenceReport``'s first divergence is ``direction`` at ``torch_name`` /
+    ``flax_path``."""
+    first = report.first
+    assert first is not None and (first.torch_name, first.direction) == (torch_name, direction), str(report)
+    assert first.flax_path == flax_path, str(report)
+
+
+def proven(port: tuple[Any, Any, list[Any]], ids: np.ndarray, mask: np.ndarray, children: set[str],
+           decode: Any = None) -> Any:
+    """A whole-model proof in one call: ``check_causal_lm_parity`` on ``ids`` and the
+    (left-padding) ``mask``: logits and every parameter's gradient at the real rows, two
+    AdamW steps, three tokens decoded greedily with the port's caches (``decode``; None:
+    ``parity_tests.causal_lm.greedy``); then ``locate_divergence`` on the clean port,
+    forward, with no ``module_map``: nothing diverges, no boundary mismatch, ``children``
+    compared.  Returns the ``CausalLMReport``."""
+    from parity_tests import check_causal_lm_parity, locate_divergence
+    from parity_tests.causal_lm import greedy
+
+    hf, flax, rules = port
+    report = check_causal_lm_parity(hf, flax, ids, mask, param_map=rules, steps=2, decode_steps=3,
+                                    flax_decode=greedy if decode is None else decode)
+    assert report.ok and report.divergence is None, report.message()
+    pads = int(mask.size - mask.sum())
+    assert report.logits.rows_left_out == pads and len(report.training.steps) == 2 and report.tokens_agree
+    grads = [f for f in report.logits.findings if f.name.startswith("grad ") and not f.name.startswith("grad input[")]
+    assert {f.name.removeprefix("grad ") for f in grads} == {n for n, _ in hf.named_parameters()}
+    assert [f.name for f in report.decoding] == [f"decode step {s} logits" for s in range(3)]
+    clean = locate_divergence(hf, flax, ids, torch_call=hf_logits, flax_call=flax_logits, backward=False)
+    assert clean.ok and not clean.boundaries, str(clean)
+    assert children <= {p.torch_name for p in clean.pairs if p.output.ok}, str(clean)
+    return report

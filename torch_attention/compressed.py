@@ -40,6 +40,7 @@ from attention_spec.compressed import (
     CompressedGeometry,
     cache_shapes,
     check_compressed_call,
+    check_compressed_mask,
     check_compressed_options,
     check_compressed_selection,
 )
@@ -207,15 +208,17 @@ class CompressedAttention(nn.Module):
 
     # ------------------------------------------------------------------ the call
 
-    def forward(self, x: Tensor, *, cache: CompressedCache | None = None,
+    def forward(self, x: Tensor, mask: Any = None, *, cache: CompressedCache | None = None,
                 selection: Tensor | None = None) -> Tensor | tuple[Tensor, CompressedCache]:
         """x (B, T, d_in) in the module's dtype -> (B, T, d_in); with ``cache`` (a
         ``CompressedCache``) ``(out, new_cache)``, x continuing the cached tokens.  Token
         t sits at position ``cache.length + t`` (0 + t without a cache).  ``selection``
         (CSA only): bool (B, T, W), the compressed entries each query attends to in place
         of the indexer's choice (the entries it cannot see yet stay hidden), W those after
-        the call (``select_keys`` gives the indexer's).  Raises ValueError / TypeError (one
-        text with the JAX twin) before any work."""
+        the call (``select_keys`` gives the indexer's).  ``mask`` is refused by name (no
+        padding: ``attention_spec.compressed.check_compressed_mask``).  Raises ValueError /
+        TypeError (one text with the JAX twin) before any work."""
+        check_compressed_mask(mask)
         g = self.geometry
         batch, tokens, start = check_compressed_call(g, tuple(x.shape), dtype_name(x.dtype),
                                                      dtype_name(self.kv_proj.weight.dtype), self._fields(cache))

@@ -560,3 +560,30 @@ def test_a_constant_factor_that_is_not_undone_is_the_divergence() -> None:
     first = report.first
     assert first is not None and (first.torch_name, first.direction) == ("k_norm", "forward"), str(report)
     assert "times 0.9901, not undone within (root)" in first.note and not report.boundaries
+
+
+def test_the_twins_of_a_sparse_layer_tied_by_rounding_agree_and_a_wrong_indexer_rope_is_its_choice() -> None:
+    """Our sparse attention (DSA) in both twins, one module each (no model around it): scores
+    made to tie within float32 rounding (the indexer's keys all its LayerNorm's bias but
+    for a part 1e-7 as large) choose otherwise in the two frameworks, reported as ties, the
+    Flax twin run on the PyTorch twin's choice agreeing at every pair; the Flax indexer's
+    rope turned in the other layout is the divergence, at the module's choice of keys."""
+    import dataclasses
+
+    from tests.modules.test_sparse_attention import CONFIG, B, T, _torch_module
+
+    x = np.random.default_rng(1).standard_normal((B, T, 32)).astype(np.float32)
+    tied = _torch_module({**CONFIG, "rope": None})
+    with torch.no_grad():
+        tied.indexer.k_norm.weight.fill_(1e-7)
+        tied.indexer.k_norm.bias.uniform_(0.5, 1.0)
+    report = locate_divergence(tied, to_flax(tied), x, backward=False)
+    (choice,) = report.selections
+    assert report.ok and choice.ties_only and choice.agreeing.ok, str(report)
+    assert {"indexer.wq_b", "indexer.wk", "indexer.weights_proj"} <= {p.torch_name for p in report.pairs if p.output.ok}
+    module = _torch_module(CONFIG)
+    bugged = to_flax(module)
+    object.__setattr__(bugged, "spec", dataclasses.replace(bugged.spec, index_rope_layout="interleaved"))
+    wrong = locate_divergence(module, bugged, x, backward=False)
+    assert wrong.first is not None and (wrong.first.torch_name, wrong.first.direction) == ("", "selection"), str(wrong)
+    assert wrong.selections[0].report.divergent and "DIVERGES" in str(wrong), str(wrong)

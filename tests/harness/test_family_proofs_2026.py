@@ -32,7 +32,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support import needs_both
+from tests.support import (
+    assert_named_at,
+    flax_logits,
+    hf_logits,
+    left_padded,
+    lm_ids,
+    needs_both,
+    ported,
+    proven,
+)
 
 pytestmark = needs_both
 pytest.importorskip("transformers")
@@ -42,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from parity_tests import check_causal_lm_parity, copy_params, infer_param_map, locate_divergence, to_flax  # noqa: E402
+from parity_tests import copy_params, infer_param_map, locate_divergence, to_flax  # noqa: E402
 from parity_tests.causal_lm import PaddedEmbed, greedy, randomise  # noqa: E402
 from torch_attention.interop import from_hf  # noqa: E402
 
@@ -53,49 +62,6 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_atte
               use_cache=False)
 
 
-def _ids(seq: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, VOCAB, size=(2, seq), dtype=np.int64)
-
-
-def _mask(pads: int) -> np.ndarray:
-    mask = np.ones((2, LONG), np.int64)
-    mask[1, :pads] = 0
-    return mask
-
-
-def _torch_call(m: Any, ids: Any) -> Any:
-    return m(input_ids=ids).logits
-
-
-def _flax_call(m: Any, ids: Any) -> Any:
-    return m(ids)["logits"]
-
-
-def _port(hf: Any, flax: Any) -> tuple[Any, Any, list[Any]]:
-    rules = infer_param_map(hf, flax)
-    copy_params(hf, flax, rules)
-    return hf, flax, rules
-
-
-def _proven(port: tuple[Any, Any, list[Any]], pads: int, children: set[str], decode: Any = greedy) -> Any:
-    """The one call: logits and gradients at the real rows of the batch of 512 (its second
-    row left-padded by ``pads``), two AdamW steps, three tokens decoded greedily with the
-    caches; and ``locate_divergence`` on the clean port, forward, with no ``module_map``:
-    nothing diverges, no boundary mismatch, ``children`` compared."""
-    hf, flax, rules = port
-    report = check_causal_lm_parity(hf, flax, _ids(LONG), _mask(pads), param_map=rules, steps=2, decode_steps=3,
-                                    flax_decode=decode)
-    assert report.ok and report.divergence is None, report.message()
-    assert report.logits.rows_left_out == pads and len(report.training.steps) == 2 and report.tokens_agree
-    grads = [f for f in report.logits.findings if f.name.startswith("grad ") and not f.name.startswith("grad input[")]
-    assert {f.name.removeprefix("grad ") for f in grads} == {n for n, _ in hf.named_parameters()}
-    assert [f.name for f in report.decoding] == [f"decode step {s} logits" for s in range(3)]
-    clean = locate_divergence(hf, flax, _ids(LONG), torch_call=_torch_call, flax_call=_flax_call, backward=False)
-    assert clean.ok and not clean.boundaries, str(clean)
-    assert children <= {p.torch_name for p in clean.pairs if p.output.ok}, str(clean)
-    return report
-
-
 def _nudged_query(port: tuple[Any, Any, list[Any]], layer: int) -> Any:
     """``locate_divergence`` with one element of layer ``layer``'s ``W_query`` kernel
     nudged by 1e-3 (then restored)."""
@@ -104,15 +70,9 @@ def _nudged_query(port: tuple[Any, Any, list[Any]], layer: int) -> Any:
     saved = kernel[...]
     kernel[...] = saved.at[3, 5].add(1e-3)
     try:
-        return locate_divergence(hf, flax, _ids(LONG), torch_call=_torch_call, flax_call=_flax_call)
+        return locate_divergence(hf, flax, lm_ids(LONG, VOCAB), torch_call=hf_logits, flax_call=flax_logits)
     finally:
         kernel[...] = saved
-
-
-def _named_at(report: Any, torch_name: str, flax_path: tuple[Any, ...]) -> None:
-    first = report.first
-    assert first is not None and (first.torch_name, first.direction) == (torch_name, "forward"), str(report)
-    assert first.flax_path == flax_path, str(report)
 
 
 class _Cached(nnx.Module):
@@ -298,7 +258,7 @@ def _llama4_hf() -> Any:
 @pytest.fixture(scope="module")
 def llama4() -> tuple[Any, Any, list[Any]]:
     hf = _llama4_hf()
-    return _port(hf, _Llama4ForCausalLM(hf))
+    return ported(hf, _Llama4ForCausalLM(hf))
 
 
 def test_a_whole_llama4_port_with_chunks_and_a_nope_layer_is_proven_in_one_call(
@@ -315,15 +275,16 @@ def test_a_whole_llama4_port_with_chunks_and_a_nope_layer_is_proven_in_one_call(
     assert (second.chunk, second.rope, tuple(second.query_scale)) == (None, None, (0.1, 32, 1))
     mapped = {r.torch_names[0]: r.flax_paths[0] for r in rules}
     assert mapped["model.layers.1.feed_forward.experts.gate_up_proj"][-2:] == ("experts", "gate_up_proj")
-    _proven(llama4, PADS, {"model.layers.1.feed_forward.router", "model.layers.1.feed_forward.experts",
-                        "model.layers.0.feed_forward.shared_expert", "model.layers.0.self_attn.o_proj",
-                        "model.layers.1.self_attn"})
+    proven(llama4, lm_ids(LONG, VOCAB), left_padded(LONG, PADS),
+           {"model.layers.1.feed_forward.router", "model.layers.1.feed_forward.experts",
+            "model.layers.0.feed_forward.shared_expert", "model.layers.0.self_attn.o_proj",
+            "model.layers.1.self_attn"})
 
 
 def test_a_llama4_nudged_query_in_the_chunked_layer_is_named_at_that_projection(
         llama4: tuple[Any, Any, list[Any]]) -> None:
     """One element of layer 0's ``W_query`` nudged by 1e-3: named at ``q_proj``."""
-    _named_at(_nudged_query(llama4, 0), "model.layers.0.self_attn.q_proj",
+    assert_named_at(_nudged_query(llama4, 0), "model.layers.0.self_attn.q_proj",
               ("model", "layers", 0, "self_attn", "W_query"))
 
 
@@ -340,7 +301,7 @@ def test_llama4_chunks_under_left_padding_are_counted_from_each_rows_first_token
     from parity_tests.causal_lm import generate_positions
 
     hf, flax, _ = llama4
-    x, mask = np.random.default_rng(1).standard_normal((2, LONG, WIDTH)).astype(np.float32), _mask(PADS)
+    x, mask = np.random.default_rng(1).standard_normal((2, LONG, WIDTH)).astype(np.float32), left_padded(LONG, PADS)
     t_x, slots = torch.from_numpy(x), torch.arange(LONG)[None]
     with torch.no_grad():
         hf_mask = create_chunked_causal_mask(config=hf.config, inputs_embeds=t_x, attention_mask=torch.from_numpy(mask),
@@ -446,7 +407,7 @@ def _gemma4_hf() -> Any:
 @pytest.fixture(scope="module")
 def gemma4() -> tuple[Any, Any, list[Any]]:
     hf = _gemma4_hf()
-    return _port(hf, _Gemma4ForCausalLM(hf))
+    return ported(hf, _Gemma4ForCausalLM(hf))
 
 
 def test_a_whole_gemma4_port_with_sliding_and_full_layers_of_two_widths_is_proven_in_one_call(
@@ -462,15 +423,16 @@ def test_a_whole_gemma4_port_with_sliding_and_full_layers_of_two_widths_is_prove
     assert sum(f != 0 for f in full.spec.rope.inv_freq) == 2 and full.spec.v_norm == "rms"
     assert not any(r.torch_names[0].startswith("lm_head") for r in rules)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    _proven(gemma4, PADS, {"model.layers.1.self_attn", "model.layers.1.self_attn.k_proj", "model.layers.0.mlp",
-                           "model.layers.1.post_feedforward_layernorm"}, _gemma4_greedy)
+    proven(gemma4, lm_ids(LONG, VOCAB), left_padded(LONG, PADS),
+           {"model.layers.1.self_attn", "model.layers.1.self_attn.k_proj", "model.layers.0.mlp",
+            "model.layers.1.post_feedforward_layernorm"}, _gemma4_greedy)
 
 
 def test_a_gemma4_nudged_query_in_the_full_layer_is_named_at_that_projection(
         gemma4: tuple[Any, Any, list[Any]]) -> None:
     """One element of the full layer's (width 16) ``W_query`` nudged by 1e-3: named at
     ``q_proj``."""
-    _named_at(_nudged_query(gemma4, 1), "model.layers.1.self_attn.q_proj",
+    assert_named_at(_nudged_query(gemma4, 1), "model.layers.1.self_attn.q_proj",
               ("model", "layers", 1, "self_attn", "W_query"))
 
 

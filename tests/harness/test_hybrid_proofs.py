@@ -26,7 +26,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support import needs_both
+from tests.support import (
+    assert_named_at,
+    flax_logits,
+    hf_logits,
+    left_padded,
+    lm_ids,
+    needs_both,
+    ported,
+    proven,
+)
 
 pytestmark = needs_both
 pytest.importorskip("transformers")
@@ -36,8 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from parity_tests import check_causal_lm_parity, copy_params, infer_param_map, locate_divergence, to_flax  # noqa: E402
-from parity_tests.causal_lm import PaddedEmbed, greedy, randomise  # noqa: E402
+from parity_tests import copy_params, infer_param_map, locate_divergence, to_flax  # noqa: E402
+from parity_tests.causal_lm import PaddedEmbed, randomise  # noqa: E402
 from torch_attention.interop import from_hf  # noqa: E402
 
 VOCAB, WIDTH, LONG, PADS = 96, 32, 512, 37
@@ -45,49 +54,6 @@ _ZEROS = nnx.initializers.zeros_init()  # the weights are copied in: no random d
 COMMON = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=2,
               use_cache=False, tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"])
-
-
-def _ids(seq: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, VOCAB, size=(2, seq), dtype=np.int64)
-
-
-def _mask(pads: int) -> np.ndarray:
-    mask = np.ones((2, LONG), np.int64)
-    mask[1, :pads] = 0
-    return mask
-
-
-def _torch_call(m: Any, ids: Any) -> Any:
-    return m(input_ids=ids).logits
-
-
-def _flax_call(m: Any, ids: Any) -> Any:
-    return m(ids)["logits"]
-
-
-def _port(hf: Any, flax: Any) -> tuple[Any, Any, list[Any]]:
-    rules = infer_param_map(hf, flax)
-    copy_params(hf, flax, rules)
-    return hf, flax, rules
-
-
-def _proven(port: tuple[Any, Any, list[Any]], children: set[str]) -> Any:
-    """The one call: logits and gradients at the real rows of the batch of 512 (its second
-    row left-padded by 37), two AdamW steps, three tokens decoded greedily with the
-    caches; and ``locate_divergence`` on the clean port, forward, with no ``module_map``:
-    nothing diverges, no boundary mismatch, ``children`` compared."""
-    hf, flax, rules = port
-    report = check_causal_lm_parity(hf, flax, _ids(LONG), _mask(PADS), param_map=rules, steps=2, decode_steps=3,
-                                    flax_decode=greedy)
-    assert report.ok and report.divergence is None, report.message()
-    assert report.logits.rows_left_out == PADS and len(report.training.steps) == 2 and report.tokens_agree
-    grads = [f for f in report.logits.findings if f.name.startswith("grad ") and not f.name.startswith("grad input[")]
-    assert {f.name.removeprefix("grad ") for f in grads} == {n for n, _ in hf.named_parameters()}
-    assert [f.name for f in report.decoding] == [f"decode step {s} logits" for s in range(3)]
-    clean = locate_divergence(hf, flax, _ids(LONG), torch_call=_torch_call, flax_call=_flax_call, backward=False)
-    assert clean.ok and not clean.boundaries, str(clean)
-    assert children <= {p.torch_name for p in clean.pairs if p.output.ok}, str(clean)
-    return report
 
 
 def _nudged(port: tuple[Any, Any, list[Any]], path: tuple[Any, ...]) -> Any:
@@ -101,15 +67,9 @@ def _nudged(port: tuple[Any, Any, list[Any]], path: tuple[Any, ...]) -> Any:
     saved = kernel[...]
     kernel[...] = saved.at[3, 5].add(1e-3)
     try:
-        return locate_divergence(hf, flax, _ids(LONG), torch_call=_torch_call, flax_call=_flax_call)
+        return locate_divergence(hf, flax, lm_ids(LONG, VOCAB), torch_call=hf_logits, flax_call=flax_logits)
     finally:
         kernel[...] = saved
-
-
-def _named_at(report: Any, torch_name: str, flax_path: tuple[Any, ...]) -> None:
-    first = report.first
-    assert first is not None and (first.torch_name, first.direction) == (torch_name, "forward"), str(report)
-    assert first.flax_path == flax_path, str(report)
 
 
 # --------------------------------------------------------------------------- what both families share
@@ -281,7 +241,7 @@ def _qwen3_5_port(hf: Any) -> Any:
 @pytest.fixture(scope="module")
 def qwen3_5() -> tuple[Any, Any, list[Any]]:
     hf = _qwen3_5_hf()
-    return _port(hf, _qwen3_5_port(hf))
+    return ported(hf, _qwen3_5_port(hf))
 
 
 def test_a_whole_qwen3_5_port_with_a_gated_delta_layer_is_proven_in_one_call(
@@ -301,16 +261,17 @@ def test_a_whole_qwen3_5_port_with_a_gated_delta_layer_is_proven_in_one_call(
     assert full.spec.rope.partial_rotary_factor == 0.25 and len(full.spec.rope.inv_freq) == 2
     mapped = {r.torch_names[0] for r in rules}
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in mapped
-    _proven(qwen3_5, {"model.layers.0.linear_attn", "model.layers.0.linear_attn.in_proj_z",
-                      "model.layers.0.linear_attn.out_proj", "model.layers.1.self_attn",
-                      "model.layers.1.self_attn.o_proj", "model.layers.0.mlp"})
+    proven(qwen3_5, lm_ids(LONG, VOCAB), left_padded(LONG, PADS),
+           {"model.layers.0.linear_attn", "model.layers.0.linear_attn.in_proj_z",
+            "model.layers.0.linear_attn.out_proj", "model.layers.1.self_attn",
+            "model.layers.1.self_attn.o_proj", "model.layers.0.mlp"})
 
 
 def test_a_qwen3_5_nudged_gate_in_the_linear_layer_is_named_at_that_projection(
         qwen3_5: tuple[Any, Any, list[Any]]) -> None:
     """One element of the linear layer's ``W_gate`` (Hugging Face's ``in_proj_z``) nudged
     by 1e-3: named at ``in_proj_z``."""
-    _named_at(_nudged(qwen3_5, (0, "linear_attn", "W_gate")), "model.layers.0.linear_attn.in_proj_z",
+    assert_named_at(_nudged(qwen3_5, (0, "linear_attn", "W_gate")), "model.layers.0.linear_attn.in_proj_z",
               ("model", "layers", 0, "linear_attn", "W_gate"))
 
 
@@ -339,7 +300,7 @@ def _kimi_port(hf: Any) -> Any:
 @pytest.fixture(scope="module")
 def kimi() -> tuple[Any, Any, list[Any]]:
     hf = _kimi_hf()
-    return _port(hf, _kimi_port(hf))
+    return ported(hf, _kimi_port(hf))
 
 
 def test_a_whole_kimi_linear_port_with_a_kda_layer_beside_latent_attention_is_proven_in_one_call(
@@ -359,14 +320,15 @@ def test_a_whole_kimi_linear_port_with_a_kda_layer_beside_latent_attention_is_pr
     assert latent.spec.rope is None and latent.spec.latent.kv_lora_rank == 16
     mapped = {r.torch_names[0]: r.flax_paths[0] for r in rules}
     assert mapped["model.layers.0.self_attn.forget_gate.A_log"] == ("model", "layers", 0, "self_attn", "A_log")
-    _proven(kimi, {"model.layers.0.self_attn", "model.layers.0.self_attn.q_proj",
-                   "model.layers.0.self_attn.forget_gate.f_b_proj", "model.layers.0.self_attn.o_proj",
-                   "model.layers.1.self_attn", "model.layers.1.self_attn.kv_b_proj", "model.layers.1.mlp"})
+    proven(kimi, lm_ids(LONG, VOCAB), left_padded(LONG, PADS),
+           {"model.layers.0.self_attn", "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.forget_gate.f_b_proj", "model.layers.0.self_attn.o_proj",
+            "model.layers.1.self_attn", "model.layers.1.self_attn.kv_b_proj", "model.layers.1.mlp"})
 
 
 def test_a_kimi_nudged_query_in_the_kda_layer_is_named_at_that_projection(kimi: tuple[Any, Any, list[Any]]) -> None:
     """One element of the KDA layer's ``W_query`` nudged by 1e-3: named at ``q_proj``."""
-    _named_at(_nudged(kimi, (0, "self_attn", "W_query")), "model.layers.0.self_attn.q_proj",
+    assert_named_at(_nudged(kimi, (0, "self_attn", "W_query")), "model.layers.0.self_attn.q_proj",
               ("model", "layers", 0, "self_attn", "W_query"))
 
 

@@ -494,3 +494,21 @@ def test_bad_calls_refused_alike() -> None:
                 call()
             messages.append(str(caught.value))
         assert messages[0] == messages[1]
+
+
+def test_a_padding_mask_is_refused_by_name_alike() -> None:
+    """No padding mask (its compressors pool consecutive tokens, pads included): ``mask=``
+    is refused, one text in both twins, before any work; None passes."""
+    import jax.numpy as jnp
+    import torch
+
+    x = np.zeros((1, 4, D_IN), np.float32)
+    mask = np.ones((1, 1, 1, 4), bool)
+    messages = []
+    for framework, array in (("torch", torch.from_numpy), ("jax", jnp.asarray)):
+        module = _build(framework)
+        with pytest.raises(ValueError, match="CompressedAttention takes no mask") as caught:
+            module(array(x), array(mask))
+        messages.append(str(caught.value))
+        assert module(array(x), None).shape == (1, 4, D_IN)
+    assert messages[0] == messages[1]
