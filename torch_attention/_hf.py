@@ -32,6 +32,7 @@ from torch import nn
 from attention_spec.interop.conversion import as_numpy, rules_for
 from attention_spec.interop.huggingface import window_from_hf
 from attention_spec.interop.packing import pack_state_dict, packed_state_dict
+from attention_spec.interop.qkv import CODEGEN_SHARDS, UNHEADED
 from attention_spec.interop.specs import Concat, MergeAxes, Rule, SplitAxis, Transpose, packed_qkv_rules
 from attention_spec.rope import LAYOUTS, RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
 from torch_attention.latent import MultiHeadLatentAttention
@@ -827,6 +828,9 @@ def _value_rows(packing: str, heads: int, kv_heads: int, head_dim: int) -> torch
     """The indices along the packed axis that ``packing`` reads as the values."""
     if packing == "per_head":  # (heads, 3, head_dim): each head's third block
         return (torch.arange(heads)[:, None] * 3 * head_dim + 2 * head_dim + torch.arange(head_dim)).flatten()
+    if packing == "codegen":  # (4 shards, [q, v, k], d_out / 4): each shard's second block
+        local = heads * head_dim // CODEGEN_SHARDS
+        return (torch.arange(CODEGEN_SHARDS)[:, None] * 3 * local + local + torch.arange(local)).flatten()
     start = (heads + kv_heads) * head_dim  # thirds (kv_heads == heads) and grouped: [q; k; v]
     return torch.arange(start, start + kv_heads * head_dim)
 
@@ -842,7 +846,8 @@ def _packing(layer: nn.Module, attention: Any, family: _Family) -> str | None:
     if weight is None or weight.is_meta:
         return None
     heads, kv_heads, head_dim = _packed_heads(layer, attention, family)
-    candidates = ["grouped"] if kv_heads < heads else ["thirds", "per_head"]
+    candidates = ["grouped"] if kv_heads < heads else ["thirds", "per_head"] + (
+        ["codegen"] if heads * head_dim % CODEGEN_SHARDS == 0 else [])  # CodeGen's mp_num = 4 shards
     module, out = _get(layer, family.packed or ""), _get(layer, family.o)
     x = _probe_input(layer, _d_in(layer, family))
     try:
@@ -1393,7 +1398,7 @@ def hf_rules(layer: nn.Module) -> list[Rule]:
     if family.packed is not None:
         roles = ("W_query", "W_key", "W_value")
         bias = options["qkv_bias"]
-        heads = {} if family.packing == "thirds" else {
+        heads = {} if family.packing in UNHEADED else {
             "num_heads": options["num_heads"], "num_kv_heads": options["num_kv_heads"] or options["num_heads"]}
         rules += packed_qkv_rules(f"{family.packed}.weight", [(r, "kernel") for r in roles], layout=family.layout,
                                   bias=f"{family.packed}.bias" if bias else None,

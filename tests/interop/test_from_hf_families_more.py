@@ -21,17 +21,18 @@ from typing import Any
 
 import pytest
 
-from tests.support import needs_torch
+from tests.support import needs_both, needs_torch
 
 POSITIONS = (448, 464)
 PORTS = ("cohere", "glm", "gptj", "gpt_bigcode", "persimmon", "openai-gpt", "roberta-prelayernorm",
-         "modernbert-decoder")
+         "modernbert-decoder", "codegen")
+# the ports whose round trip and Flax twin are checked here (to_hf bit-exact, hf_rules onto to_flax)
+TWINNED = ("codegen",)
 # family -> (config overrides, the text its refusal must hold)
 REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
     "hunyuan_v1_dense": ({}, "a qk-norm after rope"),
     "bloom": ({}, "ALiBi"),
     "mpt": ({}, "MPT's ALiBi"),
-    "codegen": ({}, "in an order ours does not split"),
     "xglm": ({}, "self- or cross-attention by its caller"),
     "gpt_neox_japanese": ({}, "dense_bias"),
     "cohere": ({"use_qk_norm": True}, "a qk-norm with its own weight per head"),
@@ -167,6 +168,48 @@ def test_the_mechanisms_are_read_from_the_layers(ports: Any) -> None:
     assert specs["persimmon"].qk_norm == "layer" and specs["persimmon"].rope.layout == "half"
     assert specs["openai-gpt"].causal and specs["openai-gpt"].rope is None
     assert specs["modernbert-decoder"].window is None  # layer 0 is global, ModernBERT's first of three
+    assert specs["codegen"].rope.layout == "interleaved" and specs["codegen"].kv_heads == 4  # 4 shards of [q; v; k]
+
+
+@needs_both
+@pytest.mark.parametrize("model_type", TWINNED)
+def test_to_hf_writes_the_layer_back_and_hf_rules_carry_it_onto_the_flax_twin(ports: Any, model_type: str) -> None:
+    """to_hf(from_hf(layer)) into a fresh layer gives its parameters bit for bit; ``hf_rules``
+    moves them onto ``to_flax(ours)``'s exactly (and back); the Flax twin computes the PyTorch
+    one at the test's positions (float32: 1e-5 of the largest)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    from attention_spec.interop.specs import apply_specs
+    from parity_tests import to_flax
+    from torch_attention._hf import hf_rules
+    from torch_attention.interop import to_hf
+
+    layer = _first_layer(_model(model_type))
+    ours = ports[model_type]["ours"]
+    fresh = copy.deepcopy(layer)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.normal_()
+    theirs = {n: p.detach().numpy() for n, p in layer.named_parameters()}
+    written = {n: p.detach().numpy() for n, p in to_hf(ours, fresh).named_parameters()}
+    assert sorted(written) == sorted(theirs) and all(np.array_equal(written[n], theirs[n]) for n in theirs)
+    twin = to_flax(ours)
+    flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(twin, nnx.Param))}
+    rules = hf_rules(layer)
+    moved = apply_specs(theirs, rules, "to_flax")
+    assert sorted(moved) == sorted(flat) and all(np.array_equal(moved[p], flat[p]) for p in flat)
+    back = apply_specs(moved, rules, "to_torch")
+    assert all(np.array_equal(back[n], theirs[n]) for n in theirs)
+    x = np.random.default_rng(4).standard_normal((1, POSITIONS[1] - POSITIONS[0], 32)).astype(np.float32)
+    positions = np.arange(*POSITIONS)[None]
+    rope = ours.spec.rope is not None
+    with torch.no_grad():
+        want = ours(torch.from_numpy(x), **({"positions": torch.from_numpy(positions)} if rope else {})).numpy()
+    got = np.asarray(twin(jnp.asarray(x), **({"positions": jnp.asarray(positions)} if rope else {})))
+    assert float(np.abs(got - want).max() / np.abs(want).max()) <= 1e-5
 
 
 @needs_torch

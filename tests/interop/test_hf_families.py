@@ -241,9 +241,11 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              "llama4_text", "ministral3", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
              "kimi_linear", "deepseek_v32", "glm_moe_dsa",
              # a separate sigmoid gate_proj as our output gate (rows interleaved per head), halves turned by -angle
-             "afmoe", "nanochat")
+             "afmoe", "nanochat",
+             # CodeGen's qkv_proj in 4 model-parallel shards of [q; v; k] (packing="codegen", found by a probe)
+             "codegen")
 MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
-               "bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
+               "bloom": "ALiBi", "mpt": "ALiBi",
                "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
                "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
                "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
