@@ -69,6 +69,8 @@ class _Family:
     not_ours: str | None = None  # a sub-module of the layer that ours does not cover (BERT's LayerNorm)
     gate: str = ""  # a separate sigmoid output gate (AFMoE's ``gate_proj``): ours is output_gate, its rows
     #                 interleaved with q_proj's per head in W_query (``_interleave``)
+    out_bias: str = ""  # an output bias the layer holds apart from its o projection and returns for its decoder
+    #                 layer to add (GPT-NeoX-Japanese's ``dense_bias``): ours is out_proj's bias
     rope_reversed: bool = False  # nanochat: halves turned by -angle; ours holds q/k rows with the second half
     #                 of each head's turned features negated (``_flip_halves``), which turns them so exactly
 
@@ -193,10 +195,12 @@ def _causal(attention: Any) -> bool:
 
 def _scaling(attention: Any, head_dim: int) -> float:
     """The layer's score scale: its ``scaling``, else GPT-1's ``scale`` switch (1 / sqrt(d)
-    when set, 1 when not)."""
+    when set, 1 when not), else 1 / its ``norm_factor`` (GPT-NeoX-Japanese's divisor)."""
     scaling = getattr(attention, "scaling", None)
     if scaling is None and type(getattr(attention, "scale", None)) is bool:
         return head_dim ** -0.5 if attention.scale else 1.0
+    if scaling is None and isinstance(getattr(attention, "norm_factor", None), float):
+        return 1.0 / attention.norm_factor
     return float(scaling)  # type: ignore[arg-type]
 
 
@@ -337,6 +341,10 @@ def _recognise(layer: Any, what: str) -> _Family:
         family = dataclasses.replace(family, v_norm=True)
     gate, gate_problems = _separate_gate(layer, family)
     problems += gate_problems
+    if isinstance(getattr(layer, "dense_bias", None), nn.Parameter):  # GPT-NeoX-Japanese: (out, weights, bias)
+        if _get(layer, family.o).bias is not None:
+            problems.append(f"an output bias returned apart (`dense_bias`) beside `{family.o}`'s own bias")
+        family = dataclasses.replace(family, out_bias="dense_bias")
     if gate:
         family = dataclasses.replace(family, gate=gate)
     covered = {family.o, *((family.packed,) if family.packed else (family.q, family.k, family.v)), *(norms or ()),
@@ -351,7 +359,8 @@ def _recognise(layer: Any, what: str) -> _Family:
             continue
         problems.append(f"{_KNOWN_EXTRAS.get(child_name.split('.')[-1], 'a sub-module no mechanism accounts for')}: "
                         f"`{child_name}` ({type(child).__name__})")
-    for p in sorted(own - {"sinks", *(("gate_bias",) if gate_problems else ())}):
+    for p in sorted(own - {"sinks", *(("gate_bias",) if gate_problems else ()), *((family.out_bias,) if family.out_bias
+                                                                              else ())}):
         problems.append(f"a parameter no mechanism accounts for: `{p}`")
     for proj in (family.o, family.packed) if family.packed else (family.q, family.k, family.v, family.o):
         if not proj:  # Gemma 4's keys as values: no v_proj
@@ -369,7 +378,8 @@ def _recognise(layer: Any, what: str) -> _Family:
     v_scale = getattr(attention, "v_scale", None)
     if isinstance(v_scale, float | int) and not isinstance(v_scale, bool) and v_scale != 1:
         problems.append(f"values scaled by a constant as they leave v_proj (`v_scale` = {v_scale:g})")
-    unscaled = getattr(attention, "scaling", None) is None and type(getattr(attention, "scale", None)) is not bool
+    unscaled = (getattr(attention, "scaling", None) is None and type(getattr(attention, "scale", None)) is not bool
+                and not isinstance(getattr(attention, "norm_factor", None), float))
     if not problems and unscaled:
         problems.append("a score scale it keeps under no name from_hf reads (no `scaling`: it scales inside its forward)")
     if problems:
@@ -463,7 +473,8 @@ def _gate_probe(layer: nn.Module, family: _Family, name: str) -> str:
             handle.remove()
     with torch.no_grad():
         width = int(_get(layer, family.o).weight.shape[1])
-        silent = _get(layer, family.o)(torch.zeros(1, 1, width, dtype=x.dtype, device=x.device))[0, 0].float()
+        silent = (_get(layer, family.o)(torch.zeros(1, 1, width, dtype=x.dtype, device=x.device))[0, 0]
+                  + _bias_apart(layer)).float()
     half, whole, none = (f - silent for f in found)
     tol = 1e-5 * max(float(whole.abs().max()), 1e-6)
     if float((half - 0.5 * whole).abs().max()) <= tol and float(none.abs().max()) <= tol:
@@ -575,7 +586,16 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
             out = layer(x, **kwargs)
     finally:
         layer.train(training)
+    if isinstance(out, tuple) and len(out) == 3 and isinstance(getattr(layer, "dense_bias", None), torch.Tensor):
+        return out[0] + out[2].detach()  # GPT-NeoX-Japanese: its decoder layer adds the bias it returns (eval: no dropout)
     return out[0] if isinstance(out, tuple | list) else out
+
+
+def _bias_apart(layer: nn.Module) -> Any:
+    """The output bias a layer returns apart for its decoder layer to add (GPT-NeoX-Japanese's
+    ``dense_bias``, on its last layer), detached; 0 where it has none."""
+    bias = getattr(layer, "dense_bias", None)
+    return bias.detach() if isinstance(bias, torch.Tensor) else 0.0
 
 
 def _probe_kv(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -856,7 +876,7 @@ def _packing(layer: nn.Module, attention: Any, family: _Family) -> str | None:
         embeddings = None
     mask = _probe_mask(x, None, bool(getattr(attention, "is_causal", True)))
     with torch.no_grad():
-        silent = out(torch.zeros(1, 1, heads * head_dim, dtype=x.dtype, device=x.device))[0, 0]
+        silent = out(torch.zeros(1, 1, heads * head_dim, dtype=x.dtype, device=x.device))[0, 0] + _bias_apart(layer)
     found = []
     for packing in candidates:
         rows = _value_rows(packing, heads, kv_heads, head_dim).to(x.device)
@@ -959,6 +979,14 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
                         "position past it)")
     takes = _forward_takes(attention)
     problems += [m for arg, m in _FORWARD_REFUSALS.items() if arg in takes and m not in problems]
+    if getattr(attention, "config", None) is None:  # a layer without its model's config (GPT-NeoX-Japanese's)
+        if "position_embeddings" in takes:
+            problems.append("rotary positions whose frequencies its model keeps (the layer keeps no config and takes "
+                            "position_embeddings: set layer.config = model.config)")
+        if (not hasattr(attention, "is_causal") and not _causal(attention) and "attention_mask" in takes
+                and not {"key_value_states", "encoder_hidden_states"} & takes):  # (those: refused below)
+            problems.append("whether it is causal is the mask its model gives (the layer has no is_causal and no "
+                            "causal mask buffer: set layer.is_causal as its model masks)")
     layer_type = _layer_type(layer, attention)
     if ("attention_scaling" in takes and isinstance(rope_parameters, Mapping) and layer_type in rope_parameters
             and rope_parameters[layer_type] is None):  # Beam's full-attention layers
@@ -971,9 +999,6 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
     if given and not hasattr(attention, "is_causal"):  # BART's kind (XGLM, TrOCR), RemBERT's, Megatron-BERT's
         problems.append(f"self- or cross-attention by its caller (its forward takes {given}; whether it is causal "
                         "is the mask it is given: it has no is_causal), which the layer alone does not say")
-    if hasattr(layer, "dense_bias"):  # GPT-NeoX-Japanese: (output, weights, bias) for bias_dropout_add
-        problems.append("an output bias returned apart, for its decoder layer to add (`dense_bias`: its forward "
-                        "returns three values)")
     return problems
 
 
@@ -1186,7 +1211,7 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         "d_in": d_model, "d_out": d_model, "num_heads": heads,
         "num_kv_heads": None if kv_heads == heads else kv_heads,
         "head_dim": None if head_dim * heads == d_model else head_dim,
-        "qkv_bias": qkv_bias, "out_bias": out.bias is not None, **({"output_gate": True} if gate else {}),
+        "qkv_bias": qkv_bias, "out_bias": out.bias is not None or bool(family.out_bias), **({"output_gate": True} if gate else {}),
     }
 
 
@@ -1273,7 +1298,7 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
     if family.sinks:
         names["sinks"] = "sinks"
     if options["out_bias"]:
-        names["out_proj.bias"] = f"{family.o}.bias"
+        names["out_proj.bias"] = family.out_bias or f"{family.o}.bias"
     if family.packed is None:
         for ours, theirs in (("W_query", family.q), ("W_key", family.k), ("W_value", family.v)):
             if not theirs or (ours == "W_query" and family.gate):  # keys as values: no v_proj; a gate: below
@@ -1422,7 +1447,7 @@ def hf_children(layer: nn.Module) -> dict[str, tuple[str, str | None]]:
     if _latent(layer):
         return {name: (name, None) for name, child in layer.named_children() if isinstance(child, nn.Module)}
     family = _family(layer, "hf_children")
-    roles = [(family.o, "out_proj")]
+    roles = [] if family.out_bias else [(family.o, "out_proj")]  # (out_proj is `dense` plus `dense_bias`)
     if family.packed is None:  # (a gate's W_query is q_proj's and gate_proj's rows; a reversed rotation's W_query
         #                         and W_key have each head's turned second half negated: no one counterpart)
         roles += [*(((family.q, "W_query"),) if not (family.gate or family.rope_reversed) else ()),

@@ -34,7 +34,7 @@ REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
     "bloom": ({}, "ALiBi"),
     "mpt": ({}, "MPT's ALiBi"),
     "xglm": ({}, "self- or cross-attention by its caller"),
-    "gpt_neox_japanese": ({}, "dense_bias"),
+    "gpt_neox_japanese": ({}, "the layer keeps no config and takes position_embeddings: set layer.config"),
     "cohere": ({"use_qk_norm": True}, "a qk-norm with its own weight per head"),
 }
 
@@ -225,3 +225,62 @@ def test_the_others_are_refused_naming_their_mechanism() -> None:
                 from_hf(layer)
             got[model_type] = str(refused.value)
     assert {t: m for t, m in got.items() if REFUSALS[t][1] not in m} == {}
+
+
+@needs_both
+def test_gpt_neox_japanese_ports_given_its_model_s_config_and_causality() -> None:
+    """GPT-NeoX-Japanese's layer keeps neither its model's config (the rope's frequencies) nor
+    whether it is causal (its model's mask): refused naming both (above). Given them
+    (``layer.config = model.config``, ``layer.is_causal = True``, what its model does), it
+    ports: its per-head ``query_key_value``, ``1 / norm_factor`` as the scale, and the last
+    layer's ``dense_bias`` (returned apart, added by its decoder layer) as out_proj's bias. The
+    model's logits with ours called as its decoder calls the layer ((out, None, None): no bias
+    left to add) are transformers' at 448..511; to_hf writes each layer back bit for bit; the
+    Flax twin computes the PyTorch one."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from parity_tests import to_flax
+    from tests.interop.test_hf_families import _mixers, _randomise
+    from torch_attention.interop import from_hf, to_hf
+
+    model = _model("gpt_neox_japanese")
+    mixers = _mixers(model, 2)
+    for _, _, child in mixers:
+        _randomise(child)
+    ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(448, 512)[None]
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions).logits
+
+    class Port(nn.Module):
+        def __init__(self, ours: Any) -> None:
+            super().__init__()
+            self.ours = ours
+
+        def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.ours(hidden_states, positions=positions), None, None
+
+    biased = []
+    for layer, name, child in mixers:
+        child.config, child.is_causal = model.config, True
+        ours = from_hf(child)
+        biased.append(ours.spec.out_bias)
+        fresh = copy.deepcopy(child)
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.normal_()
+        to_hf(ours, fresh)
+        assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), child.parameters(), strict=True))
+        x = np.random.default_rng(4).standard_normal((1, 16, 32)).astype(np.float32)
+        with torch.no_grad():
+            mine = ours(torch.from_numpy(x), positions=positions[:, :16]).numpy()
+        twin = np.asarray(to_flax(ours)(jnp.asarray(x), positions=jnp.asarray(positions[:, :16].numpy())))
+        assert float(np.abs(twin - mine).max() / np.abs(mine).max()) <= 1e-5
+        setattr(layer, name, Port(ours))
+    assert biased == [False, True]  # dense_bias on the last layer only
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=positions).logits
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5

@@ -246,7 +246,8 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              "codegen")
 MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
                "bloom": "ALiBi", "mpt": "ALiBi",
-               "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
+               "gpt_neox_japanese": "the layer keeps no config and takes position_embeddings: set layer.config",
+               "xglm": "self- or cross-attention by its caller",
                "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
                "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
                "big_bird": "block-sparse attention",
