@@ -34,6 +34,7 @@ from attention_spec.interop.huggingface import window_from_hf
 from attention_spec.interop.packing import pack_state_dict, packed_state_dict
 from attention_spec.interop.qkv import CODEGEN_SHARDS, UNHEADED
 from attention_spec.interop.specs import Concat, MergeAxes, Rule, SplitAxis, Transpose, packed_qkv_rules
+from attention_spec.mods import Alibi, alibi
 from attention_spec.rope import LAYOUTS, RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
@@ -128,16 +129,15 @@ _NOT_SOFTMAX: tuple[tuple[set[str], str], ...] = (
 # The config switches of mechanisms ours cannot express yet (config attribute, the mechanism).
 _CONFIG_REFUSALS = (
     ("num_kv_shared_layers", "KV shared across layers (num_kv_shared_layers)"),
-    ("use_alibi", "ALiBi position biases"), ("alibi", "ALiBi position biases"),
+    ("use_alibi", "ALiBi position biases"),
 )
 # Call conventions that say the layer takes what ours does not compute.
-# ALiBi is ours as score_mod=alibi(slopes), but these layers hold no slopes: their models build the biases.
-_FORWARD_REFUSALS = {"alibi": "ALiBi position biases, which its model builds and passes in (its forward takes alibi; "
-                              "the layer holds no slopes)",
-                     "position_bias": "a position bias its model builds and adds to the scores (its forward takes "
-                                      "position_bias: MPT's ALiBi; the layer holds no slopes)",
-                     "residual": "the residual added inside the layer (its forward takes residual)",
-                     "sinusoidal_pos": "rotary positions its model passes in as sinusoidal_pos (RoFormer's)"}
+_FORWARD_REFUSALS = {"sinusoidal_pos": "rotary positions its model passes in as sinusoidal_pos (RoFormer's)"}
+# ALiBi biases its model builds and passes in (the layer holds no slopes): ours is score_mod=alibi(slopes),
+# the slopes computed from the heads (and the config) as its model does (``_alibi_slopes``): Bloom's ``alibi``
+# (``build_alibi_tensor``), MPT's ``position_bias`` (``build_mpt_alibi_tensor``, ``attn_config.alibi_bias_max``).
+# Bloom's ``residual``, added inside its layer, stays its decoder layer's (the caller's): ours gives the
+# attention output alone.
 
 
 def _nope(layer: Any) -> bool:
@@ -201,6 +201,9 @@ def _scaling(attention: Any, head_dim: int) -> float:
         return head_dim ** -0.5 if attention.scale else 1.0
     if scaling is None and isinstance(getattr(attention, "norm_factor", None), float):
         return 1.0 / attention.norm_factor
+    for name in ("inv_norm_factor", "softmax_scale"):  # Bloom's (its beta 1), MPT's
+        if scaling is None and isinstance(getattr(attention, name, None), float):
+            return float(getattr(attention, name))
     return float(scaling)  # type: ignore[arg-type]
 
 
@@ -379,7 +382,8 @@ def _recognise(layer: Any, what: str) -> _Family:
     if isinstance(v_scale, float | int) and not isinstance(v_scale, bool) and v_scale != 1:
         problems.append(f"values scaled by a constant as they leave v_proj (`v_scale` = {v_scale:g})")
     unscaled = (getattr(attention, "scaling", None) is None and type(getattr(attention, "scale", None)) is not bool
-                and not isinstance(getattr(attention, "norm_factor", None), float))
+                and not any(isinstance(getattr(attention, n, None), float)
+                            for n in ("norm_factor", "inv_norm_factor", "softmax_scale")))
     if not problems and unscaled:
         problems.append("a score scale it keeps under no name from_hf reads (no `scaling`: it scales inside its forward)")
     if problems:
@@ -579,6 +583,7 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
         kwargs["shared_kv_states"] = {_layer_type(layer, layer): _probe_kv(layer, x)} if reuses else {}
     if "position_ids" in _forward_takes(layer):  # Ministral 3 scales its queries by position
         kwargs["position_ids"] = torch.arange(offset, offset + x.shape[1], device=x.device)[None]
+    kwargs.update(_alibi_inputs(layer, x, mask))
     training = layer.training
     layer.eval()
     try:
@@ -589,6 +594,26 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
     if isinstance(out, tuple) and len(out) == 3 and isinstance(getattr(layer, "dense_bias", None), torch.Tensor):
         return out[0] + out[2].detach()  # GPT-NeoX-Japanese: its decoder layer adds the bias it returns (eval: no dropout)
     return out[0] if isinstance(out, tuple | list) else out
+
+
+def _alibi_inputs(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
+    """What a layer with ALiBi takes from its model, built as its model builds it over the
+    probe's tokens: Bloom's ``alibi`` (B * H, 1, T) and ``residual`` (0: the output alone),
+    MPT's ``position_bias`` (H, 1, T) and its bool mask (True where masked)."""
+    slopes = _alibi_slopes(layer)
+    takes = _forward_takes(layer)
+    found: dict[str, Any] = {}
+    if slopes is not None and "alibi" in takes:
+        keys = torch.arange(x.shape[1], dtype=torch.float32)
+        found["alibi"] = (slopes[:, None] * keys).repeat(x.shape[0], 1)[:, None, :].to(x)
+    if slopes is not None and "position_bias" in takes:
+        keys = torch.arange(1 - x.shape[1], 1, dtype=torch.int32)
+        found["position_bias"] = (keys * slopes[:, None, None]).to(x)
+        if mask is not None:
+            found["attention_mask"] = mask < 0
+    if "residual" in takes:
+        found["residual"] = torch.zeros_like(x)
+    return found
 
 
 def _bias_apart(layer: nn.Module) -> Any:
@@ -987,6 +1012,9 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
                 and not {"key_value_states", "encoder_hidden_states"} & takes):  # (those: refused below)
             problems.append("whether it is causal is the mask its model gives (the layer has no is_causal and no "
                             "causal mask buffer: set layer.is_causal as its model masks)")
+    if getattr(attention, "slow_but_exact", False) and int(getattr(attention, "pretraining_tp", 1) or 1) > 1:
+        problems.append(f"an output projection in {attention.pretraining_tp} slices that drops its bias (Bloom's "
+                        "slow_but_exact with pretraining_tp > 1)")
     layer_type = _layer_type(layer, attention)
     if ("attention_scaling" in takes and isinstance(rope_parameters, Mapping) and layer_type in rope_parameters
             and rope_parameters[layer_type] is None):  # Beam's full-attention layers
@@ -1246,6 +1274,11 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
     if options["softcap"] is not None:
         options["softcap"] = float(options["softcap"])
     clip = getattr(_config(attention), "clip_qkv", None)  # OLMo's: q, k, v clamped to [-c, c]
+    if clip is None and isinstance(getattr(attention, "clip_qkv", None), float | int) and attention.clip_qkv:
+        clip = attention.clip_qkv  # MPT's, on the layer (attn_config.clip_qkv)
+    slopes = _alibi_slopes(attention)
+    if slopes is not None:
+        options["score_mod"] = alibi(slopes.numpy())
     if clip is not None:
         options["clip_qkv"] = float(clip)
     norms = None if family.norms is None else [_get(layer, n) for n in family.norms[:1 if family.kv_shared else 2]]
@@ -1259,6 +1292,40 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
     if query_scale is not None:
         options["query_scale"] = query_scale
     return options
+
+
+_MPT_ALIBI_BIAS_MAX = 8  # transformers' MptModel calls build_mpt_alibi_tensor without attn_config's
+
+
+def _alibi_slopes(attention: Any) -> torch.Tensor | None:
+    """The ALiBi slopes (H,) float32 its model builds the biases from, as transformers
+    computes them: Bloom's ``_get_alibi_slopes`` (a layer whose forward takes ``alibi``:
+    powers of 2 ** -(8 / n) over the largest power of two n of the heads, the rest at odd
+    powers of the next one's base), MPT's ``build_mpt_alibi_tensor`` (one whose forward takes
+    ``position_bias``: 1 / 2 ** (8 * i / n) for n the next power of two, the odd ones first
+    where n is not the heads: its model passes no ``attn_config.alibi_bias_max`` nor reads
+    ``attn_config.alibi``); None for another layer.  Its model adds ``slopes[h] * j`` (Bloom: key j counted
+    from the first real token) or ``slopes[h] * (j - (S - 1))`` (MPT) to the scores; ours
+    adds ``slopes[h] * (j - i)``: per query a constant apart, the same softmax."""
+    takes = _forward_takes(attention)
+    heads = next((getattr(attention, a) for a in _HEADS if type(getattr(attention, a, None)) is int), None)
+    if heads is None:
+        return None
+    if "alibi" in takes:
+        closest = 2 ** math.floor(math.log2(heads))
+        base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+        slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+        if closest != heads:
+            extra = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+            odd = torch.arange(1, 1 + 2 * min(closest, heads - closest), 2, dtype=torch.int32)
+            slopes = torch.cat([slopes, torch.pow(extra, odd)])
+        return slopes
+    if "position_bias" in takes:  # MptModel builds them with build_mpt_alibi_tensor's default alibi_bias_max
+        power = 2 ** math.ceil(math.log2(heads))  # (8, whatever attn_config says), ALiBi always on
+        base = torch.arange(1, power + 1, dtype=torch.int64).float() * (_MPT_ALIBI_BIAS_MAX / power)
+        slopes = 1.0 / torch.pow(2, base)
+        return torch.cat([slopes[1::2], slopes[::2]])[:heads] if power != heads else slopes
+    return None
 
 
 def _value_options(layer: nn.Module, family: _Family, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -1624,6 +1691,10 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:
         problems.append(f"qk_norm_scope={mine.qk_norm_scope!r} where the layer has {theirs.qk_norm_scope!r}")
     problems += _rope_mismatch(mine.rope, theirs.rope)
+    slopes = [np.asarray(m.slopes) if isinstance(m, Alibi) else None for m in (mine.score_mod, theirs.score_mod)]
+    if (slopes[1] is not None and (slopes[0] is None or not np.array_equal(slopes[0], slopes[1]))) or (
+            slopes[1] is None and (mine.score_mod is not None or mine.mask_mod is not None)):
+        problems.append(f"score_mod={mine.score_mod!r} where the layer has {theirs.score_mod!r}")
     if mine.fan_out("out") != theirs.fan_out("out"):
         problems.append(f"out_features={mine.fan_out('out')} where the layer has {theirs.fan_out('out')}")
     scales = [s if s is not None else 1.0 / math.sqrt(int(spec.head_dim or 0)) for s, spec in

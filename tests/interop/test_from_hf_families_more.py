@@ -16,6 +16,7 @@ names and layouts by ``to_hf``) of ``sum(out * R)``.  The logits of whole models
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from typing import Any
 
@@ -25,16 +26,18 @@ from tests.support import needs_both, needs_torch
 
 POSITIONS = (448, 464)
 PORTS = ("cohere", "glm", "gptj", "gpt_bigcode", "persimmon", "openai-gpt", "roberta-prelayernorm",
-         "modernbert-decoder", "codegen")
+         "modernbert-decoder", "codegen", "bloom", "mpt")
 # the ports whose round trip and Flax twin are checked here (to_hf bit-exact, hf_rules onto to_flax)
-TWINNED = ("codegen",)
+TWINNED = ("codegen", "bloom", "mpt")
+# layers that keep no config of their model: given it (layer.config) and their causality, as their refusal asks
+GIVEN = ("bloom", "mpt", "gpt_neox_japanese")
 # family -> (config overrides, the text its refusal must hold)
 REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
     "hunyuan_v1_dense": ({}, "a qk-norm after rope"),
-    "bloom": ({}, "ALiBi"),
-    "mpt": ({}, "MPT's ALiBi"),
-    "xglm": ({}, "self- or cross-attention by its caller"),
+    "bloom": ({}, "the layer has no is_causal and no causal mask buffer: set layer.is_causal"),
+    "mpt": ({}, "the layer has no is_causal and no causal mask buffer: set layer.is_causal"),
     "gpt_neox_japanese": ({}, "the layer keeps no config and takes position_embeddings: set layer.config"),
+    "xglm": ({}, "self- or cross-attention by its caller"),
     "cohere": ({"use_qk_norm": True}, "a qk-norm with its own weight per head"),
 }
 
@@ -53,11 +56,15 @@ def _model(model_type: str, **overrides: Any) -> Any:
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
 
 
-def _first_layer(model: Any) -> Any:
+def _first_layer(model: Any, given: bool = True) -> Any:
+    """The first decoder layer's attention, its biases and norms drawn; given its model's
+    config and causality where it keeps none (``GIVEN``)."""
     from tests.interop.test_hf_families import _mixers, _randomise
 
     _, _, layer = _mixers(model, int(model.config.num_hidden_layers))[0]
     _randomise(layer)
+    if given and model.config.model_type in GIVEN:
+        layer.config, layer.is_causal = model.config, True
     return layer
 
 
@@ -80,7 +87,8 @@ def _captured_call(model: Any, layer: Any) -> tuple[Any, dict[str, Any]]:
         handle.remove()
     args, kwargs = seen["args"], seen["kwargs"]
     x = args[0] if args else kwargs.pop("hidden_states")
-    kwargs.update(dict(zip(("attention_mask",), args[1:2], strict=False)))  # GPT-1's mask comes second
+    names = list(inspect.signature(layer.forward).parameters)[1:]  # GPT-1's mask comes second, Bloom's residual
+    kwargs.update(dict(zip(names, args[1:], strict=False)))
     return x.detach(), kwargs
 
 
@@ -110,6 +118,8 @@ def _port(model_type: str) -> dict[str, Any]:
     def mine(xi: Any) -> Any:
         inner = getattr(layer, not_ours)(xi) if not_ours else xi  # a pre-norm: the caller's
         out = ours(inner, positions=positions) if ours.spec.rope is not None else ours(inner)
+        if "residual" in kwargs:  # Bloom's layer adds its decoder's residual: the caller's
+            out = out + kwargs["residual"]
         return out + xi if not_ours else out
 
     layer.zero_grad()
@@ -220,7 +230,7 @@ def test_the_others_are_refused_naming_their_mechanism() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for model_type, (overrides, _) in REFUSALS.items():
-            layer = _first_layer(_model(model_type, **overrides))
+            layer = _first_layer(_model(model_type, **overrides), given=False)
             with pytest.raises(ValueError) as refused:
                 from_hf(layer)
             got[model_type] = str(refused.value)
@@ -284,3 +294,70 @@ def test_gpt_neox_japanese_ports_given_its_model_s_config_and_causality() -> Non
     with torch.no_grad():
         got = model(input_ids=ids, position_ids=positions).logits
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+
+
+@needs_torch
+def test_alibi_slopes_are_transformers_own_for_any_number_of_heads() -> None:
+    """The slopes from_hf gives ``alibi`` are those Bloom's ``_get_alibi_slopes`` and MPT's
+    ``build_mpt_alibi_tensor`` build, bit for bit, for 1..12 heads (powers of two and not)
+    (MPT's at ``alibi_bias_max`` 8: its model passes none from its config)."""
+    import types
+
+    import torch
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from torch_attention._hf import _alibi_slopes
+
+    def bloom_like(hidden_states: Any, residual: Any, alibi: Any, attention_mask: Any) -> None: ...
+
+    def mpt_like(hidden_states: Any, position_bias: Any, attention_mask: Any = None) -> None: ...
+
+    for heads in range(1, 13):
+        bloom = types.SimpleNamespace(num_heads=heads, forward=bloom_like)
+        assert torch.equal(_alibi_slopes(bloom), _get_alibi_slopes(heads, torch.device("cpu"))), heads
+        mpt = types.SimpleNamespace(n_heads=heads, forward=mpt_like)
+        want = build_mpt_alibi_tensor(heads, 2)[:, 0, 0] * -1  # the bias at key S - 2: -slope
+        assert torch.equal(_alibi_slopes(mpt), want), heads
+
+
+@needs_torch
+@pytest.mark.parametrize(("model_type", "overrides"), [
+    ("bloom", {"n_head": 6, "hidden_size": 48}),
+    ("mpt", {"n_heads": 6, "d_model": 48}),
+])
+def test_alibi_models_with_six_heads_give_transformers_logits(model_type: str, overrides: dict[str, Any]) -> None:
+    """A tiny Bloom and MPT of 6 heads (slopes off the power of two; MPT's attn_config's
+    alibi_bias_max 6, which its model ignores: 8),
+    every attention ours (its layer given its model's config and causality), the residual
+    Bloom's layer adds the caller's: the logits are transformers' (64 tokens, 1e-5 of the
+    largest)."""
+    import torch
+
+    from tests.interop.test_hf_families import _AsHF, _mixers
+    from torch_attention.interop import from_hf
+
+    model = _model(model_type, **overrides)
+    if model_type == "mpt":
+        model.config.attn_config.alibi_bias_max = 6
+        model = _model(model_type, **overrides, attn_config=model.config.attn_config)
+    mixers = _mixers(model, 2)
+    ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(1))
+    for _, _, child in mixers:
+        _randomise_here(child)
+        child.config, child.is_causal = model.config, True
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    for layer, name, child in mixers:
+        ours = from_hf(child)
+        assert len(ours.spec.score_mod.slopes) == 6
+        setattr(layer, name, _AsHF.wrap(ours, child, None))
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+
+
+def _randomise_here(layer: Any) -> None:
+    from tests.interop.test_hf_families import _randomise
+
+    _randomise(layer)

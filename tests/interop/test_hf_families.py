@@ -92,12 +92,13 @@ class _AsHF:
     def wrap(ours: Any, native: Any, positions: Any, gives: type = tuple, arity: int = 2) -> Any:
         from torch import nn
 
-        from torch_attention._hf import _recognise
+        from torch_attention._hf import _forward_takes, _recognise
 
         try:
             not_ours = _recognise(native, "sweep").not_ours
         except (TypeError, ValueError):  # a layer from_hf ports by another path (DeepSeek's latent attention)
             not_ours = None
+        residual = "residual" in _forward_takes(native)
 
         class Port(nn.Module):
             def __init__(self) -> None:
@@ -110,6 +111,8 @@ class _AsHF:
                 if not_ours is not None and not_ours != "output.LayerNorm":  # a pre-norm
                     x = getattr(native, not_ours)(hidden_states)
                 out = ours(x, positions=positions) if rope else ours(x)
+                if residual:  # Bloom's layer adds its decoder's residual: the caller's, with ours
+                    out = out + (kwargs["residual"] if "residual" in kwargs else args[0])
                 if not_ours == "output.LayerNorm":
                     out = native.output.LayerNorm(out + hidden_states)
                 elif not_ours is not None:
@@ -158,10 +161,21 @@ def _verdict(model_type: str) -> tuple[str, str, float | None]:
     if not mixers:
         return "not built", "no attention layer found in a ModuleList of its decoder layers", None
     ports = []
+    given: set[str] = set()  # what a layer without its model's config was given, as its refusal asks
     for layer, name, child in mixers:
         _randomise(child)
         try:
-            ports.append((layer, name, child, from_hf(child)))
+            try:
+                ports.append((layer, name, child, from_hf(child)))
+            except ValueError as e:  # a layer that keeps no config (GPT-NeoX-Japanese, Bloom, MPT): its model's
+                remedies = {"layer.config": ("config", config), "layer.is_causal": ("is_causal", True)}
+                asked = [r for r in remedies if f"set {r}" in str(e)]
+                if not asked:
+                    raise
+                for remedy in asked:
+                    setattr(child, *remedies[remedy])  # the config it was built from; causal: a causal LM
+                given.update(asked)
+                ports.append((layer, name, child, from_hf(child)))
         except (TypeError, ValueError) as e:
             return "refused", str(e), None
         except Exception as e:  # noqa: BLE001 - from_hf must refuse with TypeError / ValueError: flagged below
@@ -189,7 +203,8 @@ def _verdict(model_type: str) -> tuple[str, str, float | None]:
     except Exception as e:  # noqa: BLE001 - reported with the family
         return "not built", f"the native forward failed here: {type(e).__name__}: {str(e).splitlines()[0][:160]}", None
     error = float((got - want).abs().max() / want.abs().max())
-    return "ports", ", ".join(sorted({type(c).__name__ for _, _, c, _ in ports})), error
+    classes = ", ".join(sorted({type(c).__name__ for _, _, c, _ in ports}))
+    return "ports", classes + (f" (given {' and '.join(sorted(given))})" if given else ""), error
 
 
 def _families() -> list[str]:
@@ -243,10 +258,13 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              # a separate sigmoid gate_proj as our output gate (rows interleaved per head), halves turned by -angle
              "afmoe", "nanochat",
              # CodeGen's qkv_proj in 4 model-parallel shards of [q; v; k] (packing="codegen", found by a probe)
-             "codegen")
+             "codegen",
+             # layers that keep no config of their model (given layer.config / layer.is_causal, as their refusal
+             # asks): GPT-NeoX-Japanese's returned dense_bias as out_proj's bias, Bloom's and MPT's ALiBi slopes
+             # computed as their models do (Bloom's residual its decoder's, added by the caller)
+             "gpt_neox_japanese", "bloom", "mpt")
 MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
-               "bloom": "ALiBi", "mpt": "ALiBi",
-               "gpt_neox_japanese": "the layer keeps no config and takes position_embeddings: set layer.config",
+
                "xglm": "self- or cross-attention by its caller",
                "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
                "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
