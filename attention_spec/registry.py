@@ -52,6 +52,7 @@ from attention_spec.options import (
     check_scale,
     check_softcap,
     check_v_norm,
+    check_value_heads,
     check_values_from_keys,
     check_window,
 )
@@ -304,6 +305,8 @@ REGISTRY: dict[str, Variant] = {
              Option("values_from_keys", False, True), Option("query_scale", None, True),
              # Gemma 4's num_kv_shared_layers: no W_key / W_value / k_norm, another layer's kv=
              Option("kv_shared", False, True),
+             # MiMo-V2-Flash: value heads of their own width (latent attention's name), values scaled
+             Option("v_head_dim", None, True), Option("v_scale", None, True),
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              Option("sinks", False, True),  # gpt-oss's attention sinks: one learned logit per head
              # flex attention's mods (attention_spec.mods), applied to this module's scores
@@ -425,6 +428,7 @@ class QKTransforms:
     v_norm: str | None = None  # Gemma 4: "rms", a weightless RMS norm of each value head (qk_norm_eps)
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
     query_scale: Any = None  # an options.QueryScale: queries times 1 + beta log1p(floor((p + offset) / floor))
+    v_scale: float | None = None  # MiMo-V2-Flash: the values times a constant as they leave W_value
 
 
 @dataclass(frozen=True)
@@ -520,6 +524,7 @@ class AttentionConfig:
         v_norm: str | None
         rope: Any
         query_scale: Any
+        v_scale: float | None
         q_lora_rank: int | None
         kv_lora_rank: int | None
         qk_nope_head_dim: int | None
@@ -620,6 +625,10 @@ class AttentionConfig:
                             v_norm=self.v_norm)
         if "query_scale" in exposed:
             set_(self, "query_scale", check_query_scale(self.query_scale))
+        if "v_scale" in exposed:  # split heads: value heads of their own width, a value scale
+            set_(self, "v_scale", check_value_heads(self.v_head_dim, self.v_scale, output_gate=self.output_gate,
+                                                    values_from_keys=self.values_from_keys, kv_shared=self.kv_shared,
+                                                    out_proj=self.out_proj))
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)
             check_rope_widths(self.d_in, self.kdim, self.vdim)  # self-attention only: keys from x
@@ -664,6 +673,21 @@ class AttentionConfig:
         return width // self.num_heads if self.declaration.heads == "split" else width
 
     @property
+    def value_head_dim(self) -> int | None:
+        """Width of one value head: ``v_head_dim`` where set (latent attention's; split heads'
+        option), else ``head_dim``."""
+        return self.v_head_dim if self.v_head_dim is not None else self.head_dim
+
+    @property
+    def value_width(self) -> int | None:
+        """The merged heads' width after attention (the output projection's input):
+        ``num_heads * v_head_dim`` for split heads with value heads of their own width, else
+        ``width``."""
+        if self.v_head_dim is not None and self.declaration.heads == "split":
+            return self.num_heads * self.v_head_dim
+        return self.width
+
+    @property
     def kv_heads(self) -> int:
         """Key/value heads: ``num_kv_heads``, else ``num_heads`` (grouped-query attention
         when fewer)."""
@@ -678,7 +702,7 @@ class AttentionConfig:
         if role == "latent_up":
             return self.kv_lora_rank
         if role == "out":
-            return self.width
+            return self.value_width
         if role == "key" and self.kdim is not None:
             return self.kdim
         if role == "value" and self.vdim is not None:
@@ -697,6 +721,8 @@ class AttentionConfig:
             return 2 * width
         if role == "out":
             return self.d_out if self.out_features is None else self.out_features
+        if role == "value" and self.v_head_dim is not None:
+            return self.v_head_dim * self.kv_heads
         if role in ("key", "value") and width is not None and self.kv_heads != self.num_heads:
             return cast(int, self.head_dim) * self.kv_heads
         return width
@@ -732,7 +758,7 @@ class AttentionConfig:
         the key field holds the latent then the indexer's key (``index_head_dim``)."""
         if self.declaration.heads == "latent":  # (with an indexer: its key after the latent)
             return 1, cast(int, self.kv_lora_rank) + (self.index_head_dim or 0), cast(int, self.qk_rope_head_dim)
-        return self.kv_heads, cast(int, self.head_dim), cast(int, self.head_dim)
+        return self.kv_heads, cast(int, self.head_dim), cast(int, self.value_head_dim)
 
     def qk_norms(self) -> tuple[tuple[str, str, int], ...]:
         """The query/key norms this config creates, ``(name, role, width)``: none without

@@ -193,6 +193,8 @@ class MultiHeadAttention(AttentionModule):
         values_from_keys: bool = False,
         query_scale: Any = None,
         kv_shared: bool = False,
+        v_head_dim: int | None = None,
+        v_scale: float | None = None,
         rope: Any = None,
         sinks: bool = False,
         score_mod: Any = None,

@@ -142,7 +142,8 @@ def test_from_nnx_matches_native(use_bias: bool, mask: str) -> None:
                            "out_bias": True, "qk_norm": None, "qk_norm_scope": "head", "qk_norm_eps": 1e-6,
                            "rope": None, "sinks": False, "qk_norm_offset": 0.0, "score_mod": None, "mask_mod": None,
                            "clip_qkv": None, "output_gate": False, "qk_norm_weight": True, "v_norm": None,
-                           "values_from_keys": False, "query_scale": None, "chunk": None, "kv_shared": False}
+                           "values_from_keys": False, "query_scale": None, "chunk": None, "kv_shared": False,
+                           "v_head_dim": None, "v_scale": None}
     m = _masks()[mask]
     _compare_modules(native, lambda mod, x: mod(x, mask=m), ours, lambda mod, x: mod(x, m), use_bias, _x())
 
