@@ -373,14 +373,11 @@ def _recognise(layer: Any, what: str) -> _Family:
             problems.append(f"`{proj}` is a {type(module).__name__}, not nn.Linear (its forward may change the weight)")
         elif set(dict(module.named_parameters())) - {"weight", "bias"}:
             problems.append(f"`{proj}` holds parameters other than a weight and a bias")
-    if not family.packed and family.k and family.v and not family.attention:
+    if not family.packed and family.k and family.v and family.attention:
         k_rows, v_rows = (int(_get(layer, n).weight.shape[0]) for n in (family.k, family.v))
-        if k_rows != v_rows:  # MiMo-V2-Flash's v_head_dim
+        if k_rows != v_rows:  # (BERT-like blocks: one head width)
             problems.append(f"value heads of another width than the key heads (`{family.v}` gives {v_rows} features, "
-                            f"`{family.k}` {k_rows}: ours has one head_dim for both)")
-    v_scale = getattr(attention, "v_scale", None)
-    if isinstance(v_scale, float | int) and not isinstance(v_scale, bool) and v_scale != 1:
-        problems.append(f"values scaled by a constant as they leave v_proj (`v_scale` = {v_scale:g})")
+                            f"`{family.k}` {k_rows}) in a block whose caller decides what it attends to")
     unscaled = (getattr(attention, "scaling", None) is None and type(getattr(attention, "scale", None)) is not bool
                 and not any(isinstance(getattr(attention, n, None), float)
                             for n in ("norm_factor", "inv_norm_factor", "softmax_scale")))
@@ -1227,6 +1224,11 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         if len(biases) != 1:
             raise ValueError(f"{type(layer).__name__}: q, k and v must all have biases or none; ours has one switch")
         width, qkv_bias = int(q.weight.shape[0]), biases.pop()
+        attention = _get(layer, family.attention)
+        groups, own_dim = getattr(attention, "num_key_value_groups", None), getattr(attention, "head_dim", None)
+        if (type(groups) is int and groups > 0 and heads % groups == 0 and heads // groups != kv_heads
+                and int(k.weight.shape[0]) == heads // groups * (own_dim or -1)):
+            kv_heads = heads // groups  # MiMo-V2-Flash's sliding layers: twice the config's key/value heads
         kv_width = int(k.weight.shape[0]) // kv_heads
         if width == 2 * heads * kv_width:  # Qwen3-Next / Qwen3.5: each head's queries, then its gate
             gate, width = True, width // 2
@@ -1288,6 +1290,13 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
         if not family.norm_weight:  # nanochat, Llama 4: no parameter
             options["qk_norm_weight"] = False
     options.update(_value_options(layer, family, options))
+    if not family.packed and family.k and family.v:  # MiMo-V2-Flash: value heads of their own width, scaled
+        k_rows, v_rows = (int(_get(layer, n).weight.shape[0]) for n in (family.k, family.v))
+        if k_rows != v_rows:
+            options["v_head_dim"] = v_rows // (options["num_kv_heads"] or options["num_heads"])
+    v_scale = getattr(attention, "v_scale", None)
+    if isinstance(v_scale, float | int) and not isinstance(v_scale, bool) and v_scale != 1:
+        options["v_scale"] = float(v_scale)  # (not folded into W_value: to_hf writes v_proj back bit for bit)
     query_scale = _query_scale(layer, attention, family)
     if query_scale is not None:
         options["query_scale"] = query_scale
@@ -1685,7 +1694,8 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
     mine, theirs = ours.spec, want.spec
     fields = ("d_in", "d_out", "num_heads", "kv_heads", "head_dim", "out_proj", "qkv_bias", "out_bias",
               "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "chunk", "alignment",
-              "clip_qkv", "output_gate", "qk_norm_weight", "v_norm", "values_from_keys", "query_scale", "kv_shared")
+              "clip_qkv", "output_gate", "qk_norm_weight", "v_norm", "values_from_keys", "query_scale", "kv_shared",
+              "v_head_dim", "v_scale")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]
     if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:

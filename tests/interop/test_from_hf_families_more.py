@@ -26,9 +26,9 @@ from tests.support import needs_both, needs_torch
 
 POSITIONS = (448, 464)
 PORTS = ("cohere", "glm", "gptj", "gpt_bigcode", "persimmon", "openai-gpt", "roberta-prelayernorm",
-         "modernbert-decoder", "codegen", "bloom", "mpt")
+         "modernbert-decoder", "codegen", "bloom", "mpt", "mimo_v2_flash")
 # the ports whose round trip and Flax twin are checked here (to_hf bit-exact, hf_rules onto to_flax)
-TWINNED = ("codegen", "bloom", "mpt")
+TWINNED = ("codegen", "bloom", "mpt", "mimo_v2_flash")
 # layers that keep no config of their model: given it (layer.config) and their causality, as their refusal asks
 GIVEN = ("bloom", "mpt", "gpt_neox_japanese")
 # family -> (config overrides, the text its refusal must hold)
@@ -179,6 +179,7 @@ def test_the_mechanisms_are_read_from_the_layers(ports: Any) -> None:
     assert specs["openai-gpt"].causal and specs["openai-gpt"].rope is None
     assert specs["modernbert-decoder"].window is None  # layer 0 is global, ModernBERT's first of three
     assert specs["codegen"].rope.layout == "interleaved" and specs["codegen"].kv_heads == 4  # 4 shards of [q; v; k]
+    assert (specs["mimo_v2_flash"].v_head_dim, specs["mimo_v2_flash"].v_scale) == (12, 0.707)
 
 
 @needs_both

@@ -35,6 +35,7 @@ TINY: dict[str, Any] = {
 }
 # a model type's own overrides, on top of TINY's
 TINY_FOR: dict[str, dict[str, Any]] = {
+    "mimo_v2_flash": {"v_head_dim": 12},  # value heads of their own width (its 0.707 attention_value_scale kept)
     "kimi_linear": {"linear_num_heads": 4, "linear_head_dim": 8, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 8, "v_head_dim": 8},
     # DSA (sparse attention): its indexer keeps every key (index_topk = the sweep's 64 tokens), since
@@ -262,7 +263,10 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              # layers that keep no config of their model (given layer.config / layer.is_causal, as their refusal
              # asks): GPT-NeoX-Japanese's returned dense_bias as out_proj's bias, Bloom's and MPT's ALiBi slopes
              # computed as their models do (Bloom's residual its decoder's, added by the caller)
-             "gpt_neox_japanese", "bloom", "mpt")
+             "gpt_neox_japanese", "bloom", "mpt",
+             # value heads of their own width (v_head_dim) scaled as they leave v_proj (v_scale), sliding layers
+             # with twice the config's key/value heads
+             "mimo_v2_flash")
 MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a qk-norm after rope",
 
                "xglm": "self- or cross-attention by its caller",
@@ -270,7 +274,6 @@ MUST_REFUSE = {"hunyuan_v1_dense": "a qk-norm after rope", "hunyuan_v1_moe": "a 
                "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
                "big_bird": "block-sparse attention",
                "laguna": "an output gate of 4 values per token", "beam": "a gate bias per head",
-               "mimo_v2_flash": "value heads of another width than the key heads",
                "bitnet": "a norm of the attention output before its projection (attn_sub_norm)"}
 
 
