@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 import warnings
 from typing import Any
 
@@ -362,3 +363,27 @@ def _randomise_here(layer: Any) -> None:
     from tests.interop.test_hf_families import _randomise
 
     _randomise(layer)
+
+
+@needs_torch
+@pytest.mark.parametrize(("model_type", "change", "text"), [
+    ("mimo_v2_flash", {"v_scale": 0.5}, "v_scale=0.5 where the layer has 0.707"),
+    ("bloom", {"score_mod": None}, "score_mod=None where the layer has Alibi("),
+])
+def test_to_hf_refuses_a_module_that_would_not_compute_the_layer(ports: Any, model_type: str, change: dict[str, Any],
+                                                                text: str) -> None:
+    """to_hf refuses, naming the option, ours with another value scale (MiMo) or without the
+    layer's ALiBi slopes (Bloom), before writing anything."""
+    import torch
+
+    from torch_attention import MultiHeadAttention
+    from torch_attention.interop import to_hf
+
+    ours = ports[model_type]["ours"]
+    other = MultiHeadAttention(**{**ours.spec.options(), **change}).eval()
+    other.load_state_dict(ours.state_dict())
+    layer = _first_layer(_model(model_type))
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    with pytest.raises(ValueError, match=re.escape(text)):
+        to_hf(other, layer)
+    assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
