@@ -230,6 +230,28 @@ def check_kv_shared(kv_shared: Any, *, kdim: Any, vdim: Any, values_from_keys: b
     return kv_shared
 
 
+def check_value_heads(v_head_dim: Any, v_scale: Any, *, output_gate: bool, values_from_keys: bool,
+                      kv_shared: bool, out_proj: bool) -> float | None:
+    """``v_head_dim`` (MiMo-V2-Flash's): None (the values' heads as wide as the keys') or a
+    positive int, each value head's width (W_value ``num_kv_heads * v_head_dim`` wide,
+    out_proj taking ``num_heads * v_head_dim``); it needs ``out_proj`` and no output gate,
+    keys as values or shared keys and values (each of those has the values as wide as the
+    keys).  ``v_scale``: None or a finite float != 0, the values times it as they leave
+    W_value (after ``clip_qkv`` and ``v_norm``); returned as a Python float (or None)."""
+    if v_head_dim is not None:
+        check_positive_int("v_head_dim", v_head_dim)
+        for name, value, unset in (("out_proj", out_proj, True), ("output_gate", output_gate, False),
+                                   ("values_from_keys", values_from_keys, False), ("kv_shared", kv_shared, False)):
+            if value != unset:
+                raise ValueError(f"v_head_dim={v_head_dim} gives the values heads of their own width: {name} must "
+                                 f"be {unset!r}; got {name}={value!r}")
+    if v_scale is None:
+        return None
+    if isinstance(v_scale, bool) or not isinstance(v_scale, int | float) or not math.isfinite(v_scale) or v_scale == 0:
+        raise ValueError(f"v_scale must be None or a finite number other than 0 (the values times it); got {v_scale!r}")
+    return float(v_scale)
+
+
 KV_SHARED_NEEDS_KV = (
     "a module built with kv_shared=True computes no keys or values: its call needs kv=, the (keys, values) "
     "another layer's call returned with return_kv=True, or, in cached decoding, that layer's KVCache after "

@@ -56,6 +56,7 @@ from attention_spec.options import (
     check_scale,
     check_softcap,
     check_v_norm,
+    check_value_heads,
     check_values_from_keys,
     check_window,
 )
@@ -305,15 +306,17 @@ REGISTRY: dict[str, Variant] = {
              # qk-norm: Qwen3's / Phi's per-head q_norm and k_norm, OLMo 2's across heads
              Option("qk_norm", None, True), Option("qk_norm_scope", "head", True), Option("qk_norm_eps", 1e-6, True),
              Option("qk_norm_offset", 0.0, True),  # Gemma 3: scale by 1 + weight
-             Option("qk_norm_position", "before_rope", True),  # HunYuan: "after_rope"
-             # nanochat's / Llama 4's weightless qk-norm; Gemma 4's value norm and keys as values;
-             # Llama 4's / Ministral 3's queries scaled by position (an options.QueryScale)
-             Option("qk_norm_weight", True, True), Option("v_norm", None, True),
+             # nanochat's / Llama 4's weightless qk-norm; HunYuan's qk-norm after rope; Gemma 4's value
+             # norm and keys as values; Llama 4's / Ministral 3's queries scaled by position (an options.QueryScale)
+             Option("qk_norm_weight", True, True), Option("qk_norm_position", "before_rope", True),
+             Option("v_norm", None, True),
              Option("values_from_keys", False, True), Option("query_scale", None, True),
              Option("query_scale_kind", "log", True),  # Beam's scalable softmax: "power"
              # Gemma 4's num_kv_shared_layers: no W_key / W_value / k_norm, another layer's kv=
              Option("kv_shared", False, True),
              Option("out_norm", None, True),  # BitNet's attn_sub_norm: an RMSNorm of the merged heads
+             # MiMo-V2-Flash: value heads of their own width (latent attention's name), values scaled
+             Option("v_head_dim", None, True), Option("v_scale", None, True),
              Option("rope", None, True),  # rotary position embeddings: a RopeConfig
              Option("sinks", False, True),  # gpt-oss's attention sinks: one learned logit per head
              # flex attention's mods (attention_spec.mods), applied to this module's scores
@@ -442,6 +445,7 @@ class QKTransforms:
     rope: Any = None  # an attention_spec.rope.RopeConfig (frozen, hashable), or None
     query_scale: Any = None  # an options.QueryScale: queries times 1 + beta log1p(floor((p + offset) / floor))
     query_scale_kind: str = "log"  # "power": times (1 + (p + offset) / floor) ** beta (Beam's scalable softmax)
+    v_scale: float | None = None  # MiMo-V2-Flash: the values times a constant as they leave W_value
 
 
 @dataclass(frozen=True)
@@ -543,6 +547,7 @@ class AttentionConfig:
         rope: Any
         query_scale: Any
         query_scale_kind: str
+        v_scale: float | None
         q_lora_rank: int | None
         kv_lora_rank: int | None
         qk_nope_head_dim: int | None
@@ -652,6 +657,10 @@ class AttentionConfig:
             set_(self, "query_scale", check_query_scale(self.query_scale))
         if "query_scale_kind" in exposed:
             check_query_scale_kind(self.query_scale, self.query_scale_kind)
+        if "v_scale" in exposed:  # split heads: value heads of their own width, a value scale
+            set_(self, "v_scale", check_value_heads(self.v_head_dim, self.v_scale, output_gate=self.output_gate,
+                                                    values_from_keys=self.values_from_keys, kv_shared=self.kv_shared,
+                                                    out_proj=self.out_proj))
         if self.rope is not None:  # its rotary dimension must fit the heads
             check_rope(self.rope, head_dim)
             check_rope_widths(self.d_in, self.kdim, self.vdim)  # self-attention only: keys from x
@@ -696,6 +705,21 @@ class AttentionConfig:
         return width // self.num_heads if self.declaration.heads == "split" else width
 
     @property
+    def value_head_dim(self) -> int | None:
+        """Width of one value head: ``v_head_dim`` where set (latent attention's; split heads'
+        option), else ``head_dim``."""
+        return self.v_head_dim if self.v_head_dim is not None else self.head_dim
+
+    @property
+    def value_width(self) -> int | None:
+        """The merged heads' width after attention (the output projection's input):
+        ``num_heads * v_head_dim`` for split heads with value heads of their own width, else
+        ``width``."""
+        if self.v_head_dim is not None and self.declaration.heads == "split":
+            return self.num_heads * self.v_head_dim
+        return self.width
+
+    @property
     def kv_heads(self) -> int:
         """Key/value heads: ``num_kv_heads``, else ``num_heads`` (grouped-query attention
         when fewer)."""
@@ -710,7 +734,7 @@ class AttentionConfig:
         if role == "latent_up":
             return self.kv_lora_rank
         if role == "out":
-            return self.width
+            return self.value_width
         if role == "key" and self.kdim is not None:
             return self.kdim
         if role == "value" and self.vdim is not None:
@@ -729,6 +753,8 @@ class AttentionConfig:
             return width + (self.num_heads if self.output_gate_per_head else width)
         if role == "out":
             return self.d_out if self.out_features is None else self.out_features
+        if role == "value" and self.v_head_dim is not None:
+            return self.v_head_dim * self.kv_heads
         if role in ("key", "value") and width is not None and self.kv_heads != self.num_heads:
             return cast(int, self.head_dim) * self.kv_heads
         return width
@@ -764,7 +790,7 @@ class AttentionConfig:
         the key field holds the latent then the indexer's key (``index_head_dim``)."""
         if self.declaration.heads == "latent":  # (with an indexer: its key after the latent)
             return 1, cast(int, self.kv_lora_rank) + (self.index_head_dim or 0), cast(int, self.qk_rope_head_dim)
-        return self.kv_heads, cast(int, self.head_dim), cast(int, self.head_dim)
+        return self.kv_heads, cast(int, self.head_dim), cast(int, self.value_head_dim)
 
     def qk_norms(self) -> tuple[tuple[str, str, int], ...]:
         """The query/key norms this config creates, ``(name, role, width)``: none without
@@ -789,8 +815,9 @@ class AttentionConfig:
 
     def out_norms(self) -> tuple[tuple[str, int], ...]:
         """The norm of the merged heads this config creates, ``(name, width)``:
-        ``("out_norm", num_heads * head_dim)`` with ``out_norm``, else none."""
-        return (("out_norm", cast(int, self.width)),) if self.out_norm is not None else ()
+        ``("out_norm", value_width)`` with ``out_norm`` (``num_heads * head_dim``, or
+        ``num_heads * v_head_dim`` for value heads of their own width), else none."""
+        return (("out_norm", cast(int, self.value_width)),) if self.out_norm is not None else ()
 
     def options(self) -> dict[str, Any]:
         """The constructor keywords, in signature order: ``cls(**config.options())``

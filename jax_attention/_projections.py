@@ -147,7 +147,9 @@ def project(module: Any, x: Array, keys: Array | None, values: Array | None,
         if role != "value":
             y = transform_projected(module, role, y)
         elif spec.v_norm is not None:  # Gemma 4's v_norm: each value head, no weight
-            y = rms(y, cast(int, spec.head_dim), spec.qk_norm_eps)
+            y = rms(y, cast(int, spec.value_head_dim), spec.qk_norm_eps)
+        if role == "value" and spec.v_scale is not None:  # MiMo-V2-Flash: the values times a constant
+            y = y * spec.v_scale
         return split_heads(y, heads)  # (B, T, heads * D) -> (B, heads, T, D)
 
     if spec.kv_shared:  # no W_key / W_value: the call's kv= are another layer's (k and v None here)

@@ -231,6 +231,8 @@ class MultiHeadAttention(AttentionModule):
         query_scale_kind: str = "log",
         kv_shared: bool = False,
         out_norm: str | None = None,
+        v_head_dim: int | None = None,
+        v_scale: float | None = None,
         rope: Any = None,
         sinks: bool = False,
         score_mod: Any = None,

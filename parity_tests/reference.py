@@ -273,7 +273,8 @@ def forward(
     weight ``out_norm.weight`` before ``out_proj``; ``qk_norm_position="after_rope"``: the
     qk-norm (with its weight) of the turned q and k.  ``values_from_keys``:
     the values are W_key's output (clamped) before k-norm and rope; ``v_norm="rms"``: each
-    value head RMS-normed, no weight; ``qk_norm_weight=False``: q and k RMS-normed without
+    value head RMS-normed, no weight; ``v_head_dim``: value heads of that width (W_value's
+    output), ``v_scale``: the values times it (after ``v_norm``); ``qk_norm_weight=False``: q and k RMS-normed without
     weight after rope, where the families norm them (the twins norm before: a rotation
     keeps the norm); ``query_scale``: q times 1 + beta log1p(floor((p + offset) / floor))
     at its position p, after rope and qk-norm (``query_scale_kind="power"``: times (1 + (p + offset) /
@@ -357,9 +358,12 @@ def forward(
     if shared and kv is not None:  # already normed and rotated by the layer that computed them
         k, v = np.asarray(kv[0], np.float64), np.asarray(kv[1], np.float64)
     else:
-        k, v = (_heads(by_role[r], kv_heads, head_dim) for r in ("key", "value"))  # (B, Hkv, T, D)
+        k = _heads(by_role["key"], kv_heads, head_dim)  # (B, Hkv, T, D)
+        v = _heads(by_role["value"], kv_heads, options.get("v_head_dim") or head_dim)  # (B, Hkv, T, Dv)
     if options.get("v_norm") == "rms":  # Gemma 4: each value head over its head_dim, no weight
         v = _rms(v, float(options["qk_norm_eps"]))
+    if options.get("v_scale") is not None:  # MiMo-V2-Flash: the values times a constant
+        v = v * float(options["v_scale"])
     pos = np.arange(x.shape[1])[None] if positions is None else np.asarray(positions)
     if options.get("rope") is not None:
         q = rope(q, pos, options["rope"])

@@ -32,7 +32,16 @@ from torch import nn
 from attention_spec.interop.conversion import as_numpy, rules_for
 from attention_spec.interop.huggingface import window_from_hf
 from attention_spec.interop.packing import pack_state_dict, packed_state_dict
-from attention_spec.interop.specs import Joined, MergeAxes, Rule, SplitAxis, Transpose, packed_qkv_rules
+from attention_spec.interop.qkv import CODEGEN_SHARDS, UNHEADED
+from attention_spec.interop.specs import (
+    Joined,
+    MergeAxes,
+    Rule,
+    SplitAxis,
+    Transpose,
+    packed_qkv_rules,
+)
+from attention_spec.mods import Alibi, alibi
 from attention_spec.rope import LAYOUTS, RopeConfig, needs_seq_len, rope_from_hf, rotary_dim
 from torch_attention.latent import MultiHeadLatentAttention
 from torch_attention.multihead import MultiHeadAttention
@@ -73,6 +82,8 @@ class _Family:
     gate_bias: bool = False  # one bias a head added to the gate (Beam's gate_bias)
     norm_after_rope: bool = False  # a weighted qk-norm of the turned q and k (HunYuan's query_layernorm)
     out_norm: str = ""  # an RMSNorm of the merged heads before the output projection (BitNet's attn_sub_norm)
+    out_bias: str = ""  # an output bias the layer holds apart from its o projection and returns for its decoder
+    #                 layer to add (GPT-NeoX-Japanese's ``dense_bias``): ours is out_proj's bias
     rope_reversed: bool = False  # nanochat: halves turned by -angle; ours holds q/k rows with the second half
     #                 of each head's turned features negated (``_flip_halves``), which turns them so exactly
 
@@ -129,16 +140,15 @@ _NOT_SOFTMAX: tuple[tuple[set[str], str], ...] = (
 # The config switches of mechanisms ours cannot express yet (config attribute, the mechanism).
 _CONFIG_REFUSALS = (
     ("num_kv_shared_layers", "KV shared across layers (num_kv_shared_layers)"),
-    ("use_alibi", "ALiBi position biases"), ("alibi", "ALiBi position biases"),
+    ("use_alibi", "ALiBi position biases"),
 )
 # Call conventions that say the layer takes what ours does not compute.
-# ALiBi is ours as score_mod=alibi(slopes), but these layers hold no slopes: their models build the biases.
-_FORWARD_REFUSALS = {"alibi": "ALiBi position biases, which its model builds and passes in (its forward takes alibi; "
-                              "the layer holds no slopes)",
-                     "position_bias": "a position bias its model builds and adds to the scores (its forward takes "
-                                      "position_bias: MPT's ALiBi; the layer holds no slopes)",
-                     "residual": "the residual added inside the layer (its forward takes residual)",
-                     "sinusoidal_pos": "rotary positions its model passes in as sinusoidal_pos (RoFormer's)"}
+_FORWARD_REFUSALS = {"sinusoidal_pos": "rotary positions its model passes in as sinusoidal_pos (RoFormer's)"}
+# ALiBi biases its model builds and passes in (the layer holds no slopes): ours is score_mod=alibi(slopes),
+# the slopes computed from the heads (and the config) as its model does (``_alibi_slopes``): Bloom's ``alibi``
+# (``build_alibi_tensor``), MPT's ``position_bias`` (``build_mpt_alibi_tensor``, ``attn_config.alibi_bias_max``).
+# Bloom's ``residual``, added inside its layer, stays its decoder layer's (the caller's): ours gives the
+# attention output alone.
 
 
 def _nope(layer: Any) -> bool:
@@ -200,10 +210,15 @@ def _causal(attention: Any) -> bool:
 
 def _scaling(attention: Any, head_dim: int) -> float:
     """The layer's score scale: its ``scaling``, else GPT-1's ``scale`` switch (1 / sqrt(d)
-    when set, 1 when not)."""
+    when set, 1 when not), else 1 / its ``norm_factor`` (GPT-NeoX-Japanese's divisor)."""
     scaling = getattr(attention, "scaling", None)
     if scaling is None and type(getattr(attention, "scale", None)) is bool:
         return head_dim ** -0.5 if attention.scale else 1.0
+    if scaling is None and isinstance(getattr(attention, "norm_factor", None), float):
+        return 1.0 / attention.norm_factor
+    for name in ("inv_norm_factor", "softmax_scale"):  # Bloom's (its beta 1), MPT's
+        if scaling is None and isinstance(getattr(attention, name, None), float):
+            return float(getattr(attention, name))
     return float(scaling)  # type: ignore[arg-type]
 
 
@@ -344,6 +359,10 @@ def _recognise(layer: Any, what: str) -> _Family:
         family = dataclasses.replace(family, v_norm=True)
     gate, gate_problems, gate_kind = _separate_gate(layer, family)
     problems += gate_problems
+    if isinstance(getattr(layer, "dense_bias", None), nn.Parameter):  # GPT-NeoX-Japanese: (out, weights, bias)
+        if _get(layer, family.o).bias is not None:
+            problems.append(f"an output bias returned apart (`dense_bias`) beside `{family.o}`'s own bias")
+        family = dataclasses.replace(family, out_bias="dense_bias")
     if gate:
         family = dataclasses.replace(family, gate=gate, gate_activation=gate_kind[0], gate_per_head=gate_kind[1],
                                      gate_bias="gate_bias" in own)
@@ -364,7 +383,8 @@ def _recognise(layer: Any, what: str) -> _Family:
             continue
         problems.append(f"{_KNOWN_EXTRAS.get(child_name.split('.')[-1], 'a sub-module no mechanism accounts for')}: "
                         f"`{child_name}` ({type(child).__name__})")
-    for p in sorted(own - {"sinks", *(("gate_bias",) if gate_problems or family.gate_bias else ())}):
+    for p in sorted(own - {"sinks", *(("gate_bias",) if gate_problems or family.gate_bias else ()),
+                           *((family.out_bias,) if family.out_bias else ())}):
         problems.append(f"a parameter no mechanism accounts for: `{p}`")
     for proj in (family.o, family.packed) if family.packed else (family.q, family.k, family.v, family.o):
         if not proj:  # Gemma 4's keys as values: no v_proj
@@ -374,15 +394,14 @@ def _recognise(layer: Any, what: str) -> _Family:
             problems.append(f"`{proj}` is a {type(module).__name__}, not nn.Linear (its forward may change the weight)")
         elif set(dict(module.named_parameters())) - {"weight", "bias"}:
             problems.append(f"`{proj}` holds parameters other than a weight and a bias")
-    if not family.packed and family.k and family.v and not family.attention:
+    if not family.packed and family.k and family.v and family.attention:
         k_rows, v_rows = (int(_get(layer, n).weight.shape[0]) for n in (family.k, family.v))
-        if k_rows != v_rows:  # MiMo-V2-Flash's v_head_dim
+        if k_rows != v_rows:  # (BERT-like blocks: one head width)
             problems.append(f"value heads of another width than the key heads (`{family.v}` gives {v_rows} features, "
-                            f"`{family.k}` {k_rows}: ours has one head_dim for both)")
-    v_scale = getattr(attention, "v_scale", None)
-    if isinstance(v_scale, float | int) and not isinstance(v_scale, bool) and v_scale != 1:
-        problems.append(f"values scaled by a constant as they leave v_proj (`v_scale` = {v_scale:g})")
-    unscaled = getattr(attention, "scaling", None) is None and type(getattr(attention, "scale", None)) is not bool
+                            f"`{family.k}` {k_rows}) in a block whose caller decides what it attends to")
+    unscaled = (getattr(attention, "scaling", None) is None and type(getattr(attention, "scale", None)) is not bool
+                and not any(isinstance(getattr(attention, n, None), float)
+                            for n in ("norm_factor", "inv_norm_factor", "softmax_scale")))
     if not problems and unscaled:
         problems.append("a score scale it keeps under no name from_hf reads (no `scaling`: it scales inside its forward)")
     if problems:
@@ -510,7 +529,8 @@ def _gate_probe(layer: nn.Module, family: _Family, name: str) -> tuple[str, str]
                     gate_bias.copy_(kept)
     with torch.no_grad():
         width = int(_get(layer, family.o).weight.shape[1])
-        silent = _get(layer, family.o)(torch.zeros(1, 1, width, dtype=x.dtype, device=x.device))[0, 0].float()
+        silent = (_get(layer, family.o)(torch.zeros(1, 1, width, dtype=x.dtype, device=x.device))[0, 0]
+                  + _bias_apart(layer)).float()
     zero, whole, low = (f - silent for f in found)
     tol = 1e-5 * max(float(whole.abs().max()), 1e-6)
     for kind, act in _GATE_ACTIVATIONS.items():
@@ -638,6 +658,7 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
     scaling = _model_scaling(layer)
     if callable(scaling):  # Beam's NoPE layers: the query scale its model computes from the positions
         kwargs["attention_scaling"] = scaling(torch.arange(offset, offset + x.shape[1], device=x.device)[None])
+    kwargs.update(_alibi_inputs(layer, x, mask))
     training = layer.training
     layer.eval()
     try:
@@ -645,7 +666,36 @@ def _hf_forward(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
             out = layer(x, **kwargs)
     finally:
         layer.train(training)
+    if isinstance(out, tuple) and len(out) == 3 and isinstance(getattr(layer, "dense_bias", None), torch.Tensor):
+        return out[0] + out[2].detach()  # GPT-NeoX-Japanese: its decoder layer adds the bias it returns (eval: no dropout)
     return out[0] if isinstance(out, tuple | list) else out
+
+
+def _alibi_inputs(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
+    """What a layer with ALiBi takes from its model, built as its model builds it over the
+    probe's tokens: Bloom's ``alibi`` (B * H, 1, T) and ``residual`` (0: the output alone),
+    MPT's ``position_bias`` (H, 1, T) and its bool mask (True where masked)."""
+    slopes = _alibi_slopes(layer)
+    takes = _forward_takes(layer)
+    found: dict[str, Any] = {}
+    if slopes is not None and "alibi" in takes:
+        keys = torch.arange(x.shape[1], dtype=torch.float32)
+        found["alibi"] = (slopes[:, None] * keys).repeat(x.shape[0], 1)[:, None, :].to(x)
+    if slopes is not None and "position_bias" in takes:
+        keys = torch.arange(1 - x.shape[1], 1, dtype=torch.int32)
+        found["position_bias"] = (keys * slopes[:, None, None]).to(x)
+        if mask is not None:
+            found["attention_mask"] = mask < 0
+    if "residual" in takes:
+        found["residual"] = torch.zeros_like(x)
+    return found
+
+
+def _bias_apart(layer: nn.Module) -> Any:
+    """The output bias a layer returns apart for its decoder layer to add (GPT-NeoX-Japanese's
+    ``dense_bias``, on its last layer), detached; 0 where it has none."""
+    bias = getattr(layer, "dense_bias", None)
+    return bias.detach() if isinstance(bias, torch.Tensor) else 0.0
 
 
 def _probe_kv(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -898,6 +948,9 @@ def _value_rows(packing: str, heads: int, kv_heads: int, head_dim: int) -> torch
     """The indices along the packed axis that ``packing`` reads as the values."""
     if packing == "per_head":  # (heads, 3, head_dim): each head's third block
         return (torch.arange(heads)[:, None] * 3 * head_dim + 2 * head_dim + torch.arange(head_dim)).flatten()
+    if packing == "codegen":  # (4 shards, [q, v, k], d_out / 4): each shard's second block
+        local = heads * head_dim // CODEGEN_SHARDS
+        return (torch.arange(CODEGEN_SHARDS)[:, None] * 3 * local + local + torch.arange(local)).flatten()
     start = (heads + kv_heads) * head_dim  # thirds (kv_heads == heads) and grouped: [q; k; v]
     return torch.arange(start, start + kv_heads * head_dim)
 
@@ -913,7 +966,8 @@ def _packing(layer: nn.Module, attention: Any, family: _Family) -> str | None:
     if weight is None or weight.is_meta:
         return None
     heads, kv_heads, head_dim = _packed_heads(layer, attention, family)
-    candidates = ["grouped"] if kv_heads < heads else ["thirds", "per_head"]
+    candidates = ["grouped"] if kv_heads < heads else ["thirds", "per_head"] + (
+        ["codegen"] if heads * head_dim % CODEGEN_SHARDS == 0 else [])  # CodeGen's mp_num = 4 shards
     module, out = _get(layer, family.packed or ""), _get(layer, family.o)
     x = _probe_input(layer, _d_in(layer, family))
     try:
@@ -922,7 +976,7 @@ def _packing(layer: nn.Module, attention: Any, family: _Family) -> str | None:
         embeddings = None
     mask = _probe_mask(x, None, bool(getattr(attention, "is_causal", True)))
     with torch.no_grad():
-        silent = out(torch.zeros(1, 1, heads * head_dim, dtype=x.dtype, device=x.device))[0, 0]
+        silent = out(torch.zeros(1, 1, heads * head_dim, dtype=x.dtype, device=x.device))[0, 0] + _bias_apart(layer)
     found = []
     for packing in candidates:
         rows = _value_rows(packing, heads, kv_heads, head_dim).to(x.device)
@@ -1025,6 +1079,20 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
                         "position past it)")
     takes = _forward_takes(attention)
     problems += [m for arg, m in _FORWARD_REFUSALS.items() if arg in takes and m not in problems]
+    if "residual" in takes and "alibi" not in takes:  # the residual the caller adds is Bloom's alone (proven)
+        problems.append("the residual added inside the layer (its forward takes residual; Bloom's, beside its "
+                        "ALiBi, is the one left to the caller)")
+    if getattr(attention, "config", None) is None:  # a layer without its model's config (GPT-NeoX-Japanese's)
+        if "position_embeddings" in takes:
+            problems.append("rotary positions whose frequencies its model keeps (the layer keeps no config and takes "
+                            "position_embeddings: set layer.config = model.config)")
+        if (not hasattr(attention, "is_causal") and not _causal(attention) and "attention_mask" in takes
+                and not {"key_value_states", "encoder_hidden_states"} & takes):  # (those: refused below)
+            problems.append("whether it is causal is the mask its model gives (the layer has no is_causal and no "
+                            "causal mask buffer: set layer.is_causal as its model masks)")
+    if getattr(attention, "slow_but_exact", False) and int(getattr(attention, "pretraining_tp", 1) or 1) > 1:
+        problems.append(f"an output projection in {attention.pretraining_tp} slices that drops its bias (Bloom's "
+                        "slow_but_exact with pretraining_tp > 1)")
     scaling = _model_scaling(layer)
     if scaling is not None and _scalable_softmax(scaling) is None:
         problems.append("a query scale by position that its model builds and passes in on its layers without rope "
@@ -1037,9 +1105,6 @@ def _mechanism_refusals(layer: nn.Module, attention: Any) -> list[str]:
     if given and not hasattr(attention, "is_causal"):  # BART's kind (XGLM, TrOCR), RemBERT's, Megatron-BERT's
         problems.append(f"self- or cross-attention by its caller (its forward takes {given}; whether it is causal "
                         "is the mask it is given: it has no is_causal), which the layer alone does not say")
-    if hasattr(layer, "dense_bias"):  # GPT-NeoX-Japanese: (output, weights, bias) for bias_dropout_add
-        problems.append("an output bias returned apart, for its decoder layer to add (`dense_bias`: its forward "
-                        "returns three values)")
     return problems
 
 
@@ -1274,6 +1339,11 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         if len(biases) != 1:
             raise ValueError(f"{type(layer).__name__}: q, k and v must all have biases or none; ours has one switch")
         width, qkv_bias = int(q.weight.shape[0]), biases.pop()
+        attention = _get(layer, family.attention)
+        groups, own_dim = getattr(attention, "num_key_value_groups", None), getattr(attention, "head_dim", None)
+        if (type(groups) is int and groups > 0 and heads % groups == 0 and heads // groups != kv_heads
+                and int(k.weight.shape[0]) == heads // groups * (own_dim or -1)):
+            kv_heads = heads // groups  # MiMo-V2-Flash's sliding layers: twice the config's key/value heads
         kv_width = int(k.weight.shape[0]) // kv_heads
         if width == 2 * heads * kv_width:  # Qwen3-Next / Qwen3.5: each head's queries, then its gate
             gate, width = True, width // 2
@@ -1286,7 +1356,8 @@ def _geometry(layer: nn.Module, family: _Family) -> dict[str, Any]:
         "d_in": d_model, "d_out": d_model, "num_heads": heads,
         "num_kv_heads": None if kv_heads == heads else kv_heads,
         "head_dim": None if head_dim * heads == d_model else head_dim,
-        "qkv_bias": qkv_bias, "out_bias": out.bias is not None, **({"output_gate": True} if gate else {}),
+        "qkv_bias": qkv_bias, "out_bias": out.bias is not None or bool(family.out_bias),
+        **({"output_gate": True} if gate else {}),
         **({"output_gate_activation": family.gate_activation} if family.gate_activation != "sigmoid" else {}),
         **({"output_gate_per_head": True} if family.gate_per_head else {}),
         **({"output_gate_bias": True} if family.gate_bias else {}),
@@ -1324,6 +1395,11 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
     if options["softcap"] is not None:
         options["softcap"] = float(options["softcap"])
     clip = getattr(_config(attention), "clip_qkv", None)  # OLMo's: q, k, v clamped to [-c, c]
+    if clip is None and isinstance(getattr(attention, "clip_qkv", None), float | int) and attention.clip_qkv:
+        clip = attention.clip_qkv  # MPT's, on the layer (attn_config.clip_qkv)
+    slopes = _alibi_slopes(attention)
+    if slopes is not None:
+        options["score_mod"] = alibi(slopes.numpy())
     if clip is not None:
         options["clip_qkv"] = float(clip)
     norms = None if family.norms is None else [_get(layer, n) for n in family.norms[:1 if family.kv_shared else 2]]
@@ -1341,12 +1417,53 @@ def _options(layer: nn.Module, family: _Family) -> dict[str, Any]:
                                    f"{options['qk_norm_eps']:g}: ours has one, qk_norm_eps)"])
         options.update(out_norm="rms", **({} if options.get("qk_norm") is not None else {"qk_norm_eps": eps}))
     options.update(_value_options(layer, family, options))
+    if not family.packed and family.k and family.v:  # MiMo-V2-Flash: value heads of their own width, scaled
+        k_rows, v_rows = (int(_get(layer, n).weight.shape[0]) for n in (family.k, family.v))
+        if k_rows != v_rows:
+            options["v_head_dim"] = v_rows // (options["num_kv_heads"] or options["num_heads"])
+    v_scale = getattr(attention, "v_scale", None)
+    if isinstance(v_scale, float | int) and not isinstance(v_scale, bool) and v_scale != 1:
+        options["v_scale"] = float(v_scale)  # (not folded into W_value: to_hf writes v_proj back bit for bit)
     query_scale = _query_scale(layer, attention, family)
     if query_scale is not None:
         options["query_scale"] = query_scale
         if _scalable_softmax(_model_scaling(layer)) is not None:  # Beam's: (1 + (p + 1) / 2048) ** 0.1
             options["query_scale_kind"] = "power"
     return options
+
+
+_MPT_ALIBI_BIAS_MAX = 8  # transformers' MptModel calls build_mpt_alibi_tensor without attn_config's
+
+
+def _alibi_slopes(attention: Any) -> torch.Tensor | None:
+    """The ALiBi slopes (H,) float32 its model builds the biases from, as transformers
+    computes them: Bloom's ``_get_alibi_slopes`` (a layer whose forward takes ``alibi``:
+    powers of 2 ** -(8 / n) over the largest power of two n of the heads, the rest at odd
+    powers of the next one's base), MPT's ``build_mpt_alibi_tensor`` (one whose forward takes
+    ``position_bias``: 1 / 2 ** (8 * i / n) for n the next power of two, the odd ones first
+    where n is not the heads: its model passes no ``attn_config.alibi_bias_max`` nor reads
+    ``attn_config.alibi``); None for another layer.  Its model adds ``slopes[h] * j`` (Bloom: key j counted
+    from the first real token) or ``slopes[h] * (j - (S - 1))`` (MPT) to the scores; ours
+    adds ``slopes[h] * (j - i)``: per query a constant apart, the same softmax."""
+    takes = _forward_takes(attention)
+    heads = next((getattr(attention, a) for a in _HEADS if type(getattr(attention, a, None)) is int), None)
+    if heads is None:
+        return None
+    if "alibi" in takes:
+        closest = 2 ** math.floor(math.log2(heads))
+        base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+        slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+        if closest != heads:
+            extra = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+            odd = torch.arange(1, 1 + 2 * min(closest, heads - closest), 2, dtype=torch.int32)
+            slopes = torch.cat([slopes, torch.pow(extra, odd)])
+        return slopes
+    if "position_bias" in takes:  # MptModel builds them with build_mpt_alibi_tensor's default alibi_bias_max
+        power = 2 ** math.ceil(math.log2(heads))  # (8, whatever attn_config says), ALiBi always on
+        base = torch.arange(1, power + 1, dtype=torch.int64).float() * (_MPT_ALIBI_BIAS_MAX / power)
+        slopes = 1.0 / torch.pow(2, base)
+        return torch.cat([slopes[1::2], slopes[::2]])[:heads] if power != heads else slopes
+    return None
 
 
 def _value_options(layer: nn.Module, family: _Family, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -1395,7 +1512,7 @@ def _names(family: _Family, options: Mapping[str, Any]) -> dict[str, str]:
     if family.gate_bias:  # Beam's one gate bias a head
         names["gate_bias"] = "gate_bias"
     if options["out_bias"]:
-        names["out_proj.bias"] = f"{family.o}.bias"
+        names["out_proj.bias"] = family.out_bias or f"{family.o}.bias"
     if family.packed is None:
         for ours, theirs in (("W_query", family.q), ("W_key", family.k), ("W_value", family.v)):
             if not theirs or (ours == "W_query" and family.gate):  # keys as values: no v_proj; a gate: below
@@ -1522,7 +1639,7 @@ def hf_rules(layer: nn.Module) -> list[Rule]:
     if family.packed is not None:
         roles = ("W_query", "W_key", "W_value")
         bias = options["qkv_bias"]
-        heads = {} if family.packing == "thirds" else {
+        heads = {} if family.packing in UNHEADED else {
             "num_heads": options["num_heads"], "num_kv_heads": options["num_kv_heads"] or options["num_heads"]}
         rules += packed_qkv_rules(f"{family.packed}.weight", [(r, "kernel") for r in roles], layout=family.layout,
                                   bias=f"{family.packed}.bias" if bias else None,
@@ -1546,7 +1663,7 @@ def hf_children(layer: nn.Module) -> dict[str, tuple[str, str | None]]:
     if _latent(layer):
         return {name: (name, None) for name, child in layer.named_children() if isinstance(child, nn.Module)}
     family = _family(layer, "hf_children")
-    roles = [(family.o, "out_proj")]
+    roles = [] if family.out_bias else [(family.o, "out_proj")]  # (out_proj is `dense` plus `dense_bias`)
     if family.packed is None:  # (a gate's W_query is q_proj's and gate_proj's rows; a reversed rotation's W_query
         #                         and W_key have each head's turned second half negated: no one counterpart)
         roles += [*(((family.q, "W_query"),) if not (family.gate or family.rope_reversed) else ()),
@@ -1722,12 +1839,17 @@ def _option_mismatches(ours: MultiHeadAttention, want: MultiHeadAttention) -> li
               "kdim", "vdim", "qk_norm", "qk_norm_eps", "qk_norm_offset", "sinks", "causal", "softcap", "window", "chunk", "alignment",
               "clip_qkv", "output_gate", "output_gate_activation", "output_gate_per_head", "output_gate_bias",
               "qk_norm_weight", "query_scale_kind",
-              "qk_norm_position", "out_norm", "v_norm", "values_from_keys", "query_scale", "kv_shared")
+              "qk_norm_position", "out_norm", "v_norm", "values_from_keys", "query_scale", "kv_shared",
+              "v_head_dim", "v_scale")
     problems = [f"{f}={getattr(mine, f)!r} where the layer has {getattr(theirs, f)!r}"
                 for f in fields if getattr(mine, f) != getattr(theirs, f)]
     if theirs.qk_norm is not None and mine.qk_norm_scope != theirs.qk_norm_scope:
         problems.append(f"qk_norm_scope={mine.qk_norm_scope!r} where the layer has {theirs.qk_norm_scope!r}")
     problems += _rope_mismatch(mine.rope, theirs.rope)
+    slopes = [np.asarray(m.slopes) if isinstance(m, Alibi) else None for m in (mine.score_mod, theirs.score_mod)]
+    if (slopes[1] is not None and (slopes[0] is None or not np.array_equal(slopes[0], slopes[1]))) or (
+            slopes[1] is None and (mine.score_mod is not None or mine.mask_mod is not None)):
+        problems.append(f"score_mod={mine.score_mod!r} where the layer has {theirs.score_mod!r}")
     if mine.fan_out("out") != theirs.fan_out("out"):
         problems.append(f"out_features={mine.fan_out('out')} where the layer has {theirs.fan_out('out')}")
     scales = [s if s is not None else 1.0 / math.sqrt(int(spec.head_dim or 0)) for s, spec in

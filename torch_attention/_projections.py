@@ -77,7 +77,9 @@ def project(module: Any, x: Tensor, keys: Tensor | None, values: Tensor | None,
         if role != "value":
             t = transform_projected(module, role, t)
         elif spec.v_norm is not None:  # Gemma 4's v_norm: each value head, no weight
-            t = rms(t, cast(int, spec.head_dim), spec.qk_norm_eps)
+            t = rms(t, cast(int, spec.value_head_dim), spec.qk_norm_eps)
+        if role == "value" and spec.v_scale is not None:  # MiMo-V2-Flash: the values times a constant
+            t = t * spec.v_scale
         # (B, T, d_in) -> (B, T, heads * D) -> (B, heads, T, D)
         return split_heads(t, heads)
 

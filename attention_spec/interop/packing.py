@@ -14,6 +14,8 @@ The layouts of other libraries' checkpoints, beside the twins' declared map
   modules' PyTorch names (``W_query.weight``, ...), read from the registry.
 
 * **Packing order** along the packed axis (``packing=``, every function above):
+  ``"codegen"``: 4 model-parallel shards in turn, each ``[q; v; k]`` of ``d_out / 4`` rows
+  (CodeGen's ``qkv_proj``, ``mp_num = 4``);
   ``"thirds"`` (the default): ``[q; k; v]`` in three equal blocks, heads contiguous within
   each (GPT-2's ``c_attn``, ``in_proj_weight``); ``"per_head"``: for each head in turn its
   query, key and value rows, ``(num_heads, 3, head_dim)`` (GPT-NeoX's
@@ -49,6 +51,7 @@ from attention_spec.interop.qkv import (
     PACKED_LAYOUTS,
     QKV_PACKINGS,
     ROLES,
+    UNHEADED,
     _float,
     _heads,
     _heads_words,
@@ -124,12 +127,12 @@ def torch_names_for_packed(config: AttentionConfig) -> dict[str, tuple[str, str 
     return names
 
 
-def _thirds_for(config: AttentionConfig) -> None:
-    """Refuses ``packing="thirds"`` for a module whose key/value heads are grouped."""
+def _thirds_for(config: AttentionConfig, packing: str = "thirds") -> None:
+    """Refuses ``packing="thirds"`` (or ``"codegen"``) for a module whose key/value heads are grouped."""
     if config.kv_heads != config.num_heads:
         widths = ", ".join(str(config.fan_out(r)) for r in ROLES)
         raise ValueError(
-            f"packing='thirds' splits q/k/v into three equal blocks, but the module has grouped-query "
+            f"packing={packing!r} splits q/k/v into three equal blocks, but the module has grouped-query "
             f"heads (num_heads={config.num_heads}, num_kv_heads={config.kv_heads}: key and value are "
             f"narrower than query); pass packing='grouped' for [q; k; v] of widths {widths} "
             "(Phi-3's qkv_proj)"
@@ -141,9 +144,9 @@ def _split_for(
 ) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
     """``split_qkv`` of a packed weight for the module of ``config``, its widths checked."""
     layout, packing = check_layout(layout), check_packing(packing)
-    if packing == "thirds":
-        _thirds_for(config)
-        parts = split_qkv(qkv_weight, qkv_bias, layout=layout)
+    if packing in UNHEADED:
+        _thirds_for(config, packing)
+        parts = split_qkv(qkv_weight, qkv_bias, layout=layout, packing=packing)
         d_out, d_in = parts["query"][0].shape
         if (d_in, d_out) != (config.d_in, config.width):
             raise ValueError(
@@ -256,8 +259,8 @@ def pack_state_dict(
     with grouped-query heads, and as ``join_qkv``."""
     names = torch_names_for_packed(config)
     layout, packing = check_layout(layout), check_packing(packing)
-    if packing == "thirds":
-        _thirds_for(config)
+    if packing in UNHEADED:
+        _thirds_for(config, packing)
     missing = [n for pair in names.values() for n in pair if n is not None and n not in state_dict]
     if missing:
         raise ValueError("the state_dict lacks " + ", ".join(missing))
@@ -266,7 +269,7 @@ def pack_state_dict(
     if "." not in names["query"][0]:  # raw (d_in, d_out) matrices
         weights = [w.T for w in weights]
     biases = None if names["query"][1] is None else [arrays[names[r][1]] for r in ROLES]  # type: ignore[index]
-    heads = {} if packing == "thirds" else {"num_heads": config.num_heads, "num_kv_heads": config.kv_heads}
+    heads = {} if packing in UNHEADED else {"num_heads": config.num_heads, "num_kv_heads": config.kv_heads}
     qkv_weight, qkv_bias = join_qkv(weights[0], weights[1], weights[2], biases, layout=layout, packing=packing,
                                     **heads)
     out_weight = out_bias = None

@@ -5,7 +5,9 @@ One weight holds the query, key and value projections side by side.  ``layout="i
 ``layout="out_in"``: (packed, d_in), applied as ``x @ W.T`` (``nn.Linear``,
 ``nn.MultiheadAttention.in_proj_weight``).  ``packing=`` orders the packed axis:
 ``"thirds"`` ([q; k; v], three equal blocks), ``"per_head"`` (each head's query, key and
-value in turn, GPT-NeoX) or ``"grouped"`` ([q; k; v] with grouped key/value heads, Phi-3).
+value in turn, GPT-NeoX), ``"grouped"`` ([q; k; v] with grouped key/value heads, Phi-3) or
+``"codegen"`` (4 model-parallel shards in turn, each [q; v; k] of a quarter of each width:
+CodeGen's ``qkv_proj``, ``mp_num = 4``).
 
 The layer under both ``attention_spec.interop.specs`` (whose ``SplitQKV`` / ``JoinQKV``
 steps run these functions) and ``attention_spec.interop.packing`` (which names the result
@@ -24,7 +26,10 @@ from attention_spec.interop.numpy_arrays import as_numpy, check_float_arrays
 __all__ = ["PACKED_LAYOUTS", "QKV_PACKINGS", "ROLES", "check_layout", "check_packing", "join_qkv", "split_qkv"]
 
 PACKED_LAYOUTS = ("in_out", "out_in")
-QKV_PACKINGS = ("thirds", "per_head", "grouped")
+QKV_PACKINGS = ("thirds", "per_head", "grouped", "codegen")
+CODEGEN_SHARDS = 4  # CodeGen's mp_num: its qkv_proj packs 4 shards, each [q; v; k] of d_out / 4 rows
+# the packings that need no heads: the query, key and value widths equal (d_out each)
+UNHEADED = ("thirds", "codegen")
 ROLES = ("query", "key", "value")
 
 
@@ -57,8 +62,9 @@ def check_packing(packing: Any) -> str:
             "packing must be 'thirds' ([q; k; v] in three equal blocks, as GPT-2's c_attn and "
             "nn.MultiheadAttention.in_proj_weight), 'per_head' (each head's query, key and value in "
             "turn, (num_heads, 3, head_dim), as GPT-NeoX's query_key_value) or 'grouped' ([q; k; v] "
-            "with num_heads query heads and num_kv_heads key/value heads, as Phi-3's qkv_proj); "
-            f"got {packing!r}"
+            "with num_heads query heads and num_kv_heads key/value heads, as Phi-3's qkv_proj) or "
+            "'codegen' (4 model-parallel shards in turn, each [q; v; k] of d_out/4 rows, as CodeGen's "
+            f"qkv_proj); got {packing!r}"
         )
     return packing
 
@@ -70,8 +76,9 @@ def _heads(num_heads: Any) -> int:
 
 
 def _packing_heads(packing: str, num_heads: Any, num_kv_heads: Any) -> tuple[int, int] | None:
-    """(num_heads, num_kv_heads) that ``packing`` needs, checked; None for ``"thirds"``."""
-    if packing == "thirds":
+    """(num_heads, num_kv_heads) that ``packing`` needs, checked; None for ``"thirds"`` and
+    ``"codegen"``."""
+    if packing in UNHEADED:
         return None
     if num_heads is None:
         raise ValueError(f"packing={packing!r} needs num_heads")
@@ -102,7 +109,8 @@ def _heads_words(packing: str, heads: tuple[int, int]) -> tuple[str, int]:
             f"num_kv_heads={hkv})"), h + 2 * hkv
 
 
-def _check_packed(weight: np.ndarray, bias: np.ndarray | None, layout: str) -> tuple[int, int]:
+def _check_packed(weight: np.ndarray, bias: np.ndarray | None, layout: str,
+                  packing: str = "thirds") -> tuple[int, int]:
     """(d_in, d_out) of a packed weight, after every check."""
     expected = "(d_in, 3*d_out)" if layout == "in_out" else "(3*d_out, d_in)"
     _rank("the packed q/k/v weight", weight, 2, f"{expected} for layout={layout!r}")
@@ -114,7 +122,15 @@ def _check_packed(weight: np.ndarray, bias: np.ndarray | None, layout: str) -> t
             f"(query, key, value) along axis {axis}, {expected} for layout={layout!r}; got {packed}"
         )
     _check_packed_bias(weight, bias, layout, packed, "3*d_out")
+    _check_shards(packing, packed // 3)
     return int(d_in), packed // 3
+
+
+def _check_shards(packing: str, d_out: int) -> None:
+    """Refuses a ``"codegen"`` width that its 4 shards do not divide."""
+    if packing == "codegen" and d_out % CODEGEN_SHARDS:
+        raise ValueError(f"packing='codegen' packs {CODEGEN_SHARDS} shards, each [q; v; k] of d_out/{CODEGEN_SHARDS} "
+                         f"rows, so d_out must be a multiple of {CODEGEN_SHARDS}; got d_out={d_out}")
 
 
 def _check_packed_bias(weight: np.ndarray, bias: np.ndarray | None, layout: str, packed: int, words: str) -> None:
@@ -145,6 +161,9 @@ def _check_packed_heads(
 
 def _rows(packing: str, heads: tuple[int, int] | None, head_dim: int) -> dict[str, np.ndarray | slice]:
     """Where query, key and value lie along the packed axis (rows of the (packed, d_in) weight)."""
+    if packing == "codegen":  # (shards, [q, v, k], d_out / shards): row (shard, role, i)
+        index = np.arange(3 * head_dim).reshape(CODEGEN_SHARDS, 3, head_dim // CODEGEN_SHARDS)
+        return {role: index[:, i].reshape(-1) for role, i in (("query", 0), ("value", 1), ("key", 2))}
     if heads is None or packing == "thirds":
         return {role: slice(i * head_dim, (i + 1) * head_dim) for i, role in enumerate(ROLES)}
     h, hkv = heads
@@ -167,7 +186,7 @@ def split_qkv(
     """A packed q/k/v weight (and bias) -> {"query"|"key"|"value": (weight, bias or None)}.
 
     weight: (d_in, packed) for ``layout="in_out"``, (packed, d_in) for ``"out_in"``, with
-    packed = 3*d_out for ``packing="thirds"`` (the default) and ``"per_head"``
+    packed = 3*d_out for ``packing="thirds"`` (the default), ``"codegen"`` and ``"per_head"``
     (``num_heads`` required), (num_heads + 2*num_kv_heads)*head_dim for ``"grouped"``
     (both required).  bias: (packed,) or None.  Each returned weight is in PyTorch's (out,
     in) layout, (d_out, d_in) (key and value (num_kv_heads*head_dim, d_in) when grouped),
@@ -181,7 +200,7 @@ def split_qkv(
     w = _float("the packed q/k/v weight", weight)
     b = None if bias is None else _float("the packed q/k/v bias", bias)
     if heads is None:
-        _, width = _check_packed(w, b, layout)
+        _, width = _check_packed(w, b, layout, packing)
     else:
         width = _check_packed_heads(w, b, layout, packing, heads)
     out_in = w.T if layout == "in_out" else w
@@ -267,6 +286,7 @@ def _check_join_shapes(weights: Sequence[np.ndarray], packing: str, heads: tuple
                 "the query, key and value weights must have the same shape (d_out, d_in); got " + got
             )
         if heads is None:
+            _check_shards(packing, int(shapes[0][0]))
             return int(shapes[0][0])
         if shapes[0][0] % heads[0]:
             raise ValueError(f"the query, key and value weights {shapes[0]} do not fit packing='per_head': "

@@ -59,6 +59,7 @@ from attention_spec.interop.numpy_arrays import (
     flatten_paths,
 )
 from attention_spec.interop.qkv import (
+    UNHEADED,
     _heads_words,
     _packing_heads,
     check_layout,
@@ -361,7 +362,7 @@ def _qkv_check(step: Any) -> None:
 def _qkv_rows(step: Any, packed: int, shape: Shape) -> tuple[int, int, int]:
     """The query, key and value widths of a packed width (of an array of ``shape``) under
     the step's packing."""
-    if step.packing == "thirds":
+    if step.packing in UNHEADED:
         if packed == 0 or packed % 3:
             raise ValueError(f"{step!r}: the packed width of shape {shape} is not divisible by 3")
         return (packed // 3,) * 3

@@ -35,6 +35,7 @@ TINY: dict[str, Any] = {
 }
 # a model type's own overrides, on top of TINY's
 TINY_FOR: dict[str, dict[str, Any]] = {
+    "mimo_v2_flash": {"v_head_dim": 12},  # value heads of their own width (its 0.707 attention_value_scale kept)
     "kimi_linear": {"linear_num_heads": 4, "linear_head_dim": 8, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 8, "v_head_dim": 8},
     # DSA (sparse attention): its indexer keeps every key (index_topk = the sweep's 64 tokens), since
@@ -92,12 +93,13 @@ class _AsHF:
     def wrap(ours: Any, native: Any, positions: Any, gives: type = tuple, arity: int = 2) -> Any:
         from torch import nn
 
-        from torch_attention._hf import _recognise
+        from torch_attention._hf import _forward_takes, _recognise
 
         try:
             not_ours = _recognise(native, "sweep").not_ours
         except (TypeError, ValueError):  # a layer from_hf ports by another path (DeepSeek's latent attention)
             not_ours = None
+        residual = "residual" in _forward_takes(native)
 
         class Port(nn.Module):
             def __init__(self) -> None:
@@ -111,6 +113,8 @@ class _AsHF:
                 if not_ours is not None and not_ours != "output.LayerNorm":  # a pre-norm
                     x = getattr(native, not_ours)(hidden_states)
                 out = ours(x, positions=positions) if rope else ours(x)
+                if residual:  # Bloom's layer adds its decoder's residual: the caller's, with ours
+                    out = out + (kwargs["residual"] if "residual" in kwargs else args[0])
                 if not_ours == "output.LayerNorm":
                     out = native.output.LayerNorm(out + hidden_states)
                 elif not_ours is not None:
@@ -159,10 +163,21 @@ def _verdict(model_type: str) -> tuple[str, str, float | None]:
     if not mixers:
         return "not built", "no attention layer found in a ModuleList of its decoder layers", None
     ports = []
+    given: set[str] = set()  # what a layer without its model's config was given, as its refusal asks
     for layer, name, child in mixers:
         _randomise(child)
         try:
-            ports.append((layer, name, child, from_hf(child)))
+            try:
+                ports.append((layer, name, child, from_hf(child)))
+            except ValueError as e:  # a layer that keeps no config (GPT-NeoX-Japanese, Bloom, MPT): its model's
+                remedies = {"layer.config": ("config", config), "layer.is_causal": ("is_causal", True)}
+                asked = [r for r in remedies if f"set {r}" in str(e)]
+                if not asked:
+                    raise
+                for remedy in asked:
+                    setattr(child, *remedies[remedy])  # the config it was built from; causal: a causal LM
+                given.update(asked)
+                ports.append((layer, name, child, from_hf(child)))
         except (TypeError, ValueError) as e:
             return "refused", str(e), None
         except Exception as e:  # noqa: BLE001 - from_hf must refuse with TypeError / ValueError: flagged below
@@ -190,7 +205,8 @@ def _verdict(model_type: str) -> tuple[str, str, float | None]:
     except Exception as e:  # noqa: BLE001 - reported with the family
         return "not built", f"the native forward failed here: {type(e).__name__}: {str(e).splitlines()[0][:160]}", None
     error = float((got - want).abs().max() / want.abs().max())
-    return "ports", ", ".join(sorted({type(c).__name__ for _, _, c, _ in ports})), error
+    classes = ", ".join(sorted({type(c).__name__ for _, _, c, _ in ports}))
+    return "ports", classes + (f" (given {' and '.join(sorted(given))})" if given else ""), error
 
 
 def _families() -> list[str]:
@@ -246,13 +262,20 @@ MUST_PORT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen
              # a qk-norm after rope (HunYuan), a norm of the merged heads (BitNet), a softplus gate per head (Laguna)
              "hunyuan_v1_dense", "hunyuan_v1_moe", "bitnet", "laguna",
              # a sigmoid gate with a bias per head and a scalable softmax (queries scaled by position) on NoPE layers
-             "beam")
-MUST_REFUSE = {"bloom": "ALiBi", "mpt": "ALiBi", "codegen": "in an order ours does not split",
-               "gpt_neox_japanese": "dense_bias", "xglm": "self- or cross-attention by its caller",
+             "beam",
+             # CodeGen's qkv_proj in 4 model-parallel shards of [q; v; k] (packing="codegen", found by a probe)
+             "codegen",
+             # layers that keep no config of their model (given layer.config / layer.is_causal, as their refusal
+             # asks): GPT-NeoX-Japanese's returned dense_bias as out_proj's bias, Bloom's and MPT's ALiBi slopes
+             # computed as their models do (Bloom's residual its decoder's, added by the caller)
+             "gpt_neox_japanese", "bloom", "mpt",
+             # value heads of their own width (v_head_dim) scaled as they leave v_proj (v_scale), sliding layers
+             # with twice the config's key/value heads
+             "mimo_v2_flash")
+MUST_REFUSE = {"xglm": "self- or cross-attention by its caller",
                "trocr": "self- or cross-attention by its caller", "rembert": "self- or cross-attention by its caller",
                "megatron-bert": "self- or cross-attention by its caller", "roformer": "sinusoidal_pos",
                "big_bird": "block-sparse attention",
-               "mimo_v2_flash": "value heads of another width than the key heads",
                "dory": "a parameter no mechanism accounts for: `sqk`"}
 
 

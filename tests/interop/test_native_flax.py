@@ -145,7 +145,7 @@ def test_from_nnx_matches_native(use_bias: bool, mask: str) -> None:
                            "values_from_keys": False, "query_scale": None, "chunk": None, "kv_shared": False,
                            "output_gate_activation": "sigmoid", "output_gate_per_head": False,
                            "qk_norm_position": "before_rope", "out_norm": None, "output_gate_bias": False,
-                           "query_scale_kind": "log"}
+                           "query_scale_kind": "log", "v_head_dim": None, "v_scale": None}
     m = _masks()[mask]
     _compare_modules(native, lambda mod, x: mod(x, mask=m), ours, lambda mod, x: mod(x, m), use_bias, _x())
 

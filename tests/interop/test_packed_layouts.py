@@ -162,6 +162,12 @@ def test_per_head_and_grouped_rows() -> None:
         "query": [0, 1, 2, 3, 4, 5], "key": [6, 7, 8], "value": [9, 10, 11]}
     thirds = packing.split_qkv(w, layout="out_in")  # the default is today's split
     assert thirds["key"][0].ravel().tolist() == [4, 5, 6, 7]
+    codegen = packing.split_qkv(np.arange(24, dtype=np.float64)[:, None], layout="out_in", packing="codegen")
+    assert {r: p[0].ravel().tolist() for r, p in codegen.items()} == {  # 4 shards of [q; v; k], 2 rows each
+        "query": [0, 1, 6, 7, 12, 13, 18, 19], "key": [4, 5, 10, 11, 16, 17, 22, 23],
+        "value": [2, 3, 8, 9, 14, 15, 20, 21]}
+    back, _ = packing.join_qkv(*(codegen[r][0] for r in ("query", "key", "value")), layout="out_in", packing="codegen")
+    assert back.ravel().tolist() == list(range(24))
 
 
 @pytest.mark.parametrize(
@@ -190,9 +196,12 @@ def test_per_head_and_grouped_rows() -> None:
          "got (8, 5), (8, 5), (4, 5)"),
         (lambda w: packing.join_qkv(w[:6], w[:6], w[:6], layout="out_in", packing="per_head", num_heads=4),
          "do not fit packing='per_head': d_out must be num_heads*head_dim with num_heads=4"),
+        (lambda w: packing.split_qkv(w[:18], layout="out_in", packing="codegen"),
+         "packing='codegen' packs 4 shards, each [q; v; k] of d_out/4 rows, so d_out must be a multiple of 4; "
+         "got d_out=6"),
     ],
     ids=["name", "per-head-heads", "grouped-kv", "grouped-divides", "per-head-grouped", "per-head-width",
-         "grouped-width", "bias", "join-grouped", "join-per-head"],
+         "grouped-width", "bias", "join-grouped", "join-per-head", "codegen-shards"],
 )
 def test_split_and_join_refuse(call: Any, pattern: str) -> None:
     w = np.zeros((24, 5), np.float32)
