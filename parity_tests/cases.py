@@ -224,6 +224,18 @@ VARIANTS: dict[str, Variant] = {
                 (("values_from_keys", True), ("v_norm", "rms"), ("qk_norm", "rms"), ("qk_norm_weight", False),
                  ("query_scale", QueryScale(0.5, 4, 1)), ("rope", RopeConfig(theta=10000.0, partial_rotary_factor=0.5))),
                 kv_group=2, first_position=480),
+        # 2026's output mechanisms together: HunYuan's qk-norm on the turned q and k, Laguna's
+        # softplus gate of one value a head with Beam's gate bias per head, BitNet's RMSNorm of
+        # the merged heads before out_proj
+        Variant("mha-afterrope-softplus-outnorm", "MultiHeadAttention",
+                (("qk_norm", "rms"), ("qk_norm_position", "after_rope"), ("output_gate", True),
+                 ("output_gate_activation", "softplus"), ("output_gate_per_head", True), ("output_gate_bias", True),
+                 ("out_norm", "rms"), ("rope", RopeConfig(theta=10000.0))), kv_group=2, first_position=480),
+        # MiMo-V2-Flash's value heads of their own width scaled as they leave W_value; Beam's
+        # scalable softmax (queries times (1 + (p + 1) / 4) ** 0.5: a power of the position)
+        Variant("mha-vheads-vscale-power", "MultiHeadAttention",
+                (("v_head_dim", HEAD_DIM + 2), ("v_scale", 0.75), ("query_scale", QueryScale(0.5, 4, 1)),
+                 ("query_scale_kind", "power")), kv_group=2, first_position=480),
         # gpt-oss's attention sinks (one logit per head in every softmax) with grouped heads
         Variant("mha-sinks-gqa", "MultiHeadAttention", (("sinks", True),), kv_group=2),
         # flex attention's mods: a window written as a mask mod (it stands for window=(3, 1):
