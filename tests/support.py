@@ -93,6 +93,32 @@ def mha_oracle(module: Any, x: np.ndarray, positions: np.ndarray | None = None) 
                              positions=positions)[0]
 
 
+def assert_paths_and_twin(torch_m: Any, flax_m: Any, x: np.ndarray, positions: np.ndarray, want: np.ndarray,
+                           paths: Any) -> None:
+    """Each twin's output at ``positions`` on every one of ``paths`` against ``want`` (the
+    float64 oracle, float32's oracle tolerance); then output and gradients (input and every
+    parameter) twin against twin on ``auto`` (``check_parity``)."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from parity_tests import check_parity
+    from parity_tests.tolerances import ORACLE
+
+    forward = nnx.jit(lambda m, x, p, path: m(x, positions=p, implementation=path), static_argnames="path")
+    tol = ORACLE["float32"]
+    for path in paths:
+        got_t = torch_m(torch.from_numpy(x), positions=torch.from_numpy(positions), implementation=path)
+        got_f = forward(flax_m, jnp.asarray(x), jnp.asarray(positions), path=path)
+        np.testing.assert_allclose(got_t.detach().numpy(), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
+        np.testing.assert_allclose(np.asarray(got_f), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
+    report = check_parity(
+        torch_m, flax_m, x, implementation="auto",
+        torch_call=lambda m, *a, **k: m(*a, positions=torch.from_numpy(positions), **k),
+        flax_call=lambda m, *a, **k: m(*a, positions=jnp.asarray(positions), **k))
+    assert report.ok, report
+
+
 def constructor_errors(options: dict[str, Any], variant: str = "MultiHeadAttention") -> list[tuple[type, str]]:
     """The exception of the registry's ``make_config`` and of each twin's constructor for
     ``options``, as (type, text): a bad option must give the same three."""

@@ -22,8 +22,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import decode_in_steps, mha_oracle, needs_both, random_x, small_mha_pair
+from parity_tests.tolerances import PARITY
+from tests.support import (
+    assert_paths_and_twin,
+    decode_in_steps,
+    mha_oracle,
+    needs_both,
+    random_x,
+    small_mha_pair,
+)
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 # Both mechanisms with grouped heads, a qk-norm that the clamp changes and partial rope:
@@ -125,28 +132,11 @@ def test_every_path_against_the_oracle_and_the_twin() -> None:
     each twin's output on every path against the float64 oracle; output and gradients
     (input and every parameter) twin against twin on ``auto`` (the matrix's
     ``mha-clip-qknorm`` and ``mha-gate-gqa`` run gradients on every path)."""
-    import jax.numpy as jnp
-    import torch
-    from flax import nnx
-
-    from parity_tests import check_parity
-
     torch_m, flax_m = _pair(**BOTH)
-    forward = nnx.jit(lambda m, x, p, path: m(x, positions=p, implementation=path), static_argnames="path")
     x = _x()
     positions = 401 + np.arange(5)[None] + 7 * np.arange(2)[:, None]
     want = _oracle(torch_m, x, positions)
-    tol = ORACLE["float32"]
-    for path in PATHS:
-        got_t = torch_m(torch.from_numpy(x), positions=torch.from_numpy(positions), implementation=path)
-        got_f = forward(flax_m, jnp.asarray(x), jnp.asarray(positions), path=path)
-        np.testing.assert_allclose(got_t.detach().numpy(), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
-        np.testing.assert_allclose(np.asarray(got_f), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
-    report = check_parity(
-        torch_m, flax_m, x, implementation="auto",
-        torch_call=lambda m, *a, **k: m(*a, positions=torch.from_numpy(positions), **k),
-        flax_call=lambda m, *a, **k: m(*a, positions=jnp.asarray(positions), **k))
-    assert report.ok, report
+    assert_paths_and_twin(torch_m, flax_m, x, positions, want, PATHS)
 
 
 @needs_both

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import decode_in_steps, mha_oracle, needs_both, random_x
+from tests.support import assert_paths_and_twin, decode_in_steps, mha_oracle, needs_both, random_x
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 # HunYuan's qk-norm after rope with Laguna's softplus gate per head and BitNet's out_norm, grouped heads
@@ -128,27 +128,10 @@ def test_every_path_against_the_oracle_and_the_twin(options: dict[str, Any], pat
     """Each twin's output on every path (the second configuration: ``auto``) against the
     float64 oracle at positions past 400; output and gradients (input and every
     parameter) twin against twin on ``auto``."""
-    import jax.numpy as jnp
-    import torch
-    from flax import nnx
-
-    from parity_tests import check_parity
-
     torch_m, flax_m = _pair(**options)
-    forward = nnx.jit(lambda m, x, p, path: m(x, positions=p, implementation=path), static_argnames="path")
     x, positions = random_x((2, 5, 16), 0), _positions()
     want = mha_oracle(torch_m, x, positions)
-    tol = ORACLE["float32"]
-    for path in paths:
-        got_t = torch_m(torch.from_numpy(x), positions=torch.from_numpy(positions), implementation=path)
-        got_f = forward(flax_m, jnp.asarray(x), jnp.asarray(positions), path=path)
-        np.testing.assert_allclose(got_t.detach().numpy(), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
-        np.testing.assert_allclose(np.asarray(got_f), want, rtol=tol.rtol, atol=tol.atol, err_msg=path)
-    report = check_parity(
-        torch_m, flax_m, x, implementation="auto",
-        torch_call=lambda m, *a, **k: m(*a, positions=torch.from_numpy(positions), **k),
-        flax_call=lambda m, *a, **k: m(*a, positions=jnp.asarray(positions), **k))
-    assert report.ok, report
+    assert_paths_and_twin(torch_m, flax_m, x, positions, want, paths)
 
 
 @needs_both
