@@ -8,12 +8,14 @@ Both forms are a ``lax.scan``: over tokens (``"recurrent"``) or over chunks of C
 exp(G_i - G_j) for j <= i and 0 above; per key channel for KDA):
 
     T       = I + strictly_lower((beta_i k_i) . k_j * D[i, j])     the chunk's updates, coupled
-    U, W    = T^-1 (beta v), T^-1 (beta k exp(G))                   one unit-triangular solve
-    V'      = U - W S                                               the deltas, given the entering S
+    U, W    = T^-1 (beta v), T^-1 (beta k exp(G))                   T^-1 formed once per chunk
+    V'      = U - W S = T^-1 (beta v - (beta k exp(G)) S)           the deltas, given the entering S
     O       = (q exp(G)) S + ((q_i . k_j) * D[i, j]) V'             the chunk's outputs
     S      <- exp(G_last) S + (k exp(G_last - G))^T V'              the state leaving the chunk
 
-the form of transformers' ``torch_chunk_gated_delta_rule`` and flash-linear-attention.
+the form of transformers' ``torch_chunk_gated_delta_rule`` and flash-linear-attention.  Every
+chunk's D, its two matrices and T^-1 (a blocked inverse, not XLA's CPU triangular_solve) are
+computed for all chunks at once before the scan; the scan carries only S.
 """
 
 from __future__ import annotations
