@@ -28,18 +28,22 @@ def test_a_stale_name_or_a_stand_in_that_is_not_quick_is_refused() -> None:
 
 
 def test_budgets_follow_the_cpus_kind_not_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An AVX-512 CPU gets the fast kinds' budgets whatever build is timed on it (the AVX2
-    build under TWIN_ATTENTION_MARCH included); a CPU without AVX-512 the slowest kind's,
-    whose whole .ci/run is half CI's limit of 5,400 s."""
+    """An AVX-512 CPU gets its kind's budgets whatever build is timed on it (the AVX2 build
+    under TWIN_ATTENTION_MARCH included): AMD's Zen 4 / Zen 5 one, Intel's Xeons another; a
+    CPU without AVX-512 the slowest kind's, whose whole .ci/run is half CI's limit of 5,400 s."""
     from tests import budgets
 
     monkeypatch.setenv("TWIN_ATTENTION_MARCH", "x86-64-v3")
     monkeypatch.setattr(budgets, "cpu_flags", lambda: {"sse2", "avx", "avx2", "avx512f"})
+    monkeypatch.setattr(budgets, "cpu_vendor", lambda: "AuthenticAMD")
     assert (budgets.budgets().quick, budgets.budgets().default, budgets.budgets().ci) == (180, 900, 1200)
+    monkeypatch.setattr(budgets, "cpu_vendor", lambda: "GenuineIntel")  # Intel's Xeons: a kind of their own
+    assert budgets.budgets() is budgets.XEON_AVX512
     monkeypatch.setattr(budgets, "cpu_flags", lambda: {"sse2", "avx", "avx2"})
     assert budgets.budgets() is budgets.SLOWER and budgets.SLOWER.ci == 5400 // 2
     assert budgets.cpu_description().endswith(", AVX2")
-    assert all(b.quick < b.default < b.ci for b in (budgets.AVX512, budgets.SLOWER))
+    kinds = (budgets.AVX512, budgets.XEON_AVX512, budgets.SLOWER)
+    assert all(b.quick < b.default < b.ci <= budgets.SLOWER.ci for b in kinds)
 
 
 def test_the_shell_form_is_what_ci_reads(capsys: pytest.CaptureFixture[str]) -> None:
