@@ -93,6 +93,27 @@ def mha_oracle(module: Any, x: np.ndarray, positions: np.ndarray | None = None) 
                              positions=positions)[0]
 
 
+def assert_input_gradient_matches_finite_differences(module64: Any, x: np.ndarray, oracle: Any, *,
+                                                     positions: np.ndarray | None = None, seed: int = 9) -> None:
+    """d sum(out * cot) / dx of a float64 PyTorch module against central differences
+    (h = 1e-6) of ``oracle(module64, x)`` (its float64 oracle), ``cot`` drawn from ``seed``."""
+    import torch
+
+    xt = torch.from_numpy(x).requires_grad_(True)
+    out = module64(xt) if positions is None else module64(xt, positions=torch.from_numpy(positions))
+    cot = np.random.default_rng(seed).standard_normal(tuple(out.shape))
+    (out * torch.from_numpy(cot)).sum().backward()
+    assert xt.grad is not None
+    h = 1e-6
+    numeric = np.zeros_like(x)
+    for idx in np.ndindex(*x.shape):
+        up, down = x.copy(), x.copy()
+        up[idx] += h
+        down[idx] -= h
+        numeric[idx] = ((oracle(module64, up) - oracle(module64, down)) * cot).sum() / (2 * h)
+    np.testing.assert_allclose(xt.grad.numpy(), numeric, rtol=1e-6, atol=1e-7)
+
+
 def assert_paths_and_twin(torch_m: Any, flax_m: Any, x: np.ndarray, positions: np.ndarray, want: np.ndarray,
                            paths: Any) -> None:
     """Each twin's output at ``positions`` on every one of ``paths`` against ``want`` (the

@@ -24,6 +24,7 @@ import pytest
 
 from parity_tests.tolerances import PARITY
 from tests.support import (
+    assert_input_gradient_matches_finite_differences,
     assert_paths_and_twin,
     decode_in_steps,
     mha_oracle,
@@ -151,18 +152,7 @@ def test_gradients_against_finite_differences_of_the_oracle() -> None:
     torch_m, _ = _pair(**BOTH)
     m64 = copy.deepcopy(torch_m).double()
     x = _x(1, 3).astype(np.float64)
-    cot = np.random.default_rng(9).standard_normal((1, 3, 16))
-    xt = torch.from_numpy(x).requires_grad_(True)
-    (m64(xt) * torch.from_numpy(cot)).sum().backward()
-    assert xt.grad is not None
-    h = 1e-6
-    numeric = np.zeros_like(x)
-    for idx in np.ndindex(*x.shape):
-        up, down = x.copy(), x.copy()
-        up[idx] += h
-        down[idx] -= h
-        numeric[idx] = ((_oracle(m64, up) - _oracle(m64, down)) * cot).sum() / (2 * h)
-    np.testing.assert_allclose(xt.grad.numpy(), numeric, rtol=1e-6, atol=1e-7)
+    assert_input_gradient_matches_finite_differences(m64, x, _oracle)
     # some of W_query's outputs are clipped (their rows get no gradient from them)
     with torch.no_grad():
         projected = m64.W_query(torch.from_numpy(x))

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import ORACLE, PARITY
-from tests.support import assert_paths_and_twin, decode_in_steps, mha_oracle, needs_both, random_x
+from tests.support import (assert_input_gradient_matches_finite_differences, assert_paths_and_twin, decode_in_steps,
+                           mha_oracle, needs_both, random_x)
 
 PATHS = ("reference", "fused", "blockwise", "auto")
 # HunYuan's qk-norm after rope with Laguna's softplus gate per head and BitNet's out_norm, grouped heads
@@ -140,24 +141,12 @@ def test_gradients_against_finite_differences_of_the_oracle() -> None:
     the float64 oracle, every mechanism at once."""
     import copy
 
-    import torch
-
     torch_m, _ = _pair(**HEADS_GATE)
     m64 = copy.deepcopy(torch_m).double()
     x = random_x((1, 3, 16), 5).astype(np.float64)
     positions = np.arange(401, 404)[None]
-    cot = np.random.default_rng(9).standard_normal((1, 3, 16))
-    xt = torch.from_numpy(x).requires_grad_(True)
-    (m64(xt, positions=torch.from_numpy(positions)) * torch.from_numpy(cot)).sum().backward()
-    assert xt.grad is not None
-    h = 1e-6
-    numeric = np.zeros_like(x)
-    for idx in np.ndindex(*x.shape):
-        up, down = x.copy(), x.copy()
-        up[idx] += h
-        down[idx] -= h
-        numeric[idx] = ((mha_oracle(m64, up, positions) - mha_oracle(m64, down, positions)) * cot).sum() / (2 * h)
-    np.testing.assert_allclose(xt.grad.numpy(), numeric, rtol=1e-6, atol=1e-7)
+    assert_input_gradient_matches_finite_differences(m64, x, lambda m, x: mha_oracle(m, x, positions),
+                                                     positions=positions)
 
 
 @needs_both
