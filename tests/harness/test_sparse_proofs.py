@@ -1,5 +1,6 @@
 """Whole-model proofs of DeepSeek-V3.2 (``DeepseekV32ForCausalLM``: latent attention with
-an indexer choosing each query's top ``index_topk`` keys, DSA), built tiny (width 32, 2
+an indexer choosing each query's top ``index_topk`` keys, DSA) and GLM-5
+(``GlmMoeDsaForCausalLM``: the same with the indexer's rope in interleaved pairs), built tiny (width 32, 2
 layers, ``index_topk`` 8) with every weight random, every attention layer ``from_hf``-ported,
 and the harness's selection-aware reports.
 
@@ -59,13 +60,14 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hid
               bos_token_id=0, eos_token_id=1, pad_token_id=2, use_cache=False, tie_word_embeddings=False)
 
 
-def _hf(**changes: Any) -> Any:
+def _hf(family: str = "DeepseekV32", **changes: Any) -> Any:
+    """A tiny random ``{family}ForCausalLM`` (``DeepseekV32``; ``GlmMoeDsa``: GLM-5's)."""
     import transformers
 
-    config = transformers.DeepseekV32Config(**{**CONFIG, **changes})
+    config = getattr(transformers, f"{family}Config")(**{**CONFIG, **changes})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    hf = transformers.DeepseekV32ForCausalLM(config).float().eval()
+    hf = getattr(transformers, f"{family}ForCausalLM")(config).float().eval()
     randomise(hf, 0)
     return hf
 
@@ -190,6 +192,30 @@ def test_a_whole_deepseek_v32_port_is_proven_in_one_call(v32: tuple[Any, Any, li
                     {"model.layers.0.self_attn", "model.layers.0.self_attn.indexer.wq_b",
                      "model.layers.1.self_attn.indexer.weights_proj", "model.layers.1.self_attn.o_proj",
                      "model.layers.1.mlp"})
+    assert [s.torch_name for s in report.selections] == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert all(s.ok for s in report.selections), report.message()
+
+
+@pytest.fixture(scope="module")
+def glm5() -> tuple[Any, Any, list[Any]]:
+    hf = _hf("GlmMoeDsa")
+    return ported(hf, _V32ForCausalLM(hf))
+
+
+def test_a_whole_glm5_port_is_proven_in_one_call(glm5: tuple[Any, Any, list[Any]]) -> None:
+    """GLM-5 (``GlmMoeDsaForCausalLM``, every layer's indexer its own: ``indexer_types``
+    "full"), whose indexer turns its rope in interleaved pairs where DeepSeek-V3.2's turns
+    halves: both layers ``from_hf`` with that layout, the same one-call proof on a
+    left-padded batch of 512 (choices first, ties allowed; logits, gradients, two AdamW
+    steps, three greedy tokens). Module by module ``locate_divergence`` is not run: GLM-5's
+    attention and decoder layers also return their top-k indices (for a next "shared"
+    layer), a structure ours has not (it takes a given choice as ``selection=``)."""
+    hf, flax, _ = glm5
+    assert hf.config.indexer_types == ["full", "full"]
+    specs = [layer.self_attn.spec for layer in flax.model.layers]
+    assert [(s.index_topk, s.index_rope_layout) for s in specs] == [(TOPK, "interleaved")] * 2
+    report = proven(glm5, lm_ids(LONG, VOCAB), left_padded(LONG, PADS),
+                    set(), locate=False)
     assert [s.torch_name for s in report.selections] == [f"model.layers.{i}.self_attn" for i in range(2)]
     assert all(s.ok for s in report.selections), report.message()
 
