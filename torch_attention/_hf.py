@@ -1765,7 +1765,7 @@ def from_hf(layer: nn.Module) -> Any:
     options = _options(layer, family)
     module = _build(options, _first_weight(layer, family))
     state = _hf_state(layer, family, options, module.spec)
-    from torch_attention.interop import load_torch_state_dict
+    from torch_attention._state import load_torch_state_dict
 
     load_torch_state_dict(module, state)
     module.train(layer.training)

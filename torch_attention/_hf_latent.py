@@ -161,7 +161,7 @@ def from_hf(layer: Any) -> MultiHeadLatentAttention:
     refusals(layer, raise_=True)
     like = layer.kv_b_proj.weight
     module = MultiHeadLatentAttention(**options(layer), dtype=like.dtype, device="meta").to_empty(device=like.device)
-    from torch_attention.interop import load_torch_state_dict
+    from torch_attention._state import load_torch_state_dict
 
     load_torch_state_dict(module, {k: v.detach() for k, v in layer.state_dict().items()})
     return module.train(layer.training)
