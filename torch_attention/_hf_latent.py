@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
-from torch_attention._hf import _forward_takes, _hf_inv_freq, _rope_mismatch
+from torch_attention._hf_common import _forward_takes, _hf_inv_freq, _rope_mismatch
 from torch_attention.latent import MultiHeadLatentAttention
 
 # The options that decide how a latent layer computes (not dropout or the path).

@@ -187,11 +187,8 @@ def test_the_product_sources_are_read() -> None:
     assert "torch_attention" not in imports("parity_tests.harness", at_import_time=True, sources=sources)
 
 
-# The knots known to remain (``knots``): none may be added, and one untied leaves this
-# list.  ``_hf_latent`` takes helpers of ``_hf`` (``_forward_takes``, ``_hf_inv_freq`` and
-# the ``_rotary_class`` it reads, ``_rope_mismatch``), and ``_hf`` calls ``_hf_latent``:
-# the helpers belong in a leaf that both import.
-KNOWN_KNOTS = [["torch_attention._hf", "torch_attention._hf_latent"]]
+# The knots known to remain (``knots``): none may be added, and one untied leaves this list.
+KNOWN_KNOTS: list[list[str]] = []
 
 
 def test_no_import_circle_in_the_product_packages() -> None:
