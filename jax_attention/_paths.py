@@ -265,13 +265,6 @@ def table(backend: str | None = None) -> tuple[PathEntry, ...]:
 
 # ---------------------------------------------------------------------- auto's races on CPU
 
-def _routed(q: Any, k: Any, v: Any, call: Call) -> tuple[PathEntry, str]:
-    """The row of the table a checked call takes and its kernel (``functional.route``'s)."""
-    shaped = heads_first(q, k, v, call.options.layout)
-    entry = walk(table(), *shaped, call)[0]
-    return entry, entry.kernel(*shaped, call)
-
-
 def _run_row(row: PathEntry, q: Array, k: Array, v: Array, call: Call) -> Any:
     """``row`` run on a checked call, as ``functional.attend`` runs the row it routes to."""
     shaped = heads_first(q, k, v, call.options.layout)
@@ -280,8 +273,10 @@ def _run_row(row: PathEntry, q: Array, k: Array, v: Array, call: Call) -> Any:
 
 
 def _needs_kernel(call: Call, q: Any, k: Any, v: Any, kernel: str) -> None:
-    """RuntimeError unless an explicit ``"fused"`` runs the library's ``kernel`` here."""
-    runs = _routed(q, k, v, call)[1]
+    """RuntimeError unless the table gives this explicit ``"fused"`` call the library's
+    ``kernel`` (the row and kernel ``functional.route`` names)."""
+    shaped = heads_first(q, k, v, call.options.layout)
+    runs = walk(table(), *shaped, call)[0].kernel(*shaped, call)
     if runs != kernel:
         raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {runs}")
 
