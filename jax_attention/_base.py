@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from operator import attrgetter
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,9 @@ from attention_spec.options import (
 from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_options, plan_call
 from attention_spec.registry import AttentionConfig, make_config
 from jax_attention import functional
-from jax_attention._cache import check_room, new_cache, run_cached
+from jax_attention._cache import new_cache, run_cached
+from jax_attention._cache_data import check_room
+from jax_attention._call import _Call
 from jax_attention._projections import linear, merge, new_projection, project
 from jax_attention._qk import (
     check_positions,
@@ -42,28 +44,6 @@ from jax_attention._qk import (
     scale_queries,
     transform_heads,
 )
-
-
-class _Call(NamedTuple):
-    """One call's inputs after every check, batched and canonical."""
-
-    x: Array  # (B, T, d_in)
-    mask: Array | None  # bool, rank 4, broadcastable to (B, H, T, S)
-    dropout_mask: Array | None  # bool, broadcastable to (B, H, T, S)
-    kv_lengths: Array | None  # int (B,): valid keys (with a cache: valid tokens of x)
-    implementation: str
-    batched: bool
-    deterministic: bool
-    bias: Array | None = None  # float, rank 4, broadcastable to (B, H, T, S)
-    keys: Array | None = None  # (B, S, kdim): cross-attention's key input (None: x)
-    values: Array | None = None  # (B, S, vdim): its value input (None: x)
-    segment_ids: Array | None = None  # int (B, T)
-    kv_segment_ids: Array | None = None  # int (B, S)
-    cache: Any = None  # functional.KVCache
-    positions: Array | None = None  # int (B, T) or (1, T): rope's positions (None: the default)
-    kv: tuple[Array, Array] | None = None  # a kv_shared call's keys and values (B, Hkv, T, D), batched
-    return_kv: bool = False  # the call returns its keys and values too
-
 
 _FROM_CALL: Any = object()  # (the call's own kv_lengths)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -19,28 +19,10 @@ from attention_spec.geometry import key_range, within_length
 from jax_attention import _online_softmax
 from jax_attention._canonical import Call, Operands, Structure, band, compute_dtype, float0
 from jax_attention._reference import Precision, adjust
-from jax_attention._tiled import tiled_backward, tiled_forward
+from jax_attention._tiled import FlashStatic, tiled_backward, tiled_forward
 from jax_attention.masks import _and_masks as combine_masks
 
 Plan = tuple[int, tuple[int, int] | None, tuple[int, int] | None]  # (query block, forward tile, backward tile)
-
-
-class FlashStatic(NamedTuple):
-    """The static (hashable) structure of one blockwise slice; ``tile`` (rows, keys)
-    selects the loops (``_tiled``), None the unrolled blocks of ``block`` rows."""
-
-    block: int
-    tile: tuple[int, int] | None
-    backward_tile: tuple[int, int] | None
-    causal: bool
-    offset: int
-    window: tuple[int | None, int | None] | None
-    scale: float
-    softcap: float | None
-    precision: Any
-    q_len: int
-    kv_len: int
-    chunk: int | None = None
 
 
 def _part(a: Array | None, r0: int, r1: int, lo: int, hi: int) -> Array | None:

@@ -2,7 +2,9 @@
 for a call of few query rows, the kernel's forward for few rows or the explicit math),
 decided by a short measurement on the machine, made once per build of the kernel and
 cached beside it.  ``_cpu_kernel`` asks here (``auto_declines``, ``auto_would_decline``,
-``auto_basis``); nothing here builds or loads the kernel, and nothing runs at import.
+``auto_basis``); nothing here builds or loads the kernel, and nothing runs at import.  The
+races' programs are the table's (``_paths.races``, handed over by ``use_races``): this
+module imports nothing of the library.
 
 The measurement (``measure``: 2.3-2.8 s with its compiles on the 2-core Zen 5, about half
 of it compiling the blockwise path's forward + backward) times two races, each side jitted, compiled and run once before the clock,
@@ -12,10 +14,10 @@ goes to the kernel:
 
 - full calls: a training step of a causal attention layer, forward + backward
   (``jax.value_and_grad`` of the output's sum with respect to x and the four weights):
-  x (B, S, H * D) projected to q, k and v by ``functional.linear``, ``dot_product_attention
-  (causal=True, layout="bshd")``, the output projected again, on ``FULL_CALL`` (B, S, H,
-  D) float32, every product and the core on ``implementation="fused"`` (the kernel and
-  its matrix product) against ``"blockwise"`` (XLA's dot): the work ``auto`` decides for
+  x (B, S, H * D) projected to q, k and v, the causal core (layout ``"bshd"``), the output
+  projected again, on ``FULL_CALL`` (B, S, H, D) float32, every product and the core on
+  the rows of the table of paths (``_paths.races``) that ``implementation="fused"`` takes
+  (the kernel and its matrix product) against ``"blockwise"``'s (XLA's dot): the work ``auto`` decides for
   a module, whose projections follow the same decision (``_linear``).  Forward +
   backward because a training step is what ``auto`` mostly serves (a decode step is the
   other race).  The projections are in because they are most of a module's time at
@@ -86,6 +88,12 @@ CALLS = {
         *(FULL_CALL[i] for i in (0, 2, 1, 3))),
     "few_rows": "a decode step at B{} H{} S{} D{} float32, one query row per head, kv_lengths".format(*FEW_ROWS_CALL),
 }
+
+# The races' sides and arguments (``_paths.races``: the rows of the table of paths that
+# ``auto`` decides between, and the projections' two products), handed over by the table
+# when it is imported (``use_races``): they run the kernel, which asks this module for its
+# decision, so this module imports none of them.
+_races: Callable[..., dict[str, Any]] | None = None
 
 _lock = threading.Lock()  # one measurement at a time in a process; the others wait for its record
 _decided: dict[str, dict[str, Any]] = {}  # record path -> the record in force (read, measured or set)
@@ -396,6 +404,14 @@ def summary(record: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------- the measurement
 
+def use_races(races: Callable[..., dict[str, Any]]) -> None:
+    """Time ``races`` (``_paths.races``) when measuring: ``races(FULL_CALL,
+    FEW_ROWS_CALL)`` gives ``{"full": (sides, args), "few_rows": (sides, args)}``, each
+    side's program jitted (``"kernel"`` and its rival, ``_RIVALS``)."""
+    global _races
+    _races = races
+
+
 def measure(repetitions: int = REPETITIONS) -> dict[str, Any]:
     """Time both races (the module's docstring) and return what the record keeps of them:
     ``{"full": {"decision", "kernel_ms", "blockwise_ms", "call"}, "few_rows": {"decision",
@@ -445,49 +461,14 @@ def _race(programs: dict[str, Callable[..., Any]], args: tuple[Any, ...], repeti
 
 def _measure(repetitions: int) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    # Imported here: functional imports _cpu_fused, which imports _cpu_kernel, which imports this.
-    from jax_attention.functional import dot_product_attention, linear, route
-
+    if _races is None:  # (not reached: importing any module of the package imports the table)
+        raise RuntimeError("auto's measurement has no races: jax_attention._paths hands them over when imported")
     started = time.perf_counter()
-    rng = np.random.default_rng(0)
     with jax.default_device(jax.devices("cpu")[0]):
-        b, seq, h, d = FULL_CALL
-        x = jnp.asarray(rng.standard_normal((b, seq, h * d)), jnp.float32)
-        weights = tuple(jnp.asarray(rng.standard_normal((h * d, h * d)) / math.sqrt(h * d), jnp.float32)
-                        for _ in range(4))
-        q = jax.ShapeDtypeStruct((b, seq, h, d), jnp.float32)
-        kernel = route(q, q, q, causal=True, implementation="fused", layout="bshd").kernel
-        if kernel != "cpu-kernel":
-            raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {kernel}")
-
-        def step(implementation: str) -> Callable[..., Any]:
-            def loss(x_: Any, wq: Any, wk: Any, wv: Any, wo: Any) -> Any:
-                # a module's work: the projections on the path's product, the attention core
-                qkv = [linear(x_, w, implementation=implementation).reshape(b, seq, h, d) for w in (wq, wk, wv)]
-                out = dot_product_attention(*qkv, causal=True, implementation=implementation, layout="bshd")
-                assert isinstance(out, jax.Array)
-                return jnp.sum(linear(out.reshape(b, seq, h * d), wo, implementation=implementation))
-            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-
-        full = _race({"kernel": step("fused"), "blockwise": step("blockwise")}, (x, *weights), repetitions)
-
-        batch, heads, keys, width = FEW_ROWS_CALL
-        q1 = jnp.asarray(rng.standard_normal((batch, heads, 1, width)), jnp.float32)
-        k1, v1 = (jnp.asarray(rng.standard_normal((batch, heads, keys, width)), jnp.float32) for _ in range(2))
-        lengths = jnp.full((batch,), keys, jnp.int32)
-        kernel = route(q1, k1, v1, kv_lengths=lengths, implementation="fused").kernel
-        if kernel != "cpu-decode":
-            raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {kernel}")
-
-        def decode(implementation: str) -> Callable[..., Any]:
-            return jax.jit(lambda q_, k_, v_, n_: dot_product_attention(q_, k_, v_, kv_lengths=n_,
-                                                                        implementation=implementation))
-
-        few = _race({"kernel": decode("fused"), "reference": decode("reference")}, (q1, k1, v1, lengths),
-                    repetitions)
+        races = _races(FULL_CALL, FEW_ROWS_CALL)
+        full = _race(*races["full"], repetitions)
+        few = _race(*races["few_rows"], repetitions)
     return {
         "full": {"decision": "kernel" if full["kernel"] <= full["blockwise"] else "blockwise",
                  "kernel_ms": round(full["kernel"], 4), "blockwise_ms": round(full["blockwise"], 4),

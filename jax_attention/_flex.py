@@ -350,17 +350,6 @@ def _call_block_mask(mask_mod: Any, batch: int, heads: int, q_len: int, kv_len: 
                      seq_lengths=(q_len, kv_len))
 
 
-def index_arrays(q: Array, k: Array) -> tuple[Array, Array, Array, Array]:
-    """(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, T, 1), kv_idx (1, 1, 1, S)), int32: the
-    indices a mod takes for every score of q (B, H, T, D) against k (..., S, D)."""
-    batch, heads, q_len = q.shape[:3]
-    kv_len = k.shape[-2]
-    return (jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1),
-            jnp.arange(heads, dtype=jnp.int32).reshape(1, heads, 1, 1),
-            jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, q_len, 1),
-            jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, kv_len))
-
-
 def _dense_tables(q_len: int, kv_len: int, block_mask: BlockMask | None) -> tuple[Any, Any, tuple[int, int]]:
     """(partial, full): bool (B', H', n_q, n_kv), which key blocks of each query block are
     partial and which full for each (b, h), NumPy where the tables are concrete; and the

@@ -11,19 +11,24 @@ TPU ``jax.nn.dot_product_attention`` (cuDNN or XLA) or splash, blockwise, refere
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from attention_spec.flex import mod_blockers
 from attention_spec.geometry import band_chunk, band_reach
 from attention_spec.mods import positioned
+from attention_spec.options import call_options
 from attention_spec.planning import fused_blockers
-from attention_spec.routing import PathEntry, option_blockers
-from jax_attention import _blockwise, _cpu_fused, _cpu_kernel, _flex, _fused, _reference
-from jax_attention._canonical import Call, structure
+from attention_spec.routing import PathEntry, option_blockers, walk
+from jax_attention import _blockwise, _cpu_fused, _cpu_kernel, _cpu_measure, _flex, _fused, _reference
+from jax_attention._canonical import Call, canonicalise, heads_first, structure
+from jax_attention._linear import project
 
 # jax.nn.dot_product_attention (and the CPU kernel) cannot draw dropout.
 FUSED_DRAWS_DROPOUT = False
@@ -256,3 +261,78 @@ _ACCELERATOR_TABLE = (XLA_FUSED, BLOCKWISE, FLEX, REFERENCE)
 def table(backend: str | None = None) -> tuple[PathEntry, ...]:
     """The rows of ``backend`` (None: JAX's default), in the order ``"auto"`` tries them."""
     return _CPU_TABLE if (backend or jax.default_backend()) == "cpu" else _ACCELERATOR_TABLE
+
+
+# ---------------------------------------------------------------------- auto's races on CPU
+
+def _run_row(row: PathEntry, q: Array, k: Array, v: Array, call: Call) -> Any:
+    """``row`` run on a checked call, as ``functional.attend`` runs the row it routes to."""
+    shaped = heads_first(q, k, v, call.options.layout)
+    scale = _reference.resolve_scale(call.options.scale, shaped[0].shape[-1])
+    return row.run(q, k, v, shaped[0], call, row.kernel(*shaped, call), scale=scale, precision="highest", rng=None)
+
+
+def _needs_kernel(call: Call, q: Any, k: Any, v: Any, kernel: str) -> None:
+    """RuntimeError unless the table gives this explicit ``"fused"`` call the library's
+    ``kernel`` (the row and kernel ``functional.route`` names)."""
+    shaped = heads_first(q, k, v, call.options.layout)
+    runs = walk(table(), *shaped, call)[0].kernel(*shaped, call)
+    if runs != kernel:
+        raise RuntimeError(f"auto's measurement needs the CPU kernel, and implementation='fused' runs {runs}")
+
+
+def races(full_call: tuple[int, int, int, int],
+          few_rows_call: tuple[int, int, int, int]) -> dict[str, tuple[dict[str, Callable[..., Any]], tuple[Any, ...]]]:
+    """The two races of ``"auto"``'s measurement on CPU (``_cpu_measure``): for each, its
+    sides, jitted, and the arguments they run on; the rows of this table that ``auto``
+    decides between, run as ``functional.attend`` runs them.
+
+    ``"full"``: a causal layer's forward + backward (``jax.value_and_grad`` of the
+    output's sum with respect to x and the four weights) at ``full_call`` (B, S, H, D)
+    float32, layout ``"bshd"``: x projected to q, k and v, the core, the output projected
+    again, the kernel (``CPU_KERNEL`` and the kernel's matrix product, ``project`` on
+    ``"fused"``) against the blockwise path (``BLOCKWISE`` and XLA's dot).
+    ``"few_rows"``: a decode step at ``few_rows_call`` (B, H, S, D), one query row per
+    head over S keys with ``kv_lengths``, forward only: ``CPU_KERNEL``'s forward for few
+    rows against the explicit math (``REFERENCE``).  RuntimeError where an explicit
+    ``"fused"`` would not run the library's kernel (it is not loaded, or the backend is
+    not the CPU)."""
+    rng = np.random.default_rng(0)
+    b, seq, h, d = full_call
+    x = jnp.asarray(rng.standard_normal((b, seq, h * d)), jnp.float32)
+    weights = tuple(jnp.asarray(rng.standard_normal((h * d, h * d)) / math.sqrt(h * d), jnp.float32)
+                    for _ in range(4))
+    q = jax.ShapeDtypeStruct((b, seq, h, d), jnp.float32)
+    causal = {"causal": True, "layout": "bshd"}
+    _needs_kernel(canonicalise(q, q, q, call_options(**causal, implementation="fused")), q, q, q, "cpu-kernel")
+
+    def step(row: PathEntry, implementation: str) -> Callable[..., Any]:
+        def loss(x_: Any, wq: Any, wk: Any, wv: Any, wo: Any) -> Any:
+            # a module's work: the projections on the path's product, the attention core
+            qkv = [project(x_, w, implementation=implementation).reshape(b, seq, h, d) for w in (wq, wk, wv)]
+            call = canonicalise(*qkv, call_options(**causal, implementation=implementation))
+            out = _run_row(row, *qkv, call)
+            return jnp.sum(project(out.reshape(b, seq, h * d), wo, implementation=implementation))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+    batch, heads, keys, width = few_rows_call
+    q1 = jnp.asarray(rng.standard_normal((batch, heads, 1, width)), jnp.float32)
+    k1, v1 = (jnp.asarray(rng.standard_normal((batch, heads, keys, width)), jnp.float32) for _ in range(2))
+    lengths = jnp.full((batch,), keys, jnp.int32)
+    _needs_kernel(canonicalise(q1, k1, v1, call_options(implementation="fused"), kv_lengths=lengths), q1, k1, v1,
+                  "cpu-decode")
+
+    def decode(row: PathEntry, implementation: str) -> Callable[..., Any]:
+        def attend(q_: Any, k_: Any, v_: Any, n_: Any) -> Any:
+            return _run_row(row, q_, k_, v_, canonicalise(q_, k_, v_, call_options(implementation=implementation),
+                                                          kv_lengths=n_))
+        return jax.jit(attend)
+
+    return {
+        "full": ({"kernel": step(CPU_KERNEL, "fused"), "blockwise": step(BLOCKWISE, "blockwise")}, (x, *weights)),
+        "few_rows": ({"kernel": decode(CPU_KERNEL, "fused"), "reference": decode(REFERENCE, "reference")},
+                     (q1, k1, v1, lengths)),
+    }
+
+
+_cpu_measure.use_races(races)

@@ -176,7 +176,7 @@ def attention_weights(
     ``sinks`` (H,), q being (..., H, T, D), join each softmax's denominator, one logit per
     query head in the units of the final scores (the rows then sum to less than 1).
     ``score_mod`` / ``mask_mod`` (a module's mods, seeing the indices of q (B, H, T, D)
-    and k: ``_flex.index_arrays``): the score mod after the bias, the mask mod with the
+    and k: ``index_arrays``): the score mod after the bias, the mask mod with the
     mask (and a score it makes -inf blocks its key)."""
     if sinks is not None:
         sinks = jnp.asarray(sinks)
@@ -200,11 +200,20 @@ def attention_weights(
     return softmax(raw, mask, scale, sinks=sinks)
 
 
+def index_arrays(q: Array, k: Array) -> tuple[Array, Array, Array, Array]:
+    """(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, T, 1), kv_idx (1, 1, 1, S)), int32: the
+    indices a mod takes for every score of q (B, H, T, D) against k (..., S, D)."""
+    batch, heads, q_len = q.shape[:3]
+    kv_len = k.shape[-2]
+    return (jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1),
+            jnp.arange(heads, dtype=jnp.int32).reshape(1, heads, 1, 1),
+            jnp.arange(q_len, dtype=jnp.int32).reshape(1, 1, q_len, 1),
+            jnp.arange(kv_len, dtype=jnp.int32).reshape(1, 1, 1, kv_len))
+
+
 def _modded(scores: Array, mask: Array | None, q: Array, k: Array, score_mod: Any,
             mask_mod: Any) -> tuple[Array, Array | None]:
     """The final scores (B, H, T, S) and mask with a module's mods applied."""
-    from jax_attention._flex import index_arrays
-
     b, h, q_idx, kv_idx = index_arrays(q, k)
     if mask_mod is not None:
         mask = combine_masks(mask, jnp.broadcast_to(mask_mod(b, h, q_idx, kv_idx), scores.shape))

@@ -6,7 +6,7 @@ any S.  ``_blockwise`` chooses this form from ``_paths.LONG_SEQUENCE`` keys on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,24 @@ from jax_attention._canonical import Operands, compute_dtype
 from jax_attention._reference import adjust
 from jax_attention.masks import _and_masks as combine_masks
 
-if TYPE_CHECKING:
-    from jax_attention._blockwise import FlashStatic
+
+class FlashStatic(NamedTuple):
+    """The static (hashable) structure of one blockwise slice; ``tile`` (rows, keys)
+    selects the loops (this module's), None the unrolled blocks of ``block`` rows
+    (``_blockwise``'s)."""
+
+    block: int
+    tile: tuple[int, int] | None
+    backward_tile: tuple[int, int] | None
+    causal: bool
+    offset: int
+    window: tuple[int | None, int | None] | None
+    scale: float
+    softcap: float | None
+    precision: Any
+    q_len: int
+    kv_len: int
+    chunk: int | None = None
 
 
 def _tile_ranges(st: FlashStatic, r0: Array) -> tuple[Array, Array, Array, Array]:

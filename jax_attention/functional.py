@@ -50,9 +50,9 @@ from attention_spec.options import KEYWORD_FIELDS, call_options
 from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import PathEntry, Route, walk
 from jax_attention import _cpu_fused, _flex, _paths
-from jax_attention._cache import KVCache as KVCache
-from jax_attention._cache import append_to_cache as append_to_cache
-from jax_attention._cache import cache_fields as cache_fields
+from jax_attention._cache_data import KVCache as KVCache
+from jax_attention._cache_data import append_to_cache as append_to_cache
+from jax_attention._cache_data import cache_fields as cache_fields
 from jax_attention._canonical import Call as Call
 from jax_attention._canonical import assemble as assemble
 from jax_attention._canonical import canonical_bias as canonical_bias

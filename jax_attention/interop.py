@@ -26,13 +26,10 @@ import numpy as np
 from flax import nnx
 
 from attention_spec.interop.conversion import (
-    Path,
     as_numpy,
-    check_complete,
     check_float_arrays,
     flatten_paths,
     flax_to_torch,
-    module_rules,
     rules_for,
     torch_to_flax,
 )
@@ -45,7 +42,12 @@ from attention_spec.interop.packing import (
 )
 from attention_spec.registry import AttentionConfig
 from jax_attention._base import AttentionModule
-from jax_attention.multihead import MultiHeadAttention
+from jax_attention._state import flax_arrays, load_flax_arrays, load_torch_state_dict, torch_state_dict
+from jax_attention.causal import CausalAttention, Head
+from jax_attention.latent import MultiHeadLatentAttention
+from jax_attention.multihead import MultiHeadAttention, MultiHeadAttentionWrapper
+from jax_attention.self_attention import SelfAttention_v1, SelfAttention_v2
+from jax_attention.simplified import SimplifiedAttention
 
 __all__ = [
     "flax_arrays",
@@ -66,6 +68,12 @@ __all__ = [
 ]
 
 
+# The module of each variant of the registry (``attention_spec.registry.VARIANTS``), by name.
+_MODULES: dict[str, type[AttentionModule]] = {cls.__name__: cls for cls in (
+    SimplifiedAttention, SelfAttention_v1, SelfAttention_v2, CausalAttention, Head, MultiHeadAttentionWrapper,
+    MultiHeadAttention, MultiHeadLatentAttention)}
+
+
 def state_from_torch(
     state_dict: Mapping[str, Any], variant: str, config: Mapping[str, Any]
 ) -> nnx.State:
@@ -73,9 +81,7 @@ def state_from_torch(
     each ``nnx.Param`` with the metadata the module's own has (its partitioning), so the
     state has the module's tree structure."""
     flat = torch_to_flax({k: as_numpy(v) for k, v in state_dict.items()}, rules_for(variant, config))
-    import jax_attention
-
-    cls = getattr(jax_attention, variant)
+    cls = _MODULES[variant]
     abstract = nnx.eval_shape(lambda: cls(**config, rngs=nnx.Rngs(0)))  # shapes and metadata, no values
     template = dict(nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
     return nnx.from_flat_state({  # a copy
@@ -93,54 +99,6 @@ def state_to_torch(
     if isinstance(state, nnx.State):
         state = {tuple(p): v[...] for p, v in nnx.to_flat_state(state) if isinstance(v, nnx.Param)}
     return flax_to_torch(flatten_paths(state), rules_for(variant, config))
-
-
-def _variable(module: nnx.Module, path: Path) -> nnx.Variable:
-    node: Any = module
-    for key in path:
-        node = node[key] if isinstance(key, int) else getattr(node, key)
-    return node
-
-
-def flax_arrays(module: nnx.Module) -> dict[Path, np.ndarray]:
-    """One of our modules' parameters, Flax layout: {Flax path: NumPy array}."""
-    return {r.flax_path: as_numpy(_variable(module, r.flax_path)[...]) for r in module_rules(module)}
-
-
-def torch_state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
-    """One of our modules' parameters in PyTorch's layout, as NumPy arrays."""
-    return flax_to_torch(flax_arrays(module), module_rules(module))
-
-
-def load_flax_arrays(module: nnx.Module, arrays: Mapping[Any, Any]) -> nnx.Module:
-    """Writes Flax-layout arrays into the module, each parameter exactly once, cast to
-    the module's parameter dtype.  ``arrays``: {path: array}, {"a/b": array}, a nested
-    dict, or an ``nnx.State`` -- ``nnx.state(module, nnx.Param)`` or the full
-    ``nnx.state(module)``, whose non-parameter variables (the dropout streams'
-    ``RngKey``/``RngCount``) are skipped.  Raises ValueError listing missing, unexpected
-    and misshaped paths before writing anything."""
-    rules = module_rules(module)
-    flat = flatten_paths(arrays)
-    check_complete({p: np.shape(a) for p, a in flat.items()}, {r.flax_path: r.flax_shape for r in rules},
-                   "the Flax state")
-    check_float_arrays(flat, "the Flax state")
-    variables = {r.flax_path: _variable(module, r.flax_path) for r in rules}
-    # Every array is converted before the first write: a failure leaves the module as it was.
-    # jnp.array copies: on CPU jnp.asarray of a NumPy view of a torch tensor can share its
-    # memory, and an in-place update of the source (an optimizer step) would reach us.
-    ready = {p: jnp.array(flat[p], dtype=v[...].dtype) for p, v in variables.items()}
-    for path, variable in variables.items():
-        variable[...] = ready[path]
-    return module
-
-
-def load_torch_state_dict(module: nnx.Module, state_dict: Mapping[str, Any]) -> nnx.Module:
-    """Writes a PyTorch ``state_dict`` (tensors or NumPy) into the module; checks as
-    ``load_flax_arrays``."""
-    arrays = {k: as_numpy(v) for k, v in state_dict.items()}
-    flat = torch_to_flax(arrays, module_rules(module))  # names and shapes, PyTorch's words
-    check_float_arrays(arrays, "the PyTorch state_dict")
-    return load_flax_arrays(module, flat)
 
 
 def load_packed_qkv(

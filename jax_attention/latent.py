@@ -26,7 +26,8 @@ from attention_spec.latent import (
 )
 from jax_attention import functional
 from jax_attention._base import AttentionModule, _Call, _unbatch
-from jax_attention._cache import append_to_cache, attend_filled, new_cache, new_lengths, unless
+from jax_attention._cache import attend_filled, new_cache, new_lengths, unless
+from jax_attention._cache_data import append_to_cache
 from jax_attention._canonical import band, bias_allows, length_mask
 from jax_attention._projections import dense, split_heads
 from jax_attention._qk import normalise, rotate

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from parity_tests.reference_layers import _heads, _linear, _qk_norm, rope
+
 __all__ = ["indexer_scores", "top_keys", "visible_keys"]
 
 
@@ -25,7 +27,6 @@ def indexer_scores(options: Mapping[str, Any], params: Mapping[str, np.ndarray],
     (``attention_spec.latent.indexer_rope``: the module's frequencies, in
     ``index_rope_layout``)."""
     from attention_spec.latent import indexer_rope
-    from parity_tests.reference import _heads, _linear, _qk_norm, rope
 
     heads, width = int(options["index_heads"]), int(options["index_head_dim"])
     iq = _heads(_linear(params, "indexer.wq_b", q_resid), heads, width)  # (B, Hi, T, Di)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from operator import attrgetter
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +28,9 @@ from attention_spec.options import (
 from attention_spec.planning import CallOps, CallPlan, RouteFacts, module_options, plan_call
 from attention_spec.registry import AttentionConfig, make_config
 from torch_attention import functional
-from torch_attention._cache import check_room, new_cache, run_cached
+from torch_attention._cache import new_cache, run_cached
+from torch_attention._cache_data import check_room
+from torch_attention._call import _Call
 from torch_attention._projections import linear, merge, new_projection, project
 from torch_attention._qk import (
     check_positions,
@@ -40,28 +42,6 @@ from torch_attention._qk import (
     scale_queries,
     transform_heads,
 )
-
-
-class _Call(NamedTuple):
-    """One call's inputs after every check, batched and canonical."""
-
-    x: Tensor  # (B, T, d_in)
-    mask: Tensor | None  # bool, rank 4, broadcastable to (B, H, T, S)
-    dropout_mask: Tensor | None  # bool, broadcastable to (B, H, T, S)
-    kv_lengths: Tensor | None  # int64 (B,): valid keys (with a cache: valid tokens of x)
-    implementation: str
-    batched: bool
-    bias: Tensor | None = None  # float, rank 4, broadcastable to (B, H, T, S)
-    keys: Tensor | None = None  # (B, S, kdim): cross-attention's key input (None: x)
-    values: Tensor | None = None  # (B, S, vdim): its value input (None: x)
-    segment_ids: Tensor | None = None  # int (B, T)
-    kv_segment_ids: Tensor | None = None  # int (B, S)
-    cache: Any = None  # functional.KVCache
-    positions: Tensor | None = None  # int (B, T) or (1, T): rope's positions (None: the default)
-    plans: dict[str, Any] | None = None  # a checked decode step's kept attention plans (see _prepare)
-    kv: tuple[Tensor, Tensor] | None = None  # a kv_shared call's keys and values (B, Hkv, T, D), batched
-    return_kv: bool = False  # the call returns its keys and values too
-
 
 _CACHE_FIELD = _Call._fields.index("cache")
 _FROM_CALL: Any = object()  # (the call's own kv_lengths)

@@ -475,17 +475,6 @@ def run_call(q: Tensor, k: Tensor, v: Tensor, call: Any, *, scale: float) -> Ten
     return out
 
 
-def index_arrays(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, T, 1), kv_idx (1, 1, 1, S)): the
-    indices a mod takes for every score of q (B, H, T, D) against k (..., S, D)."""
-    batch, heads, q_len = q.shape[:3]
-    kv_len, device = k.shape[-2], q.device
-    return (torch.arange(batch, device=device).reshape(batch, 1, 1, 1),
-            torch.arange(heads, device=device).reshape(1, heads, 1, 1),
-            torch.arange(q_len, device=device).reshape(1, 1, q_len, 1),
-            torch.arange(kv_len, device=device).reshape(1, 1, 1, kv_len))
-
-
 def _host(block_mask: Any) -> tuple[Any, Any, Any, Any]:
     """A block mask's tables as NumPy arrays (None kept)."""
     tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,

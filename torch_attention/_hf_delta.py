@@ -264,7 +264,7 @@ def to_hf(ours: Any, layer: Any) -> Any:
     layer, named), every parameter of the layer given exactly once in its shape.  Raises
     TypeError for a module not ours, ValueError naming each mismatch."""
     from attention_spec.interop.specs import apply_specs
-    from torch_attention.interop import flax_arrays
+    from torch_attention._state import flax_arrays
 
     kind = _fitting(layer, "to_hf")
     want = KimiDeltaAttention if kind == "kimi" else GatedDeltaNet

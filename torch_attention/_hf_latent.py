@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from attention_spec.rope import RopeConfig, needs_seq_len, rope_from_hf
-from torch_attention._hf import _forward_takes, _hf_inv_freq, _rope_mismatch
+from torch_attention._hf_common import _forward_takes, _hf_inv_freq, _rope_mismatch
 from torch_attention.latent import MultiHeadLatentAttention
 
 # The options that decide how a latent layer computes (not dropout or the path).
@@ -161,7 +161,7 @@ def from_hf(layer: Any) -> MultiHeadLatentAttention:
     refusals(layer, raise_=True)
     like = layer.kv_b_proj.weight
     module = MultiHeadLatentAttention(**options(layer), dtype=like.dtype, device="meta").to_empty(device=like.device)
-    from torch_attention.interop import load_torch_state_dict
+    from torch_attention._state import load_torch_state_dict
 
     load_torch_state_dict(module, {k: v.detach() for k, v in layer.state_dict().items()})
     return module.train(layer.training)

@@ -149,7 +149,7 @@ def attention_weights(
     those final scores, in each softmax's denominator (``_softmax``; the key weights are
     returned, a row summing to less than 1); softmax only.
     ``score_mod`` / ``mask_mod`` (a module's mods, seeing the indices of q (B, H, T, D)
-    and k: ``_flex.index_arrays``): the score mod after the bias, the mask mod with the
+    and k: ``index_arrays``): the score mod after the bias, the mask mod with the
     mask (and a score it makes -inf blocks its key)."""
     mask = _combine(mask, causal, q.shape[-2], k.shape[-2], q.device)
     if bias is not None:  # a -inf entry blocks its key
@@ -169,11 +169,20 @@ def attention_weights(
     return _softmax(attention_scores(q, k, 1.0), mask, scale)
 
 
+def index_arrays(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, T, 1), kv_idx (1, 1, 1, S)): the
+    indices a mod takes for every score of q (B, H, T, D) against k (..., S, D)."""
+    batch, heads, q_len = q.shape[:3]
+    kv_len, device = k.shape[-2], q.device
+    return (torch.arange(batch, device=device).reshape(batch, 1, 1, 1),
+            torch.arange(heads, device=device).reshape(1, heads, 1, 1),
+            torch.arange(q_len, device=device).reshape(1, 1, q_len, 1),
+            torch.arange(kv_len, device=device).reshape(1, 1, 1, kv_len))
+
+
 def _modded(scores: Tensor, mask: Tensor | None, q: Tensor, k: Tensor, score_mod: Any,
             mask_mod: Any) -> tuple[Tensor, Tensor | None]:
     """The final scores (B, H, T, S) and mask with a module's mods applied."""
-    from torch_attention._flex import index_arrays
-
     b, h, q_idx, kv_idx = index_arrays(q, k)
     if mask_mod is not None:
         mask = combine_masks(mask, torch.as_tensor(mask_mod(b, h, q_idx, kv_idx)).expand(scores.shape))

@@ -43,9 +43,9 @@ from attention_spec.rope import RopeConfig as RopeConfig
 from attention_spec.routing import PathEntry, Route, walk
 from torch_attention import _flex, _paths
 from torch_attention._blockwise import default_block_size as default_block_size
-from torch_attention._cache import KVCache as KVCache
-from torch_attention._cache import append_to_cache as append_to_cache
-from torch_attention._cache import cache_fields as cache_fields
+from torch_attention._cache_data import KVCache as KVCache
+from torch_attention._cache_data import append_to_cache as append_to_cache
+from torch_attention._cache_data import cache_fields as cache_fields
 from torch_attention._canonical import Call as Call
 from torch_attention._canonical import assemble as assemble
 from torch_attention._canonical import canonical_bias as canonical_bias

@@ -24,7 +24,8 @@ from attention_spec.latent import (
 )
 from torch_attention import functional
 from torch_attention._base import AttentionModule, _Call, _unbatch
-from torch_attention._cache import new_cache, prefix, restored_on_failure
+from torch_attention._cache import new_cache, prefix
+from torch_attention._cache_data import restored_on_failure
 from torch_attention._canonical import _band, _bias_allows, _length_mask
 from torch_attention._projections import split_heads
 from torch_attention._qk import normalise, rotate

@@ -252,6 +252,16 @@ def test_jax_array_converters_round_trip_numpy_and_state() -> None:
 
 
 @needs_jax
+def test_jax_state_from_torch_knows_every_variant() -> None:
+    """``state_from_torch`` builds each variant of the registry as the package names it."""
+    import jax_attention
+    from attention_spec.registry import VARIANTS
+    from jax_attention import interop
+
+    assert {name: interop._MODULES[name] for name in VARIANTS} == {name: getattr(jax_attention, name) for name in VARIANTS}
+
+
+@needs_jax
 def test_jax_state_from_torch_accepts_tensors() -> None:
     pytest.importorskip("torch")
     import torch
